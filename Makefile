@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (run the default model) and `make test` (install + mypy + pytest).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv test demo typecheck clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch first, pinned, so nothing pulls a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+typecheck: venv
+	$(BIN)/mypy --strict src
+
+test: venv
+	$(BIN)/mypy --strict src
+	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+demo: venv
+	$(BIN)/pipeline demo
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,144 @@
+"""The one exception tree of the library.
+
+Every error the library raises on purpose is a :class:`PipelineError`. Transports map this
+tree to HTTP statuses and dialect error bodies in exactly one place; nothing else inspects it.
+
+::
+
+    PipelineError
+    ├── ValidationError (also ValueError)      bad input from a caller
+    │   ├── InvalidValueError                    a field holds a value outside its domain
+    │   └── UnknownFieldError                    a key that the type does not have
+    ├── RegistryError (also LookupError)       plugin registry
+    │   ├── UnknownNameError                     a stage name nobody registered
+    │   └── PluginLoadError                      a plugin failed to import or register
+    ├── ArtifactError                          a template, tokenizer or model file is unusable
+    │   ├── TemplateError                        the chat template failed to render
+    │   └── TokenizerError                       tokenizer files missing or inconsistent
+    ├── BackendError                           the model backend failed
+    │   ├── SlotError                            a failure confined to named slots
+    │   └── CapacityError                        no free slot / cache space
+    ├── RequestError                           raised from a handle's ``result()``
+    │   ├── RequestFailed                        the request ended in state ``failed``
+    │   └── RequestCancelled                     the request ended in state ``cancelled``
+    └── EngineClosed                           the engine no longer accepts work
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class PipelineError(Exception):
+    """Root of every exception the library raises on purpose."""
+
+
+class ValidationError(PipelineError, ValueError):
+    """Input from a caller is not acceptable; nothing was started."""
+
+
+class InvalidValueError(ValidationError):
+    """``field`` holds ``value``, which is outside its domain (``reason`` says why)."""
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{field}={value!r}: {reason}")
+
+
+class UnknownFieldError(ValidationError):
+    """A mapping had a key the target type does not define; nothing is dropped silently."""
+
+    def __init__(self, type_name: str, field: str, allowed: Iterable[str]) -> None:
+        self.type_name = type_name
+        self.field = field
+        self.allowed = tuple(sorted(allowed))
+        super().__init__(
+            f"{type_name} has no field {field!r}; known fields: {', '.join(self.allowed)}"
+        )
+
+
+class RegistryError(PipelineError, LookupError):
+    """The plugin registry could not give what was asked."""
+
+
+class UnknownNameError(RegistryError):
+    """No component of ``kind`` is registered as ``name``; ``available`` lists those that are."""
+
+    def __init__(self, kind: str, name: str, available: Iterable[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.available = tuple(sorted(available))
+        listed = ", ".join(self.available) or "(none)"
+        super().__init__(f"no {kind} named {name!r}; registered {kind}s: {listed}")
+
+
+class PluginLoadError(RegistryError):
+    """Plugin ``plugin`` raised while being imported or asked for its components."""
+
+    def __init__(self, plugin: str, cause: BaseException) -> None:
+        self.plugin = plugin
+        self.cause = cause
+        super().__init__(f"plugin {plugin!r} failed to load: {cause!r}")
+
+
+class ArtifactError(PipelineError):
+    """A model artifact (template, tokenizer, weights, config) is missing or unusable."""
+
+
+class TemplateError(ArtifactError):
+    """The chat template raised or could not be compiled."""
+
+
+class TokenizerError(ArtifactError):
+    """Tokenizer files are missing, unreadable or inconsistent."""
+
+
+class BackendError(PipelineError):
+    """The model backend failed; the requests involved end in state ``failed``."""
+
+
+class SlotError(BackendError):
+    """A backend failure confined to ``slots``; other rows of the same call are unharmed.
+
+    A backend raises this from ``prefill``/``decode`` when it knows which slots are at fault and
+    that the other rows' caches were left as they were. Any other exception fails every request
+    in the call.
+    """
+
+    def __init__(self, slots: Sequence[int], cause: BaseException | str) -> None:
+        self.slots = tuple(slots)
+        self.cause = cause
+        super().__init__(f"backend failed for slots {list(self.slots)}: {cause!r}")
+
+
+class CapacityError(BackendError):
+    """No free slot or cache room; the engine keeps the request queued."""
+
+
+class RequestError(PipelineError):
+    """A request did not complete normally; raised from ``RequestHandle.result()``."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        self.request_id = request_id
+        super().__init__(f"request {request_id}: {message}")
+
+
+class RequestFailed(RequestError):
+    """The request ended in state ``failed``; ``cause`` is what failed it."""
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        self.cause = cause
+        super().__init__(request_id, f"failed: {cause}")
+
+
+class RequestCancelled(RequestError):
+    """The request ended in state ``cancelled`` (a caller asked for it)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id, "cancelled")
+
+
+class EngineClosed(PipelineError):
+    """The engine was closed; it accepts no new requests."""

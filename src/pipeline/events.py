@@ -1,0 +1,178 @@
+"""Events and the per-request trace (DESIGN section 7).
+
+Owns the :class:`Event` value type, content digests, the sinks that receive events (in memory,
+JSON lines) and :class:`Tracer`, which numbers the events of one request. ``event_id`` is
+monotonic per trace and *is* the causal order; ``monotonic_ns`` is for latency only. Payloads
+hold versions, shapes, lengths and digests; text and tensors only at ``Recording.FULL``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Protocol, runtime_checkable
+
+import attrs
+
+PAYLOAD_SCHEMA_VERSION = 1
+
+MINIMAL_TIMELINE = (
+    "request.accepted", "request.normalized", "context.rendered", "input.tokenized",
+    "prefill.started", "prefill.completed", "token.selected", "stream.delta",
+    "decode.completed", "generation.finished", "resources.released",
+)
+"""The event types every completed generation emits, in this causal order (DESIGN §7)."""
+
+
+def digest_bytes(data: bytes) -> str:
+    """``sha256:`` + hex digest of ``data``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def digest_text(text: str) -> str:
+    """Digest of the UTF-8 bytes of ``text``."""
+    return digest_bytes(text.encode("utf-8"))
+
+
+def digest_ids(ids: Sequence[int]) -> str:
+    """Digest of a token-id sequence (as little-endian int64, so it is layout-independent)."""
+    return digest_bytes(b"".join(int(i).to_bytes(8, "little", signed=True) for i in ids))
+
+
+def digest_json(value: Any) -> str:
+    """Digest of a JSON value in canonical form (sorted keys, no spaces)."""
+    return digest_text(json.dumps(value, sort_keys=True, separators=(",", ":"), default=str))
+
+
+@attrs.frozen
+class Event:
+    """One thing that happened to a request, at a point in its causal order."""
+
+    trace_id: str
+    event_id: int
+    parent_event_id: int | None
+    component: str
+    event_type: str
+    monotonic_ns: int
+    payload: Mapping[str, Any]
+    payload_schema_version: int = PAYLOAD_SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """The event as a JSON-ready mapping (one line of a JSONL trace)."""
+        return {
+            "trace_id": self.trace_id, "event_id": self.event_id,
+            "parent_event_id": self.parent_event_id, "component": self.component,
+            "event_type": self.event_type, "monotonic_ns": self.monotonic_ns,
+            "payload_schema_version": self.payload_schema_version,
+            "payload": dict(self.payload),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Event:
+        """Inverse of :meth:`to_json`."""
+        return cls(
+            trace_id=data["trace_id"], event_id=data["event_id"],
+            parent_event_id=data["parent_event_id"], component=data["component"],
+            event_type=data["event_type"], monotonic_ns=data["monotonic_ns"],
+            payload=data["payload"], payload_schema_version=data["payload_schema_version"],
+        )
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """Receives every event of every request, in each trace's causal order.
+
+    ``emit`` is called from the engine thread and from submitting threads; an implementation
+    must be thread-safe and fast (it sits on the per-token path). ``close`` flushes.
+    """
+
+    def emit(self, event: Event) -> None:
+        """Record one event."""
+
+    def close(self) -> None:
+        """Flush and release resources; no ``emit`` follows."""
+
+
+class MemorySink:
+    """Keeps every event in a list (for tests and notebooks)."""
+
+    def __init__(self) -> None:
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def emit(self, event: Event) -> None:
+        """Append ``event``."""
+        with self._lock:
+            self._events.append(event)
+
+    def close(self) -> None:
+        """Nothing to flush."""
+
+    @property
+    def events(self) -> list[Event]:
+        """A copy of what was received, in arrival order."""
+        with self._lock:
+            return list(self._events)
+
+
+class JsonlSink:
+    """Appends each event as one JSON line to a file (``pipeline trace`` reads these)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def emit(self, event: Event) -> None:
+        """Write ``event`` as a line."""
+        line = json.dumps(event.to_json(), ensure_ascii=False, default=str)
+        with self._lock:
+            self._file.write(line + "\n")
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[Event]:
+    """Events of a JSONL trace file, in file order."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [Event.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+class Tracer:
+    """Numbers and dispatches the events of one trace (one request).
+
+    ``emit`` returns the new event's id so a caller can pass it as a later event's parent.
+    """
+
+    def __init__(self, trace_id: str, sinks: Iterable[EventSink] = ()) -> None:
+        self.trace_id = trace_id
+        self._sinks = tuple(sinks)
+        self._ids = itertools.count(1)
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+
+    def emit(self, component: str, event_type: str, payload: Mapping[str, Any],
+             parent: int | None = None) -> int:
+        """Record an event now; returns its ``event_id``."""
+        with self._lock:
+            event = Event(self.trace_id, next(self._ids), parent, component, event_type,
+                          time.monotonic_ns(), payload)
+            self._events.append(event)
+        for sink in self._sinks:
+            sink.emit(event)
+        return event.event_id
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        """The trace so far, in causal order."""
+        with self._lock:
+            return tuple(self._events)

@@ -1,0 +1,431 @@
+"""The stage Protocols and the small value types that pass between stages.
+
+Each Protocol's docstring is its contract: call order and lifecycle, who may mutate what, what
+it raises, and an example. Implementations live in ``stages/``, ``backends/`` and
+``transports/``; fakes for every one live in :mod:`pipeline.testing`. A typing test proves each
+implementation satisfies its Protocol (``runtime_checkable`` only checks names).
+
+Decode state (DESIGN §5, state D) is explicit: the engine owns one :class:`Row` per active
+request and hands a read-only :class:`Batch` of them to processors and selectors; stages with
+per-request state (detokenizer, stoppers) receive their state and return the new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+import attrs
+import torch
+
+from pipeline.types import (
+    FinishReason, GenerationConfig, Message, Rendered, Request, TokenizedPrompt, TokenLogprob,
+    ToolSpec,
+)
+
+if TYPE_CHECKING:
+    from pipeline.engine import RequestHandle
+
+S = TypeVar("S")
+Out_co = TypeVar("Out_co", covariant=True)
+
+
+# --- text side ----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Renderer(Protocol):
+    """Turns structured messages (and tools) into prompt text with control/content spans.
+
+    Lifecycle: built once per pipeline from a template artifact; ``render`` is pure and
+    thread-safe. ``digest`` identifies the template (its content hash), and every
+    :class:`Rendered` carries it. Raises :class:`~pipeline.errors.TemplateError` when the
+    template raises (e.g. ``raise_exception`` for an unsupported role).
+
+    Example::
+
+        r = HFChatTemplateRenderer.from_dir("model/")
+        out = r.render([Message("user", "hi")], add_generation_prompt=True)
+        assert out.text.endswith("<|im_start|>assistant\\n")
+        assert out.template_digest == r.digest
+    """
+
+    name: str
+    digest: str
+
+    def render(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (),
+               add_generation_prompt: bool = True, **template_kwargs: Any) -> Rendered:
+        """Render ``messages``; ``template_kwargs`` reach the template (``enable_thinking``)."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Maps rendered text to token ids and back.
+
+    ``encode`` encodes control spans with special-token parsing and content spans without it,
+    so user text that spells ``<|im_end|>`` never becomes the control token. Immutable after
+    construction and thread-safe. ``digest`` hashes the tokenizer artifact. Raises
+    :class:`~pipeline.errors.TokenizerError` for unreadable files (at construction) and
+    :class:`~pipeline.errors.ValidationError` for an empty prompt.
+
+    Example::
+
+        tok = HFTokenizer.from_dir("model/")
+        prompt = tok.encode(renderer.render(messages))
+        assert tok.decode(prompt.input_ids, skip_special_tokens=False) == rendered.text
+    """
+
+    name: str
+    digest: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+
+    def encode(self, rendered: Rendered) -> TokenizedPrompt:
+        """Token ids of the rendered prompt, span by span."""
+        ...
+
+    def encode_text(self, text: str, *, special: bool = False) -> list[int]:
+        """Ids of ``text``; special-token strings are parsed only if ``special``."""
+        ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (whole-sequence decode; the detokenizer streams it)."""
+        ...
+
+
+@runtime_checkable
+class Detokenizer(Protocol[S]):
+    """Incremental detokenization with explicit state.
+
+    Call order per request: ``start`` once, ``step`` once per selected token that is part of
+    the output, ``finish`` once at the end. ``step`` returns only text that can never change:
+    no broken UTF-8 tail and no U+FFFD for a character split across tokens. The concatenation
+    of every ``step`` result and ``finish`` equals ``tokenizer.decode(all_ids)``. States are
+    values; the detokenizer itself is stateless and shared by all requests.
+
+    Example::
+
+        st = detok.start(prompt_ids)
+        for t in ids:
+            st, piece = detok.step(st, t)
+            out.append(piece)
+        out.append(detok.finish(st))
+    """
+
+    def start(self, prompt_ids: Sequence[int]) -> S:
+        """The initial state for a request whose prompt is ``prompt_ids``."""
+        ...
+
+    def step(self, state: S, token_id: int) -> tuple[S, str]:
+        """Add one token; return the new state and the text that became final."""
+        ...
+
+    def finish(self, state: S) -> str:
+        """The text still held back (a truly invalid byte tail decodes as U+FFFD here)."""
+        ...
+
+
+@attrs.frozen
+class StopContext:
+    """What a stopper may consult when a request starts."""
+
+    eos_token_ids: frozenset[int]
+    accepted_ns: int
+
+
+@attrs.frozen
+class StopVerdict:
+    """A stopper's decision to end the request.
+
+    ``keep_token_text``: whether the stopping token's text belongs to the output (true for
+    ``max_tokens``, false for EOS and stop tokens).
+    """
+
+    reason: FinishReason
+    detail: str | int | None = None
+    keep_token_text: bool = False
+
+
+@runtime_checkable
+class Stopper(Protocol[S]):
+    """Decides when a request ends, and holds back text that might belong to a stop string.
+
+    Call order per selected token: ``check_token`` (before the token is detokenized), then, if
+    the run goes on or keeps the token's text, ``check_text`` with the detokenized piece. On the
+    last call ``final`` is true and a stopper must release everything it held back. Text
+    stoppers are chained: each receives what the previous one released. A stopper never emits
+    any part of a matched stop string; it trims it (and what follows) from the output.
+
+    Example::
+
+        st = stopper.start(request, ctx)
+        verdict = stopper.check_token(st, token_id, generated=t)
+        st, released, verdict2 = stopper.check_text(st, piece, final=False)
+    """
+
+    name: str
+
+    def start(self, request: Request, context: StopContext) -> S:
+        """The initial state for ``request``."""
+        ...
+
+    def check_token(self, state: S, token_id: int, generated: int) -> StopVerdict | None:
+        """A verdict if selecting ``token_id`` as output number ``generated`` ends the run."""
+        ...
+
+    def check_text(self, state: S, text: str, final: bool) -> tuple[S, str, StopVerdict | None]:
+        """Feed new text; return the new state, the text safe to emit, and a verdict."""
+        ...
+
+
+# --- decode state, processors, selection --------------------------------------------------
+
+
+@attrs.frozen
+class Row:
+    """The decode state of one request, as processors and selectors see it (read-only).
+
+    ``output_ids`` is the engine's own list of selected tokens (y_1..y_{t-1}); stages must not
+    mutate it. ``step`` is t, the 1-based index of the token about to be selected; the RNG
+    cursor is (``seed``, ``stream``, ``step``).
+    """
+
+    request_id: str
+    config: GenerationConfig
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    step: int
+    seed: int
+    eos_token_ids: frozenset[int]
+    stream: int = 0
+
+
+@attrs.frozen
+class Batch:
+    """The rows whose logits are being processed this step, in logits-row order."""
+
+    rows: tuple[Row, ...]
+    vocab_size: int
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@attrs.frozen
+class Scores:
+    """Logits in one of two layouts.
+
+    Dense: ``values`` is ``[B, V]`` and column j is token j (``indices`` is None). Sparse:
+    after a truncation (top-k), ``values`` is ``[B, K]`` and ``indices`` ``[B, K]`` names the
+    token of each column; tokens not listed have probability zero. ``-inf`` marks a removed
+    candidate in either layout.
+    """
+
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+
+    @property
+    def dense(self) -> bool:
+        """True in the dense layout."""
+        return self.indices is None
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        """The ``[B, V]`` logits, ``-inf`` for tokens outside a sparse candidate set."""
+        if self.indices is None:
+            return self.values
+        out = torch.full((self.values.shape[0], vocab_size), float("-inf"),
+                         dtype=self.values.dtype)
+        return out.scatter_(1, self.indices, self.values)
+
+
+@runtime_checkable
+class LogitProcessor(Protocol):
+    """One link of the processor chain: a pure function of (scores, batch) -> scores.
+
+    Processors are built once per pipeline (factories reject bad arguments then) and hold no
+    per-request state: per-row parameters come from ``row.config``. ``active(row)`` says
+    whether the processor changes that row; the chain skips a processor no row activates.
+    ``argmax_invariant`` is true when the processor can never change the most likely token
+    (temperature, top-k, top-p, min-p, typical-p), so the chain may skip it for greedy rows. A
+    processor may return a new ``Scores`` or modify ``scores.values`` in place; it must not
+    touch rows it is not active for. Raises only for programming errors.
+
+    Example::
+
+        class Ban13:
+            name, argmax_invariant = "ban13", False
+            def active(self, row): return True
+            def __call__(self, scores, batch):
+                scores.to_dense(batch.vocab_size)[:, 13] = float("-inf"); return scores
+    """
+
+    name: str
+    argmax_invariant: bool
+
+    def active(self, row: Row) -> bool:
+        """Whether this processor changes ``row``'s logits."""
+        ...
+
+    def __call__(self, scores: Scores, batch: Batch) -> Scores:
+        """Process the batch's logits."""
+        ...
+
+
+@attrs.frozen
+class Selection:
+    """What a selector chose: one token per row, and log-probabilities where asked for."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """Chooses one token per row from processed scores.
+
+    Deterministic given (scores, batch): a sampling selector draws its uniform number for a
+    row as a pure function of (``row.seed``, ``row.stream``, ``row.step``), so a request's
+    draws do not depend on the batch it runs in. Logprobs are those of the processed
+    distribution it selected from; returned only for rows with ``config.logprobs``.
+
+    Example::
+
+        sel = SamplingSelector()
+        choice = sel(Scores(logits), batch)
+        token = choice.token_ids[0]
+    """
+
+    name: str
+
+    def __call__(self, scores: Scores, batch: Batch) -> Selection:
+        """Select one token per row."""
+        ...
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A generation strategy: the update rule between model calls (DESIGN §10).
+
+    Every strategy runs as init state -> repeated model call -> update rule -> termination,
+    with the same renderer, tokenizer, detokenizer, stoppers, RNG and trace. The engine owns
+    the loop and the model calls; ``update`` turns one model call's logits into the tokens the
+    step commits. Autoregressive decoding commits ``block_size == 1`` token per row per step.
+    A masked-diffusion strategy will receive ``[B, L, V]`` logits for a block of ``L``
+    positions and commit some of them per step; continuous diffusion and flow integrate over
+    embeddings and commit a whole block when they round to tokens. ``order`` names the
+    processors in the order the strategy applies them, for the trace.
+
+    Example::
+
+        ar = AutoregressiveStrategy(chain, selector)
+        step = ar.update(logits, batch)          # logits [B, V]
+        next_tokens = step.token_ids             # one per row
+    """
+
+    name: str
+    block_size: int
+
+    def order(self, row: Row) -> tuple[str, ...]:
+        """Names of the processors applied to ``row``, in application order."""
+        ...
+
+    def update(self, logits: torch.Tensor, batch: Batch) -> Selection:
+        """Commit tokens for each row from the model call's logits."""
+        ...
+
+
+# --- model --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PrefillChunk:
+    """Prompt tokens ``token_ids`` for ``slot`` at positions ``start .. start+len-1``.
+
+    ``start`` equals the slot's cache length before the call; the chunk is the last of its
+    prompt when ``last`` is true (only then are its logits used).
+    """
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    last: bool
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model that keeps a KV cache per slot and computes next-token logits.
+
+    Lifecycle: ``allocate`` a slot per request, then ``prefill`` its prompt (possibly in
+    several chunks, across several calls), then ``decode`` one token per step, then
+    ``release``. Step order (DESIGN §4): after prefill of an m-token prompt the slot's cache
+    length is m; ``decode(slots, y_t)`` writes y_t into the cache (length m+t) and returns
+    z_{t+1}. Every layer's keys and values cover the same positions.
+
+    ``prefill`` returns float32 logits ``[len(chunks), V]`` at the last token of each chunk;
+    ``decode`` returns ``[len(slots), V]``. Calls come from one thread (the engine's). On
+    failure raise :class:`~pipeline.errors.SlotError` naming the slots at fault when the other
+    rows' caches are intact; any other exception fails every request in the call.
+    :class:`~pipeline.errors.CapacityError` from ``allocate`` means "no free slot".
+
+    Example::
+
+        slot = backend.allocate()
+        z1 = backend.prefill([PrefillChunk(slot, ids, 0, True)])[0]    # cache length m
+        z2 = backend.decode([slot], [int(z1.argmax())])[0]             # cache length m+1
+        backend.release(slot)
+    """
+
+    vocab_size: int
+    num_slots: int
+    max_context: int
+    snapshot: str
+
+    def allocate(self) -> int:
+        """Reserve a free slot with an empty cache."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` and its cache."""
+        ...
+
+    def cache_length(self, slot: int) -> int:
+        """Positions the slot's cache covers now."""
+        ...
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Append each chunk to its slot's cache; logits ``[len(chunks), V]``."""
+        ...
+
+    def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """Append one token per slot; logits ``[len(slots), V]``."""
+        ...
+
+
+# --- delivery -----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Transport(Protocol[Out_co]):
+    """Delivers a request's deltas to a consumer, in order, and ends after the final one.
+
+    ``deliver`` is called once per request handle, from the consumer's thread or event loop.
+    If the consumer goes away before the final delta (an iterator is closed, a client
+    disconnects), the transport calls ``handle.cancel()`` so the engine frees the slot.
+
+    Example::
+
+        for delta in InProcessTransport().deliver(pipe.submit("hi")):
+            print(delta.text, end="")
+    """
+
+    name: str
+
+    def deliver(self, handle: RequestHandle) -> Out_co:
+        """Start delivering ``handle``'s deltas."""
+        ...
+
+
+SyncTransport = Transport[Iterator[Any]]
+AsyncTransport = Transport[AsyncIterator[Any]]

@@ -1,0 +1,562 @@
+"""Value types: the data products of DESIGN section 3.
+
+Every type is ``@attrs.frozen`` and validated when it is built; change one with
+``attrs.evolve``. Building from a mapping (``from_dict``) rejects unknown keys with
+:class:`~pipeline.errors.UnknownFieldError`; a value outside its domain raises
+:class:`~pipeline.errors.InvalidValueError` naming the field and the value. Wire formats (JSON
+bodies, SSE) live in the transports, not here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+
+from pipeline.errors import InvalidValueError, UnknownFieldError
+
+if TYPE_CHECKING:
+    from pipeline.events import Event
+
+SCHEMA_VERSION = 1
+"""Version of the ``Request`` schema; recorded in every trace."""
+
+T = TypeVar("T")
+JSON = Any  # a value that ``json.dumps`` accepts
+
+
+# --- validators ---------------------------------------------------------------------------
+
+
+def _check(ok: bool, field: str, value: object, reason: str) -> None:
+    if not ok:
+        raise InvalidValueError(field, value, reason)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _range(
+    lo: float | None, hi: float | None, *, lo_open: bool = False, integer: bool = False
+) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """An attrs validator: the value is a finite number (an int if ``integer``) within bounds."""
+
+    def validate(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        name = attribute.name
+        _check(_integer(value) if integer else _number(value), name, value,
+               "must be an integer" if integer else "must be a finite number")
+        if lo is not None:
+            ok = value > lo if lo_open else value >= lo
+            _check(ok, name, value, f"must be {'>' if lo_open else '>='} {lo}")
+        if hi is not None:
+            _check(value <= hi, name, value, f"must be <= {hi}")
+
+    return validate
+
+
+def _token_ids(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    for token in value:
+        _check(_integer(token) and token >= 0, attribute.name, token,
+               "token ids are non-negative integers")
+
+
+def _tuple_of_ints(value: Any) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (list, tuple, set, frozenset)) else value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _frozen_mapping(value: Any) -> Mapping[Any, Any]:
+    if isinstance(value, Mapping):
+        return MappingProxyType(dict(value))
+    return value  # type: ignore[no-any-return]
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], **convert: Callable[[Any], Any]) -> T:
+    """Build ``cls`` from ``data``, rejecting keys it lacks; ``convert`` maps a field's raw value."""
+    if not isinstance(data, Mapping):
+        raise InvalidValueError(cls.__name__, data, "must be a mapping")
+    names = {a.name for a in attrs.fields(cls)}  # type: ignore[arg-type]
+    for key in data:
+        if key not in names:
+            raise UnknownFieldError(cls.__name__, str(key), names)
+    kwargs = {k: (convert[k](v) if k in convert else v) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+# --- messages and tools -------------------------------------------------------------------
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@attrs.frozen
+class ToolCall:
+    """A tool call the assistant proposed: ``arguments`` is the JSON text it emitted."""
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    arguments: str = attrs.field(default="{}", validator=attrs.validators.instance_of(str))
+    id: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ToolCall:
+        """Build from ``{"name", "arguments", "id"}``."""
+        return from_mapping(cls, data)
+
+
+def _tool_calls(value: Any) -> tuple[ToolCall, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidValueError("tool_calls", value, "must be a list of tool calls")
+    return tuple(v if isinstance(v, ToolCall) else ToolCall.from_dict(v) for v in value)
+
+
+@attrs.frozen
+class Message:
+    """One chat message, structured; never pre-rendered text."""
+
+    role: str = attrs.field()
+    content: str | None = attrs.field(default=None)
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tool_calls)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+
+    @role.validator
+    def _role(self, _: attrs.Attribute[str], value: str) -> None:
+        _check(value in ROLES, "role", value, f"must be one of {', '.join(ROLES)}")
+
+    @content.validator
+    def _content(self, _: attrs.Attribute[Any], value: Any) -> None:
+        _check(value is None or isinstance(value, str), "content", value, "must be a string")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Message:
+        """Build from an OpenAI-style message mapping."""
+        return from_mapping(cls, data)
+
+    def to_template(self) -> dict[str, Any]:
+        """The mapping a Hugging Face chat template expects for this message."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"type": "function", "id": c.id,
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        for key in ("tool_call_id", "reasoning_content", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@attrs.frozen
+class ToolSpec:
+    """A tool the model may call: name, description and a JSON-schema for its parameters."""
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    description: str = ""
+    parameters: Mapping[str, JSON] = attrs.field(
+        factory=lambda: MappingProxyType({"type": "object", "properties": {}}),
+        converter=_frozen_mapping, eq=False,
+    )
+
+    @name.validator
+    def _name(self, _: attrs.Attribute[str], value: str) -> None:
+        _check(bool(value), "name", value, "a tool needs a non-empty name")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ToolSpec:
+        """Build from ``{"name", "description", "parameters"}`` or OpenAI's ``{"type":
+        "function", "function": {...}}``."""
+        if data.get("type") == "function" and "function" in data:
+            data = data["function"]
+        return from_mapping(cls, data)
+
+    def to_template(self) -> dict[str, Any]:
+        """The OpenAI-style tool mapping chat templates iterate over."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description,
+            "parameters": _thaw(self.parameters)}}
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_thaw(v) for v in value]
+    return value
+
+
+# --- generation parameters ----------------------------------------------------------------
+
+
+def _logit_bias(value: Any) -> Mapping[int, float]:
+    if not isinstance(value, Mapping):
+        raise InvalidValueError("logit_bias", value, "must be a mapping of token id to bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        _check(_integer(token) and token >= 0, "logit_bias", key, "keys are token ids")
+        _check(_number(bias) and -100 <= bias <= 100, f"logit_bias[{token}]", bias,
+               "bias must be a number in [-100, 100]")
+        out[token] = float(bias)
+    return MappingProxyType(out)
+
+
+def _optional_order(value: Any) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+@attrs.frozen
+class GenerationConfig:
+    """What to generate and how to choose tokens. Defaults follow the OpenAI API.
+
+    ``temperature=0`` means greedy. ``top_k=0``, ``top_p=1``, ``min_p=0``, ``typical_p=1`` and
+    penalties of 1 / 0 / 0 are "off". ``processor_order`` overrides the builder's default chain
+    order with the names of processors the pipeline has.
+    """
+
+    max_tokens: int = attrs.field(default=256, validator=_range(1, None, integer=True))
+    temperature: float = attrs.field(default=1.0, validator=_range(0, 100))
+    top_k: int = attrs.field(default=0, validator=_range(0, None, integer=True))
+    top_p: float = attrs.field(default=1.0, validator=_range(0, 1, lo_open=True))
+    min_p: float = attrs.field(default=0.0, validator=_range(0, 1))
+    typical_p: float = attrs.field(default=1.0, validator=_range(0, 1, lo_open=True))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_range(0, 100, lo_open=True))
+    presence_penalty: float = attrs.field(default=0.0, validator=_range(-2, 2))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_range(-2, 2))
+    logit_bias: Mapping[int, float] = attrs.field(
+        factory=lambda: MappingProxyType({}), converter=_logit_bias, eq=False)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_tuple_of_ints, validator=_token_ids)
+    min_tokens: int = attrs.field(default=0, validator=_range(0, None, integer=True))
+    ignore_eos: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    seed: int | None = attrs.field(default=None)
+    logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    top_logprobs: int = attrs.field(default=0, validator=_range(0, 20, integer=True))
+    banned_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_tuple_of_ints, validator=_token_ids)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_tuple_of_ints),
+        validator=attrs.validators.optional(_token_ids))
+    processor_order: tuple[str, ...] | None = attrs.field(
+        default=None, converter=_optional_order)
+
+    @stop.validator
+    def _stop(self, _: attrs.Attribute[Any], value: Any) -> None:
+        _check(isinstance(value, tuple), "stop", value, "must be a string or a list of strings")
+        _check(len(value) <= 16, "stop", value, "at most 16 stop strings")
+        for s in value:
+            _check(isinstance(s, str) and s != "", "stop", s, "stop strings are non-empty")
+
+    @seed.validator
+    def _seed(self, _: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            _check(_integer(value) and 0 <= value < 2**63, "seed", value,
+                   "must be an integer in [0, 2**63)")
+
+    @min_tokens.validator
+    def _min_tokens(self, _: attrs.Attribute[Any], value: int) -> None:
+        _check(value <= self.max_tokens, "min_tokens", value,
+               f"cannot exceed max_tokens={self.max_tokens}")
+
+    @top_logprobs.validator
+    def _top_logprobs(self, _: attrs.Attribute[Any], value: int) -> None:
+        _check(value == 0 or self.logprobs, "top_logprobs", value, "needs logprobs=True")
+
+    @allowed_token_ids.validator
+    def _allowed(self, _: attrs.Attribute[Any], value: Any) -> None:
+        _check(value is None or len(value) > 0, "allowed_token_ids", value,
+               "an empty allow-list would leave nothing to choose")
+
+    @property
+    def greedy(self) -> bool:
+        """True when selection is argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GenerationConfig:
+        """Build from a mapping of field names; unknown keys are an error."""
+        return from_mapping(cls, data)
+
+    def token_ids_used(self) -> set[int]:
+        """Every token id the config names; checked against the vocabulary once it is known."""
+        ids = set(self.logit_bias) | set(self.stop_token_ids) | set(self.banned_token_ids)
+        return ids | set(self.allowed_token_ids or ())
+
+
+@attrs.frozen
+class RuntimeLimits:
+    """Limits the engine enforces: wall-clock deadline, queue wait, and total context."""
+
+    deadline_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_range(0, None, lo_open=True)))
+    queue_timeout_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_range(0, None, lo_open=True)))
+    max_context_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_range(1, None, integer=True)))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RuntimeLimits:
+        """Build from a mapping of field names; unknown keys are an error."""
+        return from_mapping(cls, data)
+
+
+class Recording(enum.Enum):
+    """How much a trace records: digests of every data product, or also their content."""
+
+    DIGEST = "digest"
+    FULL = "full"
+
+
+def _new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidValueError("messages", value, "must be a list of messages")
+    return tuple(m if isinstance(m, Message) else Message.from_dict(m) for m in value)
+
+
+def _tools(value: Any) -> tuple[ToolSpec, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidValueError("tool_catalog", value, "must be a list of tools")
+    return tuple(t if isinstance(t, ToolSpec) else ToolSpec.from_dict(t) for t in value)
+
+
+def _config(value: Any) -> GenerationConfig:
+    return value if isinstance(value, GenerationConfig) else GenerationConfig.from_dict(value)
+
+
+def _limits(value: Any) -> RuntimeLimits:
+    return value if isinstance(value, RuntimeLimits) else RuntimeLimits.from_dict(value)
+
+
+@attrs.frozen
+class Request:
+    """A normalized request: structured messages (or a raw ``prompt``) plus everything that
+    decides its output. The pipeline fills ``model_snapshot``, ``template_version`` and
+    ``tokenizer_version`` with content digests when it accepts the request."""
+
+    messages: tuple[Message, ...] = attrs.field(default=(), converter=_messages)
+    prompt: str | None = None
+    request_id: str = attrs.field(factory=_new_request_id)
+    generation_config: GenerationConfig = attrs.field(
+        factory=GenerationConfig, converter=_config)
+    runtime_limits: RuntimeLimits = attrs.field(factory=RuntimeLimits, converter=_limits)
+    tool_catalog: tuple[ToolSpec, ...] = attrs.field(default=(), converter=_tools)
+    template_kwargs: Mapping[str, JSON] = attrs.field(
+        factory=lambda: MappingProxyType({}), converter=_frozen_mapping, eq=False)
+    client_metadata: Mapping[str, str] = attrs.field(
+        factory=lambda: MappingProxyType({}), converter=_frozen_mapping, eq=False)
+    model_snapshot: str | None = None
+    template_version: str | None = None
+    tokenizer_version: str | None = None
+    recording: Recording = attrs.field(default=Recording.DIGEST, converter=Recording)
+    schema_version: int = SCHEMA_VERSION
+
+    def __attrs_post_init__(self) -> None:
+        has_messages, has_prompt = bool(self.messages), self.prompt is not None
+        _check(has_messages != has_prompt, "messages", self.messages,
+               "give exactly one of messages (chat) or prompt (raw text)")
+        _check(self.prompt is None or isinstance(self.prompt, str), "prompt", self.prompt,
+               "must be a string")
+        _check(isinstance(self.request_id, str) and bool(self.request_id), "request_id",
+               self.request_id, "must be a non-empty string")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Request:
+        """Build from a mapping; nested messages, tools and configs may be mappings too."""
+        return from_mapping(cls, data)
+
+    @classmethod
+    def coerce(cls, prompt: str | Sequence[Message | Mapping[str, Any]] | Request,
+               **fields: Any) -> Request:
+        """A ``Request`` from what ``Pipeline.generate`` accepts: a string is one user
+        message, a list is the conversation, a ``Request`` passes through (``fields`` then
+        replace its own via ``attrs.evolve``)."""
+        if isinstance(prompt, Request):
+            return attrs.evolve(prompt, **fields) if fields else prompt
+        if isinstance(prompt, str):
+            return cls(messages=(Message("user", prompt),), **fields)
+        return cls(messages=prompt, **fields)
+
+
+# --- rendering and tokenization -----------------------------------------------------------
+
+
+class SpanKind(enum.Enum):
+    """Whether a span of rendered text came from the template or from message content."""
+
+    CONTROL = "control"
+    CONTENT = "content"
+
+
+@attrs.frozen
+class Span:
+    """``text[start:end]`` of a :class:`Rendered` is of ``kind``."""
+
+    start: int
+    end: int
+    kind: SpanKind
+
+
+@attrs.frozen
+class Rendered:
+    """The rendered prompt: text, a partition of it into control and content spans, and the
+    digest of the template that produced it."""
+
+    text: str
+    spans: tuple[Span, ...]
+    template_digest: str
+    renderer: str = "unknown"
+
+    def __attrs_post_init__(self) -> None:
+        at = 0
+        for span in self.spans:
+            _check(span.start == at and span.end > span.start, "spans", span,
+                   "spans must partition the text in order")
+            at = span.end
+        _check(at == len(self.text), "spans", self.spans, "spans must cover the whole text")
+
+    def pieces(self) -> list[tuple[str, SpanKind]]:
+        """The text cut at span boundaries, each piece with its kind."""
+        return [(self.text[s.start:s.end], s.kind) for s in self.spans]
+
+    @classmethod
+    def plain(cls, text: str, template_digest: str, renderer: str) -> Rendered:
+        """Rendered text that is all content (no control spans)."""
+        spans = (Span(0, len(text), SpanKind.CONTENT),) if text else ()
+        return cls(text, spans, template_digest, renderer)
+
+
+@attrs.frozen
+class TokenizedPrompt:
+    """Prompt token ids with their positions and the digests of the artifacts behind them."""
+
+    input_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    tokenizer_digest: str
+    rendered_digest: str
+    positions: tuple[int, ...] = attrs.field(converter=tuple)
+
+    @positions.default
+    def _positions(self) -> tuple[int, ...]:
+        return tuple(range(len(self.input_ids)))
+
+    def __attrs_post_init__(self) -> None:
+        _check(len(self.input_ids) > 0, "input_ids", self.input_ids, "the prompt is empty")
+        _check(len(self.positions) == len(self.input_ids), "positions", len(self.positions),
+               f"must have one position per token ({len(self.input_ids)})")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+class FinishReason(enum.Enum):
+    """Why a generation ended. ``openai`` gives the OpenAI dialect's word for it."""
+
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+    @property
+    def openai(self) -> str:
+        """``stop`` / ``length`` as the OpenAI API spells them (others pass through)."""
+        if self in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING):
+            return "stop"
+        return str(self.value)
+
+
+@attrs.frozen
+class TokenLogprob:
+    """Log-probability of a chosen token under the processed distribution, with the top
+    alternatives (``top`` is ordered, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class Delta:
+    """One streamed piece: new text safe to show, the tokens since the last delta, and on the
+    last delta of a request ``finish_reason``."""
+
+    request_id: str
+    seq: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+    @property
+    def final(self) -> bool:
+        """True on the request's last delta."""
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class Usage:
+    """Token counts of a finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Timings:
+    """Latencies of a request in seconds, from acceptance (monotonic clock)."""
+
+    queued_s: float
+    first_token_s: float | None
+    total_s: float
+
+
+@attrs.frozen
+class Completion:
+    """A finished request: text, tokens, why it ended, usage, and its whole event trace."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    trace: tuple[Event, ...]
+    timings: Timings
+    stop_reason: str | int | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
