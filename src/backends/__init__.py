@@ -1,1 +1,1 @@
-"""backends"""
+"""Model backends (the torch reference for Hugging Face checkpoints arrives with its issue)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -406,6 +406,10 @@ class Request:
 # --- rendering and tokenization -----------------------------------------------------------
 
 
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
 class SpanKind(enum.Enum):
     """Whether a span of rendered text came from the template or from message content."""
 
@@ -455,10 +459,10 @@ class Rendered:
 class TokenizedPrompt:
     """Prompt token ids with their positions and the digests of the artifacts behind them."""
 
-    input_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    input_ids: tuple[int, ...] = attrs.field(converter=_ints)
     tokenizer_digest: str
     rendered_digest: str
-    positions: tuple[int, ...] = attrs.field(converter=tuple)
+    positions: tuple[int, ...] = attrs.field(converter=_ints)
 
     @positions.default
     def _positions(self) -> tuple[int, ...]:

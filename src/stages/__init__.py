@@ -1,1 +1,6 @@
-"""stages"""
+"""Text-side stage implementations, one folder per stage family.
+
+``render/`` (chat templates, plain text), ``tokenize/`` (tokenizers), ``process/`` (the logit
+processor chain), ``select/`` (selectors and the autoregressive strategy), ``detokenize/``
+(incremental detokenization), ``stop/`` (stoppers). ``plugin`` registers them all.
+"""

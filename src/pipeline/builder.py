@@ -1,0 +1,150 @@
+"""``build()``: compose a :class:`~pipeline.pipe.Pipeline` from names or instances.
+
+Owns stage resolution: every stage argument is a registered name (looked up through the
+pluggy :class:`~pipeline.registry.Registry`) or an object that satisfies the stage's Protocol,
+used as given. Nothing here imports an implementation by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, cast
+
+from pipeline.engine import Engine, EngineConfig
+from pipeline.errors import ArtifactError, InvalidValueError
+from pipeline.events import EventSink
+from pipeline.pipe import Pipeline, Stages
+from pipeline.protocols import (
+    Backend, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
+    Transport,
+)
+from pipeline.registry import BuildContext, Registry
+from pipeline.types import Delta, GenerationConfig
+
+DEFAULT_PROCESSORS = (
+    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "typical_p",
+)
+DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
+
+
+def build(
+    model: str | Path | None = None, *,
+    backend: str | Backend | None = None,
+    tokenizer: str | Tokenizer | None = None,
+    renderer: str | Renderer | None = None,
+    processors: Sequence[str | LogitProcessor] | None = None,
+    selector: str | Selector = "sample",
+    detokenizer: str | Detokenizer[Any] = "incremental",
+    stoppers: Sequence[str | Stopper[Any]] | None = None,
+    strategy: str = "autoregressive",
+    plugins: Sequence[object] = (),
+    sinks: Sequence[EventSink] = (),
+    engine: EngineConfig | None = None,
+    defaults: GenerationConfig | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Pipeline:
+    """Build a pipeline for ``model`` (a Hugging Face-layout folder) or from explicit stages.
+
+    A folder that holds only tokenizer files gives a pipeline that renders, tokenizes and
+    counts tokens without a model. Every stage argument takes a registered name or an
+    instance; ``plugins`` adds plugin objects beside those of the ``pipeline`` entry points.
+
+    The default processor chain runs in this order (a request may override it with
+    ``GenerationConfig.processor_order``; the trace records the order used):
+
+    1. ``allowed_tokens`` — everything outside ``allowed_token_ids`` is removed
+    2. ``banned_tokens`` — ``banned_token_ids`` are removed
+    3. ``logit_bias`` — the per-token biases are added
+    4. ``min_tokens`` — EOS and stop tokens are removed until ``min_tokens`` outputs exist
+    5. ``repetition_penalty`` — over prompt and output tokens (divide positive, multiply negative)
+    6. ``presence_penalty`` — over output tokens, once per distinct token
+    7. ``frequency_penalty`` — over output tokens, per occurrence
+    8. ``temperature`` — divide by T (T = 0 is greedy: the row is left for argmax)
+    9. ``top_k`` — keep the k most likely
+    10. ``top_p`` — keep the smallest set with mass >= p
+    11. ``min_p`` — keep tokens with probability >= min_p × the top probability
+    12. ``typical_p`` — locally typical sampling
+
+    Masks and biases come first so that penalties and truncation see the allowed vocabulary;
+    temperature comes before truncation, as in vLLM, SGLang and transformers, so ``top_p``
+    acts on the distribution that is sampled. Selection follows (``selector``), then the
+    stoppers in order (default ``eos``, ``max_tokens``, ``stop_strings``, ``deadline``).
+    """
+    registry = Registry(plugins)
+    model_dir = Path(model) if model is not None else None
+    if model_dir is not None and not model_dir.is_dir():
+        raise InvalidValueError("model", str(model), "not a directory")
+    context = BuildContext(model_dir=model_dir, options=dict(options or {}))
+    tok = _tokenizer(registry, context, tokenizer)
+    context = BuildContext(model_dir=model_dir, tokenizer=tok, options=context.options)
+    procs = [_resolve(registry, "processor", p, context)
+             for p in (DEFAULT_PROCESSORS if processors is None else processors)]
+    sel: Selector = _resolve(registry, "selector", selector, context)
+    make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
+    stages = Stages(
+        renderer=_renderer(registry, context, renderer),
+        tokenizer=tok,
+        detokenizer=_resolve(registry, "detokenizer", detokenizer, context) if tok else None,
+        stoppers=tuple(_resolve(registry, "stopper", s, context)
+                       for s in (DEFAULT_STOPPERS if stoppers is None else stoppers)),
+        processor_names=tuple(p.name for p in procs),
+        selector=sel.name,
+        stream_transport=cast(Transport[Iterator[Delta]],
+                              registry.create("transport", "inprocess", context)),
+        async_transport=cast(Transport[AsyncIterator[Delta]],
+                             registry.create("transport", "asyncio", context)),
+    )
+    model_backend = _backend(registry, context, backend)
+    eng = None
+    if model_backend is not None:
+        if tok is None:
+            raise ArtifactError("a backend needs a tokenizer: pass tokenizer= or a model folder")
+        by_name = {p.name: p for p in procs}
+
+        def strategies(order: tuple[str, ...] | None) -> Strategy:
+            chain = procs if order is None else [by_name[n] for n in order]
+            return make_strategy(chain, sel)
+
+        eng = Engine(model_backend, strategies, engine)
+    return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
+                    description={"model": str(model_dir) if model_dir else None})
+
+
+def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:
+    return registry.create(kind, value, context) if isinstance(value, str) else value
+
+
+def _tokenizer(registry: Registry, context: BuildContext,
+               value: str | Tokenizer | None) -> Tokenizer | None:
+    if value is None:
+        if context.model_dir is None or not (context.model_dir / "tokenizer.json").exists():
+            return None
+        value = "hf"
+    return cast(Tokenizer, _resolve(registry, "tokenizer", value, context))
+
+
+def _renderer(registry: Registry, context: BuildContext,
+              value: str | Renderer | None) -> Renderer | None:
+    if value is None:
+        if context.model_dir is None:
+            return None
+        has_template = any((context.model_dir / f).exists() for f in TEMPLATE_FILES)
+        value = "hf_chat_template" if has_template else "plain"
+    return cast(Renderer, _resolve(registry, "renderer", value, context))
+
+
+def _backend(registry: Registry, context: BuildContext,
+             value: str | Backend | None) -> Backend | None:
+    if value is None:
+        folder = context.model_dir
+        if folder is None or not any((folder / f).exists() for f in WEIGHT_FILES):
+            return None  # tokenizer-only pipeline: render and count, no generation
+        value = "torch"
+    return cast(Backend, _resolve(registry, "backend", value, context))

@@ -1,0 +1,86 @@
+"""The ``pipeline`` command: ``plugins``, ``count``, ``demo``.
+
+Owns argument parsing and printing only; every command calls the library's public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from pipeline.registry import Registry
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    registry = Registry()
+    rows = sorted(registry.components(), key=lambda c: (c.kind, c.name))
+    width = max((len(c.name) for c in rows), default=4)
+    kind = ""
+    for comp in rows:
+        if comp.kind != kind:
+            kind = comp.kind
+            print(f"{kind}:")
+        print(f"  {comp.name:<{width}}  {comp.summary}  [{comp.plugin}]")
+    return 0
+
+
+def _count(args: argparse.Namespace) -> int:
+    from pipeline.builder import build
+
+    with build(args.tokenizer) as pipe:
+        print(pipe.count_tokens(args.text))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Stream an answer and print a run summary.
+
+    Until the embedded default model ships with the torch backend, the demo runs the
+    scripted fake model of :mod:`pipeline.testing`, which spells out a fixed sentence.
+    """
+    from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
+
+    answer = "(scripted) Sunlight scatters off air molecules, and blue light scatters most.".encode()
+    vocab = ByteTokenizer.VOCAB
+
+    def next_token(tokens: Sequence[int]) -> int:
+        at = len(tokens) - prompt_len[0]
+        return answer[at] if at < len(answer) else 256
+
+    prompt_len = [0]
+    question = "Why is the sky usually blue? Answer in one sentence."
+    with build_scripted(ScriptedBackend(vocab, peaked(vocab, next_token))) as pipe:
+        prompt_len[0] = pipe.count_tokens(question)
+        start = time.perf_counter()
+        handle = pipe.submit(question, max_tokens=200, temperature=0.0)
+        for delta in handle.deltas():
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        done = handle.result()
+        elapsed = time.perf_counter() - start
+    print()
+    ttft = done.timings.first_token_s or 0.0
+    print(f"ttft {ttft * 1e3:.1f} ms | {done.usage.completion_tokens / elapsed:.0f} tokens/s | "
+          f"finish {done.finish_reason.value} | {len(done.trace)} trace events")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pipeline`` console script."""
+    parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plugins", help="list registered components").set_defaults(run=_plugins)
+    count = sub.add_parser("count", help="count the tokens of a user message exactly")
+    count.add_argument("--tokenizer", required=True, help="folder with tokenizer.json")
+    count.add_argument("text")
+    count.set_defaults(run=_count)
+    sub.add_parser("demo", help="stream an answer and print a run summary").set_defaults(
+        run=_demo)
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

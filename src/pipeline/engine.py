@@ -1,0 +1,310 @@
+"""The engine: one thread driving many requests over backend slots (DESIGN §4 and §6).
+
+Owns the scheduler and the step loop. Each step it
+
+1. settles cancellations and expired queue waits (any state; slots are freed at once),
+2. admits queued requests to free slots (FIFO),
+3. plans the step under ``token_budget``: one decode token for every decoding request first
+   (a long prompt never starves decoding), then prefill chunks of at most ``max_prefill_chunk``
+   tokens for prefilling requests in admission order with what is left,
+4. calls ``backend.prefill`` and ``backend.decode`` for that plan,
+5. for every request with fresh logits z_t: processor chain → selector → stoppers →
+   detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
+   next step's ``decode`` writes into the cache (cache length m + t) — the DESIGN §4 order.
+
+Request-level work before the queue (render, tokenize, validation) happens in
+:class:`~pipeline.pipe.Pipeline` on the caller's thread. A backend exception fails the
+requests of that call (only the named slots for a :class:`~pipeline.errors.SlotError`); an
+exception anywhere else in a step fails the requests of that step; the loop itself never dies
+while it is open, so no caller hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+import attrs
+import torch
+
+from pipeline.errors import (
+    CapacityError, EngineClosed, InvalidValueError, SlotError,
+)
+from pipeline.events import Tracer
+from pipeline.handle import RequestHandle, RequestState
+from pipeline.job import Job
+from pipeline.protocols import Backend, Batch, PrefillChunk, Strategy
+from pipeline.types import FinishReason
+
+StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
+
+
+@attrs.frozen
+class EngineConfig:
+    """Scheduling knobs. ``token_budget`` must exceed the backend's slot count so prefill
+    always makes progress beside a full decode batch."""
+
+    token_budget: int = attrs.field(default=512)
+    max_prefill_chunk: int = attrs.field(default=512)
+    idle_wait_s: float = 0.5
+
+    @token_budget.validator
+    def _budget(self, _: attrs.Attribute[int], value: int) -> None:
+        if value < 2:
+            raise InvalidValueError("token_budget", value, "must be >= 2")
+
+    @max_prefill_chunk.validator
+    def _chunk(self, _: attrs.Attribute[int], value: int) -> None:
+        if value < 1:
+            raise InvalidValueError("max_prefill_chunk", value, "must be >= 1")
+
+
+@attrs.frozen
+class _Plan:
+    decode: list[Job]
+    prefill: list[tuple[Job, PrefillChunk]]
+
+
+class Engine:
+    """Runs submitted :class:`Job`\\s to completion on a background thread.
+
+    ``submit`` and ``close`` may be called from any thread. The engine thread alone touches
+    the backend and the jobs' decode state.
+    """
+
+    def __init__(self, backend: Backend, strategies: StrategyFactory,
+                 config: EngineConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config or EngineConfig()
+        if self.config.token_budget <= backend.num_slots:
+            raise InvalidValueError("token_budget", self.config.token_budget,
+                                    f"must exceed the backend's {backend.num_slots} slots")
+        self._strategies = strategies
+        self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
+        self._cv = threading.Condition()
+        self._incoming: list[Job] = []
+        self._queue: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="pipeline-engine", daemon=True)
+        self._thread.start()
+
+    # --- public ----------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises :class:`EngineClosed` after ``close``."""
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            self._incoming.append(job)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """Make the loop look at its requests now (cancellation calls this)."""
+        with self._cv:
+            self._cv.notify()
+
+    def strategy(self, order: tuple[str, ...] | None) -> Strategy:
+        """The strategy for a processor order (built once per distinct order)."""
+        if order not in self._strategy_cache:
+            self._strategy_cache[order] = self._strategies(order)
+        return self._strategy_cache[order]
+
+    @property
+    def active_slots(self) -> int:
+        """Requests holding a slot now."""
+        with self._cv:
+            return len(self._active)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot."""
+        with self._cv:
+            return len(self._queue) + len(self._incoming)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel what is left, stop the thread, and wait for it."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # --- loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._incoming or self._active or self._queue):
+                    self._cv.wait()
+                if not (self._active or self._queue or self._incoming):
+                    if self._closed:
+                        return
+                closing = self._closed
+                incoming, self._incoming = self._incoming, []
+                self._queue.extend(incoming)
+            if closing:
+                self._cancel_all()
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
+                for job in list(self._active):
+                    self._fail(job, f"engine step failed: {exc!r}")
+            self._idle_wait()
+
+    def _idle_wait(self) -> None:
+        """Sleep only when nothing can progress (all queued behind a full backend)."""
+        if self._active or not self._queue:
+            return
+        with self._cv:
+            self._cv.wait(self.config.idle_wait_s)
+
+    def _cancel_all(self) -> None:
+        with self._cv:
+            jobs = list(self._queue) + list(self._active)
+        for job in jobs:
+            self._finish(job, FinishReason.CANCELLED, "engine closed")
+
+    def _step(self) -> None:
+        self._settle()
+        self._admit()
+        plan = self._plan()
+        if not plan.decode and not plan.prefill:
+            return
+        ready = self._run_prefill(plan.prefill) + self._run_decode(plan.decode)
+        if ready:
+            self._select(ready)
+
+    def _settle(self) -> None:
+        """Cancellations, deadlines and queue time-outs, in every non-terminal state."""
+        now = time.monotonic_ns()
+        for job in list(self._queue) + list(self._active):
+            if job.handle.cancel_requested:
+                self._finish(job, FinishReason.CANCELLED, "cancel requested")
+            elif job.deadline_passed(now):
+                self._finish(job, FinishReason.DEADLINE, "deadline")
+            elif job.state is RequestState.QUEUED and job.queue_timed_out(now):
+                self._fail(job, "queue timeout: no slot became free in time")
+
+    def _admit(self) -> None:
+        while self._queue and len(self._active) < self.backend.num_slots:
+            try:
+                slot = self.backend.allocate()
+            except CapacityError:
+                return
+            job = self._queue.popleft()
+            with self._cv:
+                self._active.append(job)
+            job.start_prefill(slot)
+
+    def _plan(self) -> _Plan:
+        decode = [j for j in self._active if j.state is RequestState.DECODING]
+        budget = self.config.token_budget - len(decode)
+        prefill: list[tuple[Job, PrefillChunk]] = []
+        for job in self._active:
+            if budget <= 0:
+                break
+            if job.state is RequestState.PREFILLING:
+                chunk = job.next_chunk(min(budget, self.config.max_prefill_chunk))
+                prefill.append((job, chunk))
+                budget -= len(chunk.token_ids)
+        return _Plan(decode, prefill)
+
+    def _run_prefill(self, work: list[tuple[Job, PrefillChunk]]) -> list[tuple[Job, torch.Tensor]]:
+        chunks = dict(work)
+        done = self._call([j for j, _ in work],
+                          lambda jobs: self.backend.prefill([chunks[j] for j in jobs]))
+        ready = []
+        for job, logits in done:
+            chunk = chunks[job]
+            job.prefilled(chunk, self.backend.cache_length(job.slot_id))
+            if chunk.last:
+                ready.append((job, logits))
+        return ready
+
+    def _run_decode(self, jobs: list[Job]) -> list[tuple[Job, torch.Tensor]]:
+        done = self._call(jobs, lambda js: self.backend.decode(
+            [j.slot_id for j in js], [j.pending_token for j in js]))
+        for job, _ in done:
+            job.decoded(self.backend.cache_length(job.slot_id))
+        return done
+
+    def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor]
+              ) -> list[tuple[Job, torch.Tensor]]:
+        """Run a backend call over ``jobs``; pair each job with its logits row.
+
+        A :class:`SlotError` fails the named slots' jobs and the call is retried for the
+        others (whose caches the contract says are intact); any other exception fails all.
+        """
+        while jobs:
+            try:
+                logits = fn(jobs)
+            except SlotError as exc:
+                bad = set(exc.slots)
+                for job in jobs:
+                    if job.slot_id in bad:
+                        self._fail(job, f"backend error: {exc.cause!r}")
+                rest = [j for j in jobs if j.slot_id not in bad]
+                if len(rest) == len(jobs):  # named no slot of this call: fail them all
+                    for job in rest:
+                        self._fail(job, f"backend error: {exc.cause!r}")
+                    return []
+                jobs = rest
+                continue
+            except Exception as exc:
+                for job in jobs:
+                    self._fail(job, f"backend error: {exc!r}")
+                return []
+            return [(job, logits[i]) for i, job in enumerate(jobs)]
+        return []
+
+    def _select(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
+        """Process, select and advance every job with fresh logits, grouped by chain order."""
+        groups: dict[tuple[str, ...] | None, list[tuple[Job, torch.Tensor]]] = {}
+        for job, row in ready:
+            groups.setdefault(job.processor_order, []).append((job, row))
+        for order, items in groups.items():
+            strategy = self.strategy(order)
+            batch = Batch(tuple(j.row() for j, _ in items), self.backend.vocab_size)
+            for (job, _), state in zip(items, batch.rows):
+                if state.step == 1:
+                    job.configured(strategy, state)
+            logits = torch.stack([r for _, r in items]).float()  # [B, V]
+            try:
+                choice = strategy.update(logits, batch)
+            except Exception as exc:
+                for job, _ in items:
+                    self._fail(job, f"selection failed: {exc!r}")
+                continue
+            for i, (job, _) in enumerate(items):
+                reason = job.advance(choice.token_ids[i], choice.logprobs[i],
+                                     self.backend.max_context)
+                if reason is not None:
+                    self._release(job)
+
+    # --- endings ---------------------------------------------------------------------------
+
+    def _finish(self, job: Job, reason: FinishReason, detail: str) -> None:
+        job.finish(reason, detail)
+        self._release(job)
+
+    def _fail(self, job: Job, error: str) -> None:
+        job.fail(error)
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        with self._cv:
+            if job in self._queue:
+                self._queue.remove(job)
+            if job in self._active:
+                self._active.remove(job)
+        if job.slot_id is not None:
+            try:
+                self.backend.release(job.slot_id)
+            except Exception as exc:  # the request is over either way; record it
+                job.tracer.emit("engine", "resources.release_failed", {"error": repr(exc)})
+        job.released()
+
+
+__all__ = ["Engine", "EngineConfig", "RequestHandle", "RequestState", "Tracer"]

@@ -1,0 +1,137 @@
+"""Request handles and request states: what a caller holds while the engine works.
+
+Owns :class:`RequestState` (queued → prefilling → decoding → finished | cancelled | failed,
+the last three terminal) and :class:`RequestHandle`, the thread-safe meeting point between the
+engine thread (which pushes deltas and the result) and any number of consumer threads or event
+loops (which read deltas, wait for the result, or cancel).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Iterator
+
+from pipeline.errors import RequestFailed
+from pipeline.types import Completion, Delta
+
+
+class RequestState(enum.Enum):
+    """Where a request is in its life; ``terminal`` states never change again."""
+
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        """True for finished, cancelled and failed."""
+        return self in (RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED)
+
+
+DeltaListener = Callable[[Delta], None]
+
+
+class RequestHandle:
+    """A submitted request: stream its deltas, wait for its completion, or cancel it.
+
+    Every method is safe from any thread. ``cancel()`` works in every state: a queued request
+    leaves the queue, an active one gives up its slot at the start of the next engine step; a
+    terminal request ignores it. ``result()`` returns the :class:`Completion` (also for a
+    cancelled request, whose ``finish_reason`` says so) and raises
+    :class:`~pipeline.errors.RequestFailed` (with ``.completion``) for a failed one.
+    """
+
+    def __init__(self, request_id: str, wake: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._deltas: list[Delta] = []
+        self._listeners: list[DeltaListener] = []
+        self._completion: Completion | None = None
+        self._state = RequestState.QUEUED
+        self._cancel = threading.Event()
+
+    # --- consumer side ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> RequestState:
+        """The current state."""
+        with self._cond:
+            return self._state
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once ``cancel()`` was called."""
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request and free its slot (idempotent)."""
+        if not self._cancel.is_set():
+            self._cancel.set()
+            self._wake()
+
+    def done(self) -> bool:
+        """True once the request reached a terminal state."""
+        with self._cond:
+            return self._completion is not None
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the completion; raises ``TimeoutError`` if ``timeout`` passes first."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._completion is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} not done after {timeout}s")
+            completion = self._completion
+        assert completion is not None
+        if completion.error is not None:
+            exc = RequestFailed(self.request_id, completion.error)
+            exc.completion = completion  # type: ignore[attr-defined]
+            raise exc
+        return completion
+
+    def deltas(self, timeout: float | None = None) -> Iterator[Delta]:
+        """Deltas in order, blocking for each; ends after the final one."""
+        index = 0
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self._deltas) > index, timeout):
+                    raise TimeoutError(f"no delta from {self.request_id} in {timeout}s")
+                delta = self._deltas[index]
+            index += 1
+            yield delta
+            if delta.final:
+                return
+
+    def add_listener(self, listener: DeltaListener) -> None:
+        """Call ``listener`` with every delta, those already pushed first (in order).
+
+        Listeners run on the engine thread: they must be quick and must not block
+        (``loop.call_soon_threadsafe`` is the intended use).
+        """
+        with self._cond:
+            for delta in self._deltas:
+                listener(delta)
+            self._listeners.append(listener)
+
+    # --- engine side -----------------------------------------------------------------------
+
+    def _set_state(self, state: RequestState) -> None:
+        with self._cond:
+            self._state = state
+
+    def _push(self, delta: Delta) -> None:
+        with self._cond:
+            self._deltas.append(delta)
+            listeners = tuple(self._listeners)
+            self._cond.notify_all()
+        for listener in listeners:
+            listener(delta)
+
+    def _complete(self, completion: Completion, state: RequestState) -> None:
+        with self._cond:
+            self._completion = completion
+            self._state = state
+            self._cond.notify_all()

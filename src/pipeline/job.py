@@ -1,0 +1,278 @@
+"""One request's decode-side life inside the engine: its state machine and its events.
+
+Owns :class:`Job`, the engine-thread-only record of a request in flight: slot, prefill
+progress, selected tokens, pending token, detokenizer and stopper states, emitted text, and the
+tracer that numbers its events. Every transition emits the DESIGN §7 event for it, so the trace
+of a finished job holds the minimal timeline in causal order. Only the engine calls these
+methods, from its own thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from pipeline.events import Tracer, digest_ids, digest_text
+from pipeline.handle import RequestHandle, RequestState
+from pipeline.protocols import (
+    Detokenizer, PrefillChunk, Row, StopContext, Stopper, StopVerdict, Strategy,
+)
+from pipeline.types import (
+    Completion, Delta, FinishReason, Recording, Request, Timings, TokenizedPrompt, TokenLogprob,
+    Usage,
+)
+
+_TERMINAL_STATE = {
+    FinishReason.CANCELLED: RequestState.CANCELLED,
+    FinishReason.ERROR: RequestState.FAILED,
+}
+
+
+@attrs.frozen
+class JobSpec:
+    """Everything fixed about a job when it is submitted."""
+
+    request: Request
+    prompt: TokenizedPrompt
+    seed: int
+    eos_token_ids: frozenset[int]
+    detokenizer: Detokenizer[Any]
+    stoppers: tuple[Stopper[Any], ...]
+    accepted_ns: int
+    last_event: int | None = None
+
+
+class Job:
+    """A request in the engine. Mutable; touched only by the engine thread."""
+
+    def __init__(self, spec: JobSpec, tracer: Tracer, handle: RequestHandle) -> None:
+        self.spec = spec
+        self.request = spec.request
+        self.config = spec.request.generation_config
+        self.tracer = tracer
+        self.handle = handle
+        self.state = RequestState.QUEUED
+        self.slot: int | None = None
+        self.prompt_ids = spec.prompt.input_ids
+        self.done_prefill = 0
+        self.output_ids: list[int] = []
+        self.pending: int | None = None
+        self.logprobs: list[TokenLogprob] = []
+        self.text: list[str] = []
+        self.seq = 0
+        self.unsent_ids: list[int] = []
+        self.unsent_logprobs: list[TokenLogprob] = []
+        self.detok_state = spec.detokenizer.start(self.prompt_ids)
+        context = StopContext(spec.eos_token_ids, spec.accepted_ns)
+        self.stop_states = [s.start(spec.request, context) for s in spec.stoppers]
+        self.started_ns: int | None = None
+        self.first_token_ns: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self._last = spec.last_event
+        self._full = spec.request.recording is Recording.FULL
+
+    # --- small views -------------------------------------------------------------------------
+
+    @property
+    def slot_id(self) -> int:
+        """The slot; only valid while the job holds one."""
+        assert self.slot is not None, "job holds no slot"
+        return self.slot
+
+    @property
+    def pending_token(self) -> int:
+        """y_t, selected last step and not yet written into the cache."""
+        assert self.pending is not None, "job has no pending token"
+        return self.pending
+
+    @property
+    def processor_order(self) -> tuple[str, ...] | None:
+        """The request's processor-order override, if any."""
+        return self.config.processor_order
+
+    def row(self) -> Row:
+        """This job's decode state as processors and selectors see it."""
+        return Row(self.request.request_id, self.config, self.prompt_ids, self.output_ids,
+                   len(self.output_ids) + 1, self.spec.seed, self.spec.eos_token_ids)
+
+    def deadline_passed(self, now_ns: int) -> bool:
+        """True when the request's deadline has passed."""
+        limit = self.request.runtime_limits.deadline_s
+        return limit is not None and now_ns - self.spec.accepted_ns > limit * 1e9
+
+    def queue_timed_out(self, now_ns: int) -> bool:
+        """True when the request waited for a slot longer than its queue limit."""
+        limit = self.request.runtime_limits.queue_timeout_s
+        return limit is not None and now_ns - self.spec.accepted_ns > limit * 1e9
+
+    def _emit(self, component: str, event_type: str, payload: dict[str, Any],
+              parent: int | None = None) -> int:
+        self._last = self.tracer.emit(component, event_type, payload,
+                                      parent if parent is not None else self._last)
+        return self._last
+
+    def _set(self, state: RequestState) -> None:
+        self.state = state
+        self.handle._set_state(state)
+
+    # --- prefill -----------------------------------------------------------------------------
+
+    def start_prefill(self, slot: int) -> None:
+        """The job got ``slot``; prefill begins."""
+        self.slot = slot
+        self.started_ns = time.monotonic_ns()
+        self._set(RequestState.PREFILLING)
+        self._emit("engine", "prefill.started", {
+            "slot": slot, "prompt_tokens": len(self.prompt_ids),
+            "queued_ms": (self.started_ns - self.spec.accepted_ns) / 1e6})
+
+    def next_chunk(self, limit: int) -> PrefillChunk:
+        """The next piece of the prompt, at most ``limit`` tokens."""
+        start = self.done_prefill
+        ids = self.prompt_ids[start:start + limit]
+        return PrefillChunk(self.slot_id, tuple(ids), start, start + len(ids) == len(self.prompt_ids))
+
+    def prefilled(self, chunk: PrefillChunk, cache_len: int) -> None:
+        """The backend wrote ``chunk``; ``cache_len`` is the slot's cache length now."""
+        self.done_prefill += len(chunk.token_ids)
+        if chunk.last:
+            self._emit("backend", "prefill.completed", {
+                "slot": self.slot_id, "cache_len": cache_len, "prompt_tokens": len(self.prompt_ids),
+                "chunks_end": chunk.start + len(chunk.token_ids)})
+            self._set(RequestState.DECODING)
+        else:
+            self._emit("backend", "prefill.chunk", {
+                "slot": self.slot_id, "start": chunk.start, "tokens": len(chunk.token_ids),
+                "cache_len": cache_len})
+
+    def configured(self, strategy: Strategy, row: Row) -> None:
+        """Record the processor order and strategy used (before the first selection)."""
+        self._emit("engine", "selection.configured", {
+            "strategy": strategy.name, "processors": list(strategy.order(row)),
+            "seed": self.spec.seed})
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def decoded(self, cache_len: int) -> None:
+        """The backend wrote the pending token; the cache now covers m + t positions."""
+        t = len(self.output_ids)
+        self._emit("backend", "decode.completed", {
+            "step": t, "token_id": self.pending, "cache_len": cache_len})
+        self.pending = None
+
+    def advance(self, token: int, logprob: TokenLogprob | None, max_context: int
+                ) -> FinishReason | None:
+        """Take y_t: stoppers, detokenizer, delta. Returns the finish reason if it ended."""
+        step = len(self.output_ids) + 1
+        cache_len = len(self.prompt_ids) + step - 1
+        payload: dict[str, Any] = {"step": step, "token_id": token, "cache_len": cache_len}
+        if logprob is not None:
+            payload["logprob"] = logprob.logprob
+        selected = self._emit("selector", "token.selected", payload)
+        if self.first_token_ns is None:
+            self.first_token_ns = time.monotonic_ns()
+        self.output_ids.append(token)
+        self.unsent_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.unsent_logprobs.append(logprob)
+        verdict = self._check_token(token, step, max_context)
+        piece = ""
+        if verdict is None or verdict.keep_token_text:
+            self.detok_state, piece = self.spec.detokenizer.step(self.detok_state, token)
+        final = verdict is not None
+        if final:
+            piece += self.spec.detokenizer.finish(self.detok_state)
+        released, text_verdict = self._check_text(piece, final)
+        verdict = text_verdict or verdict
+        self._deliver(released, verdict, selected)
+        if verdict is not None:
+            self._end(verdict.reason, verdict.detail)
+            return verdict.reason
+        self.pending = token
+        return None
+
+    def _check_token(self, token: int, step: int, max_context: int) -> StopVerdict | None:
+        for stopper, state in zip(self.spec.stoppers, self.stop_states):
+            verdict = stopper.check_token(state, token, step)
+            if verdict is not None:
+                return verdict
+        if len(self.prompt_ids) + step >= max_context:
+            return StopVerdict(FinishReason.LENGTH, "context window full", keep_token_text=True)
+        return None
+
+    def _check_text(self, text: str, final: bool) -> tuple[str, StopVerdict | None]:
+        for i, stopper in enumerate(self.spec.stoppers):
+            self.stop_states[i], text, verdict = stopper.check_text(self.stop_states[i], text, final)
+            if verdict is not None:
+                return text, verdict
+        return text, None
+
+    def _deliver(self, text: str, verdict: StopVerdict | None, parent: int) -> None:
+        if not text and verdict is None:
+            return  # held back: the tokens ride on the next delta
+        reason = verdict.reason if verdict is not None else None
+        self._push(text, reason, parent)
+
+    def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
+        delta = Delta(self.request.request_id, self.seq, text, tuple(self.unsent_ids),
+                      tuple(self.unsent_logprobs), reason)
+        payload: dict[str, Any] = {"seq": self.seq, "bytes": len(text.encode()),
+                                   "tokens": len(self.unsent_ids), "digest": digest_text(text),
+                                   "final": reason is not None}
+        if self._full:
+            payload["text"] = text
+        self._emit("transport", "stream.delta", payload, parent)
+        self.seq += 1
+        self.text.append(text)
+        self.unsent_ids.clear()
+        self.unsent_logprobs.clear()
+        self.handle._push(delta)
+
+    # --- endings -----------------------------------------------------------------------------
+
+    def finish(self, reason: FinishReason, detail: str) -> None:
+        """End outside the token path (cancel, deadline): flush held text and close the stream."""
+        if self.state.terminal:
+            return
+        self._push("", reason)
+        self._end(reason, detail)
+
+    def fail(self, error: str) -> None:
+        """End in state failed with ``error``."""
+        if self.state.terminal:
+            return
+        self.error = error
+        self._push("", FinishReason.ERROR)
+        self._end(FinishReason.ERROR, error)
+
+    def _end(self, reason: FinishReason, detail: str | int | None) -> None:
+        self.finish_reason, self.stop_reason = reason, detail
+        self.state = _TERMINAL_STATE.get(reason, RequestState.FINISHED)
+        self._emit("engine", "generation.finished", {
+            "reason": reason.value, "detail": detail, "completion_tokens": len(self.output_ids),
+            "output_digest": digest_ids(self.output_ids), "state": self.state.value})
+
+    def released(self) -> None:
+        """The slot (if any) is free again; the caller gets its completion."""
+        self._emit("engine", "resources.released", {"slot": self.slot})
+        self.slot = None
+        self.handle._complete(self._completion(), self.state)
+
+    def _completion(self) -> Completion:
+        now = time.monotonic_ns()
+        start = self.spec.accepted_ns
+        queued = ((self.started_ns or now) - start) / 1e9
+        ttft = None if self.first_token_ns is None else (self.first_token_ns - start) / 1e9
+        assert self.finish_reason is not None
+        return Completion(
+            request_id=self.request.request_id, text="".join(self.text),
+            token_ids=tuple(self.output_ids), finish_reason=self.finish_reason,
+            usage=Usage(len(self.prompt_ids), len(self.output_ids)),
+            trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
+            stop_reason=self.stop_reason,
+            logprobs=tuple(self.logprobs) if self.config.logprobs else None, error=self.error)

@@ -1,0 +1,272 @@
+"""The :class:`Pipeline`: the face users call (``generate``, ``stream``, ``submit``, ...).
+
+Owns request normalization (DESIGN §3, step "normalize"), rendering and tokenization on the
+caller's thread, the start of every trace (``request.accepted`` → ``request.normalized`` with
+the execution instance → ``context.rendered`` → ``input.tokenized``), validation against the
+artifacts (vocabulary, context window, processor names), and the hand-off to the
+:class:`~pipeline.engine.Engine`. A pipeline without a backend still renders, tokenizes and
+counts tokens exactly. Build one with :func:`pipeline.build`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from pipeline.engine import Engine
+from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
+from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_text
+from pipeline.handle import RequestHandle
+from pipeline.job import Job, JobSpec
+from pipeline.protocols import Detokenizer, Renderer, Stopper, Tokenizer, Transport
+from pipeline.types import (
+    Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
+    TokenizedPrompt, ToolSpec, from_mapping,
+)
+
+Prompt = str | Sequence[Message | Mapping[str, Any]] | Request
+RAW_PROMPT_DIGEST = digest_text("raw-prompt:v1")
+
+
+def environment_id() -> str:
+    """A digest of the runtime environment (Python, torch, platform, library version)."""
+    from pipeline import __version__
+
+    return digest_json({"python": sys.version, "torch": torch.__version__,
+                        "platform": platform.platform(), "pipeline": __version__,
+                        "threads": torch.get_num_threads()})
+
+
+def seed_for(request: Request) -> int:
+    """The request's seed, or one derived from its id (recorded, so runs replay)."""
+    seed = request.generation_config.seed
+    if seed is not None:
+        return seed
+    return int.from_bytes(hashlib.sha256(request.request_id.encode()).digest()[:8], "little") >> 1
+
+
+@attrs.frozen
+class Stages:
+    """The resolved stages of a pipeline (what ``build`` produced)."""
+
+    renderer: Renderer | None
+    tokenizer: Tokenizer | None
+    detokenizer: Detokenizer[Any] | None
+    stoppers: tuple[Stopper[Any], ...]
+    processor_names: tuple[str, ...]
+    selector: str
+    stream_transport: Transport[Iterator[Delta]]
+    async_transport: Transport[AsyncIterator[Delta]]
+
+
+class Pipeline:
+    """A built pipeline. Safe to use from many threads at once; close it when done."""
+
+    def __init__(self, stages: Stages, engine: Engine | None, *, sinks: Sequence[EventSink] = (),
+                 defaults: GenerationConfig | None = None, model_snapshot: str | None = None,
+                 description: Mapping[str, Any] | None = None) -> None:
+        self.stages = stages
+        self.engine = engine
+        self.defaults = defaults or GenerationConfig()
+        self.model_snapshot = model_snapshot or (engine.backend.snapshot if engine else None)
+        self.description = dict(description or {})
+        self._sinks = tuple(sinks)
+        self._environment = environment_id()
+
+    # --- artifacts without a model ---------------------------------------------------------
+
+    def render(self, messages: Sequence[Message | Mapping[str, Any]], *,
+               tools: Sequence[ToolSpec | Mapping[str, Any]] = (),
+               add_generation_prompt: bool = True, **template_kwargs: Any) -> Rendered:
+        """Render a conversation with the pipeline's chat template."""
+        request = Request(messages=messages, tool_catalog=tools, template_kwargs=template_kwargs)
+        return self._render(request, add_generation_prompt)
+
+    def tokenize(self, prompt: Prompt | Rendered, **template_kwargs: Any) -> TokenizedPrompt:
+        """Token ids of a string (one user turn), a conversation, a ``Request`` or rendered text."""
+        rendered = prompt if isinstance(prompt, Rendered) else self._render(
+            Request.coerce(prompt, **self._kwargs_field(prompt, template_kwargs)))
+        return self._tokenizer.encode(rendered)
+
+    def count_tokens(self, prompt: Prompt | Rendered, **template_kwargs: Any) -> int:
+        """The exact prompt length in tokens (what a gateway's window arithmetic needs)."""
+        return len(self.tokenize(prompt, **template_kwargs))
+
+    # --- generation --------------------------------------------------------------------------
+
+    def request(self, prompt: Prompt, config: GenerationConfig | None = None, *,
+                limits: RuntimeLimits | None = None,
+                tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+                request_id: str | None = None, recording: Recording | str | None = None,
+                template_kwargs: Mapping[str, Any] | None = None, **params: Any) -> Request:
+        """Normalize what ``generate`` accepts into a :class:`Request` (not yet submitted).
+
+        ``params`` are :class:`GenerationConfig` fields (``max_tokens=20, temperature=0``) laid
+        over ``config`` or the pipeline's defaults; an unknown name is an error.
+        """
+        fields: dict[str, Any] = {}
+        base = config or (prompt.generation_config if isinstance(prompt, Request)
+                          else self.defaults)
+        if params:
+            from_mapping(GenerationConfig, params)  # rejects unknown names with our error
+            base = attrs.evolve(base, **params)
+        fields["generation_config"] = base
+        for key, value in (("runtime_limits", limits), ("tool_catalog", tools),
+                           ("request_id", request_id), ("recording", recording),
+                           ("template_kwargs", template_kwargs)):
+            if value is not None:
+                fields[key] = value
+        return Request.coerce(prompt, **fields)
+
+    def submit(self, prompt: Prompt, config: GenerationConfig | None = None,
+               **options: Any) -> RequestHandle:
+        """Start a request; returns at once with a handle (``result``, ``deltas``, ``cancel``).
+
+        Bad input raises here, before anything is queued. ``options`` are those of
+        :meth:`request`.
+        """
+        engine = self._engine
+        request = self.request(prompt, config, **options)
+        accepted_ns = time.monotonic_ns()
+        tracer = Tracer(request.request_id, self._sinks)
+        tracer.emit("pipeline", "request.accepted", {
+            "request_id": request.request_id, "schema_version": request.schema_version})
+        request, spec = self._prepare(request, tracer, accepted_ns)
+        handle = RequestHandle(request.request_id, engine.wake)
+        engine.submit(Job(spec, tracer, handle))
+        return handle
+
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None,
+                 **options: Any) -> Completion:
+        """Run a request to completion and return it (raises ``RequestFailed`` on failure)."""
+        return self.submit(prompt, config, **options).result()
+
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
+               **options: Any) -> Iterator[Delta]:
+        """Deltas as they are produced; closing the iterator early cancels the request."""
+        return self.stages.stream_transport.deliver(self.submit(prompt, config, **options))
+
+    def astream(self, prompt: Prompt, config: GenerationConfig | None = None,
+                **options: Any) -> AsyncIterator[Delta]:
+        """The async-iterator form of :meth:`stream`, for an asyncio event loop."""
+        return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
+
+    def close(self) -> None:
+        """Cancel what is in flight, stop the engine and close the event sinks."""
+        if self.engine is not None:
+            self.engine.close()
+        for sink in self._sinks:
+            sink.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    @property
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise ArtifactError("this pipeline has no model backend: it can render, tokenize "
+                                "and count tokens, not generate")
+        return self.engine
+
+    @property
+    def _tokenizer(self) -> Tokenizer:
+        if self.stages.tokenizer is None:
+            raise ArtifactError("this pipeline has no tokenizer")
+        return self.stages.tokenizer
+
+    @staticmethod
+    def _kwargs_field(prompt: Prompt, template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if not template_kwargs:
+            return {}
+        return {"template_kwargs": template_kwargs} if not isinstance(prompt, Request) else {
+            "template_kwargs": {**prompt.template_kwargs, **template_kwargs}}
+
+    def _render(self, request: Request, add_generation_prompt: bool = True) -> Rendered:
+        if request.prompt is not None:
+            return Rendered.plain(request.prompt, RAW_PROMPT_DIGEST, "raw")
+        if self.stages.renderer is None:
+            raise ArtifactError("this pipeline has no renderer for chat messages")
+        kwargs = dict(request.template_kwargs)
+        kwargs.setdefault("add_generation_prompt", add_generation_prompt)
+        return self.stages.renderer.render(request.messages, tools=request.tool_catalog, **kwargs)
+
+    def _prepare(self, request: Request, tracer: Tracer, accepted_ns: int
+                 ) -> tuple[Request, JobSpec]:
+        tokenizer = self._tokenizer
+        self._validate(request)
+        request = attrs.evolve(
+            request, model_snapshot=self.model_snapshot,
+            template_version=self.stages.renderer.digest if self.stages.renderer else None,
+            tokenizer_version=tokenizer.digest)
+        seed = seed_for(request)
+        tracer.emit("pipeline", "request.normalized", self._instance(request, seed))
+        rendered = self._render(request)
+        tracer.emit("renderer", "context.rendered", {
+            "renderer": rendered.renderer, "template_digest": rendered.template_digest,
+            "rendered_digest": digest_text(rendered.text), "chars": len(rendered.text),
+            "control_spans": sum(1 for s in rendered.spans if s.kind.value == "control"),
+            **({"text": rendered.text} if request.recording is Recording.FULL else {})})
+        prompt = tokenizer.encode(rendered)
+        self._check_window(prompt)
+        last = tracer.emit("tokenizer", "input.tokenized", {
+            "tokens": len(prompt), "ids_digest": digest_ids(prompt.input_ids),
+            "tokenizer_digest": prompt.tokenizer_digest,
+            "rendered_digest": prompt.rendered_digest,
+            **({"input_ids": list(prompt.input_ids)}
+               if request.recording is Recording.FULL else {})})
+        assert self.stages.detokenizer is not None
+        spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
+                       self.stages.stoppers, accepted_ns, last)
+        return request, spec
+
+    def _instance(self, request: Request, seed: int) -> dict[str, Any]:
+        """The execution instance (DESIGN §3): request plus artifact digests, seed, runtime."""
+        config = attrs.asdict(request.generation_config)
+        config["logit_bias"] = {str(k): v for k, v in request.generation_config.logit_bias.items()}
+        return {
+            "request_id": request.request_id, "schema_version": request.schema_version,
+            "messages_digest": digest_json([m.to_template() for m in request.messages]),
+            "prompt_digest": digest_text(request.prompt) if request.prompt is not None else None,
+            "tools_digest": digest_json([t.to_template() for t in request.tool_catalog]),
+            "template_kwargs": dict(request.template_kwargs),
+            "model_snapshot": request.model_snapshot,
+            "template_version": request.template_version,
+            "tokenizer_version": request.tokenizer_version,
+            "generation_config": config, "seed": seed, "rng": "counter:splitmix64(seed,stream,step)",
+            "runtime_limits": attrs.asdict(request.runtime_limits),
+            "environment": self._environment, "recording": request.recording.value,
+        }
+
+    def _validate(self, request: Request) -> None:
+        config = request.generation_config
+        vocab = self._tokenizer.vocab_size
+        if self.engine is not None:
+            vocab = min(vocab, self.engine.backend.vocab_size) if vocab else vocab
+        for token in sorted(config.token_ids_used()):
+            if token >= vocab:
+                field = "logit_bias" if token in config.logit_bias else "token ids"
+                raise InvalidValueError(field, token, f"outside the vocabulary (size {vocab})")
+        for name in config.processor_order or ():
+            if name not in self.stages.processor_names:
+                raise UnknownNameError("processor", name, self.stages.processor_names)
+
+    def _check_window(self, prompt: TokenizedPrompt) -> None:
+        if self.engine is None:
+            return
+        limit = self.engine.backend.max_context
+        if len(prompt) >= limit:
+            raise InvalidValueError("prompt", len(prompt),
+                                    f"prompt is too long: {len(prompt)} tokens >= {limit} "
+                                    "maximum context (no room for one output token)")

@@ -1,0 +1,121 @@
+"""Registers the built-in text-side stages through the ``pipeline_components`` hook.
+
+Factories import their modules lazily, so listing the registry stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.errors import ArtifactError
+from pipeline.hookspecs import hookimpl
+from pipeline.registry import BuildContext, Component
+
+PROCESSOR_SUMMARIES = {
+    "allowed_tokens": "remove every token outside allowed_token_ids",
+    "banned_tokens": "remove banned_token_ids",
+    "logit_bias": "add logit_bias to the named tokens",
+    "min_tokens": "remove EOS and stop tokens until min_tokens outputs exist",
+    "repetition_penalty": "penalize prompt and output tokens multiplicatively",
+    "presence_penalty": "subtract presence_penalty from tokens already output",
+    "frequency_penalty": "subtract frequency_penalty per earlier occurrence",
+    "temperature": "divide logits by the temperature",
+    "top_k": "keep the k most likely tokens",
+    "top_p": "keep the smallest set with probability mass >= top_p",
+    "min_p": "keep tokens with probability >= min_p times the top one",
+    "typical_p": "locally typical sampling",
+}
+STOPPER_SUMMARIES = {
+    "eos": "end at an EOS token or a stop_token_ids token",
+    "max_tokens": "end after max_tokens outputs",
+    "stop_strings": "end at a stop string, matched across token boundaries",
+    "deadline": "end when runtime_limits.deadline_s has passed",
+}
+
+
+def _model_dir(ctx: BuildContext, what: str) -> Any:
+    if ctx.model_dir is None:
+        raise ArtifactError(f"the {what} needs a model or tokenizer folder")
+    return ctx.model_dir
+
+
+def _processor(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.process import make_processor
+
+        return make_processor(name)
+
+    return factory
+
+
+def _stopper(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.stop import make_stopper
+
+        return make_stopper(name)
+
+    return factory
+
+
+def _hf_renderer(ctx: BuildContext) -> Any:
+    from stages.render import HFChatTemplateRenderer
+
+    return HFChatTemplateRenderer.from_dir(_model_dir(ctx, "chat-template renderer"))
+
+
+def _plain_renderer(ctx: BuildContext) -> Any:
+    from stages.render import PlainRenderer
+
+    return PlainRenderer()
+
+
+def _hf_tokenizer(ctx: BuildContext) -> Any:
+    from stages.tokenize import HFTokenizer
+
+    return HFTokenizer.from_dir(_model_dir(ctx, "tokenizer"))
+
+
+def _detokenizer(ctx: BuildContext) -> Any:
+    from stages.detokenize import IncrementalDetokenizer
+
+    if ctx.tokenizer is None:
+        raise ArtifactError("the incremental detokenizer needs a tokenizer")
+    return IncrementalDetokenizer(ctx.tokenizer)
+
+
+def _greedy(ctx: BuildContext) -> Any:
+    from stages.select import GreedySelector
+
+    return GreedySelector()
+
+
+def _sample(ctx: BuildContext) -> Any:
+    from stages.select import SamplingSelector
+
+    return SamplingSelector()
+
+
+def _autoregressive(ctx: BuildContext) -> Any:
+    from stages.select import AutoregressiveStrategy
+
+    return AutoregressiveStrategy
+
+
+@hookimpl
+def pipeline_components() -> list[Component]:
+    """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategy."""
+    comps = [
+        Component("renderer", "hf_chat_template", _hf_renderer,
+                  "Hugging Face chat template (jinja2, sandboxed)"),
+        Component("renderer", "plain", _plain_renderer, "role-labelled plain text"),
+        Component("tokenizer", "hf", _hf_tokenizer, "tokenizers (tokenizer.json)"),
+        Component("detokenizer", "incremental", _detokenizer,
+                  "incremental, never a broken UTF-8 tail"),
+        Component("selector", "greedy", _greedy, "argmax (ties to the lowest id)"),
+        Component("selector", "sample", _sample,
+                  "inverse-CDF sampling, uniform = f(seed, stream, step); greedy at T=0"),
+        Component("strategy", "autoregressive", _autoregressive, "one token per step"),
+    ]
+    comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
+    comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
+    return comps
