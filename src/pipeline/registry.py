@@ -43,7 +43,7 @@ class BuildContext:
 class Component:
     """A named factory of one kind of stage."""
 
-    kind: str
+    kind: str = attrs.field()
     name: str
     factory: Callable[[BuildContext], Any]
     summary: str = ""

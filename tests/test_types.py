@@ -1,0 +1,87 @@
+"""Value types: validation at construction, unknown keys rejected, errors naming the field."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+import pipeline
+from pipeline import GenerationConfig, Message, Request, RuntimeLimits, ToolSpec
+from pipeline.errors import InvalidValueError, PipelineError, UnknownFieldError
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("top_p", 1.5), ("top_p", 0), ("max_tokens", 0), ("top_k", -3),
+    ("min_p", 2.0), ("typical_p", 0.0), ("repetition_penalty", 0), ("presence_penalty", 3),
+    ("frequency_penalty", -2.5), ("seed", -1), ("top_logprobs", 30), ("temperature", float("nan")),
+    ("max_tokens", True), ("max_tokens", 2.5), ("stop", [""]), ("stop", ["x"] * 17),
+    ("stop_token_ids", [-1]), ("allowed_token_ids", []),
+])
+def test_bad_generation_values_name_field_and_value(field: str, value: object) -> None:
+    with pytest.raises(InvalidValueError) as info:
+        GenerationConfig(**{field: value})
+    assert isinstance(info.value, PipelineError) and isinstance(info.value, ValueError)
+    assert info.value.field.startswith(field) or field in str(info.value)
+    if not isinstance(value, list):  # sequences name the offending element instead
+        assert repr(value) in str(info.value)
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(InvalidValueError, match="min_tokens"):
+        GenerationConfig(max_tokens=4, min_tokens=5)
+    with pytest.raises(InvalidValueError, match="top_logprobs"):
+        GenerationConfig(top_logprobs=3)
+    assert GenerationConfig(logprobs=True, top_logprobs=3).top_logprobs == 3
+
+
+def test_logit_bias_keys_and_values_are_checked() -> None:
+    cfg = GenerationConfig.from_dict({"logit_bias": {"42": 5, 7: -100}})
+    assert dict(cfg.logit_bias) == {42: 5.0, 7: -100.0}
+    with pytest.raises(InvalidValueError, match="logit_bias"):
+        GenerationConfig(logit_bias={"abc": 1})
+    with pytest.raises(InvalidValueError, match=r"logit_bias\[3\]"):
+        GenerationConfig(logit_bias={3: 101})
+
+
+def test_unknown_keys_are_rejected_not_dropped() -> None:
+    with pytest.raises(UnknownFieldError) as info:
+        GenerationConfig.from_dict({"temperature": 0.5, "temprature": 1})
+    assert info.value.field == "temprature" and "temperature" in info.value.allowed
+    with pytest.raises(UnknownFieldError):
+        Message.from_dict({"role": "user", "content": "x", "extra": 1})
+    with pytest.raises(UnknownFieldError):
+        Request.from_dict({"messages": [{"role": "user", "content": "x"}], "nope": 1})
+    with pytest.raises(UnknownFieldError):
+        RuntimeLimits.from_dict({"deadline": 3})
+
+
+def test_messages_and_requests() -> None:
+    with pytest.raises(InvalidValueError, match="role"):
+        Message("robot", "x")
+    with pytest.raises(InvalidValueError, match="exactly one"):
+        Request()
+    with pytest.raises(InvalidValueError, match="exactly one"):
+        Request(messages=[Message("user", "x")], prompt="y")
+    r = Request.coerce("hello")
+    assert r.messages == (Message("user", "hello"),) and r.request_id.startswith("req-")
+    r2 = Request.coerce([{"role": "user", "content": "a"}], request_id="fixed")
+    assert r2.request_id == "fixed" and r2.messages[0].content == "a"
+    evolved = attrs.evolve(r2.generation_config, temperature=0)
+    assert evolved.greedy
+    tool = ToolSpec.from_dict({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}})
+    assert tool.to_template()["function"]["parameters"]["properties"]["x"]["type"] == "integer"
+    with pytest.raises(InvalidValueError):
+        RuntimeLimits(deadline_s=0)
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(pipeline.__all__) == sorted([
+        "Backend", "Batch", "BuildContext", "Completion", "Component", "Delta", "Detokenizer",
+        "EngineConfig", "Event", "FinishReason", "GenerationConfig", "LogitProcessor", "Message",
+        "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
+        "RequestHandle", "RequestState", "Row", "RuntimeLimits", "Scores", "Selection",
+        "Selector", "Stopper", "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
+        "ToolCall", "ToolSpec", "Transport", "Usage", "build", "hookimpl"])
+    for name in pipeline.__all__:
+        assert getattr(pipeline, name).__doc__, name
