@@ -149,9 +149,16 @@ class Engine:
             try:
                 self._step()
             except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
-                for job in list(self._active):
-                    self._fail(job, f"engine step failed: {exc!r}")
+                self._recover(exc)
             self._idle_wait()
+
+    def _recover(self, exc: Exception) -> None:
+        """After an unexpected error: fail every active job, finish any half-ended one."""
+        for job in list(self._active):
+            self._fail(job, f"engine step failed: {exc!r}")
+        for job in list(self._queue):
+            if job.state.terminal:
+                self._release(job)
 
     def _idle_wait(self) -> None:
         """Sleep only when nothing can progress (all queued behind a full backend)."""
@@ -241,16 +248,11 @@ class Engine:
             try:
                 logits = fn(jobs)
             except SlotError as exc:
-                bad = set(exc.slots)
-                for job in jobs:
-                    if job.slot_id in bad:
-                        self._fail(job, f"backend error: {exc.cause!r}")
-                rest = [j for j in jobs if j.slot_id not in bad]
-                if len(rest) == len(jobs):  # named no slot of this call: fail them all
-                    for job in rest:
-                        self._fail(job, f"backend error: {exc.cause!r}")
-                    return []
-                jobs = rest
+                faulty = [j for j in jobs if j.slot_id in set(exc.slots)]
+                rest = [j for j in jobs if j not in faulty]
+                for job in faulty or rest:  # a SlotError naming no slot here fails them all
+                    self._fail(job, f"backend error: {exc.cause!r}")
+                jobs = rest if faulty else []
                 continue
             except Exception as exc:
                 for job in jobs:
@@ -299,7 +301,7 @@ class Engine:
                 self._queue.remove(job)
             if job in self._active:
                 self._active.remove(job)
-        if job.slot_id is not None:
+        if job.slot is not None:
             try:
                 self.backend.release(job.slot_id)
             except Exception as exc:  # the request is over either way; record it

@@ -136,9 +136,9 @@ class Pipeline:
         request = self.request(prompt, config, **options)
         accepted_ns = time.monotonic_ns()
         tracer = Tracer(request.request_id, self._sinks)
-        tracer.emit("pipeline", "request.accepted", {
+        accepted = tracer.emit("pipeline", "request.accepted", {
             "request_id": request.request_id, "schema_version": request.schema_version})
-        request, spec = self._prepare(request, tracer, accepted_ns)
+        request, spec = self._prepare(request, tracer, accepted_ns, accepted)
         handle = RequestHandle(request.request_id, engine.wake)
         engine.submit(Job(spec, tracer, handle))
         return handle
@@ -202,7 +202,7 @@ class Pipeline:
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
         return self.stages.renderer.render(request.messages, tools=request.tool_catalog, **kwargs)
 
-    def _prepare(self, request: Request, tracer: Tracer, accepted_ns: int
+    def _prepare(self, request: Request, tracer: Tracer, accepted_ns: int, parent: int
                  ) -> tuple[Request, JobSpec]:
         tokenizer = self._tokenizer
         self._validate(request)
@@ -211,13 +211,14 @@ class Pipeline:
             template_version=self.stages.renderer.digest if self.stages.renderer else None,
             tokenizer_version=tokenizer.digest)
         seed = seed_for(request)
-        tracer.emit("pipeline", "request.normalized", self._instance(request, seed))
+        parent = tracer.emit("pipeline", "request.normalized", self._instance(request, seed),
+                             parent)
         rendered = self._render(request)
-        tracer.emit("renderer", "context.rendered", {
+        parent = tracer.emit("renderer", "context.rendered", {
             "renderer": rendered.renderer, "template_digest": rendered.template_digest,
             "rendered_digest": digest_text(rendered.text), "chars": len(rendered.text),
             "control_spans": sum(1 for s in rendered.spans if s.kind.value == "control"),
-            **({"text": rendered.text} if request.recording is Recording.FULL else {})})
+            **({"text": rendered.text} if request.recording is Recording.FULL else {})}, parent)
         prompt = tokenizer.encode(rendered)
         self._check_window(prompt)
         last = tracer.emit("tokenizer", "input.tokenized", {
@@ -225,7 +226,7 @@ class Pipeline:
             "tokenizer_digest": prompt.tokenizer_digest,
             "rendered_digest": prompt.rendered_digest,
             **({"input_ids": list(prompt.input_ids)}
-               if request.recording is Recording.FULL else {})})
+               if request.recording is Recording.FULL else {})}, parent)
         assert self.stages.detokenizer is not None
         spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
                        self.stages.stoppers, accepted_ns, last)
