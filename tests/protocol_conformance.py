@@ -1,0 +1,39 @@
+"""Checked by mypy --strict (see test_protocols.py): every implementation satisfies its
+Protocol structurally, which a runtime isinstance check (names only) cannot prove."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from pipeline import (
+    Backend, Delta, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
+    Transport,
+)
+from pipeline import testing
+from stages import detokenize, process, render, select, stop, tokenize
+from transports import AsyncioTransport, InProcessTransport
+
+
+def conformance(tok: tokenize.HFTokenizer) -> None:
+    renderers: list[Renderer] = [
+        render.HFChatTemplateRenderer.from_template("{{ messages[0].content }}"),
+        render.PlainRenderer(), testing.ChatMLRenderer()]
+    tokenizers: list[Tokenizer] = [tok, testing.ByteTokenizer()]
+    detokenizers: list[Detokenizer[Any]] = [
+        detokenize.IncrementalDetokenizer(tok), testing.ByteDetokenizer()]
+    processors: list[LogitProcessor] = [
+        process.AllowedTokens(), process.BannedTokens(), process.LogitBias(), process.MinTokens(),
+        process.RepetitionPenalty(), process.PresencePenalty(), process.FrequencyPenalty(),
+        process.Temperature(), process.TopK(), process.TopP(), process.MinP(), process.TypicalP(),
+        testing.BanTokenProcessor(3)]
+    selectors: list[Selector] = [select.GreedySelector(), select.SamplingSelector(),
+                                 testing.ScriptedSelector(lambda row: 0)]
+    strategy: Strategy = select.AutoregressiveStrategy(process.ProcessorChain(processors),
+                                                       selectors[0])
+    stoppers: list[Stopper[Any]] = [stop.make_stopper(n) for n in stop.DEFAULT_STOPPERS]
+    stoppers.append(testing.TokenCountStopper(3))
+    backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
+    sync: Transport[Iterator[Delta]] = InProcessTransport()
+    asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
+    del renderers, tokenizers, detokenizers, selectors, strategy, stoppers, backend, sync, asyncs
