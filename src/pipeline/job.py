@@ -206,11 +206,15 @@ class Job:
         return None
 
     def _check_text(self, text: str, final: bool) -> tuple[str, StopVerdict | None]:
+        """Chain text through the stoppers. After a verdict the rest get ``final=True`` so
+        they release what they hold; a later stopper's verdict lies earlier in the (already
+        trimmed) text, so it wins."""
+        verdict: StopVerdict | None = None
         for i, stopper in enumerate(self.spec.stoppers):
-            self.stop_states[i], text, verdict = stopper.check_text(self.stop_states[i], text, final)
-            if verdict is not None:
-                return text, verdict
-        return text, None
+            self.stop_states[i], text, found = stopper.check_text(
+                self.stop_states[i], text, final or verdict is not None)
+            verdict = found or verdict
+        return text, verdict
 
     def _deliver(self, text: str, verdict: StopVerdict | None, parent: int) -> None:
         if not text and verdict is None:

@@ -101,8 +101,9 @@ class Detokenizer(Protocol[S]):
 
     Call order per request: ``start`` once, ``step`` once per selected token that is part of
     the output, ``finish`` once at the end. ``step`` returns only text that can never change:
-    no broken UTF-8 tail and no U+FFFD for a character split across tokens. The concatenation
-    of every ``step`` result and ``finish`` equals ``tokenizer.decode(all_ids)``. States are
+    no broken UTF-8 tail and no U+FFFD for a character split across tokens. The prompt is
+    not decoded: the concatenation of every ``step`` result and ``finish`` equals
+    ``tokenizer.decode(output_ids)`` with the same ``skip_special_tokens``. States are
     values; the detokenizer itself is stateless and shared by all requests.
 
     Example::
