@@ -86,21 +86,25 @@ def test_chunked_prefill_equals_one_shot_and_respects_the_chunk_size() -> None:
 
 
 def test_a_long_prefill_does_not_starve_decoding() -> None:
-    backend = ScriptedBackend(V, hashed_logits(V), delay_s=0.002)
+    backend = ScriptedBackend(V, hashed_logits(V))
     cfg = EngineConfig(token_budget=16, max_prefill_chunk=16)
     with build_scripted(backend, engine=cfg) as pipe:
-        short = pipe.submit("s", max_tokens=40, temperature=0, ignore_eos=True)
-        while short.state is not RequestState.DECODING:
-            time.sleep(0.001)
+        short = pipe.submit("s", max_tokens=5000, temperature=0, ignore_eos=True)
+        _wait_state(short, RequestState.DECODING)
         long = pipe.submit("L" * 400, max_tokens=2, temperature=0)
-        short.result(), long.result()
-    # in every step where the long prompt was being prefilled, the short one still decoded
-    steps = [(k, rows) for k, rows in backend.calls]
-    prefill_steps = [i for i, (k, rows) in enumerate(steps) if k == "prefill"
-                     and any(n > 1 for _, n in rows)]
-    assert len(prefill_steps) > 5
-    for i in prefill_steps[1:-1]:
-        assert steps[i + 1][0] == "decode" or steps[i - 1][0] == "decode"
+        long.result(timeout=10)
+        short.cancel()
+        short.result(timeout=10)
+    # the long prompt went in chunks of at most 15 (the budget minus one decode token), and
+    # each chunk's step also decoded the short request: prefill is prefill-then-decode
+    calls = backend.calls
+    first_decode = next(i for i, (kind, _) in enumerate(calls) if kind == "decode")
+    long_chunks = [i for i, (kind, _) in enumerate(calls)
+                   if kind == "prefill" and i > first_decode]
+    assert len(long_chunks) >= 400 // 15
+    for i in long_chunks:
+        assert max(n for _, n in calls[i][1]) <= 15
+        assert calls[i + 1][0] == "decode"
 
 
 def test_greedy_batch_results_equal_solo_results() -> None:
