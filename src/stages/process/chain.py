@@ -1,0 +1,108 @@
+"""The processor chain: an explicit, ordered list of logit processors.
+
+Owns :class:`ProcessorChain`, the default order :data:`DEFAULT_ORDER`, the name-to-class table
+:data:`PROCESSORS` and the factory :func:`make_processor`. The default order is:
+
+1. ``allowed_tokens`` — everything outside ``allowed_token_ids`` is removed
+2. ``banned_tokens`` — ``banned_token_ids`` are removed
+3. ``logit_bias`` — the per-token biases are added
+4. ``min_tokens`` — EOS and stop tokens are removed until ``min_tokens`` outputs exist
+5. ``repetition_penalty`` — prompt + output tokens: positive ``/ p``, negative ``* p``
+6. ``presence_penalty`` — output tokens: ``- presence``
+7. ``frequency_penalty`` — output tokens: ``- frequency * count``
+8. ``temperature`` — ``/ T`` (``T == 0`` rows are greedy and left alone)
+9. ``top_k`` — the k most likely
+10. ``top_p`` — the smallest most-likely set with mass >= p
+11. ``min_p`` — ``prob >= min_p * max prob``
+12. ``typical_p`` — locally typical sampling
+
+Masks and biases come first so penalties and truncation see the allowed vocabulary;
+temperature precedes truncation (as in vLLM, SGLang and transformers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+from pipeline.errors import InvalidValueError, UnknownNameError
+from pipeline.protocols import Batch, LogitProcessor, Row, Scores
+from stages.process.masks import AllowedTokens, BannedTokens, LogitBias, MinTokens
+from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
+from stages.process.temperature import Temperature
+from stages.process.truncation import MinP, TopK, TopP, TypicalP
+
+DEFAULT_ORDER: tuple[str, ...] = (
+    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "typical_p",
+)
+"""The names of the built-in processors in the order the default chain applies them."""
+
+PROCESSORS: Mapping[str, type[LogitProcessor]] = MappingProxyType({
+    cls.name: cls for cls in (
+        AllowedTokens, BannedTokens, LogitBias, MinTokens, RepetitionPenalty, PresencePenalty,
+        FrequencyPenalty, Temperature, TopK, TopP, MinP, TypicalP)
+})
+"""Built-in processor classes by name (read-only); each is built with no arguments."""
+
+
+def make_processor(name: str) -> LogitProcessor:
+    """A new built-in processor called ``name``; :class:`UnknownNameError` for any other."""
+    if name not in PROCESSORS:
+        raise UnknownNameError("processor", name, PROCESSORS)
+    return PROCESSORS[name]()
+
+
+def _applies(processor: LogitProcessor, row: Row) -> bool:
+    """Whether ``processor`` changes ``row``: active, and not an argmax-invariant one on a
+    greedy row (the argmax is all a greedy row needs)."""
+    if processor.argmax_invariant and row.config.greedy:
+        return False
+    return processor.active(row)
+
+
+class ProcessorChain:
+    """Applies processors in their declared order to a batch's scores.
+
+    A processor runs when it applies to at least one row; argmax-invariant processors are
+    skipped outright when every row is greedy. Processors may modify ``scores.values`` in
+    place, so the caller's logits tensor may change. Names must be unique.
+
+    Example::
+
+        chain = ProcessorChain([make_processor(n) for n in DEFAULT_ORDER])
+        processed = chain(Scores(logits), batch)     # logits [B, V]
+        chain.order_for(batch.rows[0])               # ("temperature", "top_p")
+    """
+
+    def __init__(self, processors: Sequence[LogitProcessor]) -> None:
+        names = [p.name for p in processors]
+        if len(set(names)) != len(names):
+            raise InvalidValueError("processors", names, "processor names must be unique")
+        self._processors = tuple(processors)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The processors' names in declared order."""
+        return tuple(p.name for p in self._processors)
+
+    @property
+    def processors(self) -> tuple[LogitProcessor, ...]:
+        """The processors in declared order."""
+        return self._processors
+
+    def order_for(self, row: Row) -> tuple[str, ...]:
+        """Names of the processors applied to ``row``, in application order."""
+        return tuple(p.name for p in self._processors if _applies(p, row))
+
+    def __call__(self, scores: Scores, batch: Batch) -> Scores:
+        """Run every processor that applies to some row of ``batch``, in order."""
+        rows = batch.rows
+        all_greedy = all(r.config.greedy for r in rows)
+        for processor in self._processors:
+            if processor.argmax_invariant and all_greedy:
+                continue
+            if any(_applies(processor, r) for r in rows):
+                scores = processor(scores, batch)
+        return scores

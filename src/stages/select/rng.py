@@ -1,0 +1,48 @@
+"""Counter-based randomness: the uniform draw of a row is a pure function of three integers.
+
+Owns :func:`uniform` and :func:`row_uniforms`. There is no generator object and no global RNG:
+the draw for (``seed``, ``stream``, ``step``) hashes the three integers with the SplitMix64
+finalizer, chained like a sponge, and keeps the top 53 bits. The "RNG cursor" of a request is
+therefore just its step (DESIGN §6), and a request's draws cannot depend on which other
+requests share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.protocols import Row
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, SplitMix64's increment
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
+_TO_UNIT = 2.0 ** -53
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers with full avalanche."""
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, stream: int, step: int) -> float:
+    """A uniform number in ``[0, 1)`` (53 random bits) determined by the three integers.
+
+    Example::
+
+        u = uniform(seed=1234, stream=0, step=7)     # same value on every call and machine
+    """
+    h = _mix64((seed + _GOLDEN) & _MASK64)
+    h = _mix64(((h ^ (stream & _MASK64)) + _GOLDEN) & _MASK64)
+    h = _mix64(((h ^ (step & _MASK64)) + _GOLDEN) & _MASK64)
+    return (h >> 11) * _TO_UNIT
+
+
+def row_uniforms(rows: Sequence[Row], device: torch.device) -> torch.Tensor:
+    """``[B]`` float64: the draw of each row at its (``seed``, ``stream``, ``step``)."""
+    return torch.tensor([uniform(r.seed, r.stream, r.step) for r in rows],
+                        dtype=torch.float64, device=device)
