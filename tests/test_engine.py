@@ -271,3 +271,17 @@ def test_astream_delivers_on_the_event_loop() -> None:
         return "".join(parts)
 
     assert asyncio.run(run()) == "BBBBBB"
+
+
+def test_the_context_window_bounds_prompt_and_output() -> None:
+    from pipeline.errors import InvalidValueError
+
+    with build_scripted(ScriptedBackend(V, peaked(V, lambda t: 65), max_context=64)) as pipe:
+        m = pipe.count_tokens("x")
+        with pytest.raises(InvalidValueError, match="prompt is too long"):
+            pipe.submit("x" * 80)
+        done = pipe.generate("x", max_tokens=500, temperature=0)
+        assert done.finish_reason is FinishReason.LENGTH and m + len(done.token_ids) == 64
+        capped = pipe.generate("x", max_tokens=500, temperature=0,
+                               limits={"max_context_tokens": m + 5})
+        assert len(capped.token_ids) == 5

@@ -201,7 +201,8 @@ class Job:
             verdict = stopper.check_token(state, token, step)
             if verdict is not None:
                 return verdict
-        if len(self.prompt_ids) + step >= max_context:
+        limit = self.request.runtime_limits.max_context_tokens
+        if len(self.prompt_ids) + step >= min(max_context, limit or max_context):
             return StopVerdict(FinishReason.LENGTH, "context window full", keep_token_text=True)
         return None
 

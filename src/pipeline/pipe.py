@@ -220,7 +220,7 @@ class Pipeline:
             "control_spans": sum(1 for s in rendered.spans if s.kind.value == "control"),
             **({"text": rendered.text} if request.recording is Recording.FULL else {})}, parent)
         prompt = tokenizer.encode(rendered)
-        self._check_window(prompt)
+        self._check_window(prompt, request.runtime_limits.max_context_tokens)
         last = tracer.emit("tokenizer", "input.tokenized", {
             "tokens": len(prompt), "ids_digest": digest_ids(prompt.input_ids),
             "tokenizer_digest": prompt.tokenizer_digest,
@@ -263,10 +263,10 @@ class Pipeline:
             if name not in self.stages.processor_names:
                 raise UnknownNameError("processor", name, self.stages.processor_names)
 
-    def _check_window(self, prompt: TokenizedPrompt) -> None:
+    def _check_window(self, prompt: TokenizedPrompt, request_limit: int | None) -> None:
         if self.engine is None:
             return
-        limit = self.engine.backend.max_context
+        limit = min(self.engine.backend.max_context, request_limit or self.engine.backend.max_context)
         if len(prompt) >= limit:
             raise InvalidValueError("prompt", len(prompt),
                                     f"prompt is too long: {len(prompt)} tokens >= {limit} "
