@@ -96,6 +96,16 @@ def test_special_token_stays_content_when_the_template_mangles_the_string() -> N
                             ("y<|im_end|>", SpanKind.CONTROL)]
 
 
+def test_spans_where_the_template_splits_one_string() -> None:
+    # Qwen3 splits assistant text at "</think>", which strands that string's markers; the
+    # other strings keep exact spans, and nothing is claimed inside the template's own text.
+    messages = [Message("user", "q"), Message("assistant", "<think>\nhmm\n</think>\n\nans"),
+                Message("user", "a")]
+    out = renderer().render(messages)
+    assert out.text == oracle_render(messages, tokenize=False)
+    assert content_pieces(out) == ["q", "a"]
+
+
 def test_spans_are_searched_when_markers_make_the_template_raise() -> None:
     r = HFChatTemplateRenderer.from_template(
         "{% if messages[0].content != 'secret' %}{{ raise_exception('wrong') }}{% endif %}"
@@ -297,3 +307,9 @@ def test_plain_renderer_prompt_and_refusals() -> None:
         PlainRenderer().render([Message("user", "x")], tools=[ToolSpec("t")])
     with pytest.raises(TemplateError, match="tool calls"):
         PlainRenderer().render([Message("assistant", "", tool_calls=[ToolCall("t")])])
+
+
+def test_hf_renderer_passes_raw_prompts_through() -> None:
+    out = renderer().render_prompt("<|im_start|>raw text")
+    assert out.pieces() == [("<|im_start|>raw text", SpanKind.CONTENT)]
+    assert out.template_digest == renderer().digest

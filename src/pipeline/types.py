@@ -154,7 +154,7 @@ class Message:
         out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.tool_calls:
             out["tool_calls"] = [
-                {"type": "function", "id": c.id,
+                {"type": "function", **({"id": c.id} if c.id is not None else {}),
                  "function": {"name": c.name, "arguments": c.arguments}}
                 for c in self.tool_calls
             ]

@@ -21,10 +21,12 @@ control. Spans are found in three steps:
 1. protect: each special-token string inside a caller string (``<|im_end|>``) is replaced by
    a private-use placeholder character that occurs nowhere in the inputs;
 2. locate: the template is rendered a second time with each caller string's non-blank core
-   wrapped in two private-use markers. If that output without the markers equals the first
-   output and the markers pair up, the pairs are exact CONTENT spans. Otherwise (the
-   template sliced, split or tested a string) caller strings are searched for in the first
-   output, tools first, then messages in order, each exact, stripped or JSON-escaped;
+   between an opening marker of its own and a closing marker (private-use characters). Where
+   the two outputs agree (their common prefix and suffix, markers removed), each marker pair
+   is an exact CONTENT span. Strings left over (the template split, sliced or tested them,
+   which strands or moves their markers) are searched for where the outputs differ, in
+   order, exact, stripped or JSON-escaped. No span covers a special token the template
+   wrote itself;
 3. restore: each placeholder becomes its special-token string again, inside a CONTENT span
    whatever step 2 found. So a caller's ``<|im_end|>`` is always content.
 
@@ -38,10 +40,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -197,26 +201,44 @@ def _wrap(text: str, open_: str, close: str) -> str:
 # --- spans --------------------------------------------------------------------------------
 
 
-def _marked_spans(wrapped: str, plain: str, open_: str, close: str
-                  ) -> list[tuple[int, int]] | None:
-    """Content spans from paired markers, or None unless they are exact."""
-    spans: list[tuple[int, int]] = []
-    parts: list[str] = []
-    at, last, start = 0, 0, None
-    for m in re.finditer(f"[{open_}{close}]", wrapped):
+def _unmark(wrapped: str, opens: Mapping[str, int], close: str
+            ) -> tuple[str, list[tuple[int, int | None]]]:
+    """``wrapped`` without markers, and each marker's position there with its probe index
+    (``None`` for the closing marker)."""
+    pattern = re.compile("[" + re.escape("".join(opens) + close) + "]")
+    parts, marks, last, at = [], [], 0, 0
+    for m in pattern.finditer(wrapped):
         parts.append(wrapped[last:m.start()])
         at, last = at + m.start() - last, m.end()
-        if (m.group() == open_) != (start is None):
-            return None
-        if start is None:
-            start = at
-        else:
-            spans.append((start, at))
-            start = None
+        marks.append((at, opens.get(m.group())))
     parts.append(wrapped[last:])
-    if start is not None or "".join(parts) != plain:
-        return None
-    return [s for s in spans if s[1] > s[0]]
+    return "".join(parts), marks
+
+
+def _differing(a: str, b: str) -> tuple[int, int]:
+    """Lengths of the common prefix and (not overlapping it) common suffix of ``a``, ``b``."""
+    head = len(os.path.commonprefix([a, b]))
+    room = min(len(a), len(b)) - head
+    tail = len(os.path.commonprefix([a[::-1][:room], b[::-1][:room]]))
+    return head, tail
+
+
+def _marked_spans(wrapped: str, plain: str, opens: Mapping[str, int], close: str
+                  ) -> tuple[list[tuple[int, int]], set[int], tuple[int, int]]:
+    """Content spans of ``plain`` from the marker pairs of ``wrapped`` that lie where the two
+    renders agree, the probes they resolve, and the stretch of ``plain`` where they differ."""
+    stripped, marks = _unmark(wrapped, opens, close)
+    head, tail = _differing(stripped, plain)
+    shift, suffix = len(plain) - len(stripped), len(stripped) - tail
+    spans, resolved = [], set()
+    for (p, probe), (q, after) in zip(marks, marks[1:]):
+        if probe is None or after is not None:
+            continue
+        if q <= head or p >= suffix:
+            resolved.add(probe)
+            offset = 0 if q <= head else shift
+            spans += [(p + offset, q + offset)] if q > p else []
+    return spans, resolved, (head, len(plain) - tail)
 
 
 def _variants(probe: str) -> list[str]:
@@ -225,35 +247,33 @@ def _variants(probe: str) -> list[str]:
     return [f for i, f in enumerate(forms) if f and f not in forms[:i]]
 
 
-def _find(text: str, probe: str, start: int, claimed: list[tuple[int, int]]
+def _find(text: str, probe: str, start: int, stop: int, claimed: list[tuple[int, int]]
           ) -> tuple[int, int] | None:
     for form in _variants(probe):
-        at = text.find(form, start)
+        at = text.find(form, start, stop)
         while at >= 0:
             end = at + len(form)
             if not any(s < end and at < e for s, e in claimed):
                 return at, end
-            at = text.find(form, at + 1)
+            at = text.find(form, at + 1, stop)
     return None
 
 
-def _searched_spans(text: str, tool_probes: Sequence[str], message_probes: Sequence[str],
-                    blocked: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Best-effort content spans: tools anywhere, then messages in order from a cursor;
-    no match overlaps ``blocked`` (the template's own special tokens)."""
-    claimed = list(blocked)
-    for probe in tool_probes:
-        if (hit := _find(text, probe, 0, claimed)) is not None:
-            claimed.append(hit)
-    cursor = 0
-    for probe in message_probes:
-        hit = _find(text, probe, cursor, claimed)
+def _searched_spans(text: str, probes: Sequence[str], region: tuple[int, int],
+                    claimed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Best-effort content spans inside ``region``: probes in order, each first looked for
+    after the previous hit, never overlapping ``claimed``."""
+    lo, hi = region
+    found = list(claimed)
+    cursor = lo
+    for probe in probes:
+        hit = _find(text, probe, cursor, hi, found)
         if hit is not None:
             cursor = hit[1]
-        elif (hit := _find(text, probe, 0, claimed)) is None:
+        elif (hit := _find(text, probe, lo, hi, found)) is None:
             continue
-        claimed.append(hit)
-    return claimed[len(blocked):]
+        found.append(hit)
+    return found[len(claimed):]
 
 
 def _subtract(spans: Sequence[tuple[int, int]], holes: Sequence[tuple[int, int]]
@@ -418,7 +438,7 @@ class HFChatTemplateRenderer:
         self.source = source
         self.name = name
         self.digest = digest_text(source)
-        self.special_tokens: Mapping[str, str] = dict(special_tokens or {})
+        self.special_tokens: Mapping[str, str] = MappingProxyType(dict(special_tokens or {}))
         strings = self.special_tokens.values() if special_token_strings is None \
             else special_token_strings
         self.special_token_strings = tuple(sorted({s for s in strings if s},
@@ -462,15 +482,22 @@ class HFChatTemplateRenderer:
         kwargs = _plain(template_kwargs)
         inputs = [msgs, tool_data, kwargs, self.source, dict(self.special_tokens)]
         used = set(json.dumps(inputs, ensure_ascii=False, default=str, skipkeys=True))
-        marks = _free_chars(used, len(self.special_token_strings) + 2)
-        protect = self._protector(marks[2:])
+        probes = list(_caller_strings([tool_data, msgs]))
+        marks = _free_chars(used, len(self.special_token_strings) + 1 + len(probes))
+        placeholders = marks[:len(self.special_token_strings)]
+        protect = self._protector(placeholders)
         msgs, tool_data = _map_caller(msgs, protect), _map_caller(tool_data, protect)
         text = self._run(msgs, tool_data, add_generation_prompt, kwargs)
-        content = self._content(text, msgs, tool_data, add_generation_prompt, kwargs, marks)
-        restore = {ph: s for ph, s in zip(marks[2:], self.special_token_strings, strict=True)}
+        content = self._content(text, [tool_data, msgs], add_generation_prompt, kwargs,
+                                marks[len(placeholders):])
+        restore = dict(zip(placeholders, self.special_token_strings, strict=True))
         restore |= {json.dumps(ph)[1:-1]: s for ph, s in restore.items()}
         final, spans = _assemble(text, content, restore)
         return Rendered(final, spans, self.digest, self.name)
+
+    def render_prompt(self, text: str) -> Rendered:
+        """Raw prompt text (``Request.prompt``), unchanged and all content, untemplated."""
+        return Rendered.plain(text, self.digest, self.name)
 
     def _protector(self, placeholders: Sequence[str]) -> Callable[[str], str]:
         special = self._special
@@ -479,24 +506,23 @@ class HFChatTemplateRenderer:
         lookup = dict(zip(self.special_token_strings, placeholders, strict=True))
         return lambda s: special.sub(lambda m: lookup[m.group()], s)
 
-    def _content(self, text: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]],
+    def _content(self, text: str, data: list[list[dict[str, Any]]],
                  add_generation_prompt: bool, kwargs: Mapping[str, Any], marks: Sequence[str]
                  ) -> list[tuple[int, int]]:
-        """Content spans of ``text``: exact from a marked second render, else searched;
-        never covering a special token the template wrote itself."""
-        open_, close = marks[0], marks[1]
+        """Content spans of ``text``: marker pairs from a second render where it agrees with
+        the first, search where it does not; never a special token the template wrote."""
+        close, opens = marks[0], iter(marks[1:])
+        tools, msgs = _map_caller(data, lambda s: _wrap(s, next(opens), close))
         try:  # markers may change what the template does, even make it raise
-            wrapped = self._run(_map_caller(msgs, lambda s: _wrap(s, open_, close)),
-                                _map_caller(tools, lambda s: _wrap(s, open_, close)),
-                                add_generation_prompt, kwargs)
+            wrapped = self._run(msgs, tools, add_generation_prompt, kwargs)
         except TemplateError:
             wrapped = ""
+        index = {m: i for i, m in enumerate(marks[1:])}
+        spans, resolved, region = _marked_spans(wrapped, text, index, close)
         # Caller strings hold placeholders, so special tokens in ``text`` are the template's.
         own = [m.span() for m in self._special.finditer(text)] if self._special else []
-        spans = _marked_spans(wrapped, text, open_, close)
-        if spans is None:
-            spans = _searched_spans(text, list(_caller_strings(tools)),
-                                    list(_caller_strings(msgs)), own)
+        probes = [p for i, p in enumerate(_caller_strings(data)) if i not in resolved]
+        spans += _searched_spans(text, probes, region, own + spans)
         return _subtract(spans, own)
 
     def _run(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]],
