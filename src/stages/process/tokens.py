@@ -40,9 +40,20 @@ class TokenTable(NamedTuple):
         return self.keys.numel() == 0
 
 
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
 def _int64(buffer: array[int], device: torch.device) -> torch.Tensor:
-    return torch.frombuffer(buffer, dtype=torch.int64).to(device) if len(buffer) else \
-        torch.empty(0, dtype=torch.int64, device=device)
+    if not len(buffer):
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return _on(torch.frombuffer(buffer, dtype=torch.int64), device)
+
+
+def _float32(buffer: array[float], device: torch.device) -> torch.Tensor:
+    if not len(buffer):
+        return torch.empty(0, dtype=torch.float32, device=device)
+    return _on(torch.frombuffer(buffer, dtype=torch.float32), device)
 
 
 def _keys(batch: Batch, flags: Sequence[bool], ids_of: Callable[[Row], Sequence[int]],
@@ -80,7 +91,7 @@ def _row_weights(batch: Batch, flags: Sequence[bool], weight_of: Callable[[Row],
     for r, on, n in zip(batch.rows, flags, counts):
         if on:
             weights.extend(array("f", [weight_of(r)]) * n)
-    return torch.frombuffer(weights, dtype=torch.float32).to(device)
+    return _float32(weights, device)
 
 
 def id_table(batch: Batch, flags: Sequence[bool], ids_of: Callable[[Row], Sequence[int]],
@@ -112,9 +123,7 @@ def map_table(batch: Batch, flags: Sequence[bool],
             if 0 <= token < vocab:
                 keys.append(b * vocab + token)
                 weights.append(weight)
-    weight_t = torch.frombuffer(weights, dtype=torch.float32).to(device) if len(weights) else \
-        torch.empty(0, dtype=torch.float32, device=device)
-    return TokenTable(_int64(keys, device), weight_t)
+    return TokenTable(_int64(keys, device), _float32(weights, device))
 
 
 def _sparse_hits(scores: Scores, vocab: int, table: TokenTable

@@ -35,6 +35,8 @@ from stages.process.topk import block_topk
 
 TOP_P_PREFIXES = (256, 4096)
 """Ranking prefixes ``top_p`` tries, in order, before it sorts the whole row."""
+SLICE_ABOVE = 64
+"""``top_p``'s sparse output keeps every ranked column up to this many (cutting costs more)."""
 
 
 def _sampled(row: Row) -> bool:
@@ -56,14 +58,13 @@ def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor | float:
 
 
 def _ranked(scores: Scores, columns: torch.Tensor, top: torch.Tensor,
-            keep: list[int] | torch.Tensor) -> Scores:
-    """Sparse scores from a ranking: the first ``keep [B]`` of ``top``/``columns [B, C]``."""
-    width = max(keep) if isinstance(keep, list) else int(keep.max())
+            keep: list[int]) -> Scores:
+    """Sparse scores from a ranking: the first ``keep[b]`` of ``top``/``columns [B, C]``."""
+    width = max(keep)
     top, columns = top[:, :width], columns[:, :width]
-    if not isinstance(keep, list) or min(keep) < width:
-        limit = keep if isinstance(keep, torch.Tensor) else row_ints(keep, top)
+    if min(keep) < width:
         rank = torch.arange(width, device=top.device)
-        top = top.masked_fill(rank >= limit.unsqueeze(1), NEG_INF)  # [B, K]
+        top = top.masked_fill(rank >= row_ints(keep, top).unsqueeze(1), NEG_INF)  # [B, K]
     return Scores(top.contiguous(), columns_to_tokens(scores, columns).contiguous())
 
 
@@ -93,6 +94,16 @@ class TopK:
         last = row_ints([min(k, k_max) - 1 for k in ks], top).unsqueeze(1)  # [B, 1]
         kth = top.gather(1, last).squeeze(1)  # [B]
         return _threshold_mask(scores, torch.where(row_mask(flags, kth), kth, NEG_INF))
+
+
+def _nucleus(scores: Scores, columns: torch.Tensor, top: torch.Tensor,
+             outside: torch.Tensor) -> Scores:
+    """Sparse scores of the masked ranking ``top``/``columns [B, C]``, cut to the widest
+    nucleus when that saves many columns."""
+    if top.shape[1] > SLICE_ABOVE:
+        width = int((~outside).sum(dim=1).max())
+        top, columns = top[:, :width].contiguous(), columns[:, :width]
+    return Scores(top, columns_to_tokens(scores, columns).contiguous())
 
 
 def _nucleus_prefix(values: torch.Tensor, top_p: torch.Tensor | float, flags: Sequence[bool]
@@ -139,9 +150,10 @@ class TopP:
         flags = active_rows(batch, self.active)
         top_p = _per_row([r.config.top_p for r in batch.rows], scores.values)
         top, columns, above = _nucleus_prefix(scores.values, top_p, flags)  # [B, C]
-        keep = (above < top_p).sum(dim=1).clamp_(min=1)  # [B]
+        outside = above >= top_p  # [B, C]; never the first column (above = 0 < top_p)
         if all(flags):
-            return _ranked(scores, columns, top, keep)
+            return _nucleus(scores, columns, top.masked_fill_(outside, NEG_INF), outside)
+        keep = outside.shape[1] - outside.sum(dim=1)  # [B], a prefix of the ranking
         last = top.gather(1, (keep - 1).unsqueeze(1)).squeeze(1)  # [B]
         return _threshold_mask(scores, torch.where(row_mask(flags, last), last, NEG_INF))
 

@@ -42,7 +42,12 @@ def uniform(seed: int, stream: int, step: int) -> float:
     return (h >> 11) * _TO_UNIT
 
 
+BELOW_ONE = 1.0 - 2.0 ** -52
+"""``row_uniforms`` scales by this so ``u * total`` rounds strictly below ``total`` (total >= 1)."""
+
+
 def row_uniforms(rows: Sequence[Row], device: torch.device) -> torch.Tensor:
-    """``[B]`` float64: the draw of each row at its (``seed``, ``stream``, ``step``)."""
-    return torch.tensor([uniform(r.seed, r.stream, r.step) for r in rows],
+    """``[B]`` float64: each row's draw at its (``seed``, ``stream``, ``step``), times
+    :data:`BELOW_ONE` (a change of at most 2**-52 that keeps inverse-CDF products in range)."""
+    return torch.tensor([uniform(r.seed, r.stream, r.step) * BELOW_ONE for r in rows],
                         dtype=torch.float64, device=device)

@@ -1,10 +1,15 @@
 """``sample``: inverse-CDF sampling with counter-based uniforms; argmax for greedy rows.
 
-Owns :class:`SamplingSelector` and :func:`inverse_cdf`. For a sampled row the selector takes
-the softmax of its processed scores over the candidates (dense or sparse), accumulates it in
-float64 and picks the first column whose cumulative mass exceeds ``u * total``, with
-``u = uniform(row.seed, row.stream, row.step)``. A zero-probability candidate can never be
-picked, and the draw does not depend on the other rows of the batch.
+Owns :class:`SamplingSelector` and :func:`inverse_cdf`. For a sampled row the selector
+accumulates the softmax of its candidates in float64 and picks the first one whose
+cumulative mass exceeds ``u * total``, with ``u = uniform(row.seed, row.stream, row.step)``.
+A zero-probability candidate can never be picked.
+
+Batch invariance: the cumulative sum always runs over the candidates in token-id order (a
+sparse layout is put in that order first), and removed candidates add exactly zero, so the
+same ``u`` picks the same token whether the row's scores arrive dense or sparse, with any
+number of padding columns, whatever else is in the batch, up to float32 rounding of the
+softmax (a draw within ~1e-7 of a bin edge could differ).
 """
 
 from __future__ import annotations
@@ -19,26 +24,35 @@ from stages.select.rng import row_uniforms
 def inverse_cdf(values: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``[B]`` column drawn from ``softmax(values [B, N])`` by the uniforms ``u [B]``.
 
-    Picks the first column with ``cdf > u * cdf[-1]``, never past the last column with
-    positive mass. (A row with no finite score, which no request can produce through the
-    built-in processors, gets a valid but arbitrary column.)
+    Picks the first column whose cumulative probability (float64) exceeds ``u * total``.
+    With ``u <= 1 - 2**-52`` (see :func:`~stages.select.rng.row_uniforms`) that product
+    rounds strictly below ``total``, so the column found always has positive probability.
+    (A row whose every candidate was removed gets a valid but arbitrary column.)
     """
-    probs = torch.softmax(values, dim=1)  # [B, N]
-    cdf = torch.cumsum(probs, dim=1, dtype=torch.float64)  # [B, N]
-    total = cdf[:, -1:].contiguous()  # [B, 1]
-    picked = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)  # [B, 1]
-    last = torch.searchsorted(cdf, total).clamp_(max=values.shape[1] - 1)  # last with mass
-    return torch.minimum(picked, last).squeeze(1)
+    cdf = torch.cumsum(torch.softmax(values, dim=1), dim=1, dtype=torch.float64)  # [B, N]
+    target = cdf[:, -1:] * u.unsqueeze(1)  # [B, 1], < total
+    picked = torch.searchsorted(cdf, target, right=True)  # [B, 1]
+    return picked.squeeze(1).clamp_(max=values.shape[1] - 1)
+
+
+def _draw(scores: Scores, u: torch.Tensor) -> torch.Tensor:
+    """Columns ``[B]`` of ``scores`` drawn by ``u [B]``, the CDF taken in token-id order."""
+    if scores.indices is None:
+        return inverse_cdf(scores.values, u)
+    order = torch.argsort(scores.indices, dim=1)  # [B, K], columns by token id
+    drawn = inverse_cdf(scores.values.gather(1, order), u)  # [B]
+    return order.gather(1, drawn.unsqueeze(1)).squeeze(1)
 
 
 def _sampled_columns(scores: Scores, batch: Batch, sampled: list[int]) -> torch.Tensor:
     """Columns drawn for the rows ``sampled`` (indices into the batch)."""
-    values = scores.values
+    device = scores.values.device
     if len(sampled) == len(batch.rows):
-        return inverse_cdf(values, row_uniforms(batch.rows, values.device))
-    index = torch.tensor(sampled, device=values.device)
-    rows = [batch.rows[i] for i in sampled]
-    return inverse_cdf(values.index_select(0, index), row_uniforms(rows, values.device))
+        return _draw(scores, row_uniforms(batch.rows, device))
+    index = torch.tensor(sampled, device=device)
+    subset = Scores(scores.values.index_select(0, index),
+                    None if scores.indices is None else scores.indices.index_select(0, index))
+    return _draw(subset, row_uniforms([batch.rows[i] for i in sampled], device))
 
 
 class SamplingSelector:
