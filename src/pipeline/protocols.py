@@ -237,7 +237,7 @@ class Scores:
         if self.indices is None:
             return self.values
         out = torch.full((self.values.shape[0], vocab_size), float("-inf"),
-                         dtype=self.values.dtype)
+                         dtype=self.values.dtype, device=self.values.device)
         return out.scatter_(1, self.indices, self.values)
 
 

@@ -66,8 +66,10 @@ class ProcessorChain:
     """Applies processors in their declared order to a batch's scores.
 
     A processor runs when it applies to at least one row; argmax-invariant processors are
-    skipped outright when every row is greedy. Processors may modify ``scores.values`` in
-    place, so the caller's logits tensor may change. Names must be unique.
+    skipped outright when every row is greedy, and never count as applied to a greedy row
+    (the built-ins report greedy rows inactive, so a greedy row's processed scores do not
+    depend on its batch). Processors may modify ``scores.values`` in place, so the caller's
+    logits tensor may change. Names must be unique (:class:`InvalidValueError` otherwise).
 
     Example::
 

@@ -38,7 +38,7 @@ class AllowedTokens:
         scores = contiguous(scores)
         flags = active_rows(batch, self.active)
         table = id_table(batch, flags, lambda r: r.config.allowed_token_ids or (),
-                          _no_weight, scores.values.device)
+                         _no_weight, scores.values.device)
         keep = member_mask(scores, batch.vocab_size, table)  # [B, N]
         keep |= ~row_mask(flags, keep).unsqueeze(1)
         scores.values.masked_fill_(~keep, NEG_INF)
@@ -59,7 +59,7 @@ class BannedTokens:
         """Remove the banned tokens."""
         scores = contiguous(scores)
         table = id_table(batch, active_rows(batch, self.active),
-                          lambda r: r.config.banned_token_ids, _no_weight, scores.values.device)
+                         lambda r: r.config.banned_token_ids, _no_weight, scores.values.device)
         return apply_table(scores, batch.vocab_size, table, None)
 
 
@@ -106,6 +106,6 @@ class MinTokens:
         """Remove the ending tokens of the rows still under their minimum."""
         scores = contiguous(scores)
         table = id_table(batch, active_rows(batch, self.active),
-                          lambda r: tuple(_min_tokens_ids(r)), _no_weight, scores.values.device)
+                         lambda r: tuple(_min_tokens_ids(r)), _no_weight, scores.values.device)
         return apply_table(scores, batch.vocab_size, table, None)
 

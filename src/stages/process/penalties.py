@@ -23,7 +23,8 @@ from stages.process.tokens import Weights, apply_table, count_table, id_table
 
 
 def _seen(row: Row) -> Sequence[int]:
-    """Prompt and output ids of ``row`` (repeats are removed by the table)."""
+    """Prompt and output ids of ``row``; a repeated id is penalized once, because the table's
+    update is computed from the original score."""
     return (*row.prompt_ids, *row.output_ids)
 
 
@@ -54,7 +55,7 @@ class RepetitionPenalty:
         """Penalize every distinct token each row has seen."""
         scores = contiguous(scores)
         table = id_table(batch, active_rows(batch, self.active), _seen,
-                          lambda r: r.config.repetition_penalty, scores.values.device)
+                         lambda r: r.config.repetition_penalty, scores.values.device)
         return apply_table(scores, batch.vocab_size, table, _repetition)
 
 
@@ -72,7 +73,7 @@ class PresencePenalty:
         """Subtract each row's presence penalty from its output tokens."""
         scores = contiguous(scores)
         table = id_table(batch, active_rows(batch, self.active), _outputs,
-                          lambda r: r.config.presence_penalty, scores.values.device)
+                         lambda r: r.config.presence_penalty, scores.values.device)
         return apply_table(scores, batch.vocab_size, table, _subtract)
 
 
