@@ -285,3 +285,21 @@ def test_the_context_window_bounds_prompt_and_output() -> None:
         capped = pipe.generate("x", max_tokens=500, temperature=0,
                                limits={"max_context_tokens": m + 5})
         assert len(capped.token_ids) == 5
+
+
+def test_a_request_may_override_the_processor_order_and_the_trace_records_it() -> None:
+    from pipeline.errors import UnknownNameError
+
+    with build_scripted(ScriptedBackend(V, hashed_logits(V, scale=1.0))) as pipe:
+        default = pipe.generate("x", max_tokens=2, temperature=0.7, top_p=0.9, seed=3)
+        custom = pipe.generate("x", max_tokens=2, temperature=0.7, top_p=0.9, seed=3,
+                               processor_order=("top_p", "temperature"))
+        with pytest.raises(UnknownNameError, match="top_q"):
+            pipe.submit("x", processor_order=("top_q",))
+
+    def order(done):
+        return [e.payload["processors"] for e in done.trace
+                if e.event_type == "selection.configured"][0]
+
+    assert order(default).index("temperature") < order(default).index("top_p")
+    assert order(custom) == ["top_p", "temperature"]
