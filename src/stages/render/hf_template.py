@@ -1,64 +1,40 @@
-"""Hugging Face chat templates: loading, sandboxed rendering, and control/content spans.
+"""Hugging Face chat templates: the renderer, and finding a model folder's template.
 
-Owns :class:`HFChatTemplateRenderer`. It compiles a template the way transformers'
-``chat_template_utils`` does, so the text equals ``apply_chat_template(..., tokenize=False)``:
-a :class:`jinja2.sandbox.ImmutableSandboxedEnvironment` with ``trim_blocks``,
-``lstrip_blocks`` and ``loopcontrols``; a ``{% generation %}`` tag that renders its body; the
-``tojson`` filter with HF's semantics (``ensure_ascii=False``, optional ``indent``,
-``separators``, ``sort_keys``); globals ``raise_exception``, ``strftime_now``, a restricted
-``dict`` and a ``namespace`` that refuses underscore names. One hardening over stock jinja:
-touching an unsafe attribute (``().__class__``) fails at once, even where jinja would let an
-undefined value pass silently. Variables are the named special tokens, then the caller's
-template kwargs, then ``messages`` (``Message.to_template()``, with ``reasoning_content``
-also given as ``thinking``), ``tools`` (``None`` when there are none), ``documents=None`` and
-``add_generation_prompt``. Every failure inside the template is a
-:class:`~pipeline.errors.TemplateError`.
-
-Spans. A *caller string* is any string value in the message and tool mappings, except the
-values of ``role`` and ``type`` keys; template kwargs belong to the application and render as
-control. Spans are found in three steps:
-
-1. protect: each special-token string inside a caller string (``<|im_end|>``) is replaced by
-   a private-use placeholder character that occurs nowhere in the inputs;
-2. locate: the template is rendered a second time with each caller string's non-blank core
-   between an opening marker of its own and a closing marker (private-use characters). Where
-   the two outputs agree (their common prefix and suffix, markers removed), each marker pair
-   is an exact CONTENT span. Strings left over (the template split, sliced or tested them,
-   which strands or moves their markers) are searched for where the outputs differ, in
-   order, exact, stripped or JSON-escaped. No span covers a special token the template
-   wrote itself;
-3. restore: each placeholder becomes its special-token string again, inside a CONTENT span
-   whatever step 2 found. So a caller's ``<|im_end|>`` is always content.
-
-Only special tokens are protected: non-special added tokens (Qwen's ``<think>``,
-``<tool_response>``) stay visible to templates, which split and test on them. A template that
-inspects a special-token string inside caller text (``'<|im_end|>' in content``, ``upper``)
-sees a placeholder instead; that is the one way the text can differ from transformers'.
+Owns :class:`HFChatTemplateRenderer` and template lookup (:func:`find_template`,
+:func:`named_special_tokens`, :func:`special_token_strings_of`, used by
+:meth:`HFChatTemplateRenderer.from_dir`). The template is compiled in the sandbox of
+:mod:`stages.render.sandbox` (:func:`compile_template`, re-exported here), so the text equals
+transformers' ``apply_chat_template(..., tokenize=False)``. Variables are the named special
+tokens, then the caller's template kwargs, then ``messages`` (``Message.to_template()``, with
+``reasoning_content`` also given as ``thinking``), ``tools`` (``None`` when there are none),
+``documents=None`` and ``add_generation_prompt``. Every failure inside the template is a
+:class:`~pipeline.errors.TemplateError`. Control/content spans are recovered as
+:mod:`stages.render.spans` describes: caller text is CONTENT, a caller's special-token string
+(``<|im_end|>``) included.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.utils
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pipeline.errors import InvalidValueError, TemplateError
 from pipeline.events import digest_text
-from pipeline.types import Message, Rendered, Span, SpanKind, ToolSpec
+from pipeline.types import Message, Rendered, ToolSpec
+from stages.render.sandbox import compile_template
+from stages.render.spans import (assemble, caller_strings, free_chars, map_caller, marked_spans,
+                                 searched_spans, subtract, wrap)
+
+__all__ = ["NAMED_SPECIAL_TOKENS", "RESERVED_VARIABLES", "HFChatTemplateRenderer",
+           "compile_template", "find_template", "named_special_tokens",
+           "special_token_strings_of"]
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -67,113 +43,8 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 """Template variables the renderer sets itself; template kwargs cannot use these names."""
 
-_NOT_CALLER_KEYS = frozenset({"role", "type"})
-_PRIVATE_USE = range(0x100000, 0x10FFFE)  # Supplementary Private Use Area-B
-
-
-# --- the jinja environment ----------------------------------------------------------------
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, failing at once on unsafe attributes instead of lazily."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` renders its body (transformers uses it to
-    find assistant tokens; here it only has to compile)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja's ``namespace`` without underscore-prefixed attributes (no path to internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's trick: `self` may be a key
-        self, rest = args[0], args[1:]
-        values = dict(*rest, **kwargs)
-        for key in values:
-            _Namespace._check(key)
-        jinja2.utils.Namespace.__init__(self, values)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"a namespace cannot hold the underscore name {name!r}")
-
-
-class _TemplateDict:
-    """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without the type object."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(str(message))
-
-
-def compile_template(source: str, clock: Callable[[], datetime] = datetime.now
-                     ) -> jinja2.Template:
-    """Compile ``source`` like transformers does; a syntax error is a TemplateError."""
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
-                   extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, dict=_TemplateDict(),
-                       namespace=_Namespace,
-                       strftime_now=lambda fmt: clock().strftime(fmt))
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise TemplateError(f"chat template syntax error, line {exc.lineno}: {exc.message}"
-                            ) from exc
-
 
 # --- template data ------------------------------------------------------------------------
-
-
-def _map_caller(value: Any, fn: Callable[[str], str], key: object = None) -> Any:
-    """A plain copy of ``value`` with ``fn`` applied to every caller string."""
-    if isinstance(value, str):
-        return value if key in _NOT_CALLER_KEYS else fn(value)
-    if isinstance(value, Mapping):
-        return {k: _map_caller(v, fn, k) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_caller(v, fn, key) for v in value)
-    return value
-
-
-def _caller_strings(value: Any, key: object = None) -> Iterator[str]:
-    """Every caller string in ``value``, in order."""
-    if isinstance(value, str):
-        if key not in _NOT_CALLER_KEYS:
-            yield value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            yield from _caller_strings(v, k)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _caller_strings(v, key)
 
 
 def _message_data(message: Message) -> dict[str, Any]:
@@ -181,151 +52,6 @@ def _message_data(message: Message) -> dict[str, Any]:
     data = message.to_template()
     reasoning = data.get("reasoning_content")
     return data if reasoning is None else {"thinking": reasoning, **data}
-
-
-def _free_chars(used: set[str], count: int) -> list[str]:
-    chars = list(itertools.islice((chr(c) for c in _PRIVATE_USE if chr(c) not in used), count))
-    if len(chars) < count:
-        raise TemplateError("no free private-use characters left to mark caller text")
-    return chars
-
-
-def _wrap(text: str, open_: str, close: str) -> str:
-    core = text.strip()
-    if not core:
-        return text
-    lead = text.index(core)
-    return f"{text[:lead]}{open_}{core}{close}{text[lead + len(core):]}"
-
-
-# --- spans --------------------------------------------------------------------------------
-
-
-def _unmark(wrapped: str, opens: Mapping[str, int], close: str
-            ) -> tuple[str, list[tuple[int, int | None]]]:
-    """``wrapped`` without markers, and each marker's position there with its probe index
-    (``None`` for the closing marker)."""
-    pattern = re.compile("[" + re.escape("".join(opens) + close) + "]")
-    parts, marks, last, at = [], [], 0, 0
-    for m in pattern.finditer(wrapped):
-        parts.append(wrapped[last:m.start()])
-        at, last = at + m.start() - last, m.end()
-        marks.append((at, opens.get(m.group())))
-    parts.append(wrapped[last:])
-    return "".join(parts), marks
-
-
-def _differing(a: str, b: str) -> tuple[int, int]:
-    """Lengths of the common prefix and (not overlapping it) common suffix of ``a``, ``b``."""
-    head = len(os.path.commonprefix([a, b]))
-    room = min(len(a), len(b)) - head
-    tail = len(os.path.commonprefix([a[::-1][:room], b[::-1][:room]]))
-    return head, tail
-
-
-def _marked_spans(wrapped: str, plain: str, opens: Mapping[str, int], close: str
-                  ) -> tuple[list[tuple[int, int]], set[int], tuple[int, int]]:
-    """Content spans of ``plain`` from the marker pairs of ``wrapped`` that lie where the two
-    renders agree, the probes they resolve, and the stretch of ``plain`` where they differ."""
-    stripped, marks = _unmark(wrapped, opens, close)
-    head, tail = _differing(stripped, plain)
-    shift, suffix = len(plain) - len(stripped), len(stripped) - tail
-    spans, resolved = [], set()
-    for (p, probe), (q, after) in zip(marks, marks[1:]):
-        if probe is None or after is not None:
-            continue
-        if q <= head or p >= suffix:
-            resolved.add(probe)
-            offset = 0 if q <= head else shift
-            spans += [(p + offset, q + offset)] if q > p else []
-    return spans, resolved, (head, len(plain) - tail)
-
-
-def _variants(probe: str) -> list[str]:
-    forms = [probe, probe.strip("\n"), probe.strip()]
-    forms += [json.dumps(f, ensure_ascii=False)[1:-1] for f in forms]
-    return [f for i, f in enumerate(forms) if f and f not in forms[:i]]
-
-
-def _find(text: str, probe: str, start: int, stop: int, claimed: list[tuple[int, int]]
-          ) -> tuple[int, int] | None:
-    for form in _variants(probe):
-        at = text.find(form, start, stop)
-        while at >= 0:
-            end = at + len(form)
-            if not any(s < end and at < e for s, e in claimed):
-                return at, end
-            at = text.find(form, at + 1, stop)
-    return None
-
-
-def _searched_spans(text: str, probes: Sequence[str], region: tuple[int, int],
-                    claimed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Best-effort content spans inside ``region``: probes in order, each first looked for
-    after the previous hit, never overlapping ``claimed``."""
-    lo, hi = region
-    found = list(claimed)
-    cursor = lo
-    for probe in probes:
-        hit = _find(text, probe, cursor, hi, found)
-        if hit is not None:
-            cursor = hit[1]
-        elif (hit := _find(text, probe, lo, hi, found)) is None:
-            continue
-        found.append(hit)
-    return found[len(claimed):]
-
-
-def _subtract(spans: Sequence[tuple[int, int]], holes: Sequence[tuple[int, int]]
-              ) -> list[tuple[int, int]]:
-    """``spans`` with the sorted, disjoint ``holes`` cut out."""
-    out = []
-    for s, e in spans:
-        for hs, he in holes:
-            if hs < e and s < he:
-                if s < hs:
-                    out.append((s, hs))
-                s = max(s, he)
-        if s < e:
-            out.append((s, e))
-    return out
-
-
-def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(e, merged[-1][1]))
-        else:
-            merged.append((s, e))
-    return merged
-
-
-def _assemble(text: str, content: list[tuple[int, int]], restore: Mapping[str, str]
-              ) -> tuple[str, tuple[Span, ...]]:
-    """Put special-token strings back (each inside content) and build the span partition."""
-    pattern = re.compile("|".join(map(re.escape, restore)) or "(?!)")
-    forced = [(m.start(), m.end()) for m in pattern.finditer(text)] if restore else []
-    pieces: list[tuple[str, SpanKind]] = []
-    at = 0
-    for s, e in _merge(content + forced):
-        pieces += [(text[at:s], SpanKind.CONTROL), (text[s:e], SpanKind.CONTENT)]
-        at = e
-    pieces.append((text[at:], SpanKind.CONTROL))
-    out: list[str] = []
-    spans: list[Span] = []
-    pos = 0
-    for piece, kind in pieces:
-        piece = pattern.sub(lambda m: restore[m.group()], piece) if restore else piece
-        if not piece:
-            continue
-        if spans and spans[-1].kind is kind:
-            spans[-1] = Span(spans[-1].start, pos + len(piece), kind)
-        else:
-            spans.append(Span(pos, pos + len(piece), kind))
-        out.append(piece)
-        pos += len(piece)
-    return "".join(out), tuple(spans)
 
 
 def _plain(value: Any) -> Any:
@@ -417,7 +143,7 @@ class HFChatTemplateRenderer:
 
     The text equals transformers' ``apply_chat_template(..., tokenize=False)`` for the same
     template, messages, tools and kwargs; ``spans`` mark the caller's text as CONTENT (see
-    the module docstring). Immutable after construction; ``render`` is thread-safe.
+    :mod:`stages.render.spans`). Immutable after construction; ``render`` is thread-safe.
     Differences from transformers: a folder's named templates are chosen at construction
     (``template_name``), never switched to ``"tool_use"`` because tools were passed, and
     unsafe attribute access fails at once.
@@ -482,17 +208,17 @@ class HFChatTemplateRenderer:
         kwargs = _plain(template_kwargs)
         inputs = [msgs, tool_data, kwargs, self.source, dict(self.special_tokens)]
         used = set(json.dumps(inputs, ensure_ascii=False, default=str, skipkeys=True))
-        probes = list(_caller_strings([tool_data, msgs]))
-        marks = _free_chars(used, len(self.special_token_strings) + 1 + len(probes))
+        probes = list(caller_strings([tool_data, msgs]))
+        marks = free_chars(used, len(self.special_token_strings) + 1 + len(probes))
         placeholders = marks[:len(self.special_token_strings)]
         protect = self._protector(placeholders)
-        msgs, tool_data = _map_caller(msgs, protect), _map_caller(tool_data, protect)
+        msgs, tool_data = map_caller(msgs, protect), map_caller(tool_data, protect)
         text = self._run(msgs, tool_data, add_generation_prompt, kwargs)
         content = self._content(text, [tool_data, msgs], add_generation_prompt, kwargs,
                                 marks[len(placeholders):])
         restore = dict(zip(placeholders, self.special_token_strings, strict=True))
         restore |= {json.dumps(ph)[1:-1]: s for ph, s in restore.items()}
-        final, spans = _assemble(text, content, restore)
+        final, spans = assemble(text, content, restore)
         return Rendered(final, spans, self.digest, self.name)
 
     def render_prompt(self, text: str) -> Rendered:
@@ -512,18 +238,18 @@ class HFChatTemplateRenderer:
         """Content spans of ``text``: marker pairs from a second render where it agrees with
         the first, search where it does not; never a special token the template wrote."""
         close, opens = marks[0], iter(marks[1:])
-        tools, msgs = _map_caller(data, lambda s: _wrap(s, next(opens), close))
+        tools, msgs = map_caller(data, lambda s: wrap(s, next(opens), close))
         try:  # markers may change what the template does, even make it raise
             wrapped = self._run(msgs, tools, add_generation_prompt, kwargs)
         except TemplateError:
             wrapped = ""
         index = {m: i for i, m in enumerate(marks[1:])}
-        spans, resolved, region = _marked_spans(wrapped, text, index, close)
+        spans, resolved, region = marked_spans(wrapped, text, index, close)
         # Caller strings hold placeholders, so special tokens in ``text`` are the template's.
         own = [m.span() for m in self._special.finditer(text)] if self._special else []
-        probes = [p for i, p in enumerate(_caller_strings(data)) if i not in resolved]
-        spans += _searched_spans(text, probes, region, own + spans)
-        return _subtract(spans, own)
+        probes = [p for i, p in enumerate(caller_strings(data)) if i not in resolved]
+        spans += searched_spans(text, probes, region, own + spans)
+        return subtract(spans, own)
 
     def _run(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]],
              add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
