@@ -64,3 +64,15 @@ def test_cli_lists_plugins(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "processor:" in out and "top_p" in out and "[stages]" in out
+
+
+def test_the_builder_defaults_name_what_the_stages_define() -> None:
+    # the core may not import stages, so the defaults are written twice; keep them in step
+    from pipeline import builder
+    from stages.process import DEFAULT_ORDER
+    from stages.stop import DEFAULT_STOPPERS
+
+    assert builder.DEFAULT_PROCESSORS == tuple(DEFAULT_ORDER)
+    assert builder.DEFAULT_STOPPERS == tuple(DEFAULT_STOPPERS)
+    registry = Registry()
+    assert set(builder.DEFAULT_PROCESSORS) <= set(registry.names("processor"))
