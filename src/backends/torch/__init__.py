@@ -1,0 +1,7 @@
+"""The torch reference backend for Hugging Face decoder-only checkpoints.
+
+Modules: :mod:`.config` (``ModelSpec`` from ``config.json``), :mod:`.moe` (routing and grouped
+expert compute, the oracle for fused kernels), :mod:`.rope`, :mod:`.model` (the forward over a
+per-slot KV cache), :mod:`.loader` (safetensors folders) and :mod:`.backend` (``TorchBackend``,
+the :class:`pipeline.protocols.Backend` implementation).
+"""

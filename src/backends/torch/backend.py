@@ -1,0 +1,165 @@
+"""``TorchBackend``: the :class:`~pipeline.protocols.Backend` over a Hugging Face checkpoint.
+
+It owns a :class:`~backends.torch.model.Transformer` and a preallocated per-slot
+:class:`~backends.torch.model.KVCache` (``num_slots x max_context`` positions per layer).
+``prefill`` runs all chunks of a call as one ragged batch, ``decode`` runs one token per
+slot as another; both return float32 logits. Every argument is checked before the model runs:
+a chunk that does not start at its slot's cache length, an unallocated or repeated slot, a
+token id outside the vocabulary, or a sequence that would outgrow ``max_context`` raises
+:class:`~pipeline.errors.SlotError` naming those slots, and no cache changes. Slot lengths
+change only after the forward succeeded, so any failure leaves every cache as it was.
+
+Example::
+
+    backend = TorchBackend.from_dir("Qwen3-0.6B/", num_slots=4, max_context=2048)
+    slot = backend.allocate()
+    z1 = backend.prefill([PrefillChunk(slot, ids, 0, True)])[0]     # cache length len(ids)
+    z2 = backend.decode([slot], [int(z1.argmax())])[0]              # cache length len(ids)+1
+    backend.release(slot)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from backends.torch.loader import load_checkpoint
+from backends.torch.model import KVCache, RaggedBatch, Transformer
+from pipeline.errors import CapacityError, InvalidValueError, SlotError
+from pipeline.protocols import PrefillChunk
+
+if TYPE_CHECKING:
+    from pipeline.protocols import Backend
+
+
+class TorchBackend:
+    """A Hugging Face decoder-only model with a KV cache of ``num_slots`` slots.
+
+    ``snapshot`` is the checkpoint's content digest (config + weight index). Not thread-safe:
+    calls come from the engine's thread, as the Backend contract says.
+    """
+
+    def __init__(self, model: Transformer, snapshot: str, *, num_slots: int = 8,
+                 max_context: int | None = None) -> None:
+        spec = model.spec
+        self.max_context = spec.max_position_embeddings if max_context is None else max_context
+        if num_slots < 1:
+            raise InvalidValueError("num_slots", num_slots, "must be >= 1")
+        if not 1 <= self.max_context <= spec.max_position_embeddings:
+            raise InvalidValueError("max_context", max_context,
+                                    f"must be in 1..{spec.max_position_embeddings}")
+        self.model = model
+        self.snapshot = snapshot
+        self.num_slots = num_slots
+        self.vocab_size = spec.vocab_size
+        self.cache = KVCache.empty(spec, num_slots=num_slots, max_len=self.max_context,
+                                   dtype=model.dtype, device=model.weights.embed.device)
+        self._allocated: set[int] = set()
+
+    @classmethod
+    def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
+                 dtype: torch.dtype | str | None = None,
+                 device: torch.device | str = "cpu") -> TorchBackend:
+        """Load the checkpoint folder ``path``.
+
+        ``max_context`` defaults to the model's ``max_position_embeddings`` (the cache is
+        preallocated, so pick less for big models); ``dtype`` defaults to the checkpoint's.
+        Raises :class:`~pipeline.errors.ArtifactError` for an unusable folder.
+        """
+        if isinstance(dtype, str):
+            dtype = _dtype(dtype)
+        ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
+        return cls(Transformer(ckpt.spec, ckpt.weights), ckpt.snapshot, num_slots=num_slots,
+                   max_context=max_context)
+
+    def allocate(self) -> int:
+        """The lowest free slot, with an empty cache; :class:`CapacityError` when none is."""
+        for slot in range(self.num_slots):
+            if slot not in self._allocated:
+                self._allocated.add(slot)
+                self.cache.reset(slot)
+                return slot
+        raise CapacityError(f"all {self.num_slots} slots are busy")
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` and forget its cache."""
+        self._allocated.discard(slot)
+        if 0 <= slot < self.num_slots:
+            self.cache.reset(slot)
+
+    def cache_length(self, slot: int) -> int:
+        """Positions ``slot``'s cache covers."""
+        self._check_allocated([slot])
+        return self.cache.lengths[slot]
+
+    @torch.inference_mode()
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Append each chunk to its slot; logits ``[len(chunks), V]`` at each chunk's last token."""
+        if not chunks:
+            return torch.empty((0, self.vocab_size))
+        seqs = [(c.slot, c.start, c.token_ids) for c in chunks]
+        self._check(seqs)
+        return self._run(seqs)
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """Append one token per slot; logits ``[len(slots), V]``."""
+        if len(slots) != len(token_ids):
+            raise InvalidValueError("token_ids", len(token_ids),
+                                    f"need one token per slot ({len(slots)} slots)")
+        if not slots:
+            return torch.empty((0, self.vocab_size))
+        self._check_allocated(slots)
+        seqs = [(s, self.cache.lengths[s], (t,)) for s, t in zip(slots, token_ids)]
+        self._check(seqs)
+        return self._run(seqs)
+
+    def _run(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+        batch = RaggedBatch.build(seqs, device=self.cache.device)
+        logits = self.model.forward(self.cache, batch)                        # [B, V]
+        self.cache.commit(batch)
+        return logits.cpu()
+
+    def _check_allocated(self, slots: Sequence[int]) -> None:
+        bad = [s for s in slots if s not in self._allocated]
+        if bad:
+            raise SlotError(bad, "slot not allocated")
+
+    def _check(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        slots = [s for s, _, _ in seqs]
+        self._check_allocated(slots)
+        repeated = sorted({s for s in slots if slots.count(s) > 1})
+        if repeated:
+            raise SlotError(repeated, "a slot appears more than once in one call")
+        for kind, bad in self._problems(seqs):
+            if bad:
+                raise SlotError(bad, kind)
+
+    def _problems(self, seqs: Sequence[tuple[int, int, Sequence[int]]]
+                  ) -> list[tuple[str, list[int]]]:
+        lengths = self.cache.lengths
+        return [
+            ("chunk start differs from the cache length",
+             [s for s, start, _ in seqs if start != lengths[s]]),
+            ("empty chunk", [s for s, _, ids in seqs if not ids]),
+            (f"token id outside 0..{self.vocab_size - 1}",
+             [s for s, _, ids in seqs if any(not 0 <= t < self.vocab_size for t in ids)]),
+            (f"sequence would exceed max_context={self.max_context}",
+             [s for s, start, ids in seqs if start + len(ids) > self.max_context]),
+        ]
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise InvalidValueError("dtype", name, "not a torch dtype name")
+    return value
+
+
+if TYPE_CHECKING:
+    def _satisfies_backend(backend: TorchBackend) -> Backend:
+        """mypy proves structurally that TorchBackend is a Backend (isinstance checks names)."""
+        return backend

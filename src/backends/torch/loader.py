@@ -1,0 +1,237 @@
+"""Loading a Hugging Face checkpoint folder: ``config.json`` plus safetensors weights.
+
+Weights come from ``model.safetensors`` or from the shards named by
+``model.safetensors.index.json``, opened with ``safetensors.safe_open`` (memory-mapped; only
+the tensors the model uses are read). Routed experts may be stored per expert — Qwen MoE's
+``mlp.experts.{e}.{gate,up,down}_proj.weight`` or Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, which is what transformers 5.x
+``save_pretrained`` writes — or fused as ``experts.gate_up_proj [E, 2I, H]`` and
+``experts.down_proj [E, H, I]`` (transformers' in-memory layout); both load to the fused form.
+
+Every problem is an :class:`~pipeline.errors.ArtifactError` that names the file and, where
+there is one, the tensor: an unreadable config, a missing or truncated shard, a missing
+tensor, a wrong shape, or a tensor the config does not account for.
+
+``snapshot`` is the content digest of the config and the weight index (every tensor's name,
+shape and dtype), so it does not depend on the folder's name or location.
+
+Example::
+
+    ckpt = load_checkpoint(Path("model/"), dtype=torch.bfloat16)
+    model = Transformer(ckpt.spec, ckpt.weights)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors import safe_open
+
+from backends.torch.config import ModelSpec
+from backends.torch.weights import (
+    AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
+)
+from pipeline.errors import ArtifactError
+from pipeline.events import digest_json
+
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some older checkpoints saved
+
+
+@attrs.frozen
+class Checkpoint:
+    """What :func:`load_checkpoint` returns: the spec, the weights and the snapshot digest."""
+
+    spec: ModelSpec
+    weights: ModelWeights = attrs.field(eq=False)
+    snapshot: str
+
+
+@attrs.frozen
+class TensorInfo:
+    """Where a tensor is stored, and its header shape and dtype."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """``config.json`` of ``folder`` as a dict."""
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: cannot read config: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: config is not a JSON object")
+    return data
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder``, from the shard index when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ArtifactError(f"{index}: unreadable shard index: {exc!r}") from exc
+        files = [folder / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise ArtifactError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ArtifactError(f"{folder}: neither model.safetensors nor "
+                            "model.safetensors.index.json found")
+    return [single]
+
+
+class _Reader:
+    """Open safetensors files, a name -> :class:`TensorInfo` index, and which names were used."""
+
+    def __init__(self, folder: Path, stack: contextlib.ExitStack) -> None:
+        self.folder = folder
+        self.index: dict[str, TensorInfo] = {}
+        self._handles: dict[Path, Any] = {}
+        self.used: set[str] = set()
+        for path in weight_files(folder):
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                for name in handle.keys():
+                    meta = handle.get_slice(name)
+                    self.index[name] = TensorInfo(path, tuple(meta.get_shape()),
+                                                  str(meta.get_dtype()))
+            except Exception as exc:  # safetensors raises its own untyped SafetensorError
+                raise ArtifactError(f"{path}: unreadable safetensors file: {exc}") from exc
+            self._handles[path] = handle
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor ``name``, checked against ``shape``."""
+        info = self.index.get(name)
+        if info is None:
+            files = ", ".join(sorted({i.file.name for i in self.index.values()})) or "no files"
+            raise ArtifactError(f"{self.folder}: tensor {name!r} is missing (looked in {files})")
+        if info.shape != shape:
+            raise ArtifactError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, "
+                                f"expected {list(shape)}")
+        self.used.add(name)
+        try:
+            tensor: torch.Tensor = self._handles[info.file].get_tensor(name)
+        except Exception as exc:
+            raise ArtifactError(f"{info.file}: cannot read tensor {name!r}: {exc}") from exc
+        return tensor
+
+    def unused(self) -> list[str]:
+        return sorted(n for n in self.index
+                      if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
+
+
+def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str = "cpu") -> Checkpoint:
+    """Spec, weights (cast to ``dtype``, default the config's, on ``device``) and snapshot."""
+    config = read_config(folder)
+    spec = ModelSpec.from_hf_config(config)
+    target = dtype or getattr(torch, spec.dtype)
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(folder, stack)
+        weights = _Builder(spec, reader, target, device).model()
+        extra = reader.unused()
+        if spec.tie_word_embeddings:
+            extra = [n for n in extra if n != "lm_head.weight"]
+        if extra:
+            shown = ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else "")
+            raise ArtifactError(f"{folder}: {len(extra)} tensor(s) the config does not account "
+                                f"for: {shown}")
+        index = sorted([n, list(i.shape), i.dtype] for n, i in reader.index.items())
+    return Checkpoint(spec, weights, digest_json({"config": config, "weights": index}))
+
+
+class _Builder:
+    """Turns checkpoint tensors into :mod:`~backends.torch.weights` containers."""
+
+    def __init__(self, spec: ModelSpec, reader: _Reader, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.s = spec
+        self.r = reader
+        self.dtype = dtype
+        self.device = device
+
+    def get(self, name: str, *shape: int) -> torch.Tensor:
+        return self.r.take(name, shape).to(device=self.device, dtype=self.dtype)
+
+    def maybe(self, present: bool, name: str, *shape: int) -> torch.Tensor | None:
+        return self.get(name, *shape) if present else None
+
+    def model(self) -> ModelWeights:
+        s = self.s
+        embed = self.get("model.embed_tokens.weight", s.vocab_size, s.hidden_size)
+        layers = tuple(self.layer(i) for i in range(s.num_layers))
+        norm = self.get("model.norm.weight", s.hidden_size)
+        head = embed if s.tie_word_embeddings else self.get(
+            "lm_head.weight", s.vocab_size, s.hidden_size)
+        return ModelWeights(embed, layers, norm, head)
+
+    def layer(self, i: int) -> LayerWeights:
+        p, h = f"model.layers.{i}", self.s.hidden_size
+        mlp = self.moe(p) if i in self.s.moe_layers else self.mlp(
+            f"{p}.mlp", self.s.intermediate_size, self.s.mlp_bias)
+        return LayerWeights(self.get(f"{p}.input_layernorm.weight", h), self.attention(p),
+                            self.get(f"{p}.post_attention_layernorm.weight", h), mlp)
+
+    def attention(self, p: str) -> AttentionWeights:
+        s, a = self.s, f"{p}.self_attn"
+        h, dq, dkv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        return AttentionWeights(
+            q=self.get(f"{a}.q_proj.weight", dq, h), k=self.get(f"{a}.k_proj.weight", dkv, h),
+            v=self.get(f"{a}.v_proj.weight", dkv, h), o=self.get(f"{a}.o_proj.weight", h, dq),
+            q_bias=self.maybe(s.qkv_bias, f"{a}.q_proj.bias", dq),
+            k_bias=self.maybe(s.qkv_bias, f"{a}.k_proj.bias", dkv),
+            v_bias=self.maybe(s.qkv_bias, f"{a}.v_proj.bias", dkv),
+            o_bias=self.maybe(s.o_bias, f"{a}.o_proj.bias", h),
+            q_norm=self.maybe(s.qk_norm, f"{a}.q_norm.weight", s.head_dim),
+            k_norm=self.maybe(s.qk_norm, f"{a}.k_norm.weight", s.head_dim))
+
+    def mlp(self, p: str, inter: int, bias: bool) -> MlpWeights:
+        h = self.s.hidden_size
+        gate_up = torch.cat([self.get(f"{p}.gate_proj.weight", inter, h),
+                             self.get(f"{p}.up_proj.weight", inter, h)])      # [2I, H]
+        gate_up_bias = None
+        if bias:
+            gate_up_bias = torch.cat([self.get(f"{p}.gate_proj.bias", inter),
+                                      self.get(f"{p}.up_proj.bias", inter)])
+        return MlpWeights(gate_up, self.get(f"{p}.down_proj.weight", h, inter), gate_up_bias,
+                          self.maybe(bias, f"{p}.down_proj.bias", h))
+
+    def moe(self, layer: str) -> MoeWeights:
+        moe, h = self.s.moe, self.s.hidden_size
+        assert moe is not None  # moe_layers is non-empty only with a MoeSpec
+        mixtral = self.s.architecture == "MixtralForCausalLM"
+        p = f"{layer}.mlp"
+        if mixtral and self.r.has(f"{layer}.block_sparse_moe.gate.weight"):
+            p = f"{layer}.block_sparse_moe"
+        e, inter = moe.num_experts, moe.intermediate_size
+        if self.r.has(f"{p}.experts.gate_up_proj"):
+            gate_up = self.get(f"{p}.experts.gate_up_proj", e, 2 * inter, h)
+            down = self.get(f"{p}.experts.down_proj", e, h, inter)
+        else:
+            g, u, d = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            gate_up = torch.stack([torch.cat([
+                self.get(f"{p}.experts.{j}.{g}.weight", inter, h),
+                self.get(f"{p}.experts.{j}.{u}.weight", inter, h)]) for j in range(e)])
+            down = torch.stack([self.get(f"{p}.experts.{j}.{d}.weight", h, inter)
+                                for j in range(e)])
+        shared, shared_gate = None, None
+        if moe.shared_intermediate_size:
+            shared = self.mlp(f"{p}.shared_expert", moe.shared_intermediate_size, False)
+            shared_gate = self.get(f"{p}.shared_expert_gate.weight", 1, h)
+        return MoeWeights(self.get(f"{p}.gate.weight", e, h), gate_up, down, shared, shared_gate)

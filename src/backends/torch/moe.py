@@ -1,0 +1,141 @@
+"""Mixture-of-experts feed-forward: routing and grouped expert compute, in plain torch.
+
+This module is the reference (oracle) for a future fused MoE kernel, so it is pure: no module
+state, no autograd tricks, inputs are never modified. Shapes use T tokens, H hidden size,
+E experts, I expert intermediate size, K experts per token.
+
+Semantics follow Hugging Face ``transformers`` 5.x exactly:
+
+1. ``probs = softmax(router_logits in float32)``                       # [T, E]
+2. ``weights, experts = topk(probs, K)`` (ties: torch.topk order)       # [T, K]
+3. if ``routing.renormalize``: ``weights /= weights.sum(-1)``  (Mixtral always; Qwen MoE when
+   ``norm_topk_prob``)
+4. the weights are cast to the hidden dtype (Qwen MoE) or kept in float32 until after the
+   weighted product (Mixtral, ``routing.weights_in_float32``)
+5. each routed (token, expert) pair computes ``down(silu(gate(x)) * up(x)) * weight`` and the
+   pairs are summed per token in ascending expert order (as transformers' ``index_add_`` does).
+
+Tokens are grouped by expert with one stable sort and one gather; each active expert runs one
+matmul over its tokens (or one ``torch._grouped_mm`` over all of them where available) — there
+is no Python loop over tokens. A shared expert (Qwen2-MoE) is not part of this function; the
+model layer adds it.
+
+Example::
+
+    routing = RoutingSpec(renormalize=True)
+    out = moe_forward(x, x @ gate_w.T, w_gate_up, w_down, top_k=2, routing=routing)   # [T, H]
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+
+@attrs.frozen
+class RoutingSpec:
+    """How router probabilities become expert weights.
+
+    ``renormalize``: divide the top-k probabilities by their sum (Mixtral: always; Qwen MoE:
+    the config's ``norm_topk_prob``). ``weights_in_float32``: multiply expert outputs by the
+    float32 weights and cast the product to the hidden dtype (Mixtral); otherwise the weights
+    are cast to the hidden dtype first (Qwen MoE). Both agree exactly in float32.
+    """
+
+    renormalize: bool
+    weights_in_float32: bool = False
+
+
+def route(router_logits: torch.Tensor, *, top_k: int,
+          routing: RoutingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: ``(weights [T, K], experts [T, K] int64)`` from logits ``[T, E]``.
+
+    ``weights`` are float32 when ``routing.weights_in_float32``, else in the logits' dtype.
+    """
+    if not 1 <= top_k <= router_logits.shape[-1]:
+        raise ValueError(f"top_k={top_k} outside 1..{router_logits.shape[-1]}")
+    probs = torch.softmax(router_logits.float(), dim=-1)              # [T, E] float32
+    weights, experts = torch.topk(probs, top_k, dim=-1)               # [T, K]
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not routing.weights_in_float32:
+        weights = weights.to(router_logits.dtype)
+    return weights, experts
+
+
+def group_by_expert(experts: torch.Tensor,
+                    num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T*K routed pairs by expert.
+
+    Returns ``order [T*K]`` (indices into the flattened ``experts``, stable, so pairs of one
+    expert keep token order), ``token_of [T*K]`` (the token of each sorted pair) and
+    ``counts [E]`` (pairs per expert).
+    """
+    flat = experts.reshape(-1)                                        # [T*K]
+    order = torch.argsort(flat, stable=True)                          # [T*K]
+    token_of = order // experts.shape[-1]                             # [T*K]
+    counts = torch.bincount(flat, minlength=num_experts)              # [E]
+    return order, token_of, counts
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x [N, in]`` sorted by expert times ``weight[e].T``: ``[N, out]``.
+
+    ``weight`` is ``[E, out, in]``; the first ``counts[0]`` rows belong to expert 0, and so on.
+    Uses ``torch._grouped_mm`` when this torch has it and the strides suit it, else one matmul
+    per expert that received rows.
+    """
+    if _grouped_mm_usable(x, weight):
+        offsets = torch.cumsum(counts, dim=0).to(torch.int32)         # [E]
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    out = x.new_empty((x.shape[0], weight.shape[1]))                  # [N, out]
+    at = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[at:at + n] = x[at:at + n] @ weight[e].T
+            at += n
+    return out
+
+
+def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # _grouped_mm needs 16-byte aligned row strides; it exists on CPU and CUDA in torch >= 2.8.
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or x.shape[0] == 0:
+        return False
+    size = x.element_size()
+    return all((n * size) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
+
+
+def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over routed tokens: ``[T, H]``.
+
+    ``hidden [T, H]``, ``weights``/``experts [T, K]`` from :func:`route`, ``w_gate_up
+    [E, 2I, H]`` (gate rows first, then up rows), ``w_down [E, H, I]``.
+    """
+    num_experts, two_i, _ = w_gate_up.shape
+    order, token_of, counts = group_by_expert(experts, num_experts)
+    x = hidden[token_of]                                              # [T*K, H]
+    gate_up = grouped_linear(x, w_gate_up, counts)                    # [T*K, 2I]
+    act = F.silu(gate_up[:, :two_i // 2]) * gate_up[:, two_i // 2:]   # [T*K, I]
+    y = grouped_linear(act, w_down, counts)                           # [T*K, H]
+    y = (y * weights.reshape(-1, 1)[order]).to(hidden.dtype)          # [T*K, H]
+    # index_add_ with the pairs sorted by expert sums each token's terms in expert order.
+    return torch.zeros_like(hidden).index_add_(0, token_of, y)        # [T, H]
+
+
+def moe_forward(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, *, top_k: int, routing: RoutingSpec) -> torch.Tensor:
+    """The routed-experts output ``[T, H]`` for ``hidden [T, H]``.
+
+    ``router_logits [T, E]`` (``hidden @ gate_weight.T``), ``w_gate_up [E, 2I, H]``,
+    ``w_down [E, H, I]``. Raises ``ValueError`` for inconsistent shapes.
+    """
+    t, h = hidden.shape
+    e, two_i, h2 = w_gate_up.shape
+    if router_logits.shape != (t, e) or h2 != h or two_i % 2 or w_down.shape != (e, h, two_i // 2):
+        raise ValueError(f"moe shapes disagree: hidden {tuple(hidden.shape)}, router "
+                         f"{tuple(router_logits.shape)}, gate_up {tuple(w_gate_up.shape)}, "
+                         f"down {tuple(w_down.shape)}")
+    weights, experts = route(router_logits, top_k=top_k, routing=routing)
+    return expert_forward(hidden, weights, experts, w_gate_up, w_down)

@@ -1,0 +1,370 @@
+"""The torch reference backend against transformers (the oracle) on tiny random checkpoints.
+
+Each architecture gets a tiny model built by transformers from a config, saved with
+``save_pretrained`` (safetensors) and loaded by ``TorchBackend.from_dir``. Weights are
+re-drawn at a scale where attention, routing and logits are far from uniform, so agreement is
+not an accident of near-zero activations.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from backends.torch.backend import TorchBackend
+from backends.torch.config import ModelSpec
+from backends.torch.moe import RoutingSpec, moe_forward
+from pipeline.errors import ArtifactError, CapacityError, SlotError
+from pipeline.protocols import Backend, PrefillChunk
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=256)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "llama3-rope-tied-bias": lambda: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32}),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen2-sliding-linear-rope": lambda: transformers.Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "qwen3-yarn": lambda: transformers.Qwen3Config(
+        **COMMON, head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64}),
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, **MOE, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**COMMON, **MOE, norm_topk_prob=True),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+}
+
+
+def _redraw(model: Any) -> None:
+    """Weights at activation-preserving scale; norms near 1."""
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    torch.manual_seed(0)
+    out = {}
+    for name, make in CONFIGS.items():
+        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
+        _redraw(model)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        model.generation_config.eos_token_id = None  # never stop early in generate
+        model.generation_config.pad_token_id = 0
+        out[name] = (folder, model)
+    return out
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+                 .tolist())
+
+
+def _ref_last_logits(model: Any, ids: Sequence[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0, -1].float()
+
+
+def _greedy(backend: Backend, slot: int, prompt: Sequence[int], n: int) -> list[int]:
+    z = backend.prefill([PrefillChunk(slot, tuple(prompt), 0, True)])[0]
+    assert backend.cache_length(slot) == len(prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(z.argmax()))
+        z = backend.decode([slot], [out[-1]])[0]
+        assert backend.cache_length(slot) == len(prompt) + len(out)
+    return out
+
+
+ARCHS = list(CONFIGS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match_transformers(arch: str, checkpoints: dict[str, Any]) -> None:
+    folder, ref = checkpoints[arch]
+    backend = TorchBackend.from_dir(folder, num_slots=3, max_context=64)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((1, 7, 20))]
+    chunks = [PrefillChunk(backend.allocate(), p, 0, True) for p in prompts]
+    logits = backend.prefill(chunks)
+    assert logits.dtype == torch.float32 and logits.shape == (3, VOCAB)
+    for row, p in zip(logits, prompts):
+        assert (row - _ref_last_logits(ref, p)).abs().max().item() <= 1e-4
+    assert [backend.cache_length(c.slot) for c in chunks] == [1, 7, 20]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_generate(arch: str, checkpoints: dict[str, Any]) -> None:
+    folder, ref = checkpoints[arch]
+    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=64)
+    prompt = _prompt(9, 42)
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([list(prompt)]), do_sample=False,
+                                max_new_tokens=32)[0, len(prompt):].tolist()
+    assert _greedy(backend, backend.allocate(), prompt, 32) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_batch_equals_solo_runs(arch: str, checkpoints: dict[str, Any]) -> None:
+    folder, _ = checkpoints[arch]
+    prompts = [_prompt(n, 100 + n) for n in (3, 11, 1, 8)]
+    solo = []
+    for p in prompts:
+        b = TorchBackend.from_dir(folder, num_slots=1, max_context=64)
+        solo.append(_greedy(b, b.allocate(), p, 6))
+    backend = TorchBackend.from_dir(folder, num_slots=4, max_context=64)
+    slots = [backend.allocate() for _ in prompts]
+    z = backend.prefill([PrefillChunk(s, p, 0, True) for s, p in zip(slots, prompts)])
+    batched: list[list[int]] = [[] for _ in prompts]
+    for _ in range(6):
+        for out, row in zip(batched, z):
+            out.append(int(row.argmax()))
+        z = backend.decode(slots, [out[-1] for out in batched])
+    assert batched == solo
+    assert [backend.cache_length(s) for s in slots] == [len(p) + 6 for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_equals_one_shot(arch: str, checkpoints: dict[str, Any]) -> None:
+    folder, _ = checkpoints[arch]
+    prompt = _prompt(23, 7)
+    backend = TorchBackend.from_dir(folder, num_slots=2, max_context=64)
+    whole, chunked = backend.allocate(), backend.allocate()
+    z_whole = backend.prefill([PrefillChunk(whole, prompt, 0, True)])[0]
+    cuts = [0, 5, 6, 14, 23]
+    for a, b in zip(cuts, cuts[1:]):
+        z = backend.prefill([PrefillChunk(chunked, prompt[a:b], a, b == len(prompt))])[0]
+        assert backend.cache_length(chunked) == b
+    assert (z - z_whole).abs().max().item() <= 1e-5
+    nxt = int(z_whole.argmax())
+    z2 = backend.decode([whole, chunked], [nxt, nxt])
+    assert (z2[0] - z2[1]).abs().max().item() <= 1e-5
+
+
+def test_chunk_and_new_prompt_in_one_call(checkpoints: dict[str, Any]) -> None:
+    """A later chunk of one prompt and the first chunk of another share one prefill call."""
+    folder, ref = checkpoints["qwen3-moe"]
+    backend = TorchBackend.from_dir(folder, num_slots=2, max_context=64)
+    a, b = backend.allocate(), backend.allocate()
+    pa, pb = _prompt(12, 1), _prompt(5, 2)
+    backend.prefill([PrefillChunk(a, pa[:7], 0, False)])
+    z = backend.prefill([PrefillChunk(a, pa[7:], 7, True), PrefillChunk(b, pb, 0, True)])
+    assert (z[0] - _ref_last_logits(ref, pa)).abs().max().item() <= 1e-4
+    assert (z[1] - _ref_last_logits(ref, pb)).abs().max().item() <= 1e-4
+
+
+# --- the MoE function against a naive per-token reference ---------------------------------
+
+
+def _naive_moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(logits[t].double(), -1)
+        top = sorted(range(len(probs)), key=lambda e: -float(probs[e]))[:top_k]
+        total = sum(float(probs[e]) for e in top) if renormalize else 1.0
+        for e in top:
+            g, u = gate_up[e, :inter] @ x[t], gate_up[e, inter:] @ x[t]
+            out[t] += float(probs[e]) / total * (down[e] @ (F.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (6, 5)])  # _grouped_mm path, loop path
+@pytest.mark.parametrize("routing", [RoutingSpec(renormalize=False),
+                                     RoutingSpec(renormalize=True, weights_in_float32=True)])
+def test_moe_forward_matches_naive_reference(hidden: int, inter: int,
+                                             routing: RoutingSpec) -> None:
+    gen = torch.Generator().manual_seed(3)
+    t, e, k = 37, 8, 2
+    x = torch.randn(t, hidden, generator=gen)
+    logits = torch.randn(t, e, generator=gen) * 2
+    gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(e, hidden, inter, generator=gen) / inter ** 0.5
+    got = moe_forward(x, logits, gate_up, down, top_k=k, routing=routing)
+    want = _naive_moe(x, logits, gate_up, down, k, routing.renormalize)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_moe_forward_matches_transformers_block() -> None:
+    cfg = transformers.Qwen3MoeConfig(**COMMON, **MOE, norm_topk_prob=True)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    _redraw(block)
+    x = torch.randn(1, 19, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = block(x)[0]
+        got = moe_forward(x[0], x[0] @ block.gate.weight.T, block.experts.gate_up_proj,
+                          block.experts.down_proj, top_k=2, routing=RoutingSpec(True))
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+# --- loading: layouts, snapshot, and every way a folder can be broken ---------------------
+
+
+def _copy(folder: Path, dest: Path) -> Path:
+    shutil.copytree(folder, dest)
+    return dest
+
+
+def _rewrite(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_fused_expert_layout_loads_the_same(checkpoints: dict[str, Any],
+                                            tmp_path: Path) -> None:
+    for arch, (g, u, d) in {"qwen3-moe": ("gate_proj", "up_proj", "down_proj"),
+                            "mixtral": ("w1", "w3", "w2")}.items():
+        src, ref = checkpoints[arch]
+        folder = _copy(src, tmp_path / arch)
+
+        def fuse(t: dict[str, torch.Tensor]) -> None:
+            prefix = "mlp" if arch == "qwen3-moe" else "block_sparse_moe"
+            for layer in range(2):
+                p = f"model.layers.{layer}.{prefix}.experts"
+                n = sum(1 for k in t if k.startswith(f"{p}.") and k.endswith(f".{g}.weight"))
+                t[f"{p}.gate_up_proj"] = torch.stack([torch.cat(
+                    [t.pop(f"{p}.{j}.{g}.weight"), t.pop(f"{p}.{j}.{u}.weight")])
+                    for j in range(n)])
+                t[f"{p}.down_proj"] = torch.stack([t.pop(f"{p}.{j}.{d}.weight")
+                                                   for j in range(n)])
+
+        _rewrite(folder, fuse)
+        backend = TorchBackend.from_dir(folder, num_slots=1, max_context=32)
+        prompt = _prompt(10, 9)
+        z = backend.prefill([PrefillChunk(backend.allocate(), prompt, 0, True)])[0]
+        assert (z - _ref_last_logits(ref, prompt)).abs().max().item() <= 1e-4
+
+
+def test_sharded_checkpoint_and_snapshot(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    src, ref = checkpoints["qwen2-moe"]
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    one = TorchBackend.from_dir(src, num_slots=1, max_context=32)
+    sharded = TorchBackend.from_dir(tmp_path / "sharded", num_slots=1, max_context=32)
+    renamed = TorchBackend.from_dir(_copy(src, tmp_path / "other-name"), num_slots=1,
+                                    max_context=32)
+    assert one.snapshot == renamed.snapshot and one.snapshot.startswith("sha256:")
+    prompt = _prompt(6, 3)
+    z1 = one.prefill([PrefillChunk(one.allocate(), prompt, 0, True)])
+    z2 = sharded.prefill([PrefillChunk(sharded.allocate(), prompt, 0, True)])
+    assert torch.equal(z1, z2)
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    shards[-1].unlink()
+    with pytest.raises(ArtifactError, match=shards[-1].name):
+        TorchBackend.from_dir(tmp_path / "sharded")
+
+
+def test_unknown_architecture_is_named(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="GPT2LMHeadModel"):
+        ModelSpec.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    folder = _copy(checkpoints["llama"][0], tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ArtifactError, match="FalconForCausalLM"):
+        TorchBackend.from_dir(folder)
+
+
+@pytest.mark.parametrize("edit,key", [
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ({"hidden_act": "gelu"}, "gelu"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantized"),
+])
+def test_unsupported_config_features_raise(edit: dict[str, Any], key: str,
+                                           checkpoints: dict[str, Any]) -> None:
+    cfg = json.loads((checkpoints["llama"][0] / "config.json").read_text())
+    with pytest.raises(ArtifactError, match=key):
+        ModelSpec.from_hf_config({**cfg, **edit})
+
+
+def test_missing_tensor_is_named(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    folder = _copy(checkpoints["qwen3-yarn"][0], tmp_path / "m")
+    _rewrite(folder, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(ArtifactError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
+        TorchBackend.from_dir(folder)
+
+
+def test_wrong_shape_names_file_and_tensor(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    folder = _copy(checkpoints["mixtral"][0], tmp_path / "m")
+    name = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
+    _rewrite(folder, lambda t: t.__setitem__(name, t[name][:, :-1].contiguous()))
+    with pytest.raises(ArtifactError, match=rf"model\.safetensors: tensor '{name}' has shape"):
+        TorchBackend.from_dir(folder)
+
+
+def test_unexpected_tensor_is_an_error(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    folder = _copy(checkpoints["llama"][0], tmp_path / "m")
+    _rewrite(folder, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias",
+                                             torch.zeros(64)))
+    with pytest.raises(ArtifactError, match="q_proj.bias"):
+        TorchBackend.from_dir(folder)
+
+
+def test_truncated_file_and_missing_weights(checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    folder = _copy(checkpoints["llama"][0], tmp_path / "m")
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(ArtifactError, match="model.safetensors"):
+        TorchBackend.from_dir(folder)
+    path.unlink()
+    with pytest.raises(ArtifactError, match="model.safetensors"):
+        TorchBackend.from_dir(folder)
+
+
+# --- the Backend contract ------------------------------------------------------------------
+
+
+def test_slot_errors_leave_caches_intact(checkpoints: dict[str, Any]) -> None:
+    backend = TorchBackend.from_dir(checkpoints["qwen2"][0], num_slots=2, max_context=16)
+    a, b = backend.allocate(), backend.allocate()
+    with pytest.raises(CapacityError):
+        backend.allocate()
+    backend.prefill([PrefillChunk(a, (1, 2, 3), 0, True)])
+    with pytest.raises(SlotError) as info:   # b's chunk claims a wrong start
+        backend.prefill([PrefillChunk(a, (4,), 3, True), PrefillChunk(b, (5,), 2, True)])
+    assert info.value.slots == (b,)
+    with pytest.raises(SlotError):            # would outgrow max_context
+        backend.prefill([PrefillChunk(b, tuple(range(17)), 0, True)])
+    with pytest.raises(SlotError):            # token outside the vocabulary
+        backend.decode([a], [VOCAB])
+    assert (backend.cache_length(a), backend.cache_length(b)) == (3, 0)
+    backend.release(a)
+    with pytest.raises(SlotError):
+        backend.decode([a], [1])
+    assert backend.allocate() == a and backend.cache_length(a) == 0
