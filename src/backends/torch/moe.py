@@ -12,8 +12,10 @@ Semantics follow Hugging Face ``transformers`` 5.x exactly:
    ``norm_topk_prob``)
 4. the weights are cast to the hidden dtype (Qwen MoE) or kept in float32 until after the
    weighted product (Mixtral, ``routing.weights_in_float32``)
-5. each routed (token, expert) pair computes ``down(silu(gate(x)) * up(x)) * weight`` and the
-   pairs are summed per token in ascending expert order (as transformers' ``index_add_`` does).
+5. each routed (token, expert) pair computes ``down(silu(gate(x)) * up(x)) * weight``; a
+   token's K products are summed with one ``sum`` over K (in the products' dtype: float32 for
+   Mixtral) and cast to the hidden dtype — transformers' default ``grouped_mm`` experts path,
+   which is deterministic (no atomics) and agrees bit for bit in bfloat16 on CPU.
 
 Tokens are grouped by expert with one stable sort and one gather; each active expert runs one
 matmul over its tokens (or one ``torch._grouped_mm`` over all of them where available) — there
@@ -118,10 +120,10 @@ def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.T
     x = hidden[token_of]                                              # [T*K, H]
     gate_up = grouped_linear(x, w_gate_up, counts)                    # [T*K, 2I]
     act = F.silu(gate_up[:, :two_i // 2]) * gate_up[:, two_i // 2:]   # [T*K, I]
-    y = grouped_linear(act, w_down, counts)                           # [T*K, H]
-    y = (y * weights.reshape(-1, 1)[order]).to(hidden.dtype)          # [T*K, H]
-    # index_add_ with the pairs sorted by expert sums each token's terms in expert order.
-    return torch.zeros_like(hidden).index_add_(0, token_of, y)        # [T, H]
+    y = grouped_linear(act, w_down, counts) * weights.reshape(-1, 1)[order]   # [T*K, H]
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y                                               # [T*K, H] token-major
+    return unsorted.view(*experts.shape, -1).sum(dim=1).to(hidden.dtype)   # [T, H]
 
 
 def moe_forward(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
