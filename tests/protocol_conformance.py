@@ -12,10 +12,11 @@ from pipeline import (
 )
 from pipeline import testing
 from stages import detokenize, process, render, select, stop, tokenize
+from backends.torch.backend import TorchBackend
 from transports import AsyncioTransport, InProcessTransport
 
 
-def conformance(tok: tokenize.HFTokenizer) -> None:
+def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     renderers: list[Renderer] = [
         render.HFChatTemplateRenderer.from_template("{{ messages[0].content }}"),
         render.PlainRenderer(), testing.ChatMLRenderer()]
@@ -34,6 +35,8 @@ def conformance(tok: tokenize.HFTokenizer) -> None:
     stoppers: list[Stopper[Any]] = [stop.make_stopper(n) for n in stop.DEFAULT_STOPPERS]
     stoppers.append(testing.TokenCountStopper(3))
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
+    real: Backend = torch_backend
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
-    del renderers, tokenizers, detokenizers, selectors, strategy, stoppers, backend, sync, asyncs
+    del renderers, tokenizers, detokenizers, selectors, strategy, stoppers, backend, real, sync
+    del asyncs

@@ -5,3 +5,8 @@ expert compute, the oracle for fused kernels), :mod:`.rope`, :mod:`.model` (the 
 per-slot KV cache), :mod:`.loader` (safetensors folders) and :mod:`.backend` (``TorchBackend``,
 the :class:`pipeline.protocols.Backend` implementation).
 """
+
+from backends.torch.backend import TorchBackend
+from backends.torch.config import ModelSpec
+
+__all__ = ["ModelSpec", "TorchBackend"]

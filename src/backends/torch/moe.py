@@ -101,8 +101,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
 
 
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # _grouped_mm needs 16-byte aligned row strides; it exists on CPU and CUDA in torch >= 2.8.
+    # _grouped_mm (torch >= 2.8) needs 16-byte aligned row strides; on CUDA it takes bfloat16
+    # only (sm90+), so other CUDA dtypes use the per-expert loop.
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or x.shape[0] == 0:
+        return False
+    if x.device.type != "cpu" and x.dtype != torch.bfloat16:
         return False
     size = x.element_size()
     return all((n * size) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
