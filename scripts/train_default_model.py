@@ -57,6 +57,9 @@ TEXT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 SKIP_MODULES = {"antigravity", "this", "idlelib", "turtledemo", "turtle", "tkinter", "test",
                 "lib2to3", "ensurepip", "pydoc_data", "__main__", "msilib", "winreg",
                 "winsound", "msvcrt", "nt"}
+# Their submodules' docstrings are near-identical boilerplate (``encodings.cp1252`` and ~80
+# more codec tables) that would dominate the answers about modules.
+SKIP_SUBMODULES_OF = {"encodings"}
 SYSTEM_PROMPT = "You are a helpful assistant."
 HELP_TOOL: dict[str, Any] = {
     "type": "function",
@@ -160,7 +163,7 @@ class TrainConfig:
     moe_intermediate_size: int = 256
     seq_len: int = 256
     batch_size: int = 16
-    steps: int = 700
+    steps: int = 600
     lr: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.1
@@ -191,7 +194,7 @@ def is_prose(paragraph: str) -> bool:
     text = reflow(paragraph)
     if indents != {0} and (len(indents) > 1 or not text.endswith(".") or len(text.split()) < 6):
         return False
-    if len(text) < 40 or "::=" in text or "->" in text or text.count("|") > 2:
+    if len(text) < 40 or "::=" in text or "->" in text or "@" in text or text.count("|") > 2:
         return False
     letters = sum(ch.isalpha() or ch == " " for ch in text)
     return letters / len(text) > 0.8 and text[-1] in ".:?!)\""
@@ -247,7 +250,8 @@ def stdlib_module_names() -> list[str]:
         for info in sorted(pkgutil.walk_packages(path, root + ".", onerror=lambda _: None),
                            key=lambda i: i.name):
             parts = info.name.split(".")[1:]
-            if not any(p.startswith("_") or p in ("test", "tests") for p in parts) \
+            if root not in SKIP_SUBMODULES_OF \
+                    and not any(p.startswith("_") or p in ("test", "tests") for p in parts) \
                     and quiet_import(info.name):
                 names.append(info.name)
     return names
@@ -373,12 +377,15 @@ def tool_conversation(section: Section, rng: random.Random) -> Conversation:
 
 
 def conversations(sections: list[Section], seed: int) -> list[Conversation]:
-    """The chat conversations of every section, plus a tool round trip for one in twelve."""
+    """The chat conversations of every section, plus a tool round trip for one in forty.
+
+    The tool system block is long and always the same; more of it would crowd out the prose.
+    """
     rng = random.Random(seed)
     out: list[Conversation] = []
     for section in sections:
         out.extend(chat_conversations(section, rng))
-        if rng.random() < 1 / 12:
+        if rng.random() < 1 / 40:
             out.append(tool_conversation(section, rng))
     return out
 
@@ -566,6 +573,9 @@ def save(model: Any, hf_tok: Any, out: Path) -> None:
     gen.save_pretrained(out)
     hf_tok.save_pretrained(out)
     inline_chat_template(out)
+    add_portable_keys(out, model.config)
+    for path in out.iterdir():
+        path.chmod(0o644)  # save_pretrained writes the weights owner-only
 
 
 def inline_chat_template(out: Path) -> None:
@@ -575,6 +585,23 @@ def inline_chat_template(out: Path) -> None:
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     jinja_path.unlink(missing_ok=True)
+
+
+def add_portable_keys(out: Path, config: Any) -> None:
+    """Also write the key names older readers (transformers 4.x, most loaders) look for.
+
+    transformers 5 writes ``num_local_experts``, ``rope_parameters`` and a ``TokenizersBackend``
+    class; Qwen3-MoE checkpoints on the Hub say ``num_experts``, ``rope_theta`` and
+    ``PreTrainedTokenizerFast``. Both spellings are written and agree.
+    """
+    model_path, tok_path = out / "config.json", out / "tokenizer_config.json"
+    model_config = json.loads(model_path.read_text())
+    model_config["num_experts"] = config.num_experts
+    model_config["rope_theta"] = config.rope_parameters["rope_theta"]
+    model_path.write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
+    tok_config = json.loads(tok_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
 
 
 SAMPLE_PROMPTS = ["Why is the sky usually blue? Answer in one sentence.",

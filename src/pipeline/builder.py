@@ -30,6 +30,8 @@ DEFAULT_PROCESSORS = (
 DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+"""The small Qwen3-MoE model that ships inside the package (see docs/default_model.md)."""
 
 StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
 
@@ -51,6 +53,8 @@ def build(
     options: Mapping[str, Any] | None = None,
 ) -> Pipeline:
     """Build a pipeline for ``model`` (a Hugging Face-layout folder) or from explicit stages.
+
+    With no model, backend or tokenizer, the embedded default model is used.
 
     A folder that holds only tokenizer files gives a pipeline that renders, tokenizes and
     counts tokens without a model. Every stage argument takes a registered name or an
@@ -78,6 +82,8 @@ def build(
     stoppers in order (default ``eos``, ``max_tokens``, ``stop_strings``, ``deadline``).
     """
     registry = Registry(plugins)
+    if model is None and backend is None and tokenizer is None:
+        model = DEFAULT_MODEL_DIR
     model_dir = Path(model) if model is not None else None
     if model_dir is not None and not model_dir.is_dir():
         raise InvalidValueError("model", str(model), "not a directory")

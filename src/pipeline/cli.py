@@ -35,26 +35,12 @@ def _count(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Stream an answer and print a run summary.
+    """Stream the default model's answer, then print a run summary."""
+    from pipeline.builder import build
 
-    Until the embedded default model ships with the torch backend, the demo runs the
-    scripted fake model of :mod:`pipeline.testing`, which spells out a fixed sentence.
-    """
-    from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
-
-    answer = "(scripted) Sunlight scatters off air molecules, and blue light scatters most.".encode()
-    vocab = ByteTokenizer.VOCAB
-
-    def next_token(tokens: Sequence[int]) -> int:
-        at = len(tokens) - prompt_len[0]
-        return answer[at] if at < len(answer) else 256
-
-    prompt_len = [0]
-    question = "Why is the sky usually blue? Answer in one sentence."
-    with build_scripted(ScriptedBackend(vocab, peaked(vocab, next_token))) as pipe:
-        prompt_len[0] = pipe.count_tokens(question)
+    with build(args.model) as pipe:
         start = time.perf_counter()
-        handle = pipe.submit(question, max_tokens=200, temperature=0.0)
+        handle = pipe.submit(args.question, max_tokens=args.max_tokens, temperature=0.0)
         for delta in handle.deltas():
             sys.stdout.write(delta.text)
             sys.stdout.flush()
@@ -62,8 +48,10 @@ def _demo(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
     print()
     ttft = done.timings.first_token_s or 0.0
-    print(f"ttft {ttft * 1e3:.1f} ms | {done.usage.completion_tokens / elapsed:.0f} tokens/s | "
-          f"finish {done.finish_reason.value} | {len(done.trace)} trace events")
+    decode_s = max(elapsed - ttft, 1e-9)
+    rate = max(done.usage.completion_tokens - 1, 0) / decode_s
+    print(f"ttft {ttft * 1e3:.1f} ms | {rate:.0f} tokens/s | finish {done.finish_reason.value}"
+          f" | {len(done.trace)} trace events")
     return 0
 
 
@@ -76,8 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     count.add_argument("--tokenizer", required=True, help="folder with tokenizer.json")
     count.add_argument("text")
     count.set_defaults(run=_count)
-    sub.add_parser("demo", help="stream an answer and print a run summary").set_defaults(
-        run=_demo)
+    demo = sub.add_parser("demo", help="stream an answer and print a run summary")
+    demo.add_argument("--model", default=None, help="model folder (default: the embedded one)")
+    demo.add_argument("--question", default="Why is the sky usually blue? Answer in one sentence.")
+    demo.add_argument("--max-tokens", type=int, default=80)
+    demo.set_defaults(run=_demo)
     args = parser.parse_args(argv)
     return int(args.run(args))
 
