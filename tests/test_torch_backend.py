@@ -222,7 +222,7 @@ def _naive_moe(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
     return out
 
 
-@pytest.mark.parametrize("hidden,inter", [(64, 32), (6, 5)])  # _grouped_mm path, loop path
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (6, 5)])
 @pytest.mark.parametrize("routing", [RoutingSpec(renormalize=False),
                                      RoutingSpec(renormalize=True, weights_in_float32=True)])
 def test_moe_forward_matches_naive_reference(hidden: int, inter: int,

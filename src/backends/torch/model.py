@@ -4,8 +4,13 @@ One call runs B sequences at once, each ``(slot, start, tokens)``: its new token
 positions ``start .. start+len-1`` and attend to the slot's cached positions ``0 .. start-1``
 and causally to each other. The same path serves a one-shot prefill (``start == 0``), a
 chunk of a chunked prefill (``start > 0``), and a decode step (one token per slot). Tokens of
-all sequences are concatenated (``[T, ...]``) for the projections and MLPs; attention pads the
-queries to ``[B, Lq]`` and the cached keys to ``[B, Lk]`` and masks per sequence.
+all sequences are concatenated (``[T, ...]``) for the projections and MLPs; attention runs per
+sequence over views of that slot's cache, so nothing is padded and no cache is copied:
+
+* a decode token folds its query heads onto their key/value head (``[Hkv, Hq/Hkv, D]``), one
+  small attention with no mask and no repeated keys;
+* a prompt from position 0 uses the causal kernel (``is_causal``, grouped-query heads);
+* a later chunk, or a sliding window that cuts in, gets an explicit ``[Lq, Lk]`` mask.
 
 The forward writes the new keys and values into the cache but does not change the slots'
 lengths: :meth:`KVCache.commit` does, after the call succeeded, so a call that raises leaves
@@ -24,17 +29,26 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import torch
 import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
-from backends.torch.moe import moe_forward
+from backends.torch.moe import RoutingSpec, moe_forward
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
+
+class MoeFunction(Protocol):
+    """:func:`~backends.torch.moe.moe_forward`'s signature and contract: the routed-experts
+    output ``[T, H]``. A faster implementation of the same function may replace it."""
+
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int,
+                 routing: RoutingSpec) -> torch.Tensor: ...
 
 
 class KVCache:
@@ -71,20 +85,21 @@ class KVCache:
         """Where the cache lives."""
         return self.k[0].device
 
-    def write(self, layer: int, batch: RaggedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v [T, Hkv, D]`` of layer ``layer`` at each token's slot and position."""
-        self.k[layer][batch.token_slots, :, batch.positions] = k
-        self.v[layer][batch.token_slots, :, batch.positions] = v
+    def write(self, layer: int, slot: int, start: int, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v [n, Hkv, D]`` at positions ``start..start+n-1`` of ``slot``.
 
-    def read(self, layer: int, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, Hkv, Lk, D]`` of the batch's slots, ``Lk = batch.key_len``."""
-        k = self.k[layer][:, :, :batch.key_len].index_select(0, batch.slots)
-        v = self.v[layer][:, :, :batch.key_len].index_select(0, batch.slots)
-        return k, v
+        Returns views ``[1, Hkv, start+n, D]`` of the slot's keys and values up to the last
+        written position (no copy).
+        """
+        end = start + k.shape[0]
+        self.k[layer][slot, :, start:end] = k.transpose(0, 1)
+        self.v[layer][slot, :, start:end] = v.transpose(0, 1)
+        return self.k[layer][slot:slot + 1, :, :end], self.v[layer][slot:slot + 1, :, :end]
 
     def commit(self, batch: RaggedBatch) -> None:
         """Extend each sequence's slot length by the tokens the batch wrote."""
-        for slot, start, n in zip(batch.slot_list, batch.starts, batch.lengths):
+        for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
             self.lengths[slot] = start + n
 
     def reset(self, slot: int) -> None:
@@ -94,23 +109,21 @@ class KVCache:
 
 @attrs.frozen(eq=False)
 class RaggedBatch:
-    """B sequences' new tokens, concatenated, with the index tensors attention needs.
+    """B sequences' new tokens, concatenated.
 
-    ``token_ids``/``positions``/``token_slots``/``seq_of``/``index_in_seq`` are ``[T]``;
-    ``slots``/``last`` (each sequence's last token in ``[T]``) are ``[B]``; ``starts`` and
-    ``lengths`` are per sequence. Build with :meth:`build`.
+    ``token_ids``/``positions`` are ``[T]``; ``last`` (each sequence's last token in ``[T]``)
+    is ``[B]``; ``slots``, ``starts``, ``lengths`` and ``offsets`` (each sequence's first
+    token in ``[T]``) are per-sequence Python ints, which the attention loop slices with.
+    Build with :meth:`build`.
     """
 
     token_ids: torch.Tensor
     positions: torch.Tensor
-    token_slots: torch.Tensor
-    seq_of: torch.Tensor
-    index_in_seq: torch.Tensor
-    slots: torch.Tensor
     last: torch.Tensor
-    slot_list: tuple[int, ...]
+    slots: tuple[int, ...]
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, Sequence[int]]], *,
@@ -119,49 +132,17 @@ class RaggedBatch:
         lengths = [len(ids) for _, _, ids in seqs]
         if not seqs or min(lengths) < 1:
             raise ValueError("every sequence of a batch needs at least one token")
-        n = torch.tensor(lengths)                                     # [B]
-        seq_of = torch.repeat_interleave(torch.arange(len(seqs)), n)  # [T]
-        first = torch.cumsum(n, 0) - n                                # [B]
-        index_in_seq = torch.arange(int(n.sum())) - first[seq_of]     # [T]
-        starts = torch.tensor([s for _, s, _ in seqs])
-        slots = torch.tensor([s for s, _, _ in seqs])
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=torch.int64)
-
-        return cls(token_ids=dev(torch.tensor([t for _, _, ids in seqs for t in ids])),
-                   positions=dev(starts[seq_of] + index_in_seq), token_slots=dev(slots[seq_of]),
-                   seq_of=dev(seq_of), index_in_seq=dev(index_in_seq), slots=dev(slots),
-                   last=dev(first + n - 1), slot_list=tuple(int(s) for s in slots),
-                   starts=tuple(int(s) for s in starts), lengths=tuple(lengths))
-
-    @property
-    def query_len(self) -> int:
-        """Lq: the longest sequence of new tokens."""
-        return max(self.lengths)
-
-    @property
-    def key_len(self) -> int:
-        """Lk: the longest cache extent after this call."""
-        return max(s + n for s, n in zip(self.starts, self.lengths))
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """``[B, 1, Lq, Lk]`` bool, true where a query may see a key.
-
-        Query i of sequence b sits at ``starts[b] + i`` and sees keys at positions up to its
-        own (and, with a sliding ``window``, above ``own - window``). Padding queries copy the
-        sequence's last query, so no row is empty (their outputs are discarded).
-        """
-        dev = self.slots.device
-        n = torch.tensor(self.lengths, device=dev)                             # [B]
-        i = torch.arange(self.query_len, device=dev)                           # [Lq]
-        q_pos = torch.tensor(self.starts, device=dev)[:, None] + torch.minimum(
-            i[None, :], n[:, None] - 1)                                         # [B, Lq]
-        k_pos = torch.arange(self.key_len, device=dev)                         # [Lk]
-        visible = k_pos[None, None, :] <= q_pos[:, :, None]                    # [B, Lq, Lk]
-        if window is not None:
-            visible &= k_pos[None, None, :] > q_pos[:, :, None] - window
-        return visible[:, None]
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        positions = [p for (_, start, _), n in zip(seqs, lengths) for p in range(start, start + n)]
+        ids = [t for _, _, seq in seqs for t in seq]
+        return cls(token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+                   positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                   last=torch.tensor([o + n - 1 for o, n in zip(offsets, lengths)],
+                                     dtype=torch.int64, device=device),
+                   slots=tuple(s for s, _, _ in seqs), starts=tuple(s for _, s, _ in seqs),
+                   lengths=tuple(lengths), offsets=tuple(offsets))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,11 +160,18 @@ def mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer:
-    """A decoder-only model: ``spec`` plus its weights; :meth:`forward` is the whole model."""
+    """A decoder-only model: ``spec`` plus its weights; :meth:`forward` is the whole model.
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+    ``moe`` computes the routed experts of MoE layers (default: the plain-torch
+    :func:`~backends.torch.moe.moe_forward`); any function with its signature and semantics
+    may replace it, and nothing else of the model changes.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
+                 moe: MoeFunction = moe_forward) -> None:
         self.spec = spec
         self.weights = weights
+        self.moe = moe
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]
 
@@ -196,27 +184,23 @@ class Transformer:
         """Logits ``[B, V]`` float32 at each sequence's last new token; writes K/V to ``cache``."""
         h = F.embedding(batch.token_ids, self.weights.embed)                    # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
-        masks = {w: batch.mask(w) for w in set(self.spec.sliding_windows)}
         for i, layer in enumerate(self.weights.layers):
-            h = self._layer(i, layer, h, cos, sin, cache, batch,
-                            masks[self.spec.sliding_windows[i]])
+            h = self._layer(i, layer, h, cos, sin, cache, batch)
         h = rms_norm(h[batch.last], self.weights.norm, self.spec.rms_norm_eps)  # [B, H]
         return F.linear(h, self.weights.lm_head).float()                       # [B, V]
 
     def _layer(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, cache: KVCache, batch: RaggedBatch,
-               mask: torch.Tensor) -> torch.Tensor:
+               sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
         eps = self.spec.rms_norm_eps
         x = rms_norm(h, layer.input_norm, eps)
-        h = h + self._attention(i, layer.attention, x, cos, sin, cache, batch, mask)
+        h = h + self._attention(i, layer.attention, x, cos, sin, cache, batch)
         x = rms_norm(h, layer.post_norm, eps)
         if isinstance(layer.mlp, MoeWeights):
             return h + self._moe(layer.mlp, x)
         return h + mlp_forward(layer.mlp, x)
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, cache: KVCache, batch: RaggedBatch,
-                   mask: torch.Tensor) -> torch.Tensor:
+                   sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
         q = F.linear(x, w.q, w.q_bias).view(t, s.num_heads, s.head_dim)        # [T, Hq, D]
         k = F.linear(x, w.k, w.k_bias).view(t, s.num_kv_heads, s.head_dim)     # [T, Hkv, D]
@@ -224,30 +208,47 @@ class Transformer:
         if w.q_norm is not None and w.k_norm is not None:
             q, k = rms_norm(q, w.q_norm, s.rms_norm_eps), rms_norm(k, w.k_norm, s.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(i, batch, k, v)
-        out = attend(q, *cache.read(i, batch), batch, mask)                     # [T, Hq, D]
+        window = s.sliding_windows[i]
+        outs = []
+        for slot, start, n, at in zip(batch.slots, batch.starts, batch.lengths, batch.offsets):
+            keys, values = cache.write(i, slot, start, k[at:at + n], v[at:at + n])
+            outs.append(attend(q[at:at + n], keys, values, start, window))     # [n, Hq, D]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)                    # [T, Hq, D]
         return F.linear(out.reshape(t, -1), w.o, w.o_bias)                     # [T, H]
 
     def _moe(self, w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         moe = self.spec.moe
         assert moe is not None  # a MoeWeights layer exists only when the spec has moe
-        out = moe_forward(x, F.linear(x, w.router), w.gate_up, w.down, top_k=moe.top_k,
-                          routing=moe.routing)                                 # [T, H]
+        out = self.moe(x, F.linear(x, w.router), w.gate_up, w.down, top_k=moe.top_k,
+                       routing=moe.routing)                                    # [T, H]
         if w.shared is not None and w.shared_gate is not None:
             out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * mlp_forward(w.shared, x)
         return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: RaggedBatch,
-           mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention of ragged queries ``q [T, Hq, D]`` over padded keys/values
-    ``[B, Hkv, Lk, D]``; returns ``[T, Hq, D]``. GQA: query head h reads kv head h // (Hq/Hkv)."""
-    b, hkv, lk, d = k.shape
-    hq = q.shape[1]
-    qp = q.new_zeros((b, batch.query_len, hq, d))                              # [B, Lq, Hq, D]
-    qp[batch.seq_of, batch.index_in_seq] = q
-    rep = hq // hkv
-    k = k[:, :, None].expand(b, hkv, rep, lk, d).reshape(b, hq, lk, d)         # [B, Hq, Lk, D]
-    v = v[:, :, None].expand(b, hkv, rep, lk, d).reshape(b, hq, lk, d)
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask)
-    return out.transpose(1, 2)[batch.seq_of, batch.index_in_seq]              # [T, Hq, D]
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+           window: int | None) -> torch.Tensor:
+    """One sequence's attention: queries ``q [n, Hq, D]`` at positions ``start..start+n-1``
+    over ``keys``/``values [1, Hkv, start+n, D]``; returns ``[n, Hq, D]``.
+
+    GQA: query head h reads kv head ``h // (Hq/Hkv)``. A query at position p sees keys at
+    positions ``p - window < k <= p`` (no lower bound without a ``window``).
+    """
+    n, hq, d = q.shape
+    hkv, lk = keys.shape[1], keys.shape[2]
+    windowed = window is not None and lk > window
+    if n == 1 and not windowed:
+        # One query: fold the heads that share a kv head onto it, [1, Hkv, Hq/Hkv, D].
+        out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), keys, values)
+        return out.view(1, hq, d)
+    qh = q.transpose(0, 1)[None]                                               # [1, Hq, n, D]
+    if start == 0 and not windowed:
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+    else:
+        q_pos = torch.arange(start, start + n, device=q.device)[:, None]       # [n, 1]
+        k_pos = torch.arange(lk, device=q.device)[None, :]                     # [1, Lk]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)                                              # [n, Hq, D]

@@ -18,7 +18,7 @@ Semantics follow Hugging Face ``transformers`` 5.x exactly:
    which is deterministic (no atomics) and agrees bit for bit in bfloat16 on CPU.
 
 Tokens are grouped by expert with one stable sort and one gather; each active expert runs one
-matmul over its tokens (or one ``torch._grouped_mm`` over all of them where available) — there
+matmul over its tokens (or one ``torch._grouped_mm`` over all of them, bfloat16 on CUDA) — there
 is no Python loop over tokens. A shared expert (Qwen2-MoE) is not part of this function; the
 model layer adds it.
 
@@ -85,27 +85,28 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     """Rows of ``x [N, in]`` sorted by expert times ``weight[e].T``: ``[N, out]``.
 
     ``weight`` is ``[E, out, in]``; the first ``counts[0]`` rows belong to expert 0, and so on.
-    Uses ``torch._grouped_mm`` when this torch has it and the strides suit it, else one matmul
-    per expert that received rows.
+    Uses ``torch._grouped_mm`` for bfloat16 on CUDA, else one matmul per expert that received
+    rows (experts with none cost nothing; on CPU ``_grouped_mm`` visits every expert and
+    copies the transposed weights, which made a decode step several times slower).
     """
     if _grouped_mm_usable(x, weight):
         offsets = torch.cumsum(counts, dim=0).to(torch.int32)         # [E]
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    out = x.new_empty((x.shape[0], weight.shape[1]))                  # [N, out]
+    parts = []
     at = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            out[at:at + n] = x[at:at + n] @ weight[e].T
+            parts.append(F.linear(x[at:at + n], weight[e]))          # [n, out]
             at += n
-    return out
+    return torch.cat(parts) if parts else x.new_empty((0, weight.shape[1]))
 
 
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # _grouped_mm (torch >= 2.8) needs 16-byte aligned row strides; on CUDA it takes bfloat16
-    # only (sm90+), so other CUDA dtypes use the per-expert loop.
+    # _grouped_mm (torch >= 2.8) takes bfloat16 on CUDA (sm90+) and needs 16-byte aligned
+    # row strides.
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or x.shape[0] == 0:
         return False
-    if x.device.type != "cpu" and x.dtype != torch.bfloat16:
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
     size = x.element_size()
     return all((n * size) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
