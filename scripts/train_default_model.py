@@ -15,8 +15,9 @@ The run is deterministic from ``--seed``: the corpus is collected in sorted orde
 choice uses a seeded ``random.Random``, the model and the batch order come from seeded torch
 generators, ``torch.use_deterministic_algorithms(True)`` is on, and the thread count is fixed.
 The same Python, torch, tokenizers and transformers versions and the same ``--threads`` give
-bit-identical weights. The step budget (``--steps``) sets the learning-rate schedule; the
-wall-clock budget (``--minutes``) is a guard that stops early, which the log then says.
+bit-identical weights. The step budget (``--steps``) sets the learning-rate schedule; an
+optional wall-clock guard (``--minutes``) stops early, which the log then says (and which makes
+the weights depend on the machine's speed, so the shipped model is trained without it).
 
 Usage::
 
@@ -518,13 +519,14 @@ def evaluate(model: Any, docs: list[list[int]], cfg: TrainConfig) -> float:
     return sum(losses) / max(1, len(losses))
 
 
-def train(model: Any, train_docs: list[list[int]], cfg: TrainConfig, minutes: float) -> dict[str, Any]:
+def train(model: Any, train_docs: list[list[int]], cfg: TrainConfig,
+          minutes: float | None) -> dict[str, Any]:
     """Run the optimiser for ``cfg.steps`` steps or until ``minutes`` pass; return the log."""
     opt, data, log = make_optimizer(model, cfg), batches(train_docs, cfg), []
     start, window, step = time.monotonic(), [], 0
     model.train()
     for step in range(cfg.steps):
-        if time.monotonic() - start > minutes * 60:
+        if minutes is not None and time.monotonic() - start > minutes * 60:
             print(f"time budget of {minutes} min reached at step {step}", flush=True)
             break
         for group in opt.param_groups:
@@ -640,8 +642,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("src/pipeline/default_model"))
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--minutes", type=float, default=25.0,
-                        help="wall-clock guard for the optimiser loop (default 25)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="optional wall-clock guard for the optimiser loop (default: none)")
     parser.add_argument("--threads", type=int, default=TrainConfig.threads)
     return parser.parse_args(argv)
 

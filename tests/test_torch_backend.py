@@ -391,3 +391,27 @@ def test_slot_errors_leave_caches_intact(checkpoints: dict[str, Any]) -> None:
     with pytest.raises(SlotError):
         backend.decode([a], [1])
     assert backend.allocate() == a and backend.cache_length(a) == 0
+
+
+def test_loading_draws_a_progress_bar_by_bytes(checkpoints: dict[str, Any],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    from backends.torch.loader import load_checkpoint
+
+    folder = checkpoints["llama3-rope-tied-bias"][0]   # a tied head: lm_head is never read
+    stream = io.StringIO()
+    load_checkpoint(folder, progress=stream)
+    frames = stream.getvalue().split("\r")
+    total = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert frames[-1].startswith("Loading weights [" + "#" * 30 + "] 100%")
+    assert frames[-1].endswith("\n")
+    # the bar counts tensor bytes: the files' sizes less their JSON headers
+    shown_total = float(frames[-1].split("/")[1].split()[0])
+    assert abs(shown_total - total / 1e9) < 0.01
+    capsys.readouterr()
+    load_checkpoint(folder, progress=True)       # forced onto standard error
+    assert "100%" in capsys.readouterr().err
+    load_checkpoint(folder)                      # standard error is not a terminal here
+    load_checkpoint(folder, progress=False)
+    assert capsys.readouterr().err == ""

@@ -12,6 +12,9 @@ Every problem is an :class:`~pipeline.errors.ArtifactError` that names the file 
 there is one, the tensor: an unreadable config, a missing or truncated shard, a missing
 tensor, a wrong shape, or a tensor the config does not account for.
 
+On a terminal (standard error is a TTY) loading draws a progress bar by bytes read; pass
+``progress=`` any text stream to draw it there, or ``progress=False`` for none.
+
 ``snapshot`` is the content digest of the config and the weight index (every tensor's name,
 shape and dtype), so it does not depend on the folder's name or location.
 
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 import torch
@@ -93,6 +98,38 @@ def weight_files(folder: Path) -> list[Path]:
     return [single]
 
 
+class ProgressBar:
+    """``Loading weights [#####.....] 52% 1.2/2.3 GB`` redrawn in place on ``stream``.
+
+    Redraws at most every 0.1 s and once at 100 %; :meth:`close` ends the line.
+    """
+
+    def __init__(self, stream: TextIO, total: int, label: str = "Loading weights") -> None:
+        self.stream, self.total, self.label = stream, max(total, 1), label
+        self.done = 0
+        self._drawn = -1.0
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` more bytes and redraw if due."""
+        self.done = min(self.done + n, self.total)
+        now = time.monotonic()
+        if self.done == self.total or now - self._drawn >= 0.1:
+            self._drawn = now
+            frac = self.done / self.total
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            self.stream.write(f"\r{self.label} [{bar}] {frac:4.0%} "
+                              f"{self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB")
+            self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 class _Reader:
     """Open safetensors files, a name -> :class:`TensorInfo` index, and which names were used."""
 
@@ -101,6 +138,7 @@ class _Reader:
         self.index: dict[str, TensorInfo] = {}
         self._handles: dict[Path, Any] = {}
         self.used: set[str] = set()
+        self.progress: ProgressBar | None = None
         for path in weight_files(folder):
             try:
                 handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
@@ -129,7 +167,17 @@ class _Reader:
             tensor: torch.Tensor = self._handles[info.file].get_tensor(name)
         except Exception as exc:
             raise ArtifactError(f"{info.file}: cannot read tensor {name!r}: {exc}") from exc
+        if self.progress is not None:
+            self.progress.advance(self.nbytes(name))
         return tensor
+
+    def nbytes(self, name: str) -> int:
+        """Stored size of tensor ``name`` in bytes."""
+        info = self.index[name]
+        count = 1
+        for n in info.shape:
+            count *= n
+        return count * _DTYPE_BYTES.get(info.dtype, 4)
 
     def unused(self) -> list[str]:
         return sorted(n for n in self.index
@@ -137,14 +185,25 @@ class _Reader:
 
 
 def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str = "cpu") -> Checkpoint:
-    """Spec, weights (cast to ``dtype``, default the config's, on ``device``) and snapshot."""
+                    device: torch.device | str = "cpu",
+                    progress: TextIO | bool | None = None) -> Checkpoint:
+    """Spec, weights (cast to ``dtype``, default the config's, on ``device``) and snapshot.
+
+    ``progress``: a stream to draw the loading bar on, ``False`` for none, ``None`` (default)
+    for standard error when it is a terminal.
+    """
     config = read_config(folder)
     spec = ModelSpec.from_hf_config(config)
     target = dtype or getattr(torch, spec.dtype)
+    stream = _progress_stream(progress)
     with contextlib.ExitStack() as stack:
         reader = _Reader(folder, stack)
+        if stream is not None:
+            reader.progress = ProgressBar(stream, sum(reader.nbytes(n) for n in reader.index))
+            stack.callback(reader.progress.close)
         weights = _Builder(spec, reader, target, device).model()
+        if reader.progress is not None:  # tensors the model skips (a tied head) count as read
+            reader.progress.advance(reader.progress.total)
         extra = reader.unused()
         if spec.tie_word_embeddings:
             extra = [n for n in extra if n != "lm_head.weight"]
@@ -154,6 +213,14 @@ def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
                                 f"for: {shown}")
         index = sorted([n, list(i.shape), i.dtype] for n, i in reader.index.items())
     return Checkpoint(spec, weights, digest_json({"config": config, "weights": index}))
+
+
+def _progress_stream(progress: TextIO | bool | None) -> TextIO | None:
+    if progress is None:
+        return sys.stderr if sys.stderr.isatty() else None
+    if isinstance(progress, bool):
+        return sys.stderr if progress else None
+    return progress
 
 
 class _Builder:
