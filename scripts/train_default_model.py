@@ -164,12 +164,12 @@ class TrainConfig:
     moe_intermediate_size: int = 256
     seq_len: int = 256
     batch_size: int = 16
-    steps: int = 600
+    steps: int = 450
     lr: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.01
-    threads: int = 2
+    threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
 
