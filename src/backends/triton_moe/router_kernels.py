@@ -1,0 +1,88 @@
+"""The router kernels: one program per block of tokens, the whole expert row in registers.
+
+Owns the ``@triton.jit`` code behind :func:`backends.triton_moe.routing.route`, which holds
+the rules' definitions, checks operands and launches these. Top-k is K rounds of ``argmax``
+then mask, so ids come out in descending order, ties going to the lower expert id.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, stride_e,
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``logits [T, E]`` (any float dtype) -> ``weights [T, TOP_K]`` f32, ``ids [T, TOP_K]`` i32."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                # [BT]
+    cols = tl.arange(0, BLOCK_E)                                              # [BE]
+    valid = (rows[:, None] < T) & (cols[None, :] < E)                         # [BT, BE]
+    x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :] * stride_e,
+                mask=valid, other=-float("inf")).to(tl.float32)
+    top = tl.max(x, axis=1)                                                   # [BT]
+    top = tl.where(rows < T, top, 0.0)              # rows past T: no inf - inf
+    p = tl.where(valid, tl.exp(x - top[:, None]), 0.0)
+    total = tl.sum(p, axis=1)                                                 # [BT]
+    p = p / tl.where(total > 0, total, 1.0)[:, None]                          # [BT, BE]
+    p = tl.where(valid, p, -1.0)
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)                                              # [BT]
+        idx = tl.argmax(p, axis=1)                                            # [BT]
+        tl.store(ids_ptr + rows * TOP_K + k, idx.to(tl.int32), mask=rows < T)
+        tl.store(weights_ptr + rows * TOP_K + k, best, mask=rows < T)
+        total += best
+        p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
+    if RENORMALIZE:
+        for k in tl.static_range(TOP_K):
+            w = tl.load(weights_ptr + rows * TOP_K + k, mask=rows < T, other=1.0)
+            tl.store(weights_ptr + rows * TOP_K + k, w / total, mask=rows < T)
+
+
+@triton.jit
+def grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, stride_t,
+                                 stride_e, scaling, TOP_K: tl.constexpr,
+                                 GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                                 RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+    """DeepSeek-V3 routing of ``logits [T, E]`` with ``bias [E]`` f32; outputs as above."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                # [BT]
+    cols = tl.arange(0, BLOCK_E)                                              # [BE]
+    valid = (rows[:, None] < T) & (cols[None, :] < E)                         # [BT, BE]
+    x = tl.load(logits_ptr + rows[:, None] * stride_t + cols[None, :] * stride_e,
+                mask=valid, other=0.0).to(tl.float32)
+    scores = tl.sigmoid(x)                                                    # [BT, BE]
+    bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+    choice = tl.where(valid, scores + bias[None, :], -float("inf"))          # [BT, BE]
+    per_group = E // GROUPS
+    group_of = cols // per_group                                              # [BE]
+    gcols = tl.arange(0, BLOCK_G)                                             # [BG]
+    gscore = tl.full((BLOCK_T, BLOCK_G), -float("inf"), tl.float32)          # [BT, BG]
+    for g in tl.static_range(GROUPS):
+        mine = tl.where(group_of[None, :] == g, choice, -float("inf"))
+        first = tl.max(mine, axis=1)
+        second = tl.max(tl.where(cols[None, :] == tl.argmax(mine, axis=1)[:, None],
+                                 -float("inf"), mine), axis=1)
+        gscore = tl.where(gcols[None, :] == g, (first + second)[:, None], gscore)
+    keep = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        g = tl.argmax(gscore, axis=1)                                         # [BT]
+        keep = keep | (group_of[None, :] == g[:, None])
+        gscore = tl.where(gcols[None, :] == g[:, None], -float("inf"), gscore)
+    choice = tl.where(keep, choice, -float("inf"))
+    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        idx = tl.argmax(choice, axis=1)                                       # [BT]
+        hit = cols[None, :] == idx[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)                        # [BT]
+        tl.store(ids_ptr + rows * TOP_K + k, idx.to(tl.int32), mask=rows < T)
+        tl.store(weights_ptr + rows * TOP_K + k, w, mask=rows < T)
+        total += w
+        choice = tl.where(hit, -float("inf"), choice)
+    for k in tl.static_range(TOP_K):
+        w = tl.load(weights_ptr + rows * TOP_K + k, mask=rows < T, other=0.0)
+        if RENORMALIZE:
+            w = w / (total + 1e-20)
+        tl.store(weights_ptr + rows * TOP_K + k, w * scaling, mask=rows < T)
