@@ -24,13 +24,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import torch
 import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
-from backends.torch.moe import moe_forward
+from backends.torch.moe import RoutingSpec, moe_forward
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
@@ -178,12 +179,26 @@ def mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
 
 
-class Transformer:
-    """A decoder-only model: ``spec`` plus its weights; :meth:`forward` is the whole model."""
+class MoeFunction(Protocol):
+    """The routed-experts function a model uses: :func:`~backends.torch.moe.moe_forward`'s
+    signature and result (another implementation, e.g. Triton kernels, may stand in)."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights) -> None:
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int,
+                 routing: RoutingSpec) -> torch.Tensor: ...
+
+
+class Transformer:
+    """A decoder-only model: ``spec`` plus its weights; :meth:`forward` is the whole model.
+
+    ``moe`` computes the routed experts of MoE layers (default: the torch reference).
+    """
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights,
+                 moe: MoeFunction = moe_forward) -> None:
         self.spec = spec
         self.weights = weights
+        self.moe = moe
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]
 
@@ -231,8 +246,8 @@ class Transformer:
     def _moe(self, w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         moe = self.spec.moe
         assert moe is not None  # a MoeWeights layer exists only when the spec has moe
-        out = moe_forward(x, F.linear(x, w.router), w.gate_up, w.down, top_k=moe.top_k,
-                          routing=moe.routing)                                 # [T, H]
+        out = self.moe(x, F.linear(x, w.router), w.gate_up, w.down, top_k=moe.top_k,
+                       routing=moe.routing)                                    # [T, H]
         if w.shared is not None and w.shared_gate is not None:
             out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * mlp_forward(w.shared, x)
         return out

@@ -5,6 +5,8 @@ the rules' definitions, checks operands and launches these. Top-k is K rounds of
 then mask, so ids come out in descending order, ties going to the lower expert id.
 """
 
+# @triton.jit kernels take untyped arguments (Triton reads annotations itself).
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
 from __future__ import annotations
 
 import triton

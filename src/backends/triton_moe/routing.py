@@ -14,8 +14,9 @@ block of tokens (the whole expert row sits in registers, so E is at most a few h
   weighted by their *unbiased* ``s``, renormalized (``/ (sum + 1e-20)``) when asked, then
   multiplied by ``routed_scaling_factor``.
 
-Top-k is K rounds of ``argmax`` then mask, so ids come out in descending weight order, ties
-going to the lower expert id. Weights are float32, ids int32.
+Top-k is K rounds of ``argmax`` then mask, so ids come out in descending order of the
+selection score (the probability; for DeepSeek-V3 the biased score), ties going to the lower
+expert id. Weights are float32, ids int32.
 
 Example::
 
