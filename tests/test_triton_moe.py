@@ -259,7 +259,7 @@ def test_bad_operands_are_named() -> None:
 
 
 def test_tuned_table_is_used_for_the_nearest_batch(tmp_path: Path) -> None:
-    from backends.triton_moe.configs import write_table
+    from backends.triton_moe.configs import default_config, write_table
     key = ConfigKey(4, 8, "interpreter", "float32")
     small, big = LaunchConfig(2, 8, 8), LaunchConfig(8, 16, 16, group_m=4)
     write_table(tmp_path, key, {4: small, 64: big}, "test")
@@ -268,4 +268,5 @@ def test_tuned_table_is_used_for_the_nearest_batch(tmp_path: Path) -> None:
     assert moe.pick(torch.zeros((30, 16)), w_gate_up, 2) == small
     assert moe.pick(torch.zeros((40, 16)), w_gate_up, 2) == big
     # without a table for the shape: the heuristic default
-    assert TritonMoe().pick(torch.zeros((3, 16)), w_gate_up, 2).block_m == 16
+    assert TritonMoe().pick(torch.zeros((3, 16)), w_gate_up, 2) == default_config(
+        3, 4, 2, "interpreter")

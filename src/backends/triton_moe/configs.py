@@ -83,8 +83,16 @@ class ConfigKey:
                 f"dtype={self.dtype}.json")
 
 
-def default_config(num_tokens: int, num_experts: int, top_k: int) -> LaunchConfig:
-    """vLLM's untuned default: small row blocks while experts see about one token each."""
+INTERPRETER_DEVICE = "interpreter"
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int,
+                   device: str = "") -> LaunchConfig:
+    """The untuned default. On a GPU, vLLM's: small row blocks while experts see about one
+    token each. Under the Triton interpreter, whose cost is per program and per operation
+    rather than per element, wide tiles (fewer programs)."""
+    if device == INTERPRETER_DEVICE:
+        return LaunchConfig(block_m=16, block_n=128, block_k=128, group_m=1)
     if num_tokens * top_k <= num_experts or num_tokens <= 32:
         return LaunchConfig(block_m=16, block_n=32, block_k=64, group_m=1)
     return LaunchConfig(block_m=64, block_n=64, block_k=32, group_m=8)
@@ -139,5 +147,5 @@ class ConfigTables:
         """The tuned config nearest ``num_tokens``, or :func:`default_config`."""
         table = self.table(key)
         if table is None:
-            return default_config(num_tokens, key.num_experts, top_k)
+            return default_config(num_tokens, key.num_experts, top_k, key.device)
         return nearest(table, num_tokens)

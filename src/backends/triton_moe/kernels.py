@@ -29,29 +29,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(pid, num_rows, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          GROUP_M: tl.constexpr):
+def _tile(pid, blocks_m, blocks_n, GROUP_M: tl.constexpr):
     """Grouped ordering: program ``pid`` -> (row block, column block)."""
-    blocks_m = tl.cdiv(num_rows, BLOCK_M)
-    blocks_n = tl.cdiv(num_cols, BLOCK_N)
     per_group = GROUP_M * blocks_n
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    return pid_m, pid_n
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
 
 
 @triton.jit
 def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                   num_rows, num_pairs, I, H,
+                   blocks_m, blocks_n, num_pairs, I, H,
                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ap, stride_ai,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """``x [T, H]``, ``w [E, 2I, H]``, ``act [P, I]``; ``sorted_ids [P]`` i32,
-    ``block_expert [P / BLOCK_M]`` i32, ``num_padded [1]`` i32; ``num_rows`` = rows covered
-    by the grid (<= P)."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
+    ``block_expert [P / BLOCK_M]`` i32, ``num_padded [1]`` i32; the grid covers
+    ``blocks_m`` row blocks (<= P / BLOCK_M) times ``blocks_n = cdiv(I, BLOCK_N)``."""
+    pid_m, pid_n = _tile(tl.program_id(0), blocks_m, blocks_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # [BM]
@@ -67,7 +62,7 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_
     u_ptrs = g_ptrs + I * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
+    for k in range(0, (H + BLOCK_K - 1) // BLOCK_K):
         left = H - k * BLOCK_K
         a = tl.load(a_ptrs, mask=live[:, None] & (offs_k[None, :] < left), other=0.0)
         g = tl.load(g_ptrs, mask=offs_k[:, None] < left, other=0.0)
@@ -77,7 +72,7 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
-    act = acc_g * tl.sigmoid(acc_g) * acc_u                                   # [BM, BN]
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                              # [BM, BN] silu*up
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + cols[None, :] * stride_ai
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < I)
@@ -85,13 +80,13 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_
 
 @triton.jit
 def down_kernel(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
-                num_padded_ptr, num_rows, num_pairs, H, I,
+                num_padded_ptr, blocks_m, blocks_n, num_pairs, H, I,
                 stride_ap, stride_ai, stride_we, stride_wh, stride_wi, stride_yn, stride_yh,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """``act [P, I]`` (sorted rows), ``w [E, H, I]``, ``y [N, H]`` f32, ``weights [N]`` f32
     (routing weight of pair ``t*K + k``); the other operands as in :func:`gate_up_kernel`."""
-    pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = _tile(tl.program_id(0), blocks_m, blocks_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # [BM]
@@ -104,7 +99,7 @@ def down_kernel(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wh \
         + offs_k[:, None] * stride_wi                                         # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(I, BLOCK_K)):
+    for k in range(0, (I + BLOCK_K - 1) // BLOCK_K):
         left = I - k * BLOCK_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < left, other=0.0)

@@ -32,12 +32,13 @@ import triton
 from backends.torch.moe import RoutingSpec
 from backends.triton_moe import kernels
 from backends.triton_moe.align import align
-from backends.triton_moe.configs import ConfigKey, ConfigTables, LaunchConfig
+from backends.triton_moe.configs import (
+    INTERPRETER_DEVICE, ConfigKey, ConfigTables, LaunchConfig,
+)
 from backends.triton_moe.routing import SoftmaxTopK, route
 from pipeline.errors import BackendError, InvalidValueError
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-INTERPRETER_DEVICE = "interpreter"
 
 
 def interpreted() -> bool:
@@ -112,15 +113,16 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     tiles = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  GROUP_M=config.group_m, PRECISION=precision,
                  num_warps=config.num_warps, num_stages=config.num_stages)
-    grid1 = (triton.cdiv(rows, config.block_m) * triton.cdiv(i, config.block_n),)
-    kernels.gate_up_kernel[grid1](
-        hidden, w_gate_up, act, a.sorted_ids, a.block_expert, a.num_padded, rows, t * k, i, h,
-        hidden.stride(0), hidden.stride(1), *w_gate_up.stride(), *act.stride(),
-        TOP_K=k, **tiles)
-    grid2 = (triton.cdiv(rows, config.block_m) * triton.cdiv(h, config.block_n),)
-    kernels.down_kernel[grid2](
-        act, w_down, y, flat_w, a.sorted_ids, a.block_expert, a.num_padded, rows, t * k, h, i,
-        *act.stride(), *w_down.stride(), *y.stride(), **tiles)
+    blocks_m = rows // config.block_m
+    blocks_n = triton.cdiv(i, config.block_n)
+    kernels.gate_up_kernel[(blocks_m * blocks_n,)](
+        hidden, w_gate_up, act, a.sorted_ids, a.block_expert, a.num_padded, blocks_m,
+        blocks_n, t * k, i, h, hidden.stride(0), hidden.stride(1), *w_gate_up.stride(),
+        *act.stride(), TOP_K=k, **tiles)
+    blocks_n = triton.cdiv(h, config.block_n)
+    kernels.down_kernel[(blocks_m * blocks_n,)](
+        act, w_down, y, flat_w, a.sorted_ids, a.block_expert, a.num_padded, blocks_m,
+        blocks_n, t * k, h, i, *act.stride(), *w_down.stride(), *y.stride(), **tiles)
     block_h = min(1024, triton.next_power_of_2(h))
     kernels.sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, out, h, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block_h)
