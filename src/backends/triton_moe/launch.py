@@ -140,6 +140,7 @@ class TritonMoe:
                  config: LaunchConfig | None = None) -> None:
         self.tables = ConfigTables(config_folders)
         self.config = config
+        self._devices: dict[torch.device, str] = {}
 
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int,
@@ -158,5 +159,7 @@ class TritonMoe:
         if self.config is not None:
             return self.config
         e, two_i, _ = w_gate_up.shape
-        key = ConfigKey(e, two_i // 2, device_name(hidden.device), DTYPES[hidden.dtype])
+        if hidden.device not in self._devices:
+            self._devices[hidden.device] = device_name(hidden.device)
+        key = ConfigKey(e, two_i // 2, self._devices[hidden.device], DTYPES[hidden.dtype])
         return self.tables.pick(key, hidden.shape[0], top_k)

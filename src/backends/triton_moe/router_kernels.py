@@ -15,8 +15,8 @@ import triton.language as tl
 
 @triton.jit
 def softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, stride_e,
-                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+                        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """``logits [T, E]`` (any float dtype) -> ``weights [T, TOP_K]`` f32, ``ids [T, TOP_K]`` i32."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                # [BT]
     cols = tl.arange(0, BLOCK_E)                                              # [BE]
@@ -29,26 +29,36 @@ def softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, stride
     total = tl.sum(p, axis=1)                                                 # [BT]
     p = p / tl.where(total > 0, total, 1.0)[:, None]                          # [BT, BE]
     p = tl.where(valid, p, -1.0)
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    kcols = tl.arange(0, BLOCK_K)                                             # [BK]
+    out_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    out_id = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for k in tl.static_range(TOP_K):
         best = tl.max(p, axis=1)                                              # [BT]
         idx = tl.argmax(p, axis=1)                                            # [BT]
-        tl.store(ids_ptr + rows * TOP_K + k, idx.to(tl.int32), mask=rows < T)
-        tl.store(weights_ptr + rows * TOP_K + k, best, mask=rows < T)
-        total += best
+        out_w = tl.where(kcols[None, :] == k, best[:, None], out_w)
+        out_id = tl.where(kcols[None, :] == k, idx[:, None].to(tl.int32), out_id)
         p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
     if RENORMALIZE:
-        for k in tl.static_range(TOP_K):
-            w = tl.load(weights_ptr + rows * TOP_K + k, mask=rows < T, other=1.0)
-            tl.store(weights_ptr + rows * TOP_K + k, w / total, mask=rows < T)
+        out_w = out_w / tl.sum(out_w, axis=1)[:, None]
+    _store_topk(weights_ptr, ids_ptr, out_w, out_id, rows, kcols, T, TOP_K)
+
+
+@triton.jit
+def _store_topk(weights_ptr, ids_ptr, out_w, out_id, rows, kcols, T, TOP_K: tl.constexpr):
+    """Store ``out_w``/``out_id [BT, BK]`` as rows of ``[T, TOP_K]``."""
+    offs = rows[:, None] * TOP_K + kcols[None, :]
+    mask = (rows[:, None] < T) & (kcols[None, :] < TOP_K)
+    tl.store(weights_ptr + offs, out_w, mask=mask)
+    tl.store(ids_ptr + offs, out_id, mask=mask)
 
 
 @triton.jit
 def grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, stride_t,
                                  stride_e, scaling, TOP_K: tl.constexpr,
                                  GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                                 RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+                                RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
     """DeepSeek-V3 routing of ``logits [T, E]`` with ``bias [E]`` f32; outputs as above."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)                # [BT]
     cols = tl.arange(0, BLOCK_E)                                              # [BE]
@@ -74,17 +84,16 @@ def grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E
         keep = keep | (group_of[None, :] == g[:, None])
         gscore = tl.where(gcols[None, :] == g[:, None], -float("inf"), gscore)
     choice = tl.where(keep, choice, -float("inf"))
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    kcols = tl.arange(0, BLOCK_K)                                             # [BK]
+    out_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    out_id = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for k in tl.static_range(TOP_K):
         idx = tl.argmax(choice, axis=1)                                       # [BT]
         hit = cols[None, :] == idx[:, None]
-        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)                        # [BT]
-        tl.store(ids_ptr + rows * TOP_K + k, idx.to(tl.int32), mask=rows < T)
-        tl.store(weights_ptr + rows * TOP_K + k, w, mask=rows < T)
-        total += w
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)                        # [BT] unbiased
+        out_w = tl.where(kcols[None, :] == k, w[:, None], out_w)
+        out_id = tl.where(kcols[None, :] == k, idx[:, None].to(tl.int32), out_id)
         choice = tl.where(hit, -float("inf"), choice)
-    for k in tl.static_range(TOP_K):
-        w = tl.load(weights_ptr + rows * TOP_K + k, mask=rows < T, other=0.0)
-        if RENORMALIZE:
-            w = w / (total + 1e-20)
-        tl.store(weights_ptr + rows * TOP_K + k, w * scaling, mask=rows < T)
+    if RENORMALIZE:
+        out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
+    _store_topk(weights_ptr, ids_ptr, out_w * scaling, out_id, rows, kcols, T, TOP_K)

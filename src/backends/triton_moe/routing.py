@@ -85,21 +85,21 @@ def route(logits: torch.Tensor, routing: Routing,
         return weights, ids
     block_e = triton.next_power_of_2(e)
     block_t = max(1, min(16, 4096 // block_e))
+    block_k = triton.next_power_of_2(routing.top_k)
     grid = (triton.cdiv(t, block_t),)
     if isinstance(routing, SoftmaxTopK):
         if correction_bias is not None:
             raise InvalidValueError("correction_bias", "tensor", "softmax routing has no bias")
-        router_kernels.softmax_topk_kernel[grid](logits, weights, ids, t, e, logits.stride(0),
-                                   logits.stride(1), TOP_K=routing.top_k,
-                                   RENORMALIZE=routing.renormalize, BLOCK_T=block_t,
-                                   BLOCK_E=block_e)
+        router_kernels.softmax_topk_kernel[grid](
+            logits, weights, ids, t, e, logits.stride(0), logits.stride(1), TOP_K=routing.top_k,
+            RENORMALIZE=routing.renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k)
         return weights, ids
     bias = _check_bias(correction_bias, e, logits.device)
     router_kernels.grouped_sigmoid_topk_kernel[grid](
         logits, bias, weights, ids, t, e, logits.stride(0), logits.stride(1),
         float(routing.scaling), TOP_K=routing.top_k, GROUPS=routing.num_groups,
         TOPK_GROUP=routing.topk_group, RENORMALIZE=routing.renormalize, BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(routing.num_groups))
+        BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(routing.num_groups), BLOCK_K=block_k)
     return weights, ids
 
 
