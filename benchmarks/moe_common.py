@@ -84,31 +84,32 @@ def flops(shape: Shape, m: int) -> int:
     return 2 * m * shape.top_k * shape.expert_elems
 
 
-def time_us(fn: Callable[[], Any], *, on_gpu: bool, graphs: bool = True,
-            repeats: int = 1) -> tuple[float, str]:
-    """Median time of one call in microseconds and how it was measured.
+def time_eager_us(fn: Callable[[], Any], *, on_gpu: bool, repeats: int = 1) -> float:
+    """Median time of one call in microseconds, launch overhead included.
 
-    On a GPU: a CUDA graph of the call replayed by ``triton.testing.do_bench_cudagraph``
-    (no launch overhead; the L2 cache is not flushed between replays), falling back to
-    ``do_bench`` (eager, L2 flushed) when the call cannot be captured or ``graphs`` is off.
-    On the CPU: wall time of ``repeats`` calls.
+    On a GPU: ``triton.testing.do_bench`` (L2 flushed before each call). On the CPU: wall
+    time of ``repeats`` calls.
     """
     if on_gpu:
         import triton.testing
-        try:
-            if not graphs:
-                raise RuntimeError("graphs off")
-            return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=50,
-                                                                  return_mode="median")), "graph"
-        except Exception:  # a call that syncs with the host cannot be captured
-            return 1e3 * float(triton.testing.do_bench(fn, warmup=10, rep=50,
-                                                       return_mode="median")), "eager"
+        return 1e3 * float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times), "wall"
+    return 1e6 * statistics.median(times)
+
+
+def time_graph_us(fn: Callable[[], Any]) -> float | None:
+    """Median GPU time of one call replayed from a CUDA graph (no launch overhead; L2 not
+    flushed between replays), or None when the call cannot be captured (it syncs with the
+    host)."""
+    import triton.testing
+    try:
+        return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+    except Exception:
+        return None
 
 
 def rel_err(out: Any, ref: Any) -> float:

@@ -30,7 +30,7 @@ from typing import Any
 
 from moe_common import (
     H200_BF16_DENSE_FLOPS, H200_HBM_BYTES_PER_S, Shape, bytes_moved, flops, make_problem,
-    make_weights, rel_err, smoke_mode, time_us,
+    make_weights, rel_err, smoke_mode, time_eager_us, time_graph_us,
 )
 
 SMOKE = smoke_mode(sys.argv)  # before triton is imported
@@ -57,11 +57,17 @@ def measure(shape: Shape, m: int, weights: tuple[Any, Any], weights32: tuple[Any
     ours = moe(p.hidden, p.logits, p.w_gate_up, p.w_down, **call)
     ref = moe_forward(p.hidden, p.logits, p.w_gate_up, p.w_down, **call)
     ref32 = moe_forward(p.hidden.float(), p.logits.float(), *weights32, **call)
-    triton_us, how = time_us(lambda: moe(p.hidden, p.logits, p.w_gate_up, p.w_down, **call),
-                             on_gpu=on_gpu, graphs=graphs, repeats=repeats)
-    torch_us, torch_how = time_us(
-        lambda: moe_forward(p.hidden, p.logits, p.w_gate_up, p.w_down, **call),
-        on_gpu=on_gpu, graphs=graphs, repeats=repeats)
+    calls = {"triton": lambda: moe(p.hidden, p.logits, p.w_gate_up, p.w_down, **call),
+             "torch": lambda: moe_forward(p.hidden, p.logits, p.w_gate_up, p.w_down, **call)}
+    eager = {name: time_eager_us(fn, on_gpu=on_gpu, repeats=repeats)
+             for name, fn in calls.items()}
+    graph = {name: time_graph_us(fn) if on_gpu and graphs else None
+             for name, fn in calls.items()}
+    # compare like with like: CUDA graphs when both calls can be captured, else eager
+    how = "graph" if None not in graph.values() else "eager"
+    chosen = graph if how == "graph" else eager
+    triton_us, torch_us = chosen["triton"], chosen["torch"]
+    best_triton = graph["triton"] or eager["triton"]
     _, ids = route(p.logits, top_k=shape.top_k, routing=ROUTING)
     used = int(ids.unique().numel())
     moved = bytes_moved(shape, m, used, p.hidden.element_size())
@@ -69,11 +75,13 @@ def measure(shape: Shape, m: int, weights: tuple[Any, Any], weights32: tuple[Any
     err = rel_err(ours, ref)
     return {
         "shape": shape.name, "M": m, "experts_used": used, "bytes": moved, "flops": work,
-        "triton_us": triton_us, "torch_us": torch_us, "timing": how, "torch_timing": torch_how,
+        "triton_us": triton_us, "torch_us": torch_us, "timing": how if on_gpu else "wall",
         "speedup": torch_us / triton_us,
-        "hbm_fraction": moved / (triton_us * 1e-6) / H200_HBM_BYTES_PER_S,
-        "tflops": work / (triton_us * 1e-6) / 1e12,
-        "peak_fraction": work / (triton_us * 1e-6) / H200_BF16_DENSE_FLOPS,
+        "triton_eager_us": eager["triton"], "torch_eager_us": eager["torch"],
+        "triton_graph_us": graph["triton"], "torch_graph_us": graph["torch"],
+        "hbm_fraction": moved / (best_triton * 1e-6) / H200_HBM_BYTES_PER_S,
+        "tflops": work / (best_triton * 1e-6) / 1e12,
+        "peak_fraction": work / (best_triton * 1e-6) / H200_BF16_DENSE_FLOPS,
         "rel_err_vs_torch": err, "triton_rel_err_vs_fp32": rel_err(ours, ref32),
         "torch_rel_err_vs_fp32": rel_err(ref, ref32),
         "parity_ok": err <= PARITY_TOL[p.hidden.dtype],
@@ -96,9 +104,10 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table."""
-    head = ("| shape | M | triton µs | torch µs | speedup | HBM frac | TFLOP/s | peak frac "
-            "| rel err |\n|---|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['shape']} | {r['M']} | {r['triton_us']:.1f} | {r['torch_us']:.1f} | "
+    head = ("| shape | M | timing | triton µs | torch µs | speedup | HBM frac | TFLOP/s "
+            "| peak frac | rel err |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [f"| {r['shape']} | {r['M']} | {r['timing']} | {r['triton_us']:.1f} | "
+             f"{r['torch_us']:.1f} | "
              f"{r['speedup']:.2f} | {r['hbm_fraction']:.3f} | {r['tflops']:.1f} | "
              f"{r['peak_fraction']:.3f} | {r['rel_err_vs_torch']:.1e} |" for r in rows]
     return "\n".join([head, *lines])

@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moe_common import Shape, make_problem, make_weights, rel_err, smoke_mode, time_us
+from moe_common import (
+    Shape, make_problem, make_weights, rel_err, smoke_mode, time_eager_us, time_graph_us,
+)
 
 SMOKE = smoke_mode(sys.argv)  # before triton is imported
 
@@ -74,7 +76,10 @@ def trial(cfg: LaunchConfig, problem: Any, reference: Any, shape: Shape, *, on_g
     row["rel_err"] = err
     if err > TOLERANCE[problem.hidden.dtype]:
         return {**row, "error": "wrong result"}
-    row["us"], row["timing"] = time_us(call, on_gpu=on_gpu, repeats=repeats)
+    graph = time_graph_us(call) if on_gpu else None
+    row["us"] = graph if graph is not None else time_eager_us(call, on_gpu=on_gpu,
+                                                               repeats=repeats)
+    row["timing"] = "graph" if graph is not None else ("eager" if on_gpu else "wall")
     return row
 
 

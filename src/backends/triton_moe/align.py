@@ -55,7 +55,8 @@ def align(ids: torch.Tensor, *, num_experts: int, block_m: int) -> Alignment:
     dev = ids.device
     flat = ids.reshape(-1).long()                                             # [N]
     n = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)                      # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))                                       # [E] (bincount syncs)
     padded = (counts + block_m - 1) // block_m * block_m                      # [E]
     padded_end = torch.cumsum(padded, 0)                                      # [E]
     order = torch.argsort(flat, stable=True)                                  # [N]
