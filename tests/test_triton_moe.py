@@ -270,3 +270,27 @@ def test_tuned_table_is_used_for_the_nearest_batch(tmp_path: Path) -> None:
     # without a table for the shape: the heuristic default
     assert TritonMoe().pick(torch.zeros((3, 16)), w_gate_up, 2) == default_config(
         3, 4, 2, "interpreter")
+
+
+def test_launch_configs_and_tables_reject_bad_values(tmp_path: Path) -> None:
+    from backends.triton_moe.configs import read_table
+    from pipeline.errors import ArtifactError
+    with pytest.raises(InvalidValueError, match="block_n"):
+        LaunchConfig(block_m=16, block_n=48, block_k=32)
+    with pytest.raises(InvalidValueError, match="unknown keys"):
+        LaunchConfig.from_dict({"block_m": 16, "block_n": 32, "block_k": 32, "blockm": 1})
+    bad = tmp_path / "E=4,N=8,device_name=x,dtype=float32.json"
+    bad.write_text('{"configs": {"1": {"block_m": 3, "block_n": 8, "block_k": 8}}}')
+    with pytest.raises(ArtifactError, match=bad.name):
+        read_table(bad)
+    bad.write_text("not json")
+    with pytest.raises(ArtifactError, match=bad.name):
+        read_table(bad)
+
+
+def test_fused_experts_names_mismatched_routing() -> None:
+    x, _ = _inputs(3, 16, 4, torch.float32)
+    w_gate_up, w_down = _experts(4, 16, 8, torch.float32)
+    with pytest.raises(InvalidValueError, match="routing"):
+        fused_experts(x, torch.ones((3, 2)), torch.zeros((3, 1), dtype=torch.int32),
+                      w_gate_up, w_down, SMALL)

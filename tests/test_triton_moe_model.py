@@ -106,6 +106,19 @@ def test_default_model_greedy_tokens_equal_with_triton_moe() -> None:
     assert len(runs[1].token_ids) >= 1
 
 
+def test_a_callable_moe_option_is_used_by_the_model() -> None:
+    from backends.torch.moe import moe_forward
+    seen: list[tuple[int, ...]] = []
+
+    def spy(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(tuple(hidden.shape))
+        return moe_forward(hidden, *args, **kwargs)
+
+    with build(options={"moe": spy, "num_slots": 1, "max_context": 128}) as pipe:
+        pipe.generate("Hi", max_tokens=2, temperature=0)
+    assert seen and all(len(s) == 2 for s in seen)
+
+
 def test_unknown_moe_name_is_named() -> None:
     with pytest.raises(InvalidValueError, match="moe"):
         build(options={"moe": "cuda-graphs"})

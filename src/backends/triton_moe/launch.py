@@ -96,8 +96,14 @@ def fused_experts(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
     ``hidden [T, H]``, ``weights [T, K]`` (any float dtype; used in float32), ``ids [T, K]``
     (integers in ``0..E-1``), ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``; returns
-    ``[T, H]`` in the hidden dtype. Operands are assumed checked (:func:`check_operands`).
+    ``[T, H]`` in the hidden dtype. Expert weights and hidden states are assumed checked
+    (:func:`check_operands`); ids outside ``0..E-1`` are not detected (that would need a
+    read-back to the host).
     """
+    if ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != hidden.shape[0] \
+            or ids.is_floating_point():
+        raise InvalidValueError("routing", (tuple(weights.shape), tuple(ids.shape)),
+                                f"need weights and integer ids [{hidden.shape[0]}, K]")
     t, h = hidden.shape
     e, two_i, _ = w_gate_up.shape
     i, k = two_i // 2, ids.shape[1]
