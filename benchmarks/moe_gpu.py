@@ -14,7 +14,9 @@ In one run, for Qwen3-30B-A3B experts (E=128, top-8, H=2048, I=768) and Mixtral-
   M >= 1024, never slower than the torch reference.
 
 Prints a table and writes JSON (default ``benchmarks/results/moe_gpu.json``).
-Run on a GPU: ``python benchmarks/moe_gpu.py [--configs DIR] [--out FILE]``.
+Run on a GPU: ``python benchmarks/moe_gpu.py [--tune] [--configs DIR] [--out FILE]``;
+``--tune`` first tunes each shape at the benchmark's token counts (``moe_tune.py``'s quick
+space) and writes those tables next to the JSON, in ``moe_tables/``.
 ``--cpu-smoke`` runs the same code on tiny shapes through the Triton interpreter in
 float32/float16 (the interpreter has no bfloat16 dot), to check the script without a GPU;
 its timings and fractions mean nothing.
@@ -38,7 +40,9 @@ SMOKE = smoke_mode(sys.argv)  # before triton is imported
 import torch  # noqa: E402
 
 from backends.torch.moe import RoutingSpec, moe_forward, route  # noqa: E402
-from backends.triton_moe import TritonMoe  # noqa: E402
+from backends.triton_moe import ConfigKey, TritonMoe  # noqa: E402
+from backends.triton_moe.configs import write_table  # noqa: E402
+from backends.triton_moe.launch import device_name  # noqa: E402
 
 GPU_SHAPES = (Shape("qwen3-30b-a3b", 128, 8, 2048, 768), Shape("mixtral-8x7b", 8, 2, 4096, 14336))
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -123,10 +127,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         [torch.bfloat16] if on_gpu else [torch.float32, torch.float16])
     shapes, tokens = (GPU_SHAPES, GPU_TOKENS) if on_gpu else (SMOKE_SHAPES, SMOKE_TOKENS)
     tokens = tuple(args.tokens) if args.tokens else tokens
-    moe = TritonMoe([Path(f) for f in args.configs])
-    rows = []
+    tuned = args.out.parent / "moe_tables"
+    moe = TritonMoe([tuned, *(Path(f) for f in args.configs)] if args.tune else
+                    [Path(f) for f in args.configs])
+    rows, tables = [], []
     for dtype in dtypes:
         for shape in shapes:
+            if args.tune:
+                tables.append(str(quick_tune(shape, dtype, tokens, tuned, on_gpu=on_gpu)))
             weights = make_weights(shape, dtype, device)
             weights32 = tuple(w.float() for w in weights)
             for m in tokens:
@@ -140,8 +148,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "grouped_mm_available": hasattr(torch, "_grouped_mm"),
         "peaks": {"hbm_bytes_per_s": H200_HBM_BYTES_PER_S,
                   "bf16_dense_flops": H200_BF16_DENSE_FLOPS},
-        "rows": rows, "goals": goals(rows),
+        "tuned_tables": tables, "rows": rows, "goals": goals(rows),
     }
+
+
+def quick_tune(shape: Shape, dtype: torch.dtype, tokens: tuple[int, ...], folder: Path, *,
+               on_gpu: bool) -> Path:
+    """Tune ``shape`` at exactly these token counts (``moe_tune.py``'s quick space, or its
+    smoke space on the CPU) and write the table into ``folder``."""
+    import moe_tune
+    import triton
+
+    grid = moe_tune.QUICK_SPACE if on_gpu else moe_tune.SMOKE_SPACE
+    best, _ = moe_tune.tune(shape, dtype, list(tokens), grid, on_gpu=on_gpu, repeats=1)
+    device = device_name(torch.device("cuda" if on_gpu else "cpu"))
+    key = ConfigKey(shape.experts, shape.intermediate, device, str(dtype).removeprefix("torch."))
+    return write_table(folder, key, best, triton.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timed calls on the CPU")
     parser.add_argument("--tokens", type=int, nargs="+", help="token counts M to run")
     parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--tune", action="store_true",
+                        help="first tune each shape at these token counts (moe_tune.py's "
+                             "quick space) and use those tables")
     parser.add_argument("--no-graphs", action="store_true",
                         help="time eagerly (launch overhead included), not CUDA graphs")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -12,6 +12,7 @@ Run on a GPU::
     python benchmarks/moe_tune.py --experts 8 --top-k 2 --hidden 4096 --intermediate 14336 \\
         [--dtype bfloat16] [--batch-sizes 1 16 64 ...] [--out src/backends/triton_moe/configs]
 
+``--quick`` searches a small space (minutes on one GPU instead of hours).
 ``--cpu-smoke`` tunes under the Triton interpreter (device name ``interpreter``, a small
 search space, float32/float16); also writes ``--trials FILE`` with every measured config.
 """
@@ -42,6 +43,8 @@ from backends.triton_moe.launch import device_name  # noqa: E402
 GPU_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)
 GPU_SPACE = dict(block_m=(16, 32, 64, 128), block_n=(32, 64, 128, 256), block_k=(64, 128, 256),
                  group_m=(1, 16, 32), num_warps=(4, 8), num_stages=(2, 3, 4))
+QUICK_SPACE = dict(block_m=(16, 64, 128), block_n=(64, 128), block_k=(64, 128), group_m=(1, 16),
+                   num_warps=(4,), num_stages=(3,))
 SMOKE_SPACE = dict(block_m=(16, 32), block_n=(64,), block_k=(32, 64), group_m=(1,),
                    num_warps=(4,), num_stages=(3,))
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-5}
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timed calls on the CPU")
     parser.add_argument("--out", type=Path, default=PACKAGE_TABLES)
     parser.add_argument("--trials", type=Path, help="also write every trial as JSON here")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the small search space ({len(space(QUICK_SPACE, 4096, 1))} "
+                             "configs) instead of the full one")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tune under the Triton interpreter (no GPU needed)")
     args = parser.parse_args(argv)
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = Shape("tuned", args.experts, args.top_k, args.hidden, args.intermediate)
     batches = args.batch_sizes or list(GPU_BATCHES if on_gpu else (1, 16))
     best, trials = tune(shape, getattr(torch, args.dtype), batches,
-                        GPU_SPACE if on_gpu else SMOKE_SPACE, on_gpu=on_gpu,
+                        (QUICK_SPACE if args.quick else GPU_SPACE) if on_gpu else SMOKE_SPACE,
+                        on_gpu=on_gpu,
                         repeats=args.repeats)
     device = device_name(torch.device("cuda" if on_gpu else "cpu"))
     key = ConfigKey(shape.experts, shape.intermediate, device, args.dtype)

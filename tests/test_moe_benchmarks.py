@@ -35,9 +35,14 @@ def _run(script: str, *args: str) -> str:
 
 def test_gpu_benchmark_smoke_run_reports_consistent_figures(tmp_path: Path) -> None:
     out = tmp_path / "moe.json"
-    printed = _run("moe_gpu.py", "--tokens", "1", "5", "--dtypes", "float16", "--out", str(out))
+    printed = _run("moe_gpu.py", "--tokens", "1", "5", "--dtypes", "float16", "--tune",
+                   "--out", str(out))
     report: dict[str, Any] = json.loads(out.read_text())
     assert report["cpu_smoke"] is True
+    assert sorted(Path(p).name for p in report["tuned_tables"]) == [
+        "E=16,N=32,device_name=interpreter,dtype=float16.json",
+        "E=4,N=48,device_name=interpreter,dtype=float16.json"]
+    assert all(Path(p).parent == tmp_path / "moe_tables" for p in report["tuned_tables"])
     rows = report["rows"]
     assert [(r["shape"], r["M"]) for r in rows] == [
         (s, m) for s in SMOKE_SHAPES for m in (1, 5)]
