@@ -101,11 +101,30 @@ def time_eager_us(fn: Callable[[], Any], *, on_gpu: bool, repeats: int = 1) -> f
     return 1e6 * statistics.median(times)
 
 
+def syncs_with_host(fn: Callable[[], Any]) -> bool:
+    """Whether ``fn`` waits for the GPU (``.item()``, ``bincount``, ...), found under torch's
+    sync debug mode before any capture is tried: a capture that hits a sync can leave a
+    CUDA error behind for later calls."""
+    import torch
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+        torch.cuda.synchronize()
+
+
 def time_graph_us(fn: Callable[[], Any]) -> float | None:
     """Median GPU time of one call replayed from a CUDA graph (no launch overhead; L2 not
     flushed between replays), or None when the call cannot be captured (it syncs with the
     host)."""
     import triton.testing
+    if syncs_with_host(fn):
+        return None
     try:
         return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
     except Exception:
