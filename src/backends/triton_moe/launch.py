@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -37,6 +38,9 @@ from backends.triton_moe.configs import (
 )
 from backends.triton_moe.routing import SoftmaxTopK, route
 from pipeline.errors import BackendError, InvalidValueError
+
+if TYPE_CHECKING:
+    from backends.torch.model import MoeFunction
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -169,3 +173,9 @@ class TritonMoe:
             self._devices[hidden.device] = device_name(hidden.device)
         key = ConfigKey(e, two_i // 2, self._devices[hidden.device], DTYPES[hidden.dtype])
         return self.tables.pick(key, hidden.shape[0], top_k)
+
+
+if TYPE_CHECKING:
+    def _satisfies_moe_function(moe: TritonMoe) -> MoeFunction:
+        """mypy proves that TritonMoe stands in for moe_forward in the torch model."""
+        return moe
