@@ -9,6 +9,8 @@ model's greedy tokens with the reference MoE.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
@@ -25,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.triton_moe import TritonMoe  # noqa: E402
 from pipeline import build  # noqa: E402
-from pipeline.errors import InvalidValueError  # noqa: E402
+from pipeline.errors import BackendError, InvalidValueError  # noqa: E402
 from pipeline.protocols import PrefillChunk  # noqa: E402
 
 COMMON: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=48,
@@ -117,6 +119,18 @@ def test_a_callable_moe_option_is_used_by_the_model() -> None:
     with build(options={"moe": spy, "num_slots": 1, "max_context": 128}) as pipe:
         pipe.generate("Hi", max_tokens=2, temperature=0)
     assert seen and all(len(s) == 2 for s in seen)
+
+
+def test_triton_moe_where_it_cannot_run_is_refused_at_build_time() -> None:
+    with pytest.raises(BackendError, match="bfloat16"):
+        build(options={"moe": "triton"})   # the default model's bfloat16 weights
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = ("from pipeline import build\n"
+              "try:\n build(options={'moe': 'triton', 'dtype': 'float32'})\n"
+              "except Exception as exc:\n print(type(exc).__name__, exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "BackendError" in done.stdout and "TRITON_INTERPRET=1" in done.stdout, done.stderr
 
 
 def test_unknown_moe_name_is_named() -> None:

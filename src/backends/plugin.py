@@ -23,11 +23,16 @@ def _torch(ctx: BuildContext) -> Any:
     if ctx.model_dir is None:
         raise ArtifactError("the torch backend needs a model folder")
     opts = ctx.options
-    return TorchBackend.from_dir(
+    backend = TorchBackend.from_dir(
         ctx.model_dir, num_slots=int(opts.get("num_slots", 8)),
         max_context=opts.get("max_context"), dtype=opts.get("dtype"),
         device=opts.get("device", "cpu"), moe=_moe(opts.get("moe", "torch"),
                                                    opts.get("moe_configs", ())))
+    if opts.get("moe") == "triton":  # refuse at build time, not at the first request
+        from backends.triton_moe.launch import check_device
+
+        check_device(backend.model.weights.embed.device, backend.model.dtype)
+    return backend
 
 
 def _moe(choice: Any, folders: Any) -> Any:

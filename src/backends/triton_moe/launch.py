@@ -82,13 +82,18 @@ def _check_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise InvalidValueError("moe devices", sorted(map(str, devices)), "must be one device")
-    device = devices.pop()
+    check_device(devices.pop(), tensors[0].dtype)
+
+
+def check_device(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise :class:`~pipeline.errors.BackendError` unless the kernels can run on ``device``
+    in ``dtype``: any CUDA device, or the CPU under the interpreter without bfloat16."""
     if device.type == "cuda":
         return
     if device.type != "cpu" or not interpreted():
         raise BackendError(f"the Triton MoE needs a CUDA device (got {device}); on a CPU set "
                            "TRITON_INTERPRET=1 before triton is imported")
-    if tensors[0].dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         raise BackendError("the Triton interpreter has no bfloat16 dot: use float32 or "
                            "float16 on the CPU, bfloat16 on a GPU")
 
