@@ -232,6 +232,16 @@ def test_block_sizes_do_not_change_the_result(config: LaunchConfig) -> None:
     assert _rel_err(out, ref) <= 1e-5
 
 
+def test_chunked_calls_equal_one_call() -> None:
+    x, logits = _inputs(13, 32, 8, torch.float32)
+    w_gate_up, w_down = _experts(8, 32, 16, torch.float32)
+    spec = RoutingSpec(renormalize=False)
+    whole = TritonMoe(config=SMALL)(x, logits, w_gate_up, w_down, top_k=2, routing=spec)
+    chunked = TritonMoe(config=SMALL, chunk_tokens=5)(x, logits, w_gate_up, w_down, top_k=2,
+                                                      routing=spec)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_no_tokens_gives_an_empty_result() -> None:
     w_gate_up, w_down = _experts(4, 16, 8, torch.float32)
     out = TritonMoe()(torch.zeros((0, 16)), torch.zeros((0, 4)), w_gate_up, w_down, top_k=2,

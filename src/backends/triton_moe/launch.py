@@ -149,12 +149,17 @@ class TritonMoe:
 
     Called like :func:`backends.torch.moe.moe_forward`. ``config_folders`` are searched for
     launch tables before the packaged ones; ``config`` forces one config for every call.
+    Calls of more than ``chunk_tokens`` tokens run in chunks of that many, which bounds the
+    float32 intermediate ``[T*K, H]`` (vLLM chunks likewise).
     """
 
     def __init__(self, config_folders: Sequence[Path] = (),
-                 config: LaunchConfig | None = None) -> None:
+                 config: LaunchConfig | None = None, chunk_tokens: int = 8192) -> None:
+        if chunk_tokens < 1:
+            raise InvalidValueError("chunk_tokens", chunk_tokens, "must be >= 1")
         self.tables = ConfigTables(config_folders)
         self.config = config
+        self.chunk_tokens = chunk_tokens
         self._devices: dict[torch.device, str] = {}
 
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor,
@@ -166,8 +171,14 @@ class TritonMoe:
             raise InvalidValueError("router_logits", tuple(router_logits.shape),
                                     f"need [{hidden.shape[0]}, {w_gate_up.shape[0]}]")
         weights, ids = route(router_logits, SoftmaxTopK(top_k, routing.renormalize))
-        return fused_experts(hidden, weights, ids, w_gate_up, w_down,
-                             self.pick(hidden, w_gate_up, top_k))
+        t, step = hidden.shape[0], self.chunk_tokens
+        if t <= step:
+            return fused_experts(hidden, weights, ids, w_gate_up, w_down,
+                                 self.pick(hidden, w_gate_up, top_k))
+        config = self.pick(hidden[:step], w_gate_up, top_k)
+        return torch.cat([fused_experts(hidden[a:a + step], weights[a:a + step],
+                                        ids[a:a + step], w_gate_up, w_down, config)
+                          for a in range(0, t, step)])
 
     def pick(self, hidden: torch.Tensor, w_gate_up: torch.Tensor, top_k: int) -> LaunchConfig:
         """The launch config for this call's shapes, dtype and device."""
