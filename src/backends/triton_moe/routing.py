@@ -1,18 +1,19 @@
-"""Router kernels: router logits ``[T, E]`` to expert weights and ids ``[T, K]``.
+"""Routing: router logits ``[T, E]`` to expert weights and ids ``[T, K]``.
 
-Owns the two routing rules our checkpoints use, as Triton kernels with one program per
-block of tokens (the whole expert row sits in registers, so E is at most a few hundred):
+Owns the two routing rules our checkpoints use and :func:`route`, which checks its operands
+and launches the rule's Triton kernel (:mod:`.router_kernels`: one program per block of
+tokens, the whole expert row in registers, so E is at most a few hundred):
 
 - :class:`SoftmaxTopK` (Mixtral, Qwen2-MoE, Qwen3-MoE): ``softmax`` over all E experts in
   float32, the K largest probabilities, optionally renormalized to sum to one. This is
   :func:`backends.torch.moe.route`'s rule; its shared expert (Qwen2-MoE) is the model's.
 - :class:`GroupedSigmoidTopK` (DeepSeek-V3 ``noaux_tc``): ``s = sigmoid(logits)``; selection
   uses ``s + correction_bias``; a group's score is the sum of its two best biased scores; the
-  ``topk_group`` best groups are kept and the other experts masked with ``-inf`` (DeepSeek's
-  own inference code and vLLM; transformers masks with ``0.0``, which differs only when fewer
-  than K kept experts have a positive biased score); the K best kept experts are chosen and
-  weighted by their *unbiased* ``s``, renormalized (``/ (sum + 1e-20)``) when asked, then
-  multiplied by ``routed_scaling_factor``.
+  ``topk_group`` best groups are kept and the other experts masked with ``-inf`` (as vLLM
+  and transformers 5 do; older transformers masked with ``0.0``, which differs only when
+  fewer than K kept experts have a positive biased score); the K best kept experts are
+  chosen and weighted by their *unbiased* ``s``, renormalized (``/ (sum + 1e-20)``) when
+  asked, then multiplied by ``routed_scaling_factor``.
 
 Top-k is K rounds of ``argmax`` then mask, so ids come out in descending order of the
 selection score (the probability; for DeepSeek-V3 the biased score), ties going to the lower
