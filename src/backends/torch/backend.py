@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from backends.torch.loader import load_checkpoint
-from backends.torch.model import KVCache, RaggedBatch, Transformer
+from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
+from backends.torch.moe import moe_forward
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from pipeline.protocols import PrefillChunk
 
@@ -62,18 +63,20 @@ class TorchBackend:
     @classmethod
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
                  dtype: torch.dtype | str | None = None,
-                 device: torch.device | str = "cpu") -> TorchBackend:
+                 device: torch.device | str = "cpu",
+                 moe: MoeFunction = moe_forward) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the cache is
-        preallocated, so pick less for big models); ``dtype`` defaults to the checkpoint's.
-        Raises :class:`~pipeline.errors.ArtifactError` for an unusable folder.
+        preallocated, so pick less for big models); ``dtype`` defaults to the checkpoint's;
+        ``moe`` computes MoE layers' routed experts. Raises
+        :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
         if isinstance(dtype, str):
             dtype = _dtype(dtype)
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
-        return cls(Transformer(ckpt.spec, ckpt.weights), ckpt.snapshot, num_slots=num_slots,
-                   max_context=max_context)
+        return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe), ckpt.snapshot,
+                   num_slots=num_slots, max_context=max_context)
 
     def allocate(self) -> int:
         """The lowest free slot, with an empty cache; :class:`CapacityError` when none is."""
