@@ -8,7 +8,8 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     PipelineError
     ├── ValidationError (also ValueError)      bad input from a caller
     │   ├── InvalidValueError                    a field holds a value outside its domain
-    │   └── UnknownFieldError                    a key that the type does not have
+    │   ├── UnknownFieldError                    a key that the type does not have
+    │   └── TraceError                           a trace file that cannot be read as traces
     ├── RegistryError (also LookupError)       plugin registry
     │   ├── UnknownNameError                     a stage name nobody registered
     │   └── PluginLoadError                      a plugin failed to import or register
@@ -57,6 +58,10 @@ class UnknownFieldError(ValidationError):
         super().__init__(
             f"{type_name} has no field {field!r}; known fields: {', '.join(self.allowed)}"
         )
+
+
+class TraceError(ValidationError):
+    """A trace (file or event list) that cannot be read or is not what was asked for."""
 
 
 class RegistryError(PipelineError, LookupError):

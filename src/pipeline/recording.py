@@ -1,0 +1,96 @@
+"""What a trace records about tensors and trace context (DESIGN §7, issue "Recording").
+
+Owns the per-step records of the logits products: the sha256 digest of a row of raw logits
+(``z_t``) or of the processed distribution, always; and at ``Recording.FULL`` their top-k
+(token id, value, and for processed scores the probability). It also owns the W3C
+``traceparent`` parsing that carries a caller's distributed-trace context into the trace.
+
+Digests are over the float32 little-endian bytes of the dense ``[V]`` row, so two runs that
+produced bit-identical logits have equal digests whatever dtype or device the backend used
+internally; ``-inf`` marks removed candidates in processed rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+TOP_K = 8
+"""How many of the best tokens a ``full`` trace keeps per logits product."""
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def host_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` as contiguous float32 on the CPU (one copy for the whole batch)."""
+    return logits.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def row_digests(rows: torch.Tensor) -> list[str]:
+    """``sha256:`` digests of each row of a CPU float32 ``[B, V]`` tensor."""
+    data = rows.numpy()
+    return ["sha256:" + hashlib.sha256(data[i].tobytes()).hexdigest() for i in range(len(data))]
+
+
+def raw_top(row: torch.Tensor, k: int = TOP_K) -> list[list[float]]:
+    """The ``k`` largest raw logits of ``row [V]`` as ``[token_id, logit]`` pairs."""
+    values, ids = torch.topk(row, min(k, row.shape[0]))
+    return [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def processed_top(row: torch.Tensor, k: int = TOP_K) -> list[list[float]]:
+    """The ``k`` most likely candidates of a processed row ``[V]``: ``[id, score, prob]``.
+
+    Removed candidates (``-inf``) are left out, so fewer than ``k`` may come back.
+    """
+    probs = torch.softmax(row, dim=0)
+    values, ids = torch.topk(row, min(k, row.shape[0]))
+    return [[int(i), float(v), float(probs[i])]
+            for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
+
+
+def logits_record(rows: torch.Tensor, full: Sequence[bool]) -> list[dict[str, Any]]:
+    """One payload fragment per row of raw logits ``rows [B, V]`` (CPU float32); rows whose
+    ``full`` flag is set also get their top-k."""
+    records: list[dict[str, Any]] = [
+        {"digest": d, "shape": [int(rows.shape[1])]} for d in row_digests(rows)]
+    for record, row, keep in zip(records, rows, full):
+        if keep:
+            record["top"] = raw_top(row)
+    return records
+
+
+def processed_record(rows: torch.Tensor, full: Sequence[bool]) -> list[dict[str, Any]]:
+    """One payload fragment per row of processed scores ``rows [B, V]`` (CPU float32):
+    digest and number of surviving candidates; top-k where ``full``."""
+    candidates = torch.isfinite(rows).sum(dim=1).tolist()
+    records: list[dict[str, Any]] = [
+        {"digest": d, "candidates": int(n)} for d, n in zip(row_digests(rows), candidates)]
+    for record, row, keep in zip(records, rows, full):
+        if keep:
+            record["top"] = processed_top(row)
+    return records
+
+
+def parse_traceparent(value: object) -> tuple[dict[str, str] | None, str | None]:
+    """A W3C ``traceparent`` header value as ``{version, trace_id, parent_id, flags}``.
+
+    Returns ``(context, None)`` when valid and ``(None, why)`` otherwise; as the W3C Trace
+    Context spec asks, an invalid header is ignored (the trace records why), never an error.
+    """
+    if not isinstance(value, str):
+        return None, "traceparent must be a string"
+    match = _TRACEPARENT.match(value.strip())
+    if match is None:
+        return None, "traceparent must look like 00-<32 hex>-<16 hex>-<2 hex> (lowercase)"
+    version, trace_id, parent_id, flags = match.groups()
+    if version == "ff":
+        return None, "traceparent version ff is forbidden"
+    if trace_id == "0" * 32 or parent_id == "0" * 16:
+        return None, "traceparent trace-id and parent-id must not be all zeros"
+    return {"version": version, "trace_id": trace_id, "parent_id": parent_id,
+            "flags": flags}, None
