@@ -76,6 +76,8 @@ def declared(a: Trace, b: Trace) -> tuple[tuple[str, Any, Any], ...]:
     """Execution-instance fields that differ (flattened keys, sorted)."""
     fa = {k: v for k, v in _flatten(a.instance).items() if k.split(".")[0] not in INSTANCE_SKIP}
     fb = {k: v for k, v in _flatten(b.instance).items() if k.split(".")[0] not in INSTANCE_SKIP}
+    if fa.get("generation_config.seed") is None and fb.get("generation_config.seed") is None:
+        fa.pop("seed", None), fb.pop("seed", None)  # derived from the request ids: not a cause
     return tuple((k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
                  if fa.get(k) != fb.get(k))
 

@@ -63,15 +63,22 @@ def logits_equal(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, atol:
         return True, ""
     if "top" not in a or "top" not in b:
         return False, "digests differ (record at full to see values)"
-    ids_a, ids_b = [int(x[0]) for x in a["top"]], [int(x[0]) for x in b["top"]]
-    common = {int(x[0]): x for x in a["top"]}
-    deltas = [abs(float(y[1]) - float(common[int(y[0])][1])) for y in b["top"]
-              if int(y[0]) in common]
-    biggest = max(deltas, default=float("inf"))
-    explain = f"max |Δ| over the top-{len(ids_a)} = {biggest:.3g}; " + _moved(a, b)
-    if atol > 0 and ids_a == ids_b and biggest <= atol:
+    biggest = max(_top_gap(a["top"], b["top"]), _top_gap(b["top"], a["top"]))
+    explain = f"max |Δ| over the top-{len(a['top'])} = {biggest:.3g}; " + _moved(a, b)
+    if atol > 0 and biggest <= atol and a.get("candidates") == b.get("candidates"):
         return True, f"within atol={atol:g}: {explain}"
     return False, explain
+
+
+def _top_gap(x: list[list[float]], y: list[list[float]]) -> float:
+    """The largest difference that ``x``'s top-k proves between the two rows: for a token in
+    both lists, the difference of its values; for one missing from ``y``'s list, how far it
+    lies above ``y``'s cut (it can be no larger there than ``y``'s k-th value)."""
+    other = {int(t[0]): float(t[1]) for t in y}
+    cut = min(other.values(), default=float("-inf"))
+    gaps = [abs(float(t[1]) - other[int(t[0])]) if int(t[0]) in other
+            else max(float(t[1]) - cut, 0.0) for t in x]
+    return max(gaps, default=0.0)
 
 
 def _moved(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
