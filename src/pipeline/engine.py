@@ -86,6 +86,8 @@ class Engine:
             raise InvalidValueError("token_budget", self.config.token_budget,
                                     f"must exceed the backend's {backend.num_slots} slots")
         self._strategies = strategies
+        # Checked once: a runtime Protocol isinstance is too slow for the per-token path.
+        self._inspector = backend if isinstance(backend, CacheInspector) else None
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
@@ -242,9 +244,7 @@ class Engine:
 
     def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
         """The slot's cache length, and its per-layer lengths when the backend reports them."""
-        layout = None
-        if isinstance(self.backend, CacheInspector):
-            layout = self.backend.cache_layout(job.slot_id)
+        layout = self._inspector.cache_layout(job.slot_id) if self._inspector else None
         return self.backend.cache_length(job.slot_id), layout
 
     @staticmethod

@@ -235,6 +235,7 @@ class Pipeline:
         self._check_window(prompt, request.runtime_limits.max_context_tokens)
         last = tracer.emit("tokenizer", "input.tokenized", {
             "tokens": len(prompt), "ids_digest": digest_ids(prompt.input_ids),
+            "positions_digest": digest_ids(prompt.positions),
             "tokenizer_digest": prompt.tokenizer_digest,
             "rendered_digest": prompt.rendered_digest,
             **({"input_ids": list(prompt.input_ids)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=_guard(_export))
 
 
-def _guard(fn: Any) -> Any:
+Command = Callable[[argparse.Namespace], int]
+
+
+def _guard(fn: Command) -> Command:
+    """``fn`` with the library's errors printed (exit status 2) instead of raised."""
     def run(args: argparse.Namespace) -> int:
         try:
             return int(fn(args))

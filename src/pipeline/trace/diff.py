@@ -1,7 +1,8 @@
 """``pipeline trace diff``: the first divergence between two runs (DESIGN §9).
 
-Owns :func:`diff` and :class:`DiffReport` (a :class:`Divergence` names the product). The walk follows the data
-products in causal order: the request's content → rendered bytes → token ids, then for each
+Owns :func:`diff` and :class:`DiffReport` (a :class:`Divergence` names the product). The walk
+follows the data products in causal order: the request's content → rendered bytes → token
+ids → positions, then for each
 step t: cache after prefill and raw logits z_t (model level) → processor order → processed
 distribution → RNG draw → selected token (selection level) → the run's ending at t (stop:
 selection; cancellation, deadline, failure: system) → emitted bytes (system) → cache after
@@ -97,6 +98,8 @@ def _input(a: Trace, b: Trace) -> Iterator[Divergence | None]:
     ta, tb = a.payload("input.tokenized"), b.payload("input.tokenized")
     yield _same("token ids", "input", None, ta.get("ids_digest"), tb.get("ids_digest"),
                 _first_item(ta.get("input_ids"), tb.get("input_ids"), ta, tb))
+    yield _same("positions", "input", None, ta.get("positions_digest"),
+                tb.get("positions_digest"))
 
 
 def _first_char(x: Any, y: Any) -> str:

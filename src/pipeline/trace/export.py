@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from pipeline.events import Event
 from pipeline.trace.load import Trace, TraceSource, load_all
 from pipeline.trace.timeline import phases
+from pipeline.types import Completion
 
 TRACKS = ("request", "phase", "select", "decode")
 
@@ -24,9 +26,13 @@ TRACKS = ("request", "phase", "select", "decode")
 def _traces(source: TraceSource | Trace | Sequence[Trace]) -> list[Trace]:
     if isinstance(source, Trace):
         return [source]
-    if isinstance(source, Sequence) and source and isinstance(source[0], Trace):
-        return [t for t in source if isinstance(t, Trace)]
-    return load_all(source)  # type: ignore[arg-type]
+    if isinstance(source, (str, Path, Completion)):
+        return load_all(source)
+    items = list(source)
+    traces = [t for t in items if isinstance(t, Trace)]
+    if traces:
+        return traces
+    return load_all([e for e in items if isinstance(e, Event)])
 
 
 def _us(event: Event, t0: int) -> float:
