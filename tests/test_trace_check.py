@@ -154,3 +154,18 @@ def test_8_a_rollback_after_the_commit_boundary_is_reported(greedy) -> None:
     assert report.violated == {8}
     missing = _tool_call(greedy, lifecycle[:5])  # committed, then no outcome recorded
     assert violated(missing) == {8}
+
+
+def test_4_an_order_change_mid_run_is_recorded_and_checked(pipe, decode) -> None:
+    done = pipe.generate(QUESTION, max_tokens=6, temperature=0.7, min_tokens=3, seed=2,
+                         recording="full")
+    configured = next(e for e in done.trace if e.event_type == "selection.configured")
+    assert configured.payload["processors"] == ["min_tokens", "temperature"]
+    changes = {e.payload["step"]: e.payload["processors"] for e in done.trace
+               if e.event_type == "token.selected" and "processors" in e.payload}
+    assert changes == {4: ["temperature"]}  # min_tokens stops applying once 3 tokens exist
+    assert check(done, detokenize=decode).ok
+    events = edit(done.trace, is_("token.selected", 4),
+                  lambda p: p.update(processors=["temperature", "min_tokens"]))
+    report = check(events)
+    assert report.violated == {4} and "at step 4" in report.render()

@@ -287,9 +287,14 @@ class Engine:
         for order, items in groups.items():
             strategy = self.strategy(order)
             batch = Batch(tuple(j.row() for j, _ in items), self.backend.vocab_size)
+            orders: list[tuple[str, ...] | None] = []
             for (job, _), state in zip(items, batch.rows):
+                # The applied order is recorded at step 1, and at every step for ``full``
+                # recordings (it costs ~20 µs per row; an order can change, e.g. min_tokens).
+                order = strategy.order(state) if state.step == 1 or job.full else None
                 if state.step == 1:
-                    job.configured(strategy, state)
+                    job.configured(strategy, order or ())
+                orders.append(order)
             logits = torch.stack([r for _, r in items]).float()  # [B, V]
             try:
                 choice = strategy.update(logits, batch)
@@ -301,7 +306,7 @@ class Engine:
             for i, (job, _) in enumerate(items):
                 draw = choice.draws[i] if choice.draws else None
                 reason = job.advance(choice.token_ids[i], choice.logprobs[i],
-                                     self.backend.max_context, processed[i], draw)
+                                     self.backend.max_context, processed[i], draw, orders[i])
                 if reason is not None:
                     self._release(job)
 

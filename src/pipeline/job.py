@@ -74,6 +74,7 @@ class Job:
         self.error: str | None = None
         self._last = spec.last_event
         self._full = spec.request.recording is Recording.FULL
+        self._order: tuple[str, ...] = ()
 
     # --- small views -------------------------------------------------------------------------
 
@@ -159,11 +160,11 @@ class Job:
         else:
             self._emit("backend", "prefill.chunk", payload)
 
-    def configured(self, strategy: Strategy, row: Row) -> None:
-        """Record the processor order and strategy used (before the first selection)."""
+    def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
+        """Record the strategy and the processor order applied at step 1 (before selecting)."""
+        self._order = order
         self._emit("engine", "selection.configured", {
-            "strategy": strategy.name, "processors": list(strategy.order(row)),
-            "seed": self.spec.seed})
+            "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
 
     # --- decode ------------------------------------------------------------------------------
 
@@ -179,12 +180,13 @@ class Job:
         self.pending = None
 
     def advance(self, token: int, logprob: TokenLogprob | None, max_context: int,
-                processed: dict[str, Any] | None = None, draw: float | None = None
-                ) -> FinishReason | None:
+                processed: dict[str, Any] | None = None, draw: float | None = None,
+                order: tuple[str, ...] | None = None) -> FinishReason | None:
         """Take y_t: stoppers, detokenizer, delta. Returns the finish reason if it ended.
 
         ``processed`` records the distribution y_t was selected from, ``draw`` the uniform
-        number the selector consumed (recorded at ``full``).
+        number the selector consumed (recorded at ``full``), ``order`` the processors applied
+        this step (recorded when it differs from the previous step's).
         """
         step = len(self.output_ids) + 1
         cache_len = len(self.prompt_ids) + step - 1
@@ -195,6 +197,9 @@ class Job:
             payload["processed"] = processed
         if self._full:
             payload["draw"] = draw
+        if order is not None and order != self._order:
+            payload["processors"] = list(order)
+            self._order = order
         selected = self._emit("selector", "token.selected", payload)
         if self.first_token_ns is None:
             self.first_token_ns = time.monotonic_ns()

@@ -130,10 +130,8 @@ def _step(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None
     raw_same, detail = logits_equal(raw_a, raw_b, atol)
     name = "prefill logits" if t == 1 else "raw logits"
     yield None if raw_same else Divergence(name, "model", t, raw_a, raw_b, detail)
-    if t == 1:
-        ca, cb = a.payload("selection.configured"), b.payload("selection.configured")
-        yield _same("processor order", "selection", t, ca.get("processors"),
-                    cb.get("processors"))
+    if t == 1 or (_full(a) and _full(b)):
+        yield _same("processor order", "selection", t, order_at(a, t), order_at(b, t))
     proc_a, proc_b = processed_at(sa), processed_at(sb)
     proc_same, detail = logits_equal(proc_a, proc_b, atol if raw_same else 0.0)
     yield None if proc_same else Divergence("processed distribution", "selection", t, proc_a,
@@ -148,6 +146,21 @@ def _step(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None
     da, db = a.by_step("decode.completed").get(t), b.by_step("decode.completed").get(t)
     yield _same("cache after decode", "model", t, da and da.payload.get("cache_len"),
                 db and db.payload.get("cache_len"))
+
+
+def _full(trace: Trace) -> bool:
+    return trace.instance.get("recording") == "full"
+
+
+def order_at(trace: Trace, t: int) -> list[str] | None:
+    """The processors applied at step t: step 1's order, updated by each recorded change
+    (changes are recorded at ``full`` only)."""
+    order = trace.payload("selection.configured").get("processors")
+    for step, event in sorted(trace.by_step("token.selected").items()):
+        if step > t:
+            break
+        order = event.payload.get("processors", order)
+    return order
 
 
 def _rng(a: Trace, b: Trace, pa: Mapping[str, Any], pb: Mapping[str, Any], t: int

@@ -172,7 +172,8 @@ def _selection_order(t: int, event: Event, ready: Event | None, m: Any
 
 
 def processor_order(trace: Trace, _: Detokenize | None) -> Finding:
-    """Invariant 4: the applied processors are a subsequence of the declared order."""
+    """Invariant 4: every applied order (step 1's, and each change recorded later) is a
+    subsequence of the declared order."""
     configured = trace.first("selection.configured")
     if configured is None:
         return Finding(notes=("no selection happened",))
@@ -181,12 +182,16 @@ def processor_order(trace: Trace, _: Detokenize | None) -> Finding:
         "processor_chain")
     if declared is None:
         return Finding(notes=("the execution instance declares no processor chain",))
-    applied = list(configured.payload.get("processors", []))
     problems: list[tuple[tuple[int, ...], str]] = []
-    rest = iter(declared)
-    if not all(name in rest for name in applied):  # `in` on an iterator consumes: subsequence
-        problems.append((_ids(trace.first("request.normalized"), configured),
-                         f"applied order {applied} is not in the declared order {list(declared)}"))
+    changes = [configured] + [e for e in trace.of("token.selected") if "processors" in e.payload]
+    for event in changes:
+        applied = list(event.payload.get("processors", []))
+        rest = iter(declared)
+        if not all(name in rest for name in applied):  # `in` on an iterator consumes
+            where = f" at step {event.payload['step']}" if "step" in event.payload else ""
+            problems.append((_ids(trace.first("request.normalized"), event),
+                             f"applied order {applied}{where} is not in the declared order "
+                             f"{list(declared)}"))
     first = trace.by_step("token.selected").get(1)
     if first is not None and first.event_id < configured.event_id:
         problems.append((_ids(configured, first), "a token was selected before the processor "
