@@ -289,7 +289,8 @@ class Job:
         self.state = _TERMINAL_STATE.get(reason, RequestState.FINISHED)
         self._emit("engine", "generation.finished", {
             "reason": reason.value, "detail": detail, "completion_tokens": len(self.output_ids),
-            "output_digest": digest_ids(self.output_ids), "state": self.state.value})
+            "output_digest": digest_ids(self.output_ids), "text_digest": digest_text(
+                "".join(self.text)), "state": self.state.value})
 
     def released(self) -> None:
         """The slot (if any) is free again; the caller gets its completion."""

@@ -207,10 +207,18 @@ def _after(a: Trace, b: Trace) -> Iterator[Divergence | None]:
     if ra != rb:
         level = "system" if {ra, rb} & {"cancelled", "deadline", "error", None} else "selection"
         yield Divergence("finish", level, None, ra, rb, "the runs ended differently")
-    text_a = [d.payload.get("digest") for d in a.of("stream.delta")]
-    text_b = [d.payload.get("digest") for d in b.of("stream.delta")]
-    yield _same("client display", "system", None, text_a, text_b)
+    yield _same("client display", "system", None, _display(a), _display(b),
+                "the concatenated streamed text differs")
     yield _same("external effect", "system", None, external_effects(a), external_effects(b))
+
+
+def _display(trace: Trace) -> Any:
+    """What the client shows: the digest of the whole streamed text (per-delta digests for
+    traces that predate ``text_digest``)."""
+    end = trace.payload("generation.finished")
+    if "text_digest" in end:
+        return end["text_digest"]
+    return [d.payload.get("digest") for d in trace.of("stream.delta")]
 
 
 def _walk(a: Trace, b: Trace, atol: float) -> tuple[Divergence | None, int]:

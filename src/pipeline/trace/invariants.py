@@ -220,6 +220,10 @@ def stream_prefix(trace: Trace, detokenize: Detokenize | None) -> Finding:
         if full:
             text += p["text"]
             problems += _content(delta, text, ids[:step], detokenize)
+    finished = trace.finished
+    if full and finished is not None and "text_digest" in finished.payload and digest_text(
+            text) != finished.payload["text_digest"]:
+        problems.append((_ids(finished), "the streamed text is not the text the run ended with"))
     notes = []
     if not full:
         notes.append("digest-level trace: checked order and token accounting, not the bytes")
