@@ -128,8 +128,12 @@ def test_show_and_svg_render_the_timeline(full) -> None:
         assert f"e{e.event_id} " in text and e.event_type in text
     root = ElementTree.fromstring(to_svg(full))
     assert root.tag.endswith("svg")
-    bars = root.findall(".//{http://www.w3.org/2000/svg}rect")
-    assert len(bars) >= 3 + 2 * len(full.token_ids) - 1  # background + phases + steps
+    ns = "{http://www.w3.org/2000/svg}"
+    bars = [r for r in root.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+    decoded = sum(e.event_type == "decode.completed" for e in full.trace)
+    assert len(bars) == 3 + len(full.token_ids) + decoded  # prepare, queue, prefill + steps
+    ticks = [line for line in root.iter(f"{ns}line") if line.find(f"{ns}title") is not None]
+    assert len(ticks) == sum(e.event_type == "stream.delta" for e in full.trace)
 
 
 def test_cli_check_diff_show_export_and_exit_status(tmp_path: Path, capsys) -> None:
@@ -152,6 +156,12 @@ def test_cli_check_diff_show_export_and_exit_status(tmp_path: Path, capsys) -> N
     assert main(["trace", "export", str(a), "--format", "perfetto", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["traceEvents"]
     assert main(["trace", "show", str(a), "--limit", "3"]) == 0
+    svg = tmp_path / "t.svg"
+    assert main(["trace", "export", str(a), "--format", "svg", "-o", str(svg)]) == 0
+    assert ElementTree.parse(svg).getroot().tag.endswith("svg")
+    capsys.readouterr()
+    assert main(["trace", "export", str(a), "--format", "otel"]) == 0
+    assert '"name": "pipeline.request"' in capsys.readouterr().out
     assert main(["trace", "check", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such trace file" in capsys.readouterr().err
 

@@ -89,7 +89,7 @@ def _export_otel(traces: list[Trace]) -> int:
               file=sys.stderr)
         return 2
     provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stdout)))
     export_otel(traces, provider.get_tracer("pipeline.trace"))
     provider.shutdown()
     return 0

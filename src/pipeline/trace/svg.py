@@ -41,6 +41,9 @@ def to_svg(source: TraceSource | Trace, *, trace_id: str | None = None) -> str:
            f'<text x="10" y="20" font-size="13">{escape(title)}</text>']
     for row, name in enumerate(ROWS):
         out.append(f'<text x="10" y="{TOP + row * ROW_H + 20}">{name}</text>')
+    for n, (name, color) in enumerate(COLORS.items()):
+        out.append(f'<rect x="{LEFT + n * 110}" y="28" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{LEFT + n * 110 + 14}" y="37">{name}</text>')
     for phase in phases(trace):
         if phase.track == "request":
             continue
@@ -49,6 +52,9 @@ def to_svg(source: TraceSource | Trace, *, trace_id: str | None = None) -> str:
         out.append(f'<rect x="{left:.1f}" y="{TOP + row * ROW_H + 6}" width="{w:.1f}" '
                    f'height="{ROW_H - 12}" fill="{_color(phase.name)}" stroke="white">'
                    f'<title>{escape(phase.name)}: {phase.duration_ns / 1e6:.3f} ms</title></rect>')
+        if w > 70:  # wide enough to name inside the bar
+            out.append(f'<text x="{left + 4:.1f}" y="{TOP + row * ROW_H + 21}">'
+                       f'{escape(phase.name)} {phase.duration_ns / 1e6:.1f} ms</text>')
     row_y = TOP + ROWS.index("stream") * ROW_H
     for delta in trace.of("stream.delta"):
         px = x(delta.monotonic_ns)
