@@ -15,7 +15,7 @@ import pytest
 from pipeline import build
 from pipeline.events import MemorySink
 from pipeline.trace import diff, load
-from trace_runs import QUESTION, copy_model, perturb_weight
+from trace_runs import QUESTION, copy_model, edit, is_, perturb_weight
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +163,13 @@ def test_the_moment_of_cancellation_is_where_runs_diverge() -> None:
     d = report.divergence
     assert (d.product, d.step, d.level) == ("cancellation", steps_a, "system")
     assert d.a == "cancelled" and report.shared_level == "selection"
+
+
+def test_an_environment_ending_names_the_product_over_a_stop(pipe) -> None:
+    # A run whose last token coincided with a cancel: same tokens, another ending reason.
+    a = _run(pipe, max_tokens=5, ignore_eos=True)
+    b = edit(a.trace, is_("generation.finished"),
+             lambda p: p.update(reason="cancelled", state="cancelled"))
+    for x, y in ((a.trace, b), (b, a.trace)):
+        d = diff(list(x), y).divergence
+        assert (d.product, d.step, d.level) == ("cancellation", 5, "system")

@@ -34,7 +34,8 @@ class Divergence:
 
 
 ENDINGS = {"cancelled": ("cancellation", "system"), "deadline": ("deadline", "system"),
-           "error": ("failure", "system")}
+           "error": ("failure", "system"), "unfinished": ("truncated trace", "system")}
+"""Endings decided outside the decode state (the environment's doing); any other is a stop."""
 
 
 def raw_logits_at(trace: Trace, t: int) -> Mapping[str, Any] | None:
@@ -110,9 +111,10 @@ def ending(a: Trace, b: Trace, t: int, both_selected: bool = False) -> Divergenc
     ra, rb = _ended(a, t, not both_selected), _ended(b, t, not both_selected)
     if ra == rb:
         return None
-    reason = ra if ra is not None else rb
+    # An environment ending (cancel, deadline, failure) names the product over a stop.
+    reason = rb if ra is None or (ra not in ENDINGS and rb in ENDINGS) else ra
     product, level = ENDINGS.get(str(reason), ("stop", "selection"))
-    side = "A" if ra is not None else "B"
+    side = "A" if reason == ra else "B"
     went_on = "went on" if None in (ra, rb) else "ended differently"
     return Divergence(product, level, t, ra or "continued", rb or "continued",
                       f"run {side} ended ({reason}) at step {t}; the other {went_on}")
