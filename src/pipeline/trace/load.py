@@ -27,6 +27,16 @@ class Trace:
     """The events of one request, in causal order (ascending ``event_id``)."""
 
     events: tuple[Event, ...]
+    # Lookup tables built once (the differ asks for each step's events many times).
+    _by_type: dict[str, list[Event]] = attrs.field(init=False, eq=False, repr=False)
+    _by_step: dict[str, dict[int, Event]] = attrs.field(init=False, eq=False, repr=False,
+                                                        factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        by_type: dict[str, list[Event]] = {}
+        for event in self.events:
+            by_type.setdefault(event.event_type, []).append(event)
+        object.__setattr__(self, "_by_type", by_type)
 
     @property
     def trace_id(self) -> str:
@@ -35,11 +45,12 @@ class Trace:
 
     def of(self, event_type: str) -> list[Event]:
         """Every event of ``event_type``, in order."""
-        return [e for e in self.events if e.event_type == event_type]
+        return list(self._by_type.get(event_type, ()))
 
     def first(self, event_type: str) -> Event | None:
         """The first event of ``event_type``, if any."""
-        return next((e for e in self.events if e.event_type == event_type), None)
+        found = self._by_type.get(event_type)
+        return found[0] if found else None
 
     def payload(self, event_type: str) -> Mapping[str, Any]:
         """The first ``event_type`` event's payload, or an empty mapping."""
@@ -47,13 +58,16 @@ class Trace:
         return event.payload if event is not None else {}
 
     def by_step(self, event_type: str) -> dict[int, Event]:
-        """Events of ``event_type`` keyed by their payload's ``step`` (first one wins)."""
-        out: dict[int, Event] = {}
-        for event in self.of(event_type):
-            step = event.payload.get("step")
-            if isinstance(step, int) and step not in out:
-                out[step] = event
-        return out
+        """Events of ``event_type`` keyed by their payload's ``step`` (first one wins);
+        the mapping is shared, do not modify it."""
+        if event_type not in self._by_step:
+            out: dict[int, Event] = {}
+            for event in self._by_type.get(event_type, ()):
+                step = event.payload.get("step")
+                if isinstance(step, int) and step not in out:
+                    out[step] = event
+            self._by_step[event_type] = out
+        return self._by_step[event_type]
 
     @property
     def finished(self) -> Event | None:
