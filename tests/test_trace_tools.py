@@ -147,11 +147,17 @@ def test_cli_check_diff_show_export_and_exit_status(tmp_path: Path, capsys) -> N
     assert main(["trace", "diff", str(a), str(a)]) == 0
     assert main(["trace", "diff", str(a), str(b)]) == 1
     assert "first divergence" in capsys.readouterr().out
+    assert main(["trace", "diff", str(a), str(b), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["divergence"]["product"] == "processor order"  # T=0: none; T=0.9: temperature
+    assert report["shared_level"] == "model"
     broken = tmp_path / "broken.jsonl"
     lines = a.read_text().splitlines()
     broken.write_text("\n".join(line for line in lines if "resources.released" not in line))
     assert main(["trace", "check", str(broken)]) == 1
     assert "invariant 0 violated" in capsys.readouterr().out
+    assert main(["trace", "check", str(broken), "--json"]) == 1
+    assert [v["invariant"] for v in json.loads(capsys.readouterr().out)["violations"]] == [0]
     out = tmp_path / "t.json"
     assert main(["trace", "export", str(a), "--format", "perfetto", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["traceEvents"]

@@ -7,6 +7,8 @@ plus what the trace did not let a rule observe). The rules themselves live in
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from pipeline.trace.invariants import RULES, TITLES, Detokenize
@@ -44,6 +46,14 @@ class CheckReport:
     def violated(self) -> frozenset[int]:
         """The numbers of the broken invariants."""
         return frozenset(v.invariant for v in self.violations)
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready mapping (for CI and other tools)."""
+        return {"trace_id": self.trace_id, "ok": self.ok,
+                "violations": [{"invariant": v.invariant, "title": v.title,
+                                "events": list(v.events), "why": v.why}
+                               for v in self.violations],
+                "notes": [{"invariant": n, "note": note} for n, note in self.notes]}
 
     def render(self) -> str:
         """A readable report: one line per invariant, then each violation."""

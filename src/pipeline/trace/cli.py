@@ -51,16 +51,19 @@ def _check(args: argparse.Namespace) -> int:
     for trace in _selected(args.file, args.trace_id):
         detokenize, why = _detokenizer(trace, args.model)
         report = check(trace, detokenize=detokenize)
-        print(report.render())
-        if why:
-            print(f"note: {why}; invariant 5 compared digests only")
+        if args.json:
+            print(json.dumps({**report.to_json(), "tokenizer_note": why or None}, default=str))
+        else:
+            print(report.render())
+            if why:
+                print(f"note: {why}; invariant 5 compared digests only")
         status = status or (0 if report.ok else 1)
     return status
 
 
 def _diff(args: argparse.Namespace) -> int:
     report = diff(load(args.a, args.trace_id_a), load(args.b, args.trace_id_b), atol=args.atol)
-    print(report.render())
+    print(json.dumps(report.to_json(), default=str) if args.json else report.render())
     return 0 if report.divergence is None else 1
 
 
@@ -113,6 +116,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trace-id")
     p.add_argument("--model", help="model folder whose tokenizer detokenizes (default: the "
                    "embedded model, when the trace used its tokenizer)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_check))
     p = cmds.add_parser("diff", help="first divergence and shared reproducibility level")
     p.add_argument("a")
@@ -121,6 +125,7 @@ def add_parser(sub: Any) -> None:
                    help="tolerance for raw logits (needs full traces); default bitwise")
     p.add_argument("--trace-id-a")
     p.add_argument("--trace-id-b")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_diff))
     p = cmds.add_parser("export", help="Perfetto JSON, an SVG timeline, or OpenTelemetry spans")
     p.add_argument("file")

@@ -43,6 +43,14 @@ class DiffReport:
     declared: tuple[tuple[str, Any, Any], ...]
     steps_compared: int
 
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready mapping (for CI and other tools)."""
+        d = self.divergence
+        return {"divergence": None if d is None else attrs.asdict(d),
+                "shared_level": self.shared_level, "atol": self.atol,
+                "declared": [{"field": k, "a": a, "b": b} for k, a, b in self.declared],
+                "steps_compared": self.steps_compared}
+
     def render(self) -> str:
         """A readable report."""
         lines = []
