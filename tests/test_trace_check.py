@@ -10,7 +10,8 @@ import pytest
 from pipeline import EngineConfig, build
 from pipeline.events import Event, digest_text
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits
-from pipeline.trace import check
+from pipeline.errors import InvariantViolation
+from pipeline.trace import CheckingSink, check
 from trace_runs import QUESTION, append, edit, is_, set_text
 
 
@@ -173,3 +174,35 @@ def test_4_an_order_change_mid_run_is_recorded_and_checked(pipe, decode) -> None
                   lambda p: p.update(processors=["temperature", "min_tokens"]))
     report = check(events)
     assert report.violated == {4} and "at step 4" in report.render()
+
+
+class Shouting:
+    """A faulty detokenizer stage: streams its inner detokenizer's text upper-cased."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def start(self, prompt_ids):
+        return self.inner.start(prompt_ids)
+
+    def step(self, state, token_id):
+        state, text = self.inner.step(state, token_id)
+        return state, text.upper()
+
+    def finish(self, state):
+        return self.inner.finish(state).upper()
+
+
+def test_live_checking_raises_on_close_for_a_faulty_stage(pipe, decode) -> None:
+    clean = CheckingSink(detokenize=decode)
+    with build(sinks=[clean]) as ok:
+        ok.generate(QUESTION, max_tokens=4, temperature=0, recording="full")
+        ok.generate(QUESTION, max_tokens=4, temperature=0)
+    assert clean.checked == 2 and not clean.failures
+    live = CheckingSink(detokenize=decode)
+    faulty = build(detokenizer=Shouting(pipe.stages.detokenizer), sinks=[live])
+    done = faulty.generate(QUESTION, max_tokens=4, temperature=0, recording="full")
+    assert done.text != decode(done.token_ids)  # the stage really misbehaved
+    with pytest.raises(InvariantViolation) as raised:
+        faulty.close()
+    assert [r.violated for r in raised.value.reports] == [{5}]

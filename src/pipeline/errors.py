@@ -22,7 +22,8 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     ├── RequestError                           raised from a handle's ``result()``
     │   ├── RequestFailed                        the request ended in state ``failed``
     │   └── RequestCancelled                     the request ended in state ``cancelled``
-    └── EngineClosed                           the engine no longer accepts work
+    ├── EngineClosed                           the engine no longer accepts work
+    └── InvariantViolation                     a live-checked trace broke a DESIGN §8 invariant
 """
 
 from __future__ import annotations
@@ -147,3 +148,13 @@ class RequestCancelled(RequestError):
 
 class EngineClosed(PipelineError):
     """The engine was closed; it accepts no new requests."""
+
+
+class InvariantViolation(PipelineError):
+    """Traces checked live (``pipeline.trace.live.CheckingSink``) broke invariants; ``reports``
+    holds each failing trace's report."""
+
+    def __init__(self, reports: Sequence[object], rendered: Sequence[str]) -> None:
+        self.reports = tuple(reports)
+        super().__init__(f"{len(self.reports)} trace(s) broke an invariant:\n"
+                         + "\n".join(rendered))
