@@ -316,7 +316,11 @@ class Engine:
         if choice.scores is None:  # a selector that does not report what it chose from
             return [None] * len(items)
         rows = host_rows(choice.scores.to_dense(self.backend.vocab_size))  # [B, V]
-        return list(processed_record(rows, [job.full for job, _ in items]))
+        # A row no processor changed is its raw logits: reuse that digest (an equality test
+        # costs a fraction of a sha256 pass).
+        known = [job.raw_digest if job.raw_digest and torch.equal(rows[i], raw.float()) else None
+                 for i, (job, raw) in enumerate(items)]
+        return list(processed_record(rows, [job.full for job, _ in items], known))
 
     # --- endings ---------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ class Job:
         self._last = spec.last_event
         self._full = spec.request.recording is Recording.FULL
         self._order: tuple[str, ...] = ()
+        self.raw_digest: str | None = None  # of the latest raw logits z_t
 
     # --- small views -------------------------------------------------------------------------
 
@@ -155,6 +156,7 @@ class Job:
         if chunk.last:
             payload["prompt_tokens"] = len(self.prompt_ids)
             payload["logits"] = logits
+            self.raw_digest = None if logits is None else logits.get("digest")
             self._emit("backend", "prefill.completed", payload)
             self._set(RequestState.DECODING)
         else:
@@ -174,6 +176,7 @@ class Job:
         cache_len, layout = cache
         payload: dict[str, Any] = {"step": len(self.output_ids), "token_id": self.pending,
                                    "cache_len": cache_len, "logits": logits}
+        self.raw_digest = logits.get("digest")
         if layout is not None:
             payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
         self._emit("backend", "decode.completed", payload)

@@ -65,12 +65,19 @@ def logits_record(rows: torch.Tensor, full: Sequence[bool]) -> list[dict[str, An
     return records
 
 
-def processed_record(rows: torch.Tensor, full: Sequence[bool]) -> list[dict[str, Any]]:
+def processed_record(rows: torch.Tensor, full: Sequence[bool],
+                     known: Sequence[str | None] | None = None) -> list[dict[str, Any]]:
     """One payload fragment per row of processed scores ``rows [B, V]`` (CPU float32):
-    digest and number of surviving candidates; top-k where ``full``."""
+    digest and number of surviving candidates; top-k where ``full``.
+
+    ``known[i]``, when given, is row i's digest already (its raw logits' digest, when the
+    caller saw that processing left the row bit-identical); hashing is skipped for it.
+    """
     candidates = numpy.isfinite(rows.numpy()).sum(axis=1).tolist()  # numpy: ~10x less overhead
+    known = known or [None] * len(rows)
+    digests = [k if k is not None else row_digests(rows[i:i + 1])[0] for i, k in enumerate(known)]
     records: list[dict[str, Any]] = [
-        {"digest": d, "candidates": int(n)} for d, n in zip(row_digests(rows), candidates)]
+        {"digest": d, "candidates": int(n)} for d, n in zip(digests, candidates)]
     for record, row, keep in zip(records, rows, full):
         if keep:
             record["top"] = processed_top(row)
