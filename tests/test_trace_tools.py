@@ -63,6 +63,18 @@ def test_prefill_logits_digest_and_top_k_are_those_of_the_backend(pipe, full) ->
     assert 0.0 <= selected["draw"] < 1.0
 
 
+def test_greedy_processed_digest_is_the_raw_logits_digest(pipe) -> None:
+    done = pipe.generate(QUESTION, max_tokens=3, temperature=0)
+    ids = pipe.tokenize(QUESTION).input_ids
+    slot = pipe.engine.backend.allocate()
+    try:
+        z1 = pipe.engine.backend.prefill([PrefillChunk(slot, tuple(ids), 0, True)])[0]
+    finally:
+        pipe.engine.backend.release(slot)
+    selected = [e for e in done.trace if e.event_type == "token.selected"][0].payload
+    assert selected["processed"] == {"digest": _sha(z1), "candidates": z1.shape[0]}
+
+
 def test_digest_recording_keeps_digests_not_content(pipe) -> None:
     done = pipe.generate(QUESTION, max_tokens=4, temperature=0.8, seed=3)
     selected = [e for e in done.trace if e.event_type == "token.selected"]
