@@ -39,7 +39,7 @@ from pipeline.job import Job
 from pipeline.protocols import (
     Backend, Batch, CacheInspector, CacheLayout, PrefillChunk, Selection, Strategy,
 )
-from pipeline.recording import host_rows, logits_record, processed_record
+from pipeline.recording import host_rows, logits_record, processed_record, same_bits
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
@@ -318,7 +318,7 @@ class Engine:
         rows = host_rows(choice.scores.to_dense(self.backend.vocab_size))  # [B, V]
         # A row no processor changed is its raw logits: reuse that digest (an equality test
         # costs a fraction of a sha256 pass).
-        known = [job.raw_digest if job.raw_digest and torch.equal(rows[i], raw.float()) else None
+        known = [job.raw_digest if job.raw_digest and same_bits(rows[i], raw) else None
                  for i, (job, raw) in enumerate(items)]
         return list(processed_record(rows, [job.full for job, _ in items], known))
 
