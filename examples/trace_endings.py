@@ -69,9 +69,9 @@ With `stop=[{json.dumps(stop)}]` the run ends at step {k} with `{stopped.finish_
 
 > {stopped.text}
 
-The stop-string stopper holds back text that could be the start of the stop string, so a
-delta can carry fewer bytes than its token produced, and the final delta carries only the text
-before the match. The token that completed the match (step {k}) was selected but never
+The stop-string stopper can hold back text that might be the start of the stop string (a
+delta then carries fewer bytes than its token produced, and the held text rides on a later
+delta); the final delta carries only the text before the match. The token that completed the match (step {k}) was selected but never
 decoded: the last `decode.completed` is step {k - 1}, cache length m + {k - 1}. The events from
 step {max(k - 2, 1)} on:
 
