@@ -1,4 +1,4 @@
-"""The ``pipeline`` command: ``plugins``, ``count``, ``demo``.
+"""The ``pipeline`` command: ``plugins``, ``count``, ``demo``, ``trace``.
 
 Owns argument parsing and printing only; every command calls the library's public API.
 """
@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from pipeline.registry import Registry
+from pipeline.trace.cli import add_parser as add_trace_parser
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--question", default="Why is the sky usually blue? Answer in one sentence.")
     demo.add_argument("--max-tokens", type=int, default=80)
     demo.set_defaults(run=_demo)
+    add_trace_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -25,6 +25,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
+
 import attrs
 import torch
 
@@ -34,7 +36,10 @@ from pipeline.errors import (
 from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.job import Job
-from pipeline.protocols import Backend, Batch, PrefillChunk, Strategy
+from pipeline.protocols import (
+    Backend, Batch, CacheInspector, CacheLayout, PrefillChunk, Selection, Strategy,
+)
+from pipeline.recording import host_rows, logits_record, processed_record, same_bits
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
@@ -81,6 +86,8 @@ class Engine:
             raise InvalidValueError("token_budget", self.config.token_budget,
                                     f"must exceed the backend's {backend.num_slots} slots")
         self._strategies = strategies
+        # Checked once: a runtime Protocol isinstance is too slow for the per-token path.
+        self._inspector = backend if isinstance(backend, CacheInspector) else None
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
@@ -222,20 +229,31 @@ class Engine:
         chunks = dict(work)
         done = self._call([j for j, _ in work],
                           lambda jobs: self.backend.prefill([chunks[j] for j in jobs]))
-        ready = []
-        for job, logits in done:
-            chunk = chunks[job]
-            job.prefilled(chunk, self.backend.cache_length(job.slot_id))
-            if chunk.last:
-                ready.append((job, logits))
+        ready = [(job, logits) for job, logits in done if chunks[job].last]
+        records = dict(zip((j for j, _ in ready), self._logits_records(ready)))
+        for job, _ in done:
+            job.prefilled(chunks[job], self._cache(job), records.get(job))
         return ready
 
     def _run_decode(self, jobs: list[Job]) -> list[tuple[Job, torch.Tensor]]:
         done = self._call(jobs, lambda js: self.backend.decode(
             [j.slot_id for j in js], [j.pending_token for j in js]))
-        for job, _ in done:
-            job.decoded(self.backend.cache_length(job.slot_id))
+        for (job, _), record in zip(done, self._logits_records(done)):
+            job.decoded(self._cache(job), record)
         return done
+
+    def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
+        """The slot's cache length, and its per-layer lengths when the backend reports them."""
+        layout = self._inspector.cache_layout(job.slot_id) if self._inspector else None
+        return self.backend.cache_length(job.slot_id), layout
+
+    @staticmethod
+    def _logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Digest (and, for ``full`` jobs, top-k) of each job's fresh raw logits z_t."""
+        if not done:
+            return []
+        rows = host_rows(torch.stack([logits for _, logits in done]))  # [B, V]
+        return logits_record(rows, [job.full for job, _ in done])
 
     def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor]
               ) -> list[tuple[Job, torch.Tensor]]:
@@ -269,9 +287,14 @@ class Engine:
         for order, items in groups.items():
             strategy = self.strategy(order)
             batch = Batch(tuple(j.row() for j, _ in items), self.backend.vocab_size)
+            orders: list[tuple[str, ...] | None] = []
             for (job, _), state in zip(items, batch.rows):
+                # The applied order is recorded at step 1, and at every step for ``full``
+                # recordings (it costs ~20 µs per row; an order can change, e.g. min_tokens).
+                order = strategy.order(state) if state.step == 1 or job.full else None
                 if state.step == 1:
-                    job.configured(strategy, state)
+                    job.configured(strategy, order or ())
+                orders.append(order)
             logits = torch.stack([r for _, r in items]).float()  # [B, V]
             try:
                 choice = strategy.update(logits, batch)
@@ -279,11 +302,25 @@ class Engine:
                 for job, _ in items:
                     self._fail(job, f"selection failed: {exc!r}")
                 continue
+            processed = self._processed_records(choice, items)
             for i, (job, _) in enumerate(items):
+                draw = choice.draws[i] if choice.draws else None
                 reason = job.advance(choice.token_ids[i], choice.logprobs[i],
-                                     self.backend.max_context)
+                                     self.backend.max_context, processed[i], draw, orders[i])
                 if reason is not None:
                     self._release(job)
+
+    def _processed_records(self, choice: Selection, items: list[tuple[Job, torch.Tensor]]
+                           ) -> list[dict[str, Any] | None]:
+        """Digest (and top-k for ``full`` jobs) of each row's processed distribution."""
+        if choice.scores is None:  # a selector that does not report what it chose from
+            return [None] * len(items)
+        rows = host_rows(choice.scores.to_dense(self.backend.vocab_size))  # [B, V]
+        # A row no processor changed is its raw logits: reuse that digest (an equality test
+        # costs a fraction of a sha256 pass).
+        known = [job.raw_digest if job.raw_digest and same_bits(rows[i], raw) else None
+                 for i, (job, raw) in enumerate(items)]
+        return list(processed_record(rows, [job.full for job, _ in items], known))
 
     # --- endings ---------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     PipelineError
     ├── ValidationError (also ValueError)      bad input from a caller
     │   ├── InvalidValueError                    a field holds a value outside its domain
-    │   └── UnknownFieldError                    a key that the type does not have
+    │   ├── UnknownFieldError                    a key that the type does not have
+    │   └── TraceError                           a trace file that cannot be read as traces
     ├── RegistryError (also LookupError)       plugin registry
     │   ├── UnknownNameError                     a stage name nobody registered
     │   └── PluginLoadError                      a plugin failed to import or register
@@ -21,7 +22,8 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     ├── RequestError                           raised from a handle's ``result()``
     │   ├── RequestFailed                        the request ended in state ``failed``
     │   └── RequestCancelled                     the request ended in state ``cancelled``
-    └── EngineClosed                           the engine no longer accepts work
+    ├── EngineClosed                           the engine no longer accepts work
+    └── InvariantViolation                     a live-checked trace broke a DESIGN §8 invariant
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class UnknownFieldError(ValidationError):
         super().__init__(
             f"{type_name} has no field {field!r}; known fields: {', '.join(self.allowed)}"
         )
+
+
+class TraceError(ValidationError):
+    """A trace (file or event list) that cannot be read or is not what was asked for."""
 
 
 class RegistryError(PipelineError, LookupError):
@@ -142,3 +148,13 @@ class RequestCancelled(RequestError):
 
 class EngineClosed(PipelineError):
     """The engine was closed; it accepts no new requests."""
+
+
+class InvariantViolation(PipelineError):
+    """Traces checked live (``pipeline.trace.live.CheckingSink``) broke invariants; ``reports``
+    holds each failing trace's report."""
+
+    def __init__(self, reports: Sequence[object], rendered: Sequence[str]) -> None:
+        self.reports = tuple(reports)
+        super().__init__(f"{len(self.reports)} trace(s) broke an invariant:\n"
+                         + "\n".join(rendered))

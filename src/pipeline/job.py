@@ -17,7 +17,7 @@ import attrs
 from pipeline.events import Tracer, digest_ids, digest_text
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.protocols import (
-    Detokenizer, PrefillChunk, Row, StopContext, Stopper, StopVerdict, Strategy,
+    CacheLayout, Detokenizer, PrefillChunk, Row, StopContext, Stopper, StopVerdict, Strategy,
 )
 from pipeline.types import (
     Completion, Delta, FinishReason, Recording, Request, Timings, TokenizedPrompt, TokenLogprob,
@@ -74,8 +74,15 @@ class Job:
         self.error: str | None = None
         self._last = spec.last_event
         self._full = spec.request.recording is Recording.FULL
+        self._order: tuple[str, ...] = ()
+        self.raw_digest: str | None = None  # of the latest raw logits z_t
 
     # --- small views -------------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        """Whether this request records content (``Recording.FULL``), not only digests."""
+        return self._full
 
     @property
     def slot_id(self) -> int:
@@ -136,42 +143,66 @@ class Job:
         ids = self.prompt_ids[start:start + limit]
         return PrefillChunk(self.slot_id, tuple(ids), start, start + len(ids) == len(self.prompt_ids))
 
-    def prefilled(self, chunk: PrefillChunk, cache_len: int) -> None:
-        """The backend wrote ``chunk``; ``cache_len`` is the slot's cache length now."""
+    def prefilled(self, chunk: PrefillChunk, cache: tuple[int, CacheLayout | None],
+                  logits: dict[str, Any] | None) -> None:
+        """The backend wrote ``chunk``; ``cache`` is the slot's cache length now (and its
+        per-layer lengths, when reported); ``logits`` records z_1 after the last chunk."""
         self.done_prefill += len(chunk.token_ids)
+        cache_len, layout = cache
+        payload: dict[str, Any] = {"slot": self.slot_id, "start": chunk.start,
+                                   "tokens": len(chunk.token_ids), "cache_len": cache_len}
+        if layout is not None:
+            payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
         if chunk.last:
-            self._emit("backend", "prefill.completed", {
-                "slot": self.slot_id, "cache_len": cache_len, "prompt_tokens": len(self.prompt_ids),
-                "chunks_end": chunk.start + len(chunk.token_ids)})
+            payload["prompt_tokens"] = len(self.prompt_ids)
+            payload["logits"] = logits
+            self.raw_digest = None if logits is None else logits.get("digest")
+            self._emit("backend", "prefill.completed", payload)
             self._set(RequestState.DECODING)
         else:
-            self._emit("backend", "prefill.chunk", {
-                "slot": self.slot_id, "start": chunk.start, "tokens": len(chunk.token_ids),
-                "cache_len": cache_len})
+            self._emit("backend", "prefill.chunk", payload)
 
-    def configured(self, strategy: Strategy, row: Row) -> None:
-        """Record the processor order and strategy used (before the first selection)."""
+    def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
+        """Record the strategy and the processor order applied at step 1 (before selecting)."""
+        self._order = order
         self._emit("engine", "selection.configured", {
-            "strategy": strategy.name, "processors": list(strategy.order(row)),
-            "seed": self.spec.seed})
+            "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
 
     # --- decode ------------------------------------------------------------------------------
 
-    def decoded(self, cache_len: int) -> None:
-        """The backend wrote the pending token; the cache now covers m + t positions."""
-        t = len(self.output_ids)
-        self._emit("backend", "decode.completed", {
-            "step": t, "token_id": self.pending, "cache_len": cache_len})
+    def decoded(self, cache: tuple[int, CacheLayout | None], logits: dict[str, Any]) -> None:
+        """The backend wrote the pending token y_t; the cache now covers m + t positions and
+        ``logits`` records z_{t+1}."""
+        cache_len, layout = cache
+        payload: dict[str, Any] = {"step": len(self.output_ids), "token_id": self.pending,
+                                   "cache_len": cache_len, "logits": logits}
+        self.raw_digest = logits.get("digest")
+        if layout is not None:
+            payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
+        self._emit("backend", "decode.completed", payload)
         self.pending = None
 
-    def advance(self, token: int, logprob: TokenLogprob | None, max_context: int
-                ) -> FinishReason | None:
-        """Take y_t: stoppers, detokenizer, delta. Returns the finish reason if it ended."""
+    def advance(self, token: int, logprob: TokenLogprob | None, max_context: int,
+                processed: dict[str, Any] | None = None, draw: float | None = None,
+                order: tuple[str, ...] | None = None) -> FinishReason | None:
+        """Take y_t: stoppers, detokenizer, delta. Returns the finish reason if it ended.
+
+        ``processed`` records the distribution y_t was selected from, ``draw`` the uniform
+        number the selector consumed (recorded at ``full``), ``order`` the processors applied
+        this step (recorded when it differs from the previous step's).
+        """
         step = len(self.output_ids) + 1
         cache_len = len(self.prompt_ids) + step - 1
         payload: dict[str, Any] = {"step": step, "token_id": token, "cache_len": cache_len}
         if logprob is not None:
             payload["logprob"] = logprob.logprob
+        if processed is not None:
+            payload["processed"] = processed
+        if self._full:
+            payload["draw"] = draw
+        if order is not None and order != self._order:
+            payload["processors"] = list(order)
+            self._order = order
         selected = self._emit("selector", "token.selected", payload)
         if self.first_token_ns is None:
             self.first_token_ns = time.monotonic_ns()
@@ -226,7 +257,8 @@ class Job:
     def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
         delta = Delta(self.request.request_id, self.seq, text, tuple(self.unsent_ids),
                       tuple(self.unsent_logprobs), reason)
-        payload: dict[str, Any] = {"seq": self.seq, "bytes": len(text.encode()),
+        payload: dict[str, Any] = {"seq": self.seq, "step": len(self.output_ids),
+                                   "bytes": len(text.encode()),
                                    "tokens": len(self.unsent_ids), "digest": digest_text(text),
                                    "final": reason is not None}
         if self._full:
@@ -260,7 +292,8 @@ class Job:
         self.state = _TERMINAL_STATE.get(reason, RequestState.FINISHED)
         self._emit("engine", "generation.finished", {
             "reason": reason.value, "detail": detail, "completion_tokens": len(self.output_ids),
-            "output_digest": digest_ids(self.output_ids), "state": self.state.value})
+            "output_digest": digest_ids(self.output_ids), "text_digest": digest_text(
+                "".join(self.text)), "state": self.state.value})
 
     def released(self) -> None:
         """The slot (if any) is free again; the caller gets its completion."""

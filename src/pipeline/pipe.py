@@ -25,6 +25,7 @@ from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
 from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_text
 from pipeline.handle import RequestHandle
 from pipeline.job import Job, JobSpec
+from pipeline.recording import parse_traceparent
 from pipeline.protocols import Detokenizer, Renderer, Stopper, Tokenizer, Transport
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
@@ -50,6 +51,16 @@ def seed_for(request: Request) -> int:
     if seed is not None:
         return seed
     return int.from_bytes(hashlib.sha256(request.request_id.encode()).digest()[:8], "little") >> 1
+
+
+def trace_context(request: Request) -> dict[str, Any]:
+    """The caller's W3C trace context from ``client_metadata["traceparent"]``, for the trace:
+    ``{"traceparent": {...}}`` when valid, ``{"traceparent_ignored": why}`` when not, else
+    nothing."""
+    if "traceparent" not in request.client_metadata:
+        return {}
+    context, why = parse_traceparent(request.client_metadata["traceparent"])
+    return {"traceparent": context} if context is not None else {"traceparent_ignored": why}
 
 
 @attrs.frozen
@@ -137,7 +148,8 @@ class Pipeline:
         accepted_ns = time.monotonic_ns()
         tracer = Tracer(request.request_id, self._sinks)
         accepted = tracer.emit("pipeline", "request.accepted", {
-            "request_id": request.request_id, "schema_version": request.schema_version})
+            "request_id": request.request_id, "schema_version": request.schema_version,
+            "unix_ns": time.time_ns(), **trace_context(request)})
         request, spec = self._prepare(request, tracer, accepted_ns, accepted)
         handle = RequestHandle(request.request_id, engine.wake)
         engine.submit(Job(spec, tracer, handle))
@@ -223,6 +235,7 @@ class Pipeline:
         self._check_window(prompt, request.runtime_limits.max_context_tokens)
         last = tracer.emit("tokenizer", "input.tokenized", {
             "tokens": len(prompt), "ids_digest": digest_ids(prompt.input_ids),
+            "positions_digest": digest_ids(prompt.positions),
             "tokenizer_digest": prompt.tokenizer_digest,
             "rendered_digest": prompt.rendered_digest,
             **({"input_ids": list(prompt.input_ids)}
@@ -245,9 +258,11 @@ class Pipeline:
             "model_snapshot": request.model_snapshot,
             "template_version": request.template_version,
             "tokenizer_version": request.tokenizer_version,
-            "generation_config": config, "seed": seed, "rng": "counter:splitmix64(seed,stream,step)",
+            "generation_config": config, "processor_chain": list(self.stages.processor_names),
+            "seed": seed, "rng": "counter:splitmix64(seed,stream,step)",
             "runtime_limits": attrs.asdict(request.runtime_limits),
             "environment": self._environment, "recording": request.recording.value,
+            **trace_context(request),
         }
 
     def _validate(self, request: Request) -> None:

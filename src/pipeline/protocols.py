@@ -276,10 +276,17 @@ class LogitProcessor(Protocol):
 
 @attrs.frozen
 class Selection:
-    """What a selector chose: one token per row, and log-probabilities where asked for."""
+    """What a selector chose: one token per row, and log-probabilities where asked for.
+
+    For the trace, a selector also returns the processed ``scores`` it chose from and, per
+    row, the uniform ``draws`` it consumed (None for a row it did not sample); both are
+    optional, and a trace records what is given.
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob | None, ...]
+    scores: Scores | None = attrs.field(default=None, eq=False)
+    draws: tuple[float | None, ...] = ()
 
 
 @runtime_checkable
@@ -405,6 +412,32 @@ class Backend(Protocol):
 
 
 # --- delivery -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CacheLayout:
+    """Per-layer key and value lengths of one slot's cache (DESIGN §8, invariant 2)."""
+
+    key_lengths: tuple[int, ...]
+    value_lengths: tuple[int, ...]
+
+
+@runtime_checkable
+class CacheInspector(Protocol):
+    """Optional backend capability: report each layer's key and value lengths for a slot.
+
+    A backend that has it gets those lengths recorded in ``prefill.completed`` and
+    ``decode.completed``, so ``pipeline trace check`` can verify invariant 2 layer by layer;
+    without it the trace records the one logical length ``cache_length`` gives.
+
+    Example::
+
+        layout = backend.cache_layout(slot)      # CacheLayout((7, 7), (7, 7))
+    """
+
+    def cache_layout(self, slot: int) -> CacheLayout:
+        """The lengths of every layer's keys and values in ``slot``'s cache."""
+        ...
 
 
 @runtime_checkable

@@ -33,7 +33,7 @@ from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from pipeline.events import digest_text
 from pipeline.handle import RequestHandle
 from pipeline.protocols import (
-    Batch, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
+    Batch, CacheLayout, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
 )
 from pipeline.types import (
     Delta, FinishReason, Message, Rendered, Request, Span, SpanKind, TokenizedPrompt, ToolSpec,
@@ -70,17 +70,19 @@ class ScriptedBackend:
 
     ``fail(tokens)`` returning true makes the call raise :class:`SlotError` for that slot
     (other rows unharmed). ``delay_s`` sleeps per call, to give cancellation a window.
-    ``calls`` logs every call as ``(kind, [(slot, n_tokens), ...])``.
+    ``calls`` logs every call as ``(kind, [(slot, n_tokens), ...])``. It reports ``layers``
+    fake layers' key/value lengths (:class:`~pipeline.protocols.CacheInspector`).
     """
 
     def __init__(self, vocab_size: int, fn: LogitsFn, *, num_slots: int = 8,
                  max_context: int = 4096, delay_s: float = 0.0,
-                 fail: Callable[[Sequence[int]], bool] | None = None) -> None:
+                 fail: Callable[[Sequence[int]], bool] | None = None, layers: int = 2) -> None:
         self.vocab_size = vocab_size
         self.num_slots = num_slots
         self.max_context = max_context
         self.snapshot = digest_text(f"scripted:{vocab_size}:{num_slots}")
         self.delay_s = delay_s
+        self.layers = layers
         self._fn = fn
         self._fail = fail
         self._cache: dict[int, list[int]] = {}
@@ -104,6 +106,11 @@ class ScriptedBackend:
     def cache_length(self, slot: int) -> int:
         """Tokens written into ``slot``."""
         return len(self._cache[slot])
+
+    def cache_layout(self, slot: int) -> CacheLayout:
+        """Per-layer key/value lengths of ``slot`` (``layers`` fake layers, all equal)."""
+        n = len(self._cache[slot])
+        return CacheLayout((n,) * self.layers, (n,) * self.layers)
 
     @property
     def busy_slots(self) -> int:

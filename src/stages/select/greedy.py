@@ -26,9 +26,11 @@ def argmax_columns(scores: Scores) -> torch.Tensor:
 
 
 def selection(scores: Scores, batch: Batch, columns: torch.Tensor) -> Selection:
-    """The :class:`Selection` for chosen ``columns [B]`` of ``scores``."""
+    """The :class:`Selection` for chosen ``columns [B]`` of ``scores`` (which it carries, for
+    the trace)."""
     tokens = columns_to_tokens(scores, columns.unsqueeze(1)).squeeze(1)  # [B]
-    return Selection(tuple(tokens.tolist()), selection_logprobs(scores, batch, columns))
+    return Selection(tuple(tokens.tolist()), selection_logprobs(scores, batch, columns),
+                     scores=scores)
 
 
 class GreedySelector:

@@ -14,6 +14,7 @@ softmax (a draw within ~1e-7 of a bin edge could differ).
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from pipeline.protocols import Batch, Scores, Selection
@@ -44,15 +45,15 @@ def _draw(scores: Scores, u: torch.Tensor) -> torch.Tensor:
     return order.gather(1, drawn.unsqueeze(1)).squeeze(1)
 
 
-def _sampled_columns(scores: Scores, batch: Batch, sampled: list[int]) -> torch.Tensor:
-    """Columns drawn for the rows ``sampled`` (indices into the batch)."""
-    device = scores.values.device
+def _sampled_columns(scores: Scores, batch: Batch, sampled: list[int], u: torch.Tensor
+                     ) -> torch.Tensor:
+    """Columns drawn by ``u [S]`` for the rows ``sampled`` (indices into the batch)."""
     if len(sampled) == len(batch.rows):
-        return _draw(scores, row_uniforms(batch.rows, device))
-    index = torch.tensor(sampled, device=device)
+        return _draw(scores, u)
+    index = torch.tensor(sampled, device=scores.values.device)
     subset = Scores(scores.values.index_select(0, index),
                     None if scores.indices is None else scores.indices.index_select(0, index))
-    return _draw(subset, row_uniforms([batch.rows[i] for i in sampled], device))
+    return _draw(subset, u)
 
 
 class SamplingSelector:
@@ -60,12 +61,12 @@ class SamplingSelector:
 
     Rows with ``temperature == 0`` take the argmax (lowest id among ties). Each other row
     draws with ``uniform(row.seed, row.stream, row.step)``; logprobs come from the same
-    processed scores.
+    processed scores. The selection records each row's draw (None for argmax rows).
 
     Example::
 
         choice = SamplingSelector()(chain(Scores(logits), batch), batch)
-        choice.token_ids[0], choice.logprobs[0]
+        choice.token_ids[0], choice.logprobs[0], choice.draws[0]
     """
 
     name: str = "sample"
@@ -75,9 +76,13 @@ class SamplingSelector:
         sampled = [i for i, r in enumerate(batch.rows) if not r.config.greedy]
         if not sampled:
             return selection(scores, batch, argmax_columns(scores))
-        drawn = _sampled_columns(scores, batch, sampled)  # [S]
+        u = row_uniforms([batch.rows[i] for i in sampled], scores.values.device)  # [S]
+        drawn = _sampled_columns(scores, batch, sampled, u)  # [S]
+        draws: list[float | None] = [None] * len(batch.rows)
+        for i, value in zip(sampled, u.tolist()):
+            draws[i] = value
         if len(sampled) == len(batch.rows):
-            return selection(scores, batch, drawn)
+            return attrs.evolve(selection(scores, batch, drawn), draws=tuple(draws))
         columns = argmax_columns(scores)  # [B]
         columns[torch.tensor(sampled, device=columns.device)] = drawn
-        return selection(scores, batch, columns)
+        return attrs.evolve(selection(scores, batch, columns), draws=tuple(draws))

@@ -1,0 +1,195 @@
+"""Benchmark: what trace recording costs in decode throughput, default model, same run.
+
+Configurations, all the whole engine (``pipeline.submit``) on the embedded default model,
+greedy, ``ignore_eos``, the question "Why is the sky usually blue?":
+
+- ``off``: the per-step logits recording switched off (the engine's two recording hooks
+  replaced by ones that return empty records) — the events the engine emitted before the
+  trace tooling, nothing hashed;
+- ``digest``: the default: sha256 of every step's raw and processed logits, candidate counts;
+- ``full``: ``recording="full"``: also the top-8 of both, the text, the draws;
+- ``digest+jsonl``: the default plus a :class:`~pipeline.events.JsonlSink` writing the trace.
+
+Three figures per run. The share of the run's wall time spent inside the recording hooks
+(the engine's ``_logits_records`` and ``_processed_records`` and, for ``digest+jsonl``, the
+sink's ``emit``), timed in the same run: the direct cost, and the steadiest figure on a
+shared machine. Then decode throughput in wall time, from the trace itself ((tokens - 1) over
+the time from the first to the last ``token.selected``), and generated tokens per CPU second
+of the process (``time.process_time``; robust when other work shares the machine, which the
+wall figure is not). Batch 1 is one request; batch 8 is eight concurrent requests. Rounds
+interleave the configurations (starting at a different one each round) so each sees the same
+load; a ratio is the median over rounds of the per-round ratio to ``off``. Also times the digest of one ``[V]`` row alone. Prints a table,
+writes ``benchmarks/results/trace_overhead.json``.
+
+Run: ``.venv/bin/python benchmarks/trace_overhead.py [--rounds 8] [--tokens 64]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import build
+from pipeline.engine import Engine
+from pipeline.events import JsonlSink
+from pipeline.pipe import Pipeline
+from pipeline.recording import host_rows, row_digests
+
+QUESTION = "Why is the sky usually blue?"
+RESULTS = Path(__file__).parent / "results" / "trace_overhead.json"
+CONFIGS = ("off", "digest", "full", "digest+jsonl")
+
+
+@contextmanager
+def recording_off() -> Iterator[None]:
+    """Swap the engine's logits-recording hooks for ones that record nothing."""
+    logits, processed = Engine.__dict__["_logits_records"], Engine.__dict__["_processed_records"]
+    Engine._logits_records = staticmethod(lambda done: [{} for _ in done])  # type: ignore
+    Engine._processed_records = lambda self, choice, items: [None] * len(items)  # type: ignore
+    try:
+        yield
+    finally:
+        setattr(Engine, "_logits_records", logits)  # the staticmethod object itself
+        setattr(Engine, "_processed_records", processed)
+
+
+class HookClock:
+    """Accumulates the time spent in the recording hooks (and the JSONL sink), engine thread."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        logits, processed = Engine.__dict__["_logits_records"], Engine.__dict__["_processed_records"]
+        emit = JsonlSink.__dict__["emit"]
+
+        def timed(fn: Any) -> Any:
+            def run(*args: Any) -> Any:
+                start = time.perf_counter_ns()
+                try:
+                    return fn(*args)
+                finally:
+                    self.ns += time.perf_counter_ns() - start
+            return run
+
+        setattr(Engine, "_logits_records", staticmethod(timed(logits.__func__)))
+        setattr(Engine, "_processed_records", timed(processed))
+        setattr(JsonlSink, "emit", timed(emit))
+        try:
+            yield
+        finally:
+            setattr(Engine, "_logits_records", logits)
+            setattr(Engine, "_processed_records", processed)
+            setattr(JsonlSink, "emit", emit)
+
+
+def decode_rate(pipe: Pipeline, batch: int, tokens: int, recording: str
+                ) -> tuple[float, float]:
+    """``batch`` concurrent requests: decode tokens per wall second (from their traces) and
+    generated tokens per CPU second of this process (robust to other load on the machine)."""
+    cpu = time.process_time()
+    handles = [pipe.submit(QUESTION, max_tokens=tokens, temperature=0, ignore_eos=True,
+                           recording=recording) for _ in range(batch)]
+    spans = []
+    for handle in handles:
+        done = handle.result()
+        selected = [e.monotonic_ns for e in done.trace if e.event_type == "token.selected"]
+        spans.append((len(selected) - 1, selected[0], selected[-1]))
+    cpu = time.process_time() - cpu
+    wall = (max(end for *_, end in spans) - min(start for _, start, _ in spans)) / 1e9
+    generated = sum(n + 1 for n, *_ in spans)
+    return sum(n for n, *_ in spans) / wall, generated / cpu
+
+
+def one_round(pipes: dict[str, Pipeline], batch: int, tokens: int, shift: int
+              ) -> dict[str, tuple[float, float, float]]:
+    """Each configuration once, starting at a different one each round: (wall tok/s,
+    tok per CPU-s, share of the decode wall time spent recording)."""
+    out = {}
+    for name in CONFIGS[shift:] + CONFIGS[:shift]:
+        recording = "full" if name == "full" else "digest"
+        clock = HookClock()
+        with recording_off() if name == "off" else clock.installed():
+            start = time.perf_counter_ns()
+            wall, cpu = decode_rate(pipes[name], batch, tokens, recording)
+            elapsed = time.perf_counter_ns() - start
+        out[name] = (wall, cpu, clock.ns / elapsed)
+    return out
+
+
+def digest_cost_us(vocab: int, iters: int = 2000) -> float:
+    """Microseconds to hash one float32 ``[V]`` row (host copy included)."""
+    row = torch.randn(1, vocab)
+    start = time.perf_counter()
+    for _ in range(iters):
+        row_digests(host_rows(row))
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def measure(rounds: int, tokens: int) -> dict[str, Any]:
+    """Run every batch size and configuration; returns the results as JSON-ready data."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sink = JsonlSink(Path(tmp) / "trace.jsonl")
+        pipes = {name: build(sinks=[sink] if name == "digest+jsonl" else [])
+                 for name in CONFIGS}
+        try:
+            for name in CONFIGS:  # warm up every pipeline once
+                decode_rate(pipes[name], 1, 8, "digest")
+            results: dict[str, Any] = {}
+            for batch, n in ((1, tokens), (8, tokens // 2)):
+                runs = [one_round(pipes, batch, n, r % len(CONFIGS)) for r in range(rounds)]
+                results[f"batch{batch}"] = _summarize(runs)
+        finally:
+            for pipe in pipes.values():
+                pipe.close()
+    vocab = 6144
+    return {"results": results, "digest_us_per_row": digest_cost_us(vocab), "vocab": vocab,
+            "rounds": rounds, "tokens": tokens, "torch_threads": torch.get_num_threads(),
+            "machine": platform.platform(), "torch": torch.__version__}
+
+
+def _summarize(runs: list[dict[str, tuple[float, float, float]]]) -> dict[str, Any]:
+    def ratio(name: str, i: int) -> float:
+        return statistics.median(r[name][i] / r["off"][i] for r in runs)
+
+    return {name: {"wall_tokens_per_s": statistics.median(r[name][0] for r in runs),
+                   "cpu_tokens_per_s": statistics.median(r[name][1] for r in runs),
+                   "wall_ratio_to_off": ratio(name, 0), "cpu_ratio_to_off": ratio(name, 1),
+                   "recording_share": statistics.median(r[name][2] for r in runs),
+                   "rounds": [r[name] for r in runs]}
+            for name in CONFIGS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    data = measure(args.rounds, args.tokens)
+    print("| batch | configuration | time in recording | decode tok/s (wall) | ratio "
+          "| tok per CPU-s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, rows in data["results"].items():
+        for name, row in rows.items():
+            print(f"| {batch[5:]} | {name} | {row['recording_share'] * 100:.2f} % | "
+                  f"{row['wall_tokens_per_s']:.1f} | {row['wall_ratio_to_off']:.3f} | "
+                  f"{row['cpu_tokens_per_s']:.1f} | {row['cpu_ratio_to_off']:.3f} |")
+    print(f"\ndigest of one [{data['vocab']}] row: {data['digest_us_per_row']:.1f} µs "
+          f"({data['torch_threads']} torch threads)")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(data, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""``pipeline trace diff``: the first divergence between two runs (DESIGN §9).
+
+Owns :func:`diff` and :class:`DiffReport` (a :class:`Divergence` names the product). The walk
+follows the data products in causal order: the request's content → rendered bytes → token
+ids → positions, then for each
+step t: cache after prefill and raw logits z_t (model level) → processor order → processed
+distribution → RNG draw → selected token (selection level) → the run's ending at t (stop:
+selection; cancellation, deadline, failure: system) → emitted bytes (system) → cache after
+decode t (model); after the steps: client display and external effects (tool events).
+Within a step the ending and the emitted bytes come before the cache after decode because
+the token that ends a run is never decoded, and the ending before the bytes because a stop
+or a cancel is what trims or closes that step's stream.
+
+Digest-level traces locate a divergence (digests differ); ``full`` traces explain it (texts,
+ids, top-k, draws) and let logits be compared within ``atol`` on their top-k. Differences in
+the execution instance (artifact digests, generation config, environment) are listed as
+*declared* differences: they are causes, judged by the products they change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from pipeline.events import Event
+from pipeline.trace.load import Trace, TraceSource, load
+from pipeline.trace.products import (
+    LEVELS, Divergence, ending, external_effects, logits_equal, processed_at, raw_logits_at, shown,
+)
+
+INSTANCE_SKIP = frozenset({"request_id", "traceparent", "traceparent_ignored"})
+
+
+@attrs.frozen
+class DiffReport:
+    """What :func:`diff` found about runs A and B."""
+
+    divergence: Divergence | None
+    shared_level: str
+    atol: float
+    declared: tuple[tuple[str, Any, Any], ...]
+    steps_compared: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready mapping (for CI and other tools)."""
+        d = self.divergence
+        return {"divergence": None if d is None else attrs.asdict(d),
+                "shared_level": self.shared_level, "atol": self.atol,
+                "declared": [{"field": k, "a": a, "b": b} for k, a, b in self.declared],
+                "steps_compared": self.steps_compared}
+
+    def render(self) -> str:
+        """A readable report."""
+        lines = []
+        for key, a, b in self.declared:
+            lines.append(f"declared difference: {key}: {shown(a)} vs {shown(b)}")
+        d = self.divergence
+        if d is None:
+            lines.append(f"no divergence in {self.steps_compared} steps")
+        else:
+            where = f" at step {d.step}" if d.step is not None else ""
+            lines.append(f"first divergence: {d.product}{where} ({d.level} level)")
+            lines.append(f"  A: {shown(d.a)}")
+            lines.append(f"  B: {shown(d.b)}")
+            if d.detail:
+                lines.append(f"  {d.detail}")
+        tol = f" (raw logits compared with atol={self.atol:g})" if self.shared_level != "none" \
+            else ""
+        lines.append(f"shared reproducibility level: {self.shared_level}{tol}")
+        return "\n".join(lines)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def declared(a: Trace, b: Trace) -> tuple[tuple[str, Any, Any], ...]:
+    """Execution-instance fields that differ (flattened keys, sorted)."""
+    fa = {k: v for k, v in _flatten(a.instance).items() if k.split(".")[0] not in INSTANCE_SKIP}
+    fb = {k: v for k, v in _flatten(b.instance).items() if k.split(".")[0] not in INSTANCE_SKIP}
+    if fa.get("generation_config.seed") is None and fb.get("generation_config.seed") is None:
+        fa.pop("seed", None), fb.pop("seed", None)  # derived from the request ids: not a cause
+    return tuple((k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
+                 if fa.get(k) != fb.get(k))
+
+
+def _same(product: str, level: str, step: int | None, a: Any, b: Any, detail: str = ""
+          ) -> Divergence | None:
+    return None if a == b else Divergence(product, level, step, a, b, detail)
+
+
+def _input(a: Trace, b: Trace) -> Iterator[Divergence | None]:
+    keys = ("messages_digest", "prompt_digest", "tools_digest", "template_kwargs")
+    yield _same("request", "input", None, {k: a.instance.get(k) for k in keys},
+                {k: b.instance.get(k) for k in keys}, "the request's content differs")
+    ra, rb = a.payload("context.rendered"), b.payload("context.rendered")
+    yield _same("rendered bytes", "input", None, ra.get("rendered_digest"),
+                rb.get("rendered_digest"), _first_char(ra.get("text"), rb.get("text")))
+    ta, tb = a.payload("input.tokenized"), b.payload("input.tokenized")
+    yield _same("token ids", "input", None, ta.get("ids_digest"), tb.get("ids_digest"),
+                _first_item(ta.get("input_ids"), tb.get("input_ids"), ta, tb))
+    yield _same("positions", "input", None, ta.get("positions_digest"),
+                tb.get("positions_digest"))
+
+
+def _first_char(x: Any, y: Any) -> str:
+    if not isinstance(x, str) or not isinstance(y, str):
+        return ""
+    i = next((n for n, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return f"first differing character at {i}: {x[i:i + 30]!r} vs {y[i:i + 30]!r}"
+
+
+def _first_item(x: Any, y: Any, ta: Mapping[str, Any], tb: Mapping[str, Any]) -> str:
+    lengths = f"m = {ta.get('tokens')} vs {tb.get('tokens')}"
+    if not isinstance(x, list) or not isinstance(y, list):
+        return lengths
+    i = next((n for n, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return f"{lengths}; first differing position {i}: {x[i:i + 5]} vs {y[i:i + 5]}"
+
+
+def _step(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None]:
+    """The products of step t in walk order."""
+    sa, sb = a.by_step("token.selected").get(t), b.by_step("token.selected").get(t)
+    if sa is None or sb is None:
+        yield ending(a, b, t)
+        return
+    if t == 1:
+        pa, pb = a.payload("prefill.completed"), b.payload("prefill.completed")
+        yield _same("cache after prefill", "model", t, pa.get("cache_len"), pb.get("cache_len"))
+    raw_a, raw_b = raw_logits_at(a, t), raw_logits_at(b, t)
+    raw_same, detail = logits_equal(raw_a, raw_b, atol)
+    name = "prefill logits" if t == 1 else "raw logits"
+    yield None if raw_same else Divergence(name, "model", t, raw_a, raw_b, detail)
+    if t == 1 or (_full(a) and _full(b)):
+        yield _same("processor order", "selection", t, order_at(a, t), order_at(b, t))
+    proc_a, proc_b = processed_at(sa), processed_at(sb)
+    proc_same, detail = logits_equal(proc_a, proc_b, atol if raw_same else 0.0)
+    yield None if proc_same else Divergence("processed distribution", "selection", t, proc_a,
+                                            proc_b, detail)
+    yield _rng(a, b, sa.payload, sb.payload, t)
+    yield _same("selected token", "selection", t, sa.payload.get("token_id"),
+                sb.payload.get("token_id"))
+    yield ending(a, b, t, both_selected=True)
+    da_, db_ = _deltas(a, t), _deltas(b, t)
+    yield _same("emitted bytes", "system", t, da_, db_,
+                f"text {_texts(a, t)!r} vs {_texts(b, t)!r}" if da_ != db_ else "")
+    da, db = a.by_step("decode.completed").get(t), b.by_step("decode.completed").get(t)
+    yield _same("cache after decode", "model", t, da and da.payload.get("cache_len"),
+                db and db.payload.get("cache_len"))
+
+
+def _full(trace: Trace) -> bool:
+    return trace.instance.get("recording") == "full"
+
+
+def order_at(trace: Trace, t: int) -> list[str] | None:
+    """The processors applied at step t: step 1's order, updated by each recorded change
+    (changes are recorded at ``full`` only)."""
+    order = trace.payload("selection.configured").get("processors")
+    for step, event in sorted(trace.by_step("token.selected").items()):
+        if step > t:
+            break
+        order = event.payload.get("processors", order)
+    return order
+
+
+def _rng(a: Trace, b: Trace, pa: Mapping[str, Any], pb: Mapping[str, Any], t: int
+         ) -> Divergence | None:
+    """Seeds (the counter RNG's stream) when either run samples; draws where recorded."""
+    sampled = [float((tr.instance.get("generation_config") or {}).get("temperature", 1.0)) > 0
+               for tr in (a, b)]
+    if not any(sampled):
+        return None
+    seeds = (a.payload("selection.configured").get("seed"),
+             b.payload("selection.configured").get("seed"))
+    if seeds[0] != seeds[1]:
+        return Divergence("rng", "selection", t, f"seed {seeds[0]}", f"seed {seeds[1]}",
+                          "different random streams: every draw differs")
+    if "draw" in pa and "draw" in pb:
+        return _same("rng", "selection", t, pa["draw"], pb["draw"], "uniform draws differ")
+    return None
+
+
+def _step_deltas(trace: Trace, t: int) -> list[Event]:
+    end = trace.finished.event_id if trace.finished is not None else None
+    return [d for d in trace.of("stream.delta")
+            if d.payload.get("step") == t and (end is None or d.event_id < end)]
+
+
+def _deltas(trace: Trace, t: int) -> list[tuple[Any, ...]]:
+    """Step t's deltas as (digest, bytes, final): comparable across recording levels."""
+    return [(d.payload.get("digest"), d.payload.get("bytes"), d.payload.get("final"))
+            for d in _step_deltas(trace, t)]
+
+
+def _texts(trace: Trace, t: int) -> str | None:
+    """Step t's streamed text, when recorded (``full``)."""
+    deltas = _step_deltas(trace, t)
+    if not all("text" in d.payload for d in deltas):
+        return None
+    return "".join(d.payload["text"] for d in deltas)
+
+
+def _after(a: Trace, b: Trace) -> Iterator[Divergence | None]:
+    fa, fb = a.finished, b.finished
+    ra = fa.payload.get("reason") if fa else None
+    rb = fb.payload.get("reason") if fb else None
+    if ra != rb:
+        level = "system" if {ra, rb} & {"cancelled", "deadline", "error", None} else "selection"
+        yield Divergence("finish", level, None, ra, rb, "the runs ended differently")
+    yield _same("client display", "system", None, _display(a), _display(b),
+                "the concatenated streamed text differs")
+    yield _same("external effect", "system", None, external_effects(a), external_effects(b))
+
+
+def _display(trace: Trace) -> Any:
+    """What the client shows: the digest of the whole streamed text (per-delta digests for
+    traces that predate ``text_digest``)."""
+    end = trace.payload("generation.finished")
+    if "text_digest" in end:
+        return end["text_digest"]
+    return [d.payload.get("digest") for d in trace.of("stream.delta")]
+
+
+def _walk(a: Trace, b: Trace, atol: float) -> tuple[Divergence | None, int]:
+    for found in _input(a, b):
+        if found is not None:
+            return found, 0
+    steps = max(len(a.by_step("token.selected")), len(b.by_step("token.selected")))
+    for t in range(1, steps + 1):
+        for found in _step(a, b, t, atol):
+            if found is not None:
+                return found, t
+    return next((d for d in _after(a, b) if d is not None), None), steps
+
+
+def diff(a: TraceSource | Trace, b: TraceSource | Trace, *, atol: float = 0.0) -> DiffReport:
+    """Walk two traces' data products and report the first that differs.
+
+    ``atol`` is the model-level tolerance: raw logits whose digests differ still count as
+    equal when both traces recorded their top-k (``full``) with the same token ids and
+    values within ``atol``. With the default 0 the comparison is bitwise (by digest).
+
+    Example::
+
+        report = diff(run_a.trace, run_b.trace)
+        report.divergence.product       # e.g. "selected token"
+        report.shared_level             # e.g. "model"
+    """
+    ta, tb = load(a), load(b)
+    found, steps = _walk(ta, tb, atol)
+    if found is None:
+        shared = LEVELS[-1]
+    else:
+        shared = LEVELS[LEVELS.index(found.level) - 1]
+    return DiffReport(found, shared, atol, declared(ta, tb), steps)

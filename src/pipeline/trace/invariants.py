@@ -1,0 +1,323 @@
+"""The rules behind ``pipeline trace check``: one function per invariant of DESIGN §8.
+
+Owns :data:`TITLES` and the rule functions. Each rule reads a :class:`Trace` (and, for
+invariant 5, an optional detokenizer) and returns the problems it found as
+``(event ids, why)`` pairs plus notes on what the trace did not let it observe. Rules are
+independent: a corruption of one kind is reported by exactly the rule that forbids it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from pipeline.events import Event, digest_ids, digest_text
+from pipeline.trace.load import Trace
+
+Detokenize = Callable[[Sequence[int]], str]
+
+TITLES: Mapping[int, str] = {
+    0: "the trace is well formed (required events, parents before children)",
+    1: "input ids trace back to a definite template and tokenizer artifact",
+    2: "the KV cache covers the same logical positions in every layer; keys and values agree",
+    3: "at each step start the cache prefix equals the prefix the logits condition on",
+    4: "processors run only in their declared order",
+    5: "streamed bytes are a safe prefix of the detokenized selected tokens",
+    6: "finished, cancelled and failed are terminal: no ordinary delta after them",
+    7: "a tool candidate never executes before it is parsed, validated and authorized",
+    8: "after a write crosses the commit boundary, cancelling is not a rollback",
+}
+
+REQUIRED = ("request.accepted", "request.normalized", "context.rendered", "input.tokenized",
+            "generation.finished", "resources.released")
+TERMINAL_STATE = {"cancelled": "cancelled", "error": "failed"}
+
+
+@attrs.frozen
+class Finding:
+    """What one rule saw: problems (event ids, why) and notes on what it could not see."""
+
+    problems: tuple[tuple[tuple[int, ...], str], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _ids(*events: Event | None) -> tuple[int, ...]:
+    return tuple(e.event_id for e in events if e is not None)
+
+
+def structure(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 0: the minimal timeline's bookends exist; parents precede their children."""
+    problems: list[tuple[tuple[int, ...], str]] = []
+    for name in REQUIRED:
+        if trace.first(name) is None:
+            problems.append(((), f"no {name} event"))
+    if trace.events[0].event_type != "request.accepted":
+        problems.append((_ids(trace.events[0]), "the trace does not open with request.accepted"))
+    seen: set[int] = set()
+    for event in trace.events:
+        parent = event.parent_event_id
+        if parent is not None and parent not in seen:
+            problems.append((_ids(event), f"parent event {parent} is not an earlier event"))
+        seen.add(event.event_id)
+    return Finding(tuple(problems))
+
+
+def provenance(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 1: ids ← rendered bytes ← template, and ids ← tokenizer, all by digest."""
+    inst, rendered, tokenized = (trace.first("request.normalized"),
+                                 trace.first("context.rendered"), trace.first("input.tokenized"))
+    if inst is None or rendered is None or tokenized is None:
+        return Finding(notes=("normalize, render or tokenize event missing",))
+    r, t, i = rendered.payload, tokenized.payload, inst.payload
+    problems: list[tuple[tuple[int, ...], str]] = []
+    ids = _ids(inst, rendered, tokenized)
+    if not (inst.event_id < rendered.event_id < tokenized.event_id):
+        problems.append((ids, "normalize → render → tokenize are out of causal order"))
+    if t.get("rendered_digest") != r.get("rendered_digest"):
+        problems.append((_ids(rendered, tokenized), "the ids were tokenized from rendered bytes "
+                         f"{t.get('rendered_digest')}, not the {r.get('rendered_digest')} rendered"))
+    if not t.get("tokenizer_digest") or t.get("tokenizer_digest") != i.get("tokenizer_version"):
+        problems.append((_ids(inst, tokenized), f"tokenizer {t.get('tokenizer_digest')} is not "
+                         f"the accepted artifact {i.get('tokenizer_version')}"))
+    raw = r.get("renderer") == "raw" and i.get("prompt_digest") is not None
+    if not r.get("template_digest") or not (raw or r.get("template_digest") == i.get(
+            "template_version")):
+        problems.append((_ids(inst, rendered), f"template {r.get('template_digest')} is not the "
+                         f"accepted artifact {i.get('template_version')}"))
+    if "text" in r and digest_text(r["text"]) != r.get("rendered_digest"):
+        problems.append((_ids(rendered), "the recorded text does not match its digest"))
+    if "input_ids" in t and (digest_ids(t["input_ids"]) != t.get("ids_digest")
+                             or len(t["input_ids"]) != t.get("tokens")):
+        problems.append((_ids(tokenized), "the recorded input ids do not match their digest"))
+    return Finding(tuple(problems))
+
+
+def cache_layers(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 2: prefill chunks tile 0..m-1; every layer's K and V lengths equal the cache's."""
+    problems: list[tuple[tuple[int, ...], str]] = []
+    written = 0
+    for event in trace.events:
+        if event.event_type not in ("prefill.chunk", "prefill.completed"):
+            continue
+        start, tokens = event.payload.get("start"), event.payload.get("tokens")
+        if isinstance(start, int) and isinstance(tokens, int):
+            if start != written:
+                problems.append((_ids(event), f"chunk writes positions {start}..{start + tokens - 1}"
+                                 f" but the cache covers 0..{written - 1}: positions would differ"))
+            written = start + tokens
+    m = trace.payload("input.tokenized").get("tokens")
+    done = trace.first("prefill.completed")
+    if done is not None and "start" in done.payload and written != m:
+        problems.append((_ids(done), f"the chunks cover {written} positions, the prompt has {m}"))
+    layered = [e for e in trace.events if "layers" in e.payload]
+    for event in layered:
+        k, v = event.payload["layers"].get("k", []), event.payload["layers"].get("v", [])
+        length = event.payload.get("cache_len")
+        bad = [n for n, (kl, vl) in enumerate(zip(k, v)) if not kl == vl == length]
+        if bad or len(k) != len(v):
+            problems.append((_ids(event), f"layer lengths k={k} v={v} do not all equal the "
+                             f"cache length {length} (layers {bad})"))
+    notes = () if layered else ("the backend reports no per-layer lengths; "
+                                "checked the logical positions only",)
+    return Finding(tuple(problems), notes)
+
+
+def step_order(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 3 (DESIGN §4): cache m after prefill, m+t-1 at selection t, m+t after decode t."""
+    problems: list[tuple[tuple[int, ...], str]] = []
+    m = trace.payload("input.tokenized").get("tokens")
+    prefill = trace.first("prefill.completed")
+    if prefill is not None and prefill.payload.get("cache_len") != m:
+        problems.append((_ids(prefill), f"cache length {prefill.payload.get('cache_len')} right "
+                         f"after prefill; the prompt has m={m} tokens"))
+    selected, decoded = trace.by_step("token.selected"), trace.by_step("decode.completed")
+    ready = {1: prefill, **{t + 1: e for t, e in decoded.items()}}
+    for t, event in sorted(selected.items()):
+        problems += _selection_order(t, event, ready.get(t), m)
+    for t, event in sorted(decoded.items()):
+        chosen = selected.get(t)
+        if event.payload.get("cache_len") != (m or 0) + t:
+            problems.append((_ids(event), f"cache length {event.payload.get('cache_len')} after "
+                             f"decode {t}; expected m+t={(m or 0) + t}"))
+        if chosen is None or chosen.event_id > event.event_id:
+            problems.append((_ids(event), f"decode {t} ran before token {t} was selected"))
+        elif chosen.payload.get("token_id") != event.payload.get("token_id"):
+            problems.append((_ids(chosen, event), f"decode {t} wrote token "
+                             f"{event.payload.get('token_id')}, the selector chose "
+                             f"{chosen.payload.get('token_id')}"))
+    steps = sorted(selected)
+    if steps != list(range(1, len(steps) + 1)):
+        problems.append(((), f"selected steps {steps} are not 1..{len(steps)}"))
+    finished = trace.finished
+    if finished is not None and finished.payload.get("reason") not in ("cancelled", "deadline",
+                                                                          "error"):
+        last = finished.payload.get("completion_tokens")
+        if isinstance(last, int) and last in decoded:
+            problems.append((_ids(decoded[last]), f"the stopping token (step {last}) was decoded"))
+    return Finding(tuple(problems))
+
+
+def _selection_order(t: int, event: Event, ready: Event | None, m: Any
+                     ) -> list[tuple[tuple[int, ...], str]]:
+    out: list[tuple[tuple[int, ...], str]] = []
+    if event.payload.get("cache_len") != (m or 0) + t - 1:
+        out.append((_ids(event), f"token {t} selected with cache length "
+                    f"{event.payload.get('cache_len')}; expected m+t-1={(m or 0) + t - 1}"))
+    if ready is None or ready.event_id > event.event_id:
+        source = "prefill" if t == 1 else f"decode {t - 1}"
+        out.append((_ids(event), f"token {t} selected before {source} produced its logits"))
+    return out
+
+
+def processor_order(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 4: every applied order (step 1's, and each change recorded later) is a
+    subsequence of the declared order."""
+    configured = trace.first("selection.configured")
+    if configured is None:
+        return Finding(notes=("no selection happened",))
+    inst = trace.instance
+    declared = (inst.get("generation_config") or {}).get("processor_order") or inst.get(
+        "processor_chain")
+    if declared is None:
+        return Finding(notes=("the execution instance declares no processor chain",))
+    problems: list[tuple[tuple[int, ...], str]] = []
+    changes = [configured] + [e for e in trace.of("token.selected") if "processors" in e.payload]
+    for event in changes:
+        applied = list(event.payload.get("processors", []))
+        rest = iter(declared)
+        if not all(name in rest for name in applied):  # `in` on an iterator consumes
+            where = f" at step {event.payload['step']}" if "step" in event.payload else ""
+            problems.append((_ids(trace.first("request.normalized"), event),
+                             f"applied order {applied}{where} is not in the declared order "
+                             f"{list(declared)}"))
+    first = trace.by_step("token.selected").get(1)
+    if first is not None and first.event_id < configured.event_id:
+        problems.append((_ids(configured, first), "a token was selected before the processor "
+                         "order was fixed"))
+    return Finding(tuple(problems))
+
+
+def stream_prefix(trace: Trace, detokenize: Detokenize | None) -> Finding:
+    """Invariant 5: deltas in order, accounting for exactly the selected tokens, and their
+    text (``full``) a prefix of the detokenized selected tokens."""
+    end = trace.finished.event_id if trace.finished is not None else None
+    deltas = [e for e in trace.of("stream.delta") if end is None or e.event_id < end]
+    selected = trace.by_step("token.selected")
+    ids = [selected[t].payload.get("token_id", -1) for t in sorted(selected)]
+    problems: list[tuple[tuple[int, ...], str]] = []
+    text, tokens, full = "", 0, all("text" in d.payload for d in deltas)
+    for seq, delta in enumerate(deltas):
+        p = delta.payload
+        step, tokens = p.get("step", 0), tokens + p.get("tokens", 0)
+        if p.get("seq") != seq:
+            problems.append((_ids(delta), f"delta seq {p.get('seq')} where {seq} was due"))
+        if tokens != step or step > len(ids) or (
+                step and selected[step].event_id > delta.event_id):
+            problems.append((_ids(delta), f"{tokens} tokens streamed by step {step}, which had "
+                             "not all been selected or were skipped"))
+        if full:
+            text += p["text"]
+            problems += _content(delta, text, ids[:step], detokenize)
+    finished = trace.finished
+    if full and finished is not None and "text_digest" in finished.payload and digest_text(
+            text) != finished.payload["text_digest"]:
+        problems.append((_ids(finished), "the streamed text is not the text the run ended with"))
+    notes = []
+    if not full:
+        notes.append("digest-level trace: checked order and token accounting, not the bytes")
+    elif detokenize is None:
+        notes.append("no tokenizer given: checked digests, not the prefix property")
+    return Finding(tuple(problems), tuple(notes))
+
+
+def _content(delta: Event, text: str, ids: Sequence[int], detokenize: Detokenize | None
+             ) -> list[tuple[tuple[int, ...], str]]:
+    p = delta.payload
+    out: list[tuple[tuple[int, ...], str]] = []
+    if digest_text(p["text"]) != p.get("digest") or len(p["text"].encode()) != p.get("bytes"):
+        out.append((_ids(delta), "the delta's text does not match its digest or length"))
+    if detokenize is not None:
+        expected = detokenize(ids).rstrip("\ufffd")  # an incomplete last character is unsafe
+        if not expected.startswith(text):
+            out.append((_ids(delta), f"streamed {text[-40:]!r} is not a prefix of the "
+                        f"detokenized tokens {expected[-40:]!r}"))
+    return out
+
+
+def terminal(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 6: one ending; nothing ordinary after it; the final delta is the last."""
+    ends = trace.of("generation.finished")
+    if not ends:
+        return Finding(notes=("the request has not ended",))
+    end = ends[0]
+    problems: list[tuple[tuple[int, ...], str]] = []
+    if len(ends) > 1:
+        problems.append((_ids(*ends), "the request ended more than once"))
+    late = ("stream.delta", "token.selected", "decode.completed", "prefill.chunk",
+            "prefill.completed")
+    for event in trace.events:
+        if event.event_id > end.event_id and event.event_type in late:
+            problems.append((_ids(end, event), f"{event.event_type} after the request "
+                             f"{end.payload.get('state')} ({end.payload.get('reason')})"))
+    deltas = [d for d in trace.of("stream.delta") if d.event_id < end.event_id]
+    for d in deltas[:-1]:
+        if d.payload.get("final"):
+            problems.append((_ids(d), "a final delta that is not the last one"))
+    if deltas and not deltas[-1].payload.get("final"):
+        problems.append((_ids(deltas[-1], end), "the stream ended without a final delta"))
+    state = TERMINAL_STATE.get(str(end.payload.get("reason")), "finished")
+    if end.payload.get("state") != state:
+        problems.append((_ids(end), f"reason {end.payload.get('reason')} ends in state {state}, "
+                         f"not {end.payload.get('state')}"))
+    return Finding(tuple(problems))
+
+
+def _calls(trace: Trace) -> dict[str, dict[str, Event]]:
+    calls: dict[str, dict[str, Event]] = {}
+    for event in trace.events:
+        if event.event_type.startswith("tool."):
+            call = str(event.payload.get("call_id"))
+            calls.setdefault(call, {}).setdefault(event.event_type[5:], event)
+    return calls
+
+
+def tool_gate(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 7: ``tool.executed`` only after parsed, validated and authorized (same call)."""
+    calls = _calls(trace)
+    if not calls:
+        return Finding(notes=("no tool calls in this trace",))
+    problems: list[tuple[tuple[int, ...], str]] = []
+    for call, seen in calls.items():
+        executed = seen.get("executed")
+        if executed is None:
+            continue
+        for gate in ("parsed", "validated", "authorized"):
+            before = seen.get(gate)
+            if before is None or before.event_id > executed.event_id:
+                problems.append((_ids(executed), f"tool call {call} executed before it was {gate}"))
+    return Finding(tuple(problems))
+
+
+def commit_boundary(trace: Trace, _: Detokenize | None) -> Finding:
+    """Invariant 8: a committed call keeps an outcome and is never rolled back by a cancel."""
+    committed = {c: s for c, s in _calls(trace).items() if "committed" in s}
+    if not committed:
+        return Finding(notes=("no write crossed the commit boundary",))
+    problems: list[tuple[tuple[int, ...], str]] = []
+    for call, seen in committed.items():
+        for undo in ("rolled_back", "cancelled"):
+            if undo in seen:
+                problems.append((_ids(seen["committed"], seen[undo]), f"tool call {call} was "
+                                 f"{undo.replace('_', ' ')} after it was committed"))
+        if "executed" not in seen and "failed" not in seen and trace.finished is not None:
+            problems.append((_ids(seen["committed"]), f"tool call {call} was committed but its "
+                             "outcome is missing from the trace"))
+    return Finding(tuple(problems))
+
+
+RULES: Mapping[int, Callable[[Trace, Detokenize | None], Finding]] = {
+    0: structure, 1: provenance, 2: cache_layers, 3: step_order, 4: processor_order,
+    5: stream_prefix, 6: terminal, 7: tool_gate, 8: commit_boundary,
+}
