@@ -280,8 +280,8 @@ class Engine:
                     self._fail(job, f"selection failed: {exc!r}")
                 continue
             for i, (job, _) in enumerate(items):
-                reason = job.advance(choice.token_ids[i], choice.logprobs[i],
-                                     self.backend.max_context)
+                token, logprob = job.budgeted(choice.token_ids[i], choice.logprobs[i])
+                reason = job.advance(token, logprob, self.backend.max_context)
                 if reason is not None:
                     self._release(job)
 

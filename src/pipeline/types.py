@@ -228,7 +228,8 @@ class GenerationConfig:
 
     ``temperature=0`` means greedy. ``top_k=0``, ``top_p=1``, ``min_p=0``, ``typical_p=1`` and
     penalties of 1 / 0 / 0 are "off". ``processor_order`` overrides the builder's default chain
-    order with the names of processors the pipeline has.
+    order with the names of processors the pipeline has. ``reasoning_budget_tokens`` caps a
+    ``<think>`` block: at the budget the engine forces the template's end-of-thinking marker.
     """
 
     max_tokens: int = attrs.field(default=256, validator=_range(1, None, integer=True))
@@ -257,6 +258,8 @@ class GenerationConfig:
         validator=attrs.validators.optional(_token_ids))
     processor_order: tuple[str, ...] | None = attrs.field(
         default=None, converter=_optional_order)
+    reasoning_budget_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_range(0, None, integer=True)))
 
     @stop.validator
     def _stop(self, _: attrs.Attribute[Any], value: Any) -> None:

@@ -1,0 +1,83 @@
+"""What both dialects share: the parsed request, server defaults, and content helpers.
+
+Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.types.Request`
+plus how to answer it), :class:`ServerDefaults` (the server-side defaults a body may leave
+out), :func:`config_from` and :func:`text_content`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+
+from pipeline.errors import InvalidValueError
+from pipeline.types import GenerationConfig, Request
+from transports.http.fields import Obj
+
+TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+@attrs.frozen
+class ServerDefaults:
+    """Server-side defaults for fields a request leaves out."""
+
+    max_tokens: int = 1024
+    reasoning_budget_tokens: int | None = None
+
+
+@attrs.frozen
+class Parsed:
+    """A request body, understood: the served model's name, the internal request, and the
+    answer's form. ``max_tokens_given`` tells the window arithmetic whether it may clamp
+    silently; ``tools`` turns on tool-call parsing of the output."""
+
+    model: str
+    request: Request
+    stream: bool
+    max_tokens_given: bool
+    tools: bool
+    include_usage: bool = False
+
+
+def config_from(fields: dict[str, Any], max_tokens: int | None,
+                defaults: ServerDefaults) -> GenerationConfig:
+    """A :class:`GenerationConfig` from dialect-neutral ``fields`` plus the server defaults."""
+    fields = dict(fields)
+    fields["max_tokens"] = max_tokens if max_tokens is not None else defaults.max_tokens
+    if "reasoning_budget_tokens" not in fields and defaults.reasoning_budget_tokens is not None:
+        fields["reasoning_budget_tokens"] = defaults.reasoning_budget_tokens
+    return GenerationConfig.from_dict(fields)
+
+
+def text_content(path: str, value: Any, text_type: str) -> str | None:
+    """Message content as text: a string, or a list of ``{"type": text_type, "text"}`` parts."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidValueError(path, type(value).__name__, "must be a string or a list of parts")
+    pieces = []
+    for i, raw in enumerate(value):
+        part = Obj(raw, f"{path}[{i}]")
+        kind = part.need("type", "string")
+        if kind != text_type:
+            raise InvalidValueError(f"{path}[{i}].type", kind,
+                                    f"only '{text_type}' parts are supported here")
+        pieces.append(part.need("text", "string"))
+        part.get("cache_control", "object")
+        part.done()
+    return "".join(pieces)
+
+
+def traceparent(value: str | None) -> dict[str, str]:
+    """``{"traceparent": value}`` for a valid W3C trace-context header, ``{}`` when absent."""
+    if value is None:
+        return {}
+    match = TRACEPARENT.match(value.strip())
+    if (match is None or match.group(1) == "ff" or set(match.group(2)) == {"0"}
+            or set(match.group(3)) == {"0"}):
+        raise InvalidValueError("traceparent", value,
+                                "must be W3C trace-context: 2-32-16-2 lowercase hex digits, "
+                                "non-zero trace and parent ids, version not ff")
+    return {"traceparent": value.strip()}
