@@ -1,0 +1,109 @@
+"""The output splitter (thinking / text / tool calls): fed at every split it agrees with a
+plain regular-expression reading of the whole text; and the engine's reasoning budget."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
+from transports.http.output import OutputSplitter, TextPart, ToolCallPart
+
+TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
+        ' "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n<tool_call>\n{"name": "bad"'
+        '\n</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>\n')
+
+
+def regex_reading(text: str) -> tuple[str, str, list[tuple[str, dict[str, object]]], str]:
+    """(thinking, text, calls, leftover) by a second, whole-text implementation."""
+    thinking = "".join(re.findall(r"<think>(.*?)</think>", text, re.S))
+    rest = re.sub(r"<think>.*?</think>", "", text, flags=re.S)
+    calls, shown = [], []
+    at, after_call = 0, False
+    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", rest, re.S):
+        gap = rest[at:m.start()]
+        if not (after_call and not gap.strip()):  # whitespace right after a call is not shown
+            shown.append(gap)
+        try:
+            body = json.loads(m.group(1))
+            calls.append((body["name"], body["arguments"]))
+            after_call = True
+        except (ValueError, KeyError):
+            shown.append(m.group(0))
+            after_call = False
+        at = m.end()
+    tail = rest[at:]
+    return thinking, "".join(shown), calls, tail
+
+
+def split(text: str, cuts: list[int]) -> list[TextPart | ToolCallPart]:
+    splitter = OutputSplitter(tools=True)
+    parts = []
+    at = 0
+    for cut in [*cuts, len(text)]:
+        parts += splitter.feed(text[at:cut])
+        at = cut
+    return parts + splitter.finish()
+
+
+def summary(parts: list[TextPart | ToolCallPart]) -> tuple[str, str, list[tuple[str, object]]]:
+    thinking = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "thinking")
+    text = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "text")
+    calls = [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCallPart)]
+    return thinking, text, calls
+
+
+def test_every_split_agrees_with_the_regex_reading() -> None:
+    thinking, shown, calls, tail = regex_reading(TEXT)
+    assert tail.strip() == ""  # whitespace after the last call is not shown
+    expected = (thinking, shown, calls)
+    assert expected[2] == [("get_weather", {"city": "Paris", "unit": "°C"}), ("time", {})]
+    for cut in range(len(TEXT) + 1):
+        assert summary(split(TEXT, [cut])) == expected, cut
+    assert summary(split(TEXT, list(range(1, len(TEXT))))) == expected
+
+
+def test_without_tools_markers_stay_text_and_unclosed_calls_are_kept() -> None:
+    splitter = OutputSplitter(tools=False)
+    parts = splitter.feed("a <tool_call>{}</tool_call> b") + splitter.finish()
+    assert summary(parts) == ("", "a <tool_call>{}</tool_call> b", [])
+    assert summary(split('x<tool_call>{"name": "f"', [3])) == ("", 'x<tool_call>{"name": "f"', [])
+
+
+THINK_OPEN, THINK_CLOSE = ord("{"), ord("}")
+
+
+class ThinkTokenizer(ByteTokenizer):
+    """The byte tokenizer, with "{" and "}" standing for the thinking markers."""
+
+    def encode_text(self, text: str, *, special: bool = False) -> list[int]:
+        markers = {"<think>": [THINK_OPEN], "</think>": [THINK_CLOSE]}
+        return markers[text] if special and text in markers else super().encode_text(
+            text, special=special)
+
+
+@pytest.mark.parametrize("budget", [0, 3, 7])
+def test_reasoning_budget_forces_the_end_of_thinking_marker(budget: int) -> None:
+    """A model that would think forever ("{" then "a" for ever) is cut at the budget: the
+    engine forces "}" after exactly ``budget`` thinking tokens, and the model, seeing the
+    marker, answers ("!") and stops."""
+    vocab = ByteTokenizer.VOCAB
+    eos = 256
+
+    def choose(ids: list[int]) -> int:
+        if ids[-1] == THINK_CLOSE:
+            return ord("!")
+        if ids[-1] == ord("!"):
+            return eos
+        return ord("a") if THINK_OPEN in ids else THINK_OPEN
+
+    backend = ScriptedBackend(vocab, peaked(vocab, choose))
+    with build_scripted(backend, tokenizer=ThinkTokenizer()) as pipe:
+        done = pipe.generate("q", max_tokens=50, temperature=0, reasoning_budget_tokens=budget)
+        free = pipe.generate("q", max_tokens=20, temperature=0)
+    ids = list(done.token_ids)
+    assert ids == [THINK_OPEN] + [ord("a")] * budget + [THINK_CLOSE, ord("!"), eos]
+    assert [e.event_type for e in done.trace].count("reasoning.budget_reached") == 1
+    assert THINK_CLOSE not in free.token_ids and len(free.token_ids) == 20  # no budget: no cut
