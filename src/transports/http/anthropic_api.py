@@ -50,6 +50,7 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
             thinking.append(block.need("thinking", "string"))
             block.get("signature", "string")
         elif kind == "tool_use" and role == "assistant":
+            block.get("caller", "object")  # who issued the call; the SDK echoes it back
             calls.append(ToolCall(block.need("name", "string"),
                                   json.dumps(block.need("input", "object")),
                                   block.need("id", "string")))
@@ -122,6 +123,9 @@ def _config(body: Obj, defaults: ServerDefaults, *, counting: bool) -> Generatio
         value = body.num(name, lo, hi, integer=integer)
         if value is not None:
             fields[name] = value
+    seed = body.get("seed", "integer")  # an extension: the Messages API has no seed
+    if seed is not None:
+        fields["seed"] = seed % (1 << 63)
     stops = [check(p, s, "string") for p, s in body.items("stop_sequences")]
     if stops:
         fields["stop"] = stops

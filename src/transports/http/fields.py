@@ -113,4 +113,5 @@ class Obj:
         """Every key must have been read: an unknown field is a 400 naming it."""
         for key in self.value:
             if key not in self._read:
-                raise UnknownFieldError(self.path, self._at(key), self._read)
+                raise UnknownFieldError("the request body", self._at(key),
+                                        (self._at(k) for k in self._read))

@@ -106,6 +106,8 @@ class Gateway:
         self.metrics = Metrics(self.pipelines)
         self.usage = UsageStore(config.data_dir)
         self._loaders: list[threading.Thread] = []
+        self.flights: dict[str, Flight] = {}
+        """Requests admitted and not yet finished, by request id (for inspection)."""
 
     # --- models ------------------------------------------------------------------------------
 
@@ -212,8 +214,9 @@ class Gateway:
             self._leave(served)
             raise
         done: asyncio.Future[Completion] = loop.create_future()
+        flight = self.flights[request.request_id] = Flight(handle, served, done)
         handle.add_done_callback(lambda c: self._finished(served, endpoint, c, loop, done))
-        return Flight(handle, served, done)
+        return flight
 
     def _leave(self, served: ServedModel) -> None:
         with served.lock:
@@ -223,6 +226,7 @@ class Gateway:
                   loop: asyncio.AbstractEventLoop, done: asyncio.Future[Completion]) -> None:
         """On the engine thread: free the admission place, count, and record durably."""
         self._leave(served)
+        self.flights.pop(completion.request_id, None)
         self.metrics.finished(served.name, completion.usage.prompt_tokens,
                               completion.usage.completion_tokens, completion.timings.first_token_s)
 

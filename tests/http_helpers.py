@@ -1,0 +1,68 @@
+"""Helpers for the HTTP tests: a real uvicorn server on 127.0.0.1 in a background thread,
+and a scripted "tool-using" model over the embedded model's tokenizer and chat template."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from pipeline.builder import DEFAULT_MODEL_DIR, build
+from pipeline.pipe import Pipeline
+from pipeline.testing import ScriptedBackend, peaked
+from stages.tokenize import HFTokenizer
+from transports.http import Gateway, ServerConfig, create_app
+
+IM_START, IM_END, TOOL_RESPONSE = 1, 2, 6140
+TOOL_CALL_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                  '</tool_call>')
+ANSWER_TEXT = "It is 18 degrees in Paris."
+
+
+@contextmanager
+def running(gateway: Gateway) -> Iterator[str]:
+    """Serve ``gateway`` on 127.0.0.1 (a free port); yields the base URL."""
+    gateway.load(wait=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0,
+                                           log_level="error", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def tool_model(delay_s: float = 0.0, num_slots: int = 8) -> tuple[Pipeline, ScriptedBackend]:
+    """A scripted model with the embedded model's tokenizer and template: asked with tools it
+    calls ``get_weather``; given the tool's response it answers ``ANSWER_TEXT``."""
+    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    call = tok.encode_text(TOOL_CALL_TEXT, special=True) + [IM_END]
+    answer = tok.encode_text(ANSWER_TEXT) + [IM_END]
+
+    def choose(ids: Sequence[int]) -> int:
+        start = len(ids) - 1 - list(reversed(ids)).index(IM_START)
+        header = len(tok.encode_text("assistant\n"))
+        produced = len(ids) - (start + 1 + header)
+        script = answer if TOOL_RESPONSE in ids else call
+        return script[min(produced, len(script) - 1)]
+
+    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0),
+                              num_slots=num_slots, delay_s=delay_s)
+    return build(DEFAULT_MODEL_DIR, backend=backend), backend
+
+
+def config(tmp: Path, **fields: object) -> ServerConfig:
+    """A server config serving the embedded model as ``default``, data in ``tmp``."""
+    fields.setdefault("models", {"default": None})
+    return ServerConfig(data_dir=tmp, **fields)  # type: ignore[arg-type]
