@@ -93,6 +93,7 @@ class Flight:
 
     handle: RequestHandle
     model: ServedModel
+    request: Request
     done: asyncio.Future[Completion]
 
 
@@ -106,29 +107,37 @@ class Gateway:
         self.metrics = Metrics(self.pipelines)
         self.usage = UsageStore(config.data_dir)
         self._loaders: list[threading.Thread] = []
+        self._closed = threading.Event()
         self.flights: dict[str, Flight] = {}
         """Requests admitted and not yet finished, by request id (for inspection)."""
 
     # --- models ------------------------------------------------------------------------------
 
     def load(self, *, wait: bool = False) -> None:
-        """Load every model on its own thread; requests get a 503 until theirs is ready."""
-        for served in self.models.values():
-            thread = threading.Thread(target=self._load, args=(served,), daemon=True,
-                                      name=f"load-{served.name}")
-            thread.start()
-            self._loaders.append(thread)
-        if wait:
-            for thread in self._loaders:
-                thread.join()
+        """Load the models on a loader thread; requests get a 503 until theirs is ready.
 
-    def _load(self, served: ServedModel) -> None:
-        try:
-            served.pipeline = self._builder(served.folder, self.config)
-            served.state = ModelState.READY
-        except Exception as exc:  # reported as a 503 naming the failure
-            served.error = repr(exc)
-            served.state = ModelState.FAILED
+        The loader thread stays parked until :meth:`close`: with GNU OpenMP, the worker
+        threads of a thread that ran torch's parallel loading code and then exited keep
+        spinning, which made decoding on the engine thread several times slower.
+        """
+        loaded = threading.Event()
+        thread = threading.Thread(target=self._load_all, args=(loaded,), daemon=True,
+                                  name="model-loader")
+        thread.start()
+        self._loaders.append(thread)
+        if wait:
+            loaded.wait()
+
+    def _load_all(self, loaded: threading.Event) -> None:
+        for served in self.models.values():
+            try:
+                served.pipeline = self._builder(served.folder, self.config)
+                served.state = ModelState.READY
+            except Exception as exc:  # reported as a 503 naming the failure
+                served.error = repr(exc)
+                served.state = ModelState.FAILED
+        loaded.set()
+        self._closed.wait()
 
     def pipelines(self) -> Mapping[str, Pipeline]:
         """The loaded pipelines by served name."""
@@ -214,7 +223,7 @@ class Gateway:
             self._leave(served)
             raise
         done: asyncio.Future[Completion] = loop.create_future()
-        flight = self.flights[request.request_id] = Flight(handle, served, done)
+        flight = self.flights[request.request_id] = Flight(handle, served, request, done)
         handle.add_done_callback(lambda c: self._finished(served, endpoint, c, loop, done))
         return flight
 
@@ -244,6 +253,7 @@ class Gateway:
 
     def close(self) -> None:
         """Stop every engine (cancelling what runs), then flush the usage store."""
+        self._closed.set()
         for served in self.models.values():
             if served.pipeline is not None:
                 served.pipeline.close()
