@@ -24,9 +24,10 @@ ANSWER_TEXT = "It is 18 degrees in Paris."
 
 
 @contextmanager
-def running(gateway: Gateway) -> Iterator[str]:
-    """Serve ``gateway`` on 127.0.0.1 (a free port); yields the base URL."""
-    gateway.load(wait=True)
+def running(gateway: Gateway, wait: bool = True) -> Iterator[str]:
+    """Serve ``gateway`` on 127.0.0.1 (a free port); yields the base URL. ``wait``: start
+    serving only once the models are loaded."""
+    gateway.load(wait=wait)
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0,
                                            log_level="error", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -66,3 +67,14 @@ def config(tmp: Path, **fields: object) -> ServerConfig:
     """A server config serving the embedded model as ``default``, data in ``tmp``."""
     fields.setdefault("models", {"default": None})
     return ServerConfig(data_dir=tmp, **fields)  # type: ignore[arg-type]
+
+
+def endless_model(delay_s: float = 0.0, num_slots: int = 8,
+                  tokenizer: object | None = None) -> tuple[Pipeline, ScriptedBackend]:
+    """A scripted model over the embedded tokenizer that writes "a" until it is stopped."""
+    tok = tokenizer if tokenizer is not None else HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    a = HFTokenizer.from_dir(DEFAULT_MODEL_DIR).encode_text("a")[0]
+    vocab = HFTokenizer.from_dir(DEFAULT_MODEL_DIR).vocab_size
+    backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: a, 30.0), num_slots=num_slots,
+                              delay_s=delay_s)
+    return build(DEFAULT_MODEL_DIR, backend=backend, tokenizer=tok), backend  # type: ignore[arg-type]

@@ -246,7 +246,7 @@ class Server:
             assert tokenizer is not None
             ids = tuple(tokenizer.encode_text(prompt))
         return JSONResponse({"tokens": list(ids), "count": len(ids),
-                             "max_model_len": served.max_context})
+                             "max_model_len": self.gateway.window(served)})
 
     async def detokenize(self, http: HTTPRequest) -> Response:
         """``POST /detokenize``: ``{model, tokens}`` → text."""

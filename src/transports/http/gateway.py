@@ -178,6 +178,12 @@ class Gateway:
 
     # --- window arithmetic -------------------------------------------------------------------
 
+    def window(self, served: ServedModel) -> int:
+        """The tokens a request may use: the model's window, capped by ``max_context``, less
+        ``context_slack``."""
+        limit = min(served.max_context, self.config.max_context or served.max_context)
+        return limit - self.config.context_slack
+
     def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool) -> Request:
         """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
 
@@ -185,7 +191,7 @@ class Gateway:
         ``max_tokens`` fits, the prompt is not counted here at all.
         """
         pipe, config = served.pipe, request.generation_config
-        window = served.max_context - self.config.context_slack
+        window = self.window(served)
         request = attrs.evolve(request, runtime_limits=attrs.evolve(
             request.runtime_limits, max_context_tokens=window))
         if request.prompt is not None:
