@@ -33,6 +33,7 @@ from transports.http.common import Parsed, ServerDefaults, traceparent
 from transports.http.errors import Dialect, classify, error_body, status_for
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ServedModel
+from transports.http.inbox import batches
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.output import OutputSplitter, Part
 from transports.sse import SSEEvent, encode
@@ -50,34 +51,6 @@ def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
 
 def _failed(completion: Completion) -> RuntimeError:
     return RuntimeError(f"generation failed: {completion.error}")
-
-
-async def _deltas(handle: RequestHandle, ping_s: float) -> AsyncIterator[Delta | None]:
-    """The handle's deltas on this event loop; ``None`` after ``ping_s`` without one. Leaving
-    early (client gone: the task is cancelled, or the iterator closed) cancels the request."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Delta] = asyncio.Queue()
-
-    def listener(delta: Delta) -> None:  # runs on the engine thread
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            handle.cancel()
-
-    handle.add_listener(listener)
-    finished = False
-    try:
-        while not finished:
-            try:
-                delta = await asyncio.wait_for(queue.get(), ping_s)
-            except TimeoutError:
-                yield None
-                continue
-            finished = delta.final
-            yield delta
-    finally:
-        if not finished:
-            handle.cancel()
 
 
 class Server:
@@ -189,7 +162,7 @@ class Server:
         yield encoder.start()
         histogram = self.gateway.metrics.inter_token.labels(flight.model.name)
         last = None
-        async for delta in _deltas(flight.handle, self.gateway.config.ping_interval_s):
+        async for delta in batches(flight.handle, self.gateway.config.ping_interval_s):
             if delta is None:
                 if dialect is Dialect.ANTHROPIC:
                     yield anthropic_api.PING

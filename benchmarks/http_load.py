@@ -1,0 +1,247 @@
+"""Benchmark: HTTP serving under load against the same requests in-process, same run.
+
+Phase 1 (in-process): ``--requests`` chat requests to the embedded default model, at most
+``--concurrency`` at a time, each consumed with ``Pipeline.astream`` on one asyncio loop.
+Phase 2 (HTTP): the same requests, streamed over ``POST /v1/chat/completions`` from a server
+started with ``pipeline serve`` on 127.0.0.1 (a subprocess, so client and server do not share
+one interpreter), by an ``httpx.AsyncClient`` with the same concurrency.
+Phase 3 (disconnects): ``--disconnects`` streaming requests that each read a random 1–8 chunks
+and then drop the connection; afterwards the server's ``/metrics`` must show zero active slots
+and an empty queue.
+
+Inter-token latency is measured at the consumer, between consecutive content pieces of one
+stream; tokens/s is completion tokens over the phase's wall time. Greedy decoding, so both
+phases generate the same tokens. Bounded in count and time; loopback only. Prints a table and
+writes ``benchmarks/results/http_load.json``.
+
+Run: ``.venv/bin/python benchmarks/http_load.py [--requests 128] [--concurrency 32]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from pipeline import build
+from pipeline.pipe import Pipeline
+from transports.http.usage import read_records
+
+RESULTS = Path(__file__).parent / "results" / "http_load.json"
+
+
+def prompts(n: int) -> list[str]:
+    topics = ["a list", "a dict", "a generator", "a decorator", "a coroutine", "a module",
+              "a class", "an exception"]
+    return [f"Question {i}: what is {topics[i % len(topics)]} in Python?" for i in range(n)]
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Tally:
+    """Gaps between pieces, tokens, errors and wall time of one phase."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self.tokens = 0
+        self.errors: list[str] = []
+        self.wall = 0.0
+
+    def row(self, name: str) -> dict[str, Any]:
+        return {"phase": name, "requests_failed": len(self.errors), "tokens": self.tokens,
+                "wall_s": round(self.wall, 3), "tokens_per_s": round(self.tokens / self.wall, 1),
+                "itl_p50_ms": round(quantile(self.gaps, 0.5) * 1e3, 3),
+                "itl_p99_ms": round(quantile(self.gaps, 0.99) * 1e3, 3),
+                "errors": self.errors[:5]}
+
+
+async def in_process(pipe: Pipeline, texts: list[str], max_tokens: int, limit: int) -> Tally:
+    tally, gate = Tally(), asyncio.Semaphore(limit)
+
+    async def one(text: str) -> None:
+        async with gate:
+            last = None
+            async for delta in pipe.astream(text, max_tokens=max_tokens, temperature=0.0):
+                now = time.perf_counter()
+                if delta.text and last is not None:
+                    tally.gaps.append(now - last)
+                if delta.text:
+                    last = now
+                tally.tokens += len(delta.token_ids)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(t) for t in texts))
+    tally.wall = time.perf_counter() - start
+    return tally
+
+
+async def over_http(url: str, texts: list[str], max_tokens: int, limit: int,
+                    drop_after: list[int] | None = None) -> Tally:
+    tally, gate = Tally(), asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+
+    async def one(client: httpx.AsyncClient, i: int, text: str) -> None:
+        body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": text}]}
+        async with gate:
+            try:
+                await stream(client, body, tally, drop_after[i] if drop_after else None)
+            except Exception as exc:  # counted: the goal is zero
+                tally.errors.append(repr(exc))
+
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, i, t) for i, t in enumerate(texts)))
+        tally.wall = time.perf_counter() - start
+    return tally
+
+
+async def stream(client: httpx.AsyncClient, body: dict[str, Any], tally: Tally,
+                 drop_after: int | None) -> None:
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"status {response.status_code}: {await response.aread()!r}")
+        last, pieces, done = None, 0, False
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tally.tokens += chunk["usage"]["completion_tokens"]
+            content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if content:
+                now = time.perf_counter()
+                if last is not None:
+                    tally.gaps.append(now - last)
+                last, pieces = now, pieces + 1
+                if drop_after is not None and pieces >= drop_after:
+                    return  # leaving the block closes the connection mid-stream
+        if not done and drop_after is None:
+            raise RuntimeError("stream ended without [DONE]")
+
+
+def start_server(port: int, data_dir: str, slots: int, threads: int) -> subprocess.Popen[bytes]:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
+         str(port), "--data-dir", data_dir, "--slots", str(slots), "--max-queue", "512"],
+        env={**os.environ, "PIPELINE_API_KEYS": "", "OMP_NUM_THREADS": str(threads)})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    server.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def engine_gauges(url: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("pipeline_active_slots", "pipeline_queue_depth"))}
+    return values["pipeline_active_slots"], values["pipeline_queue_depth"]
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (or of ``pid``), from /proc."""
+    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def disconnect_phase(url: str, n: int, limit: int, data_dir: str) -> dict[str, Any]:
+    rng = random.Random(0)
+    drops = [rng.randint(1, 8) for _ in range(n)]
+    tally = asyncio.run(over_http(url, prompts(n), 200, limit, drops))
+    start = time.perf_counter()
+    while engine_gauges(url) != (0.0, 0.0):
+        if time.perf_counter() - start > 30:
+            break
+        time.sleep(0.01)
+    settle = time.perf_counter() - start
+    active, queued = engine_gauges(url)
+    time.sleep(0.5)  # let the writer commit the last records
+    reasons = [r.finish_reason for r in read_records(Path(data_dir) / "usage.sqlite3")]
+    return {"disconnects": n, "client_errors": len(tally.errors), "active_slots_after": active,
+            "queue_depth_after": queued, "settled_s": round(settle, 3),
+            "cancelled_records": reasons.count("cancelled")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--disconnects", type=int, default=100)
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch threads of the model, in both phases (the HTTP client "
+                             "needs a core of its own on a small machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    texts = prompts(args.requests)
+    with build(options={"num_slots": args.concurrency}) as pipe:
+        asyncio.run(in_process(pipe, texts[:args.concurrency], 4, args.concurrency))  # warm-up
+        before = cpu_seconds()
+        local = asyncio.run(in_process(pipe, texts, args.max_tokens, args.concurrency))
+        local_cpu = cpu_seconds() - before
+    port, data_dir = free_port(), tempfile.mkdtemp(prefix="http-load-")
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(port, data_dir, args.concurrency, args.torch_threads)
+    try:
+        asyncio.run(over_http(url, texts[:args.concurrency], 4, args.concurrency))  # warm-up
+        before, server_before = cpu_seconds(), cpu_seconds(server.pid)
+        remote = asyncio.run(over_http(url, texts, args.max_tokens, args.concurrency))
+        client_cpu = cpu_seconds() - before
+        server_cpu = cpu_seconds(server.pid) - server_before
+        drops = disconnect_phase(url, args.disconnects, args.concurrency, data_dir)
+    finally:
+        server.terminate()
+        server.wait(30)
+    rows = [{**local.row("in-process"), "cpu_s": round(local_cpu, 2)},
+            {**remote.row("http"), "cpu_s": round(server_cpu, 2),
+             "client_cpu_s": round(client_cpu, 2)}]
+    overhead = rows[1]["itl_p50_ms"] / rows[0]["itl_p50_ms"] - 1
+    print(f"{'phase':<11} {'failed':>6} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
+          f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'CPU s':>6}")
+    for r in rows:
+        print(f"{r['phase']:<11} {r['requests_failed']:>6} {r['tokens']:>7} {r['wall_s']:>7} "
+              f"{r['tokens_per_s']:>7} {r['itl_p50_ms']:>10} {r['itl_p99_ms']:>10} "
+              f"{r['cpu_s']:>6}")
+    print(f"HTTP client CPU s: {rows[1]['client_cpu_s']}")
+    print(f"HTTP adds {overhead * 100:+.1f} % to p50 inter-token latency (goal <= +10 %)")
+    print("disconnects:", drops)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "config": vars(args), "machine": platform.platform(), "cpus": os.cpu_count(),
+        "phases": rows, "itl_p50_overhead": round(overhead, 4), "disconnects": drops}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
