@@ -19,12 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from pipeline.builder import DEFAULT_MODEL_DIR
-from pipeline.errors import ContextWindowError
+from pipeline.errors import AuthenticationError, ContextWindowError
 from pipeline.pipe import Pipeline
 from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
 from stages.tokenize import HFTokenizer
 from tests.http_helpers import config, endless_model, running
-from transports.http import Gateway, ServerConfig
+from transports.http import Gateway, ServerConfig, load_api_keys
 from transports.http.gateway import token_upper_bound
 from transports.http.usage import read_records
 
@@ -208,3 +208,34 @@ def test_metrics_tokenize_and_detokenize(tmp_path: Path) -> None:
     assert samples[("pipeline_inter_token_seconds_count", (("model", "default"),))] == pieces - 1
     assert samples[("pipeline_time_to_first_token_seconds_count", (("model", "default"),))] == 4
     assert samples[("pipeline_active_slots", (("model", "default"),))] == 0
+
+
+def test_a_non_stream_client_that_leaves_cancels_its_request(tmp_path: Path) -> None:
+    pipe, backend = endless_model(delay_s=0.01, num_slots=2)
+    gateway = Gateway(config(tmp_path), lambda f, c: pipe)
+    with running(gateway) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=chat(5000), timeout=0.5)
+        wait_for(lambda: not gateway.flights)
+        assert pipe.engine is not None and pipe.engine.active_slots == 0
+        assert backend.busy_slots == 0
+        wait_for(lambda: len(read_records(tmp_path / "usage.sqlite3")) == 1)
+    (record,) = read_records(tmp_path / "usage.sqlite3")
+    assert record.finish_reason == "cancelled" and 0 < record.completion_tokens < 5000
+
+
+def test_api_keys_come_from_the_environment_and_a_file(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nsk-file-1\n\n  sk-file-2  # rotated 2026\n")
+    monkeypatch.setenv("TEST_KEYS", "sk-env-1, sk-env-2,")
+    assert load_api_keys("TEST_KEYS", keys) == {"sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2"}
+    gateway = Gateway(config(tmp_path, api_keys=load_api_keys("TEST_KEYS")),
+                      lambda f, c: endless_model()[0])
+    gateway.authenticate("Bearer sk-env-2", None)
+    gateway.authenticate(None, "sk-env-1")
+    for authorization, key in (("Bearer sk-file-1", None), ("Basic sk-env-1", None),
+                               (None, None), (None, "sk-env-1x")):
+        with pytest.raises(AuthenticationError):
+            gateway.authenticate(authorization, key)
+    gateway.close()

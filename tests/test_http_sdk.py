@@ -173,3 +173,16 @@ def test_logprobs_are_a_distribution_led_by_the_greedy_choice(oai: openai.OpenAI
         assert len(top) == 3 and top[0].token == item.token
         assert top[0].logprob == pytest.approx(item.logprob, abs=1e-5)
         assert sum(2.718281828 ** t.logprob for t in top) <= 1 + 1e-5
+
+
+def test_logit_bias_and_stop_strings_reach_the_engine(oai: openai.OpenAI) -> None:
+    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    (word,) = hf.encode(" list", add_special_tokens=False)
+    out = oai.chat.completions.create(model="default", messages=QUESTION, max_tokens=6,  # type: ignore[arg-type]
+                                      temperature=0, logit_bias={str(word): 100})
+    assert out.choices[0].message.content == " list" * 6
+    stopped = oai.chat.completions.create(model="default", messages=QUESTION, max_tokens=6,  # type: ignore[arg-type]
+                                          temperature=0, logit_bias={str(word): 100}, stop=["t l"])
+    text = " list" * 6
+    assert stopped.choices[0].message.content == text[:text.index("t l")]
+    assert stopped.choices[0].finish_reason == "stop"
