@@ -198,54 +198,76 @@ def disconnect_phase(url: str, n: int, limit: int, data_dir: str) -> dict[str, A
             "cancelled_records": reasons.count("cancelled")}
 
 
+def run_rounds(args: argparse.Namespace, pipe: Pipeline, url: str, server_pid: int
+               ) -> list[dict[str, Any]]:
+    """Alternate the two phases ``--rounds`` times, so both see the same machine load."""
+    texts, rows = prompts(args.requests), []
+    for r in range(args.rounds):
+        before = cpu_seconds()
+        local = asyncio.run(in_process(pipe, texts, args.max_tokens, args.concurrency))
+        rows.append({**local.row("in-process"), "round": r,
+                     "cpu_s": round(cpu_seconds() - before, 2)})
+        before, server_before = cpu_seconds(), cpu_seconds(server_pid)
+        remote = asyncio.run(over_http(url, texts, args.max_tokens, args.concurrency))
+        rows.append({**remote.row("http"), "round": r,
+                     "cpu_s": round(cpu_seconds(server_pid) - server_before, 2),
+                     "client_cpu_s": round(cpu_seconds() - before, 2)})
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over rounds, per phase, and the p50 inter-token overhead of HTTP."""
+    out: dict[str, Any] = {}
+    for phase in ("in-process", "http"):
+        mine = [r for r in rows if r["phase"] == phase]
+        out[phase] = {k: statistics.median(r[k] for r in mine)
+                      for k in ("tokens_per_s", "itl_p50_ms", "itl_p99_ms", "cpu_s")}
+        out[phase]["requests_failed"] = sum(r["requests_failed"] for r in mine)
+    out["itl_p50_overhead"] = round(out["http"]["itl_p50_ms"] / out["in-process"]["itl_p50_ms"]
+                                    - 1, 4)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--disconnects", type=int, default=100)
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of the model, in both phases (the HTTP client "
                              "needs a core of its own on a small machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
-    texts = prompts(args.requests)
-    with build(options={"num_slots": args.concurrency}) as pipe:
-        asyncio.run(in_process(pipe, texts[:args.concurrency], 4, args.concurrency))  # warm-up
-        before = cpu_seconds()
-        local = asyncio.run(in_process(pipe, texts, args.max_tokens, args.concurrency))
-        local_cpu = cpu_seconds() - before
+    warm = prompts(args.concurrency)
     port, data_dir = free_port(), tempfile.mkdtemp(prefix="http-load-")
     url = f"http://127.0.0.1:{port}"
     server = start_server(port, data_dir, args.concurrency, args.torch_threads)
     try:
-        asyncio.run(over_http(url, texts[:args.concurrency], 4, args.concurrency))  # warm-up
-        before, server_before = cpu_seconds(), cpu_seconds(server.pid)
-        remote = asyncio.run(over_http(url, texts, args.max_tokens, args.concurrency))
-        client_cpu = cpu_seconds() - before
-        server_cpu = cpu_seconds(server.pid) - server_before
+        with build(options={"num_slots": args.concurrency}) as pipe:
+            asyncio.run(in_process(pipe, warm, 4, args.concurrency))
+            asyncio.run(over_http(url, warm, 4, args.concurrency))
+            rows = run_rounds(args, pipe, url, server.pid)
         drops = disconnect_phase(url, args.disconnects, args.concurrency, data_dir)
     finally:
         server.terminate()
         server.wait(30)
-    rows = [{**local.row("in-process"), "cpu_s": round(local_cpu, 2)},
-            {**remote.row("http"), "cpu_s": round(server_cpu, 2),
-             "client_cpu_s": round(client_cpu, 2)}]
-    overhead = rows[1]["itl_p50_ms"] / rows[0]["itl_p50_ms"] - 1
-    print(f"{'phase':<11} {'failed':>6} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
+    print(f"{'round':>5} {'phase':<11} {'failed':>6} {'tokens':>7} {'wall s':>7} {'tok/s':>7} "
           f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'CPU s':>6}")
     for r in rows:
-        print(f"{r['phase']:<11} {r['requests_failed']:>6} {r['tokens']:>7} {r['wall_s']:>7} "
-              f"{r['tokens_per_s']:>7} {r['itl_p50_ms']:>10} {r['itl_p99_ms']:>10} "
-              f"{r['cpu_s']:>6}")
-    print(f"HTTP client CPU s: {rows[1]['client_cpu_s']}; tokens per streamed piece: "
-          f"in-process {rows[0]['tokens_per_piece']}, http {rows[1]['tokens_per_piece']}")
-    print(f"HTTP adds {overhead * 100:+.1f} % to p50 inter-token latency (goal <= +10 %)")
+        print(f"{r['round']:>5} {r['phase']:<11} {r['requests_failed']:>6} {r['tokens']:>7} "
+              f"{r['wall_s']:>7} {r['tokens_per_s']:>7} {r['itl_p50_ms']:>10} "
+              f"{r['itl_p99_ms']:>10} {r['cpu_s']:>6}")
+    med = summary(rows)
+    print("medians:", json.dumps(med))
+    print(f"HTTP adds {med['itl_p50_overhead'] * 100:+.1f} % to p50 inter-token latency "
+          "(goal <= +10 %)")
     print("disconnects:", drops)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
         "config": vars(args), "machine": platform.platform(), "cpus": os.cpu_count(),
-        "phases": rows, "itl_p50_overhead": round(overhead, 4), "disconnects": drops}, indent=2))
+        "rounds": rows, "medians": med, "disconnects": drops}, indent=2))
 
 
 if __name__ == "__main__":

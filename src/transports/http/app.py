@@ -26,8 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pipeline.errors import InvalidValueError, PipelineError
-from pipeline.handle import RequestHandle
-from pipeline.types import Completion, Delta
+from pipeline.types import Completion
 from transports.http import anthropic_api, openai_api
 from transports.http.common import Parsed, ServerDefaults, traceparent
 from transports.http.errors import Dialect, classify, error_body, status_for
