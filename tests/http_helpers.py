@@ -78,3 +78,24 @@ def endless_model(delay_s: float = 0.0, num_slots: int = 8,
     backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: a, 30.0), num_slots=num_slots,
                               delay_s=delay_s)
     return build(DEFAULT_MODEL_DIR, backend=backend, tokenizer=tok), backend  # type: ignore[arg-type]
+
+
+THINK, END_THINK = 6142, 6143
+
+
+def thinker_model() -> Pipeline:
+    """A scripted model that opens ``<think>``, writes "a" until ``</think>`` appears (it never
+    closes the block itself), then answers "Done." and stops."""
+    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    a = tok.encode_text("a")[0]
+    answer = tok.encode_text("Done.") + [IM_END]
+
+    def choose(ids: Sequence[int]) -> int:
+        start = len(ids) - 1 - list(reversed(ids)).index(IM_START)
+        out = list(ids[start + 1 + len(tok.encode_text("assistant\n")):])
+        if END_THINK in out:
+            return answer[min(len(out) - 1 - out.index(END_THINK), len(answer) - 1)]
+        return a if THINK in out else THINK
+
+    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
+    return build(DEFAULT_MODEL_DIR, backend=backend)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from pipeline.builder import DEFAULT_MODEL_DIR, build
 from pipeline.pipe import Pipeline
-from tests.http_helpers import ANSWER_TEXT, config, running, tool_model
+from tests.http_helpers import ANSWER_TEXT, config, running, thinker_model, tool_model
 from transports.http import Gateway, ServerConfig
 
 KEY = "sk-test-key"
@@ -32,13 +32,15 @@ QUESTION = [{"role": "user", "content": "What is a Python list?"}]
 def builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:
     if folder is not None and folder.name == "tools":
         return tool_model()[0]
+    if folder is not None and folder.name == "thinker":
+        return thinker_model()
     return build(options={"num_slots": cfg.num_slots})
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cfg = config(tmp_path_factory.mktemp("usage"), api_keys={KEY},
-                 models={"default": None, "tools": Path("tools")})
+                 models={"default": None, "tools": Path("tools"), "thinker": Path("thinker")})
     with running(Gateway(cfg, builder)) as url:
         yield url
 
@@ -156,11 +158,11 @@ def test_sdk_error_types(oai: openai.OpenAI, claude: anthropic.Anthropic, base_u
     with pytest.raises(anthropic.BadRequestError, match="top_k"):
         claude.messages.create(model="default", messages=QUESTION, max_tokens=2,  # type: ignore[arg-type]
                                extra_body={"top_k": -1})  # type: ignore[arg-type]
-    with pytest.raises(openai.NotFoundError, match="served models: default, tools"):
+    with pytest.raises(openai.NotFoundError, match="served models: default, thinker, tools"):
         oai.chat.completions.create(model="gpt-9", messages=QUESTION)  # type: ignore[arg-type]
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.create(model="gpt-9", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
-    assert missing.value.body["error"]["served_models"] == ["default", "tools"]  # type: ignore[index]
+    assert missing.value.body["error"]["served_models"] == ["default", "thinker", "tools"]  # type: ignore[index]
 
 
 def test_logprobs_are_a_distribution_led_by_the_greedy_choice(oai: openai.OpenAI) -> None:
@@ -186,3 +188,26 @@ def test_logit_bias_and_stop_strings_reach_the_engine(oai: openai.OpenAI) -> Non
     text = " list" * 6
     assert stopped.choices[0].message.content == text[:text.index("t l")]
     assert stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_reasoning_budget_over_both_dialects(oai: openai.OpenAI, claude: anthropic.Anthropic,
+                                             budget: int) -> None:
+    """The thinker would think until max_tokens; the budget cuts its thinking after exactly
+    ``budget`` tokens and an answer follows, as thinking blocks / reasoning_content."""
+    ask = [{"role": "user", "content": "Think, then answer."}]
+    with claude.messages.stream(model="thinker", messages=ask, max_tokens=40,  # type: ignore[arg-type]
+                                thinking={"type": "enabled", "budget_tokens": budget}) as stream:
+        message = stream.get_final_message()
+    blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+              for b in message.content]
+    assert blocks == ([("thinking", "a" * budget)] if budget else []) + [("text", "Done.")]
+    assert message.stop_reason == "end_turn"
+    out = oai.chat.completions.create(model="thinker", messages=ask, max_tokens=40,  # type: ignore[arg-type]
+                                      extra_body={"reasoning_budget_tokens": budget})
+    message_oa = out.choices[0].message
+    assert message_oa.content == "Done." and out.choices[0].finish_reason == "stop"
+    assert (message_oa.model_extra or {}).get("reasoning_content") == ("a" * budget or None)
+    unbudgeted = oai.chat.completions.create(model="thinker", messages=ask, max_tokens=12)  # type: ignore[arg-type]
+    assert unbudgeted.choices[0].finish_reason == "length"
+    assert unbudgeted.choices[0].message.content is None or "Done" not in unbudgeted.choices[0].message.content
