@@ -108,14 +108,14 @@ def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) ->
         window = 4096 - 96
         before = CountingTokenizer.encodes
         small = gateway.fit(served, Request.coerce("hello", generation_config={"max_tokens": 50}),
-                            max_tokens_given=True)
+                            max_tokens_given=True).request
         assert CountingTokenizer.encodes == before  # the bound sufficed: no tokenization
         assert small.generation_config.max_tokens == 50
         text = "word " * 1500
         n = exact(text)
         asked = Request.coerce(text, generation_config={"max_tokens": 3000})
         if clamp:
-            fitted = gateway.fit(served, asked, max_tokens_given=True)
+            fitted = gateway.fit(served, asked, max_tokens_given=True).request
             assert fitted.generation_config.max_tokens == window - n
             assert CountingTokenizer.encodes == before + 1
         else:
@@ -123,6 +123,9 @@ def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) ->
                 gateway.fit(served, asked, max_tokens_given=True)
             assert (err.value.prompt_tokens, err.value.limit, err.value.requested) == (
                 n, window - n, 3000)
+        opened = Request(prompt="<|im_start|>assistant\n<think>\n")
+        assert gateway.fit(served, opened, max_tokens_given=False).thinking
+        assert not gateway.fit(served, Request(prompt="<think>x</think>"), max_tokens_given=False).thinking
         huge = "word " * 5000
         with pytest.raises(ContextWindowError,
                            match=f"prompt is too long: {exact(huge)} tokens > {window - 1} maximum"):

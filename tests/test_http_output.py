@@ -65,6 +65,12 @@ def test_every_split_agrees_with_the_regex_reading() -> None:
     assert summary(split(TEXT, list(range(1, len(TEXT))))) == expected
 
 
+def test_a_prompt_that_opened_thinking_starts_the_output_as_thinking() -> None:
+    splitter = OutputSplitter(tools=False, thinking=True)
+    parts = splitter.feed("plan it</th") + splitter.feed("ink>answer") + splitter.finish()
+    assert summary(parts) == ("plan it", "answer", [])
+
+
 def test_without_tools_markers_stay_text_and_unclosed_calls_are_kept() -> None:
     splitter = OutputSplitter(tools=False)
     parts = splitter.feed("a <tool_call>{}</tool_call> b") + splitter.finish()

@@ -116,7 +116,9 @@ def _tools(body: Obj) -> list[ToolSpec]:
     return tools
 
 
-def _config(body: Obj, defaults: ServerDefaults, *, counting: bool) -> GenerationConfig:
+def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
+            ) -> tuple[GenerationConfig, bool | None]:
+    """The generation config, and ``thinking.type`` as a template's ``enable_thinking``."""
     fields: dict[str, Any] = {}
     for name, lo, hi, integer in (("temperature", 0.0, 1.0, False), ("top_p", 0.0, 1.0, False),
                                   ("top_k", 0, 1 << 30, True)):
@@ -132,6 +134,7 @@ def _config(body: Obj, defaults: ServerDefaults, *, counting: bool) -> Generatio
     thinking = body.obj("thinking")
     if thinking is not None:
         kind = thinking.need("type", "string")
+        fields["_enable_thinking"] = kind != "disabled"
         if kind == "enabled":
             fields["reasoning_budget_tokens"] = thinking.num("budget_tokens", 0, 1 << 30,
                                                              integer=True)
@@ -141,7 +144,8 @@ def _config(body: Obj, defaults: ServerDefaults, *, counting: bool) -> Generatio
     max_tokens = None if counting else body.num("max_tokens", 1, 1 << 30, integer=True)
     if not counting and max_tokens is None:
         raise InvalidValueError("max_tokens", None, "is required")
-    return config_from(fields, max_tokens, defaults)
+    enable = fields.pop("_enable_thinking", None)
+    return config_from(fields, max_tokens, defaults), enable
 
 
 def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False) -> Parsed:
@@ -150,7 +154,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     model = body.need("model", "string")
     messages = _messages(body)
     tools = _tools(body)
-    config = _config(body, defaults, counting=counting)
+    config, enable_thinking = _config(body, defaults, counting=counting)
     stream = False if counting else body.get("stream", "boolean", False)
     metadata = None if counting else body.obj("metadata")
     user = None
@@ -160,7 +164,9 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     body.done()
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",
-                      client_metadata={"user": user} if user else {})
+                      client_metadata={"user": user} if user else {},
+                      template_kwargs=({} if enable_thinking is None
+                                       else {"enable_thinking": enable_thinking}))
     return Parsed(model, request, stream, True, bool(tools))
 
 

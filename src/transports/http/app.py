@@ -106,15 +106,16 @@ class Server:
         request = attrs.evolve(parsed.request, client_metadata=meta)
         loop = asyncio.get_running_loop()
 
-        def start() -> tuple[Flight, int]:
+        def start() -> tuple[Flight, int, bool]:
             fitted = self.gateway.fit(served, request, max_tokens_given=parsed.max_tokens_given)
             # message_start reports the prompt's size before any token exists
             counted = parsed.stream and dialect is Dialect.ANTHROPIC
-            prompt = served.pipe.count_tokens(fitted) if counted else 0
-            return self.gateway.submit(served, fitted, endpoint, loop), prompt
+            prompt = served.pipe.count_tokens(fitted.request) if counted else 0
+            flight = self.gateway.submit(served, fitted.request, endpoint, loop)
+            return flight, prompt, fitted.thinking
 
-        flight, prompt_tokens = await asyncio.to_thread(start)
-        parsed = attrs.evolve(parsed, request=request)
+        flight, prompt_tokens, thinking = await asyncio.to_thread(start)
+        parsed = attrs.evolve(parsed, request=request, thinking=thinking)
         if parsed.stream:
             return StreamingResponse(self._stream(flight, parsed, dialect, prompt_tokens),
                                      media_type="text/event-stream",
@@ -122,7 +123,7 @@ class Server:
         completion = await self._wait(http, flight)
         if completion.error is not None:
             raise _failed(completion)
-        splitter = OutputSplitter(tools=parsed.tools)
+        splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
         parts = splitter.feed(completion.text) + splitter.finish()
         if dialect is Dialect.ANTHROPIC:
             return JSONResponse(anthropic_api.message_body(parsed, completion, parts))
@@ -152,7 +153,7 @@ class Server:
         pipe = flight.model.pipe
         tokenizer = pipe.stages.tokenizer
         assert tokenizer is not None
-        splitter = OutputSplitter(tools=parsed.tools)
+        splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
         if dialect is Dialect.ANTHROPIC:
             encoder: Any = anthropic_api.MessageStream(parsed, parsed.request.request_id,
                                                        prompt_tokens)

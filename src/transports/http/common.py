@@ -39,6 +39,8 @@ class Parsed:
     max_tokens_given: bool
     tools: bool
     include_usage: bool = False
+    thinking: bool = False
+    """The prompt left a ``<think>`` block open: the output starts as reasoning."""
 
 
 def config_from(fields: dict[str, Any], max_tokens: int | None,

@@ -29,6 +29,7 @@ from pipeline.pipe import Pipeline
 from pipeline.types import Completion, Request
 from transports.http.config import ServerConfig
 from transports.http.metrics import Metrics
+from transports.http.output import opens_thinking
 from transports.http.usage import UsageRecord, UsageStore
 
 Builder = Callable[[Path | None, ServerConfig], Pipeline]
@@ -84,6 +85,14 @@ class ServedModel:
         engine = self.pipe.engine
         assert engine is not None, "served pipelines have a backend"
         return engine.backend.max_context
+
+
+@attrs.frozen
+class Fitted:
+    """A request fitted to the window, and whether its prompt left a ``<think>`` open."""
+
+    request: Request
+    thinking: bool
 
 
 @attrs.define
@@ -184,7 +193,7 @@ class Gateway:
         limit = min(served.max_context, self.config.max_context or served.max_context)
         return limit - self.config.context_slack
 
-    def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool) -> Request:
+    def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool) -> Fitted:
         """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
 
         ``room = window - slack - prompt_tokens``. When the character-class bound plus
@@ -199,18 +208,19 @@ class Gateway:
         else:
             text = pipe.render(request.messages, tools=request.tool_catalog,
                                **request.template_kwargs).text
+        thinking = opens_thinking(text)
         if token_upper_bound(text) + config.max_tokens <= window:
-            return request
+            return Fitted(request, thinking)
         prompt_tokens = pipe.count_tokens(request)
         if prompt_tokens > window - 1:
             raise ContextWindowError("messages", prompt_tokens, window - 1)
         room = window - prompt_tokens
         if config.max_tokens <= room:
-            return request
+            return Fitted(request, thinking)
         if max_tokens_given and not self.config.clamp_max_tokens:
             raise ContextWindowError("max_tokens", prompt_tokens, room, config.max_tokens)
         fitted = attrs.evolve(config, max_tokens=room, min_tokens=min(config.min_tokens, room))
-        return attrs.evolve(request, generation_config=fitted)
+        return Fitted(attrs.evolve(request, generation_config=fitted), thinking)
 
     # --- admission and the end of a request ------------------------------------------------
 

@@ -43,6 +43,12 @@ class ToolCallPart:
 Part = TextPart | ToolCallPart
 
 
+def opens_thinking(prompt: str) -> bool:
+    """True when a rendered prompt ends inside an open ``<think>`` block (templates that
+    start the reasoning for the model), so the output begins as thinking."""
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
 def _held_suffix(text: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
     for n in range(min(len(text), max(map(len, _MARKERS)) - 1), 0, -1):
