@@ -4,7 +4,8 @@ Phase 1 (in-process): ``--requests`` chat requests to the embedded default model
 ``--concurrency`` at a time, each consumed with ``Pipeline.astream`` on one asyncio loop.
 Phase 2 (HTTP): the same requests, streamed over ``POST /v1/chat/completions`` from a server
 started with ``pipeline serve`` on 127.0.0.1 (a subprocess, so client and server do not share
-one interpreter), by an ``httpx.AsyncClient`` with the same concurrency.
+one interpreter), by a minimal asyncio HTTP/1.1 client (one connection per request; the SSE decoder of
+``transports.sse``) with the same concurrency.
 Phase 3 (disconnects): ``--disconnects`` streaming requests that each read a random 1–8 chunks
 and then drop the connection; afterwards the server's ``/metrics`` must show zero active slots
 and an empty queue.
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -40,6 +42,7 @@ import torch
 from pipeline import build
 from pipeline.pipe import Pipeline
 from transports.http.usage import read_records
+from transports.sse import SSEDecoder, SSEEvent
 
 RESULTS = Path(__file__).parent / "results" / "http_load.json"
 
@@ -98,38 +101,57 @@ async def in_process(pipe: Pipeline, texts: list[str], max_tokens: int, limit: i
 async def over_http(url: str, texts: list[str], max_tokens: int, limit: int,
                     drop_after: list[int] | None = None) -> Tally:
     tally, gate = Tally(), asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    port = int(url.rsplit(":", 1)[1])
 
-    async def one(client: httpx.AsyncClient, i: int, text: str) -> None:
+    async def one(i: int, text: str) -> None:
         body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": text}]}
         async with gate:
             try:
-                await stream(client, body, tally, drop_after[i] if drop_after else None)
+                await stream(port, body, tally, drop_after[i] if drop_after else None)
             except Exception as exc:  # counted: the goal is zero
                 tally.errors.append(repr(exc))
 
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(one(client, i, t) for i, t in enumerate(texts)))
-        tally.wall = time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
+    tally.wall = time.perf_counter() - start
     return tally
 
 
-async def stream(client: httpx.AsyncClient, body: dict[str, Any], tally: Tally,
-                 drop_after: int | None) -> None:
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"status {response.status_code}: {await response.aread()!r}")
+async def sse_events(reader: asyncio.StreamReader) -> AsyncIterator[SSEEvent]:
+    """Events of a chunked ``text/event-stream`` body, decoded by ``transports.sse``."""
+    decoder = SSEDecoder()
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            break
+        data = await reader.readexactly(size + 2)
+        for event in decoder.feed(data[:-2]):
+            yield event
+    for event in decoder.close():
+        yield event
+
+
+async def stream(port: int, body: dict[str, Any], tally: Tally, drop_after: int | None) -> None:
+    """One streamed request over a minimal HTTP/1.1 client (asyncio streams): the load
+    generator shares the machine's cores, so it should spend as little CPU as it can."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        payload = json.dumps(body).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        status = (await reader.readline()).split()[1]
+        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if status != b"200" or b"transfer-encoding: chunked" not in headers:
+            raise RuntimeError(f"status {status!r}: {await reader.read(300)!r}")
         last, pieces, done = None, 0, False
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+        async for event in sse_events(reader):
+            if event.data == "[DONE]":
                 done = True
                 break
-            chunk = json.loads(line[6:])
+            chunk = json.loads(event.data)
             if chunk.get("usage"):
                 tally.tokens += chunk["usage"]["completion_tokens"]
             content = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
@@ -140,9 +162,11 @@ async def stream(client: httpx.AsyncClient, body: dict[str, Any], tally: Tally,
                 last, pieces = now, pieces + 1
                 tally.pieces += 1
                 if drop_after is not None and pieces >= drop_after:
-                    return  # leaving the block closes the connection mid-stream
+                    return  # closing the socket mid-stream
         if not done and drop_after is None:
             raise RuntimeError("stream ended without [DONE]")
+    finally:
+        writer.close()
 
 
 def start_server(port: int, data_dir: str, slots: int, threads: int) -> subprocess.Popen[bytes]:
