@@ -5,6 +5,7 @@ transformers' tokenizer, and Prometheus' own text parser."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,9 +19,10 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from pipeline.builder import DEFAULT_MODEL_DIR
+from pipeline.builder import DEFAULT_MODEL_DIR, build
 from pipeline.errors import AuthenticationError, ContextWindowError
 from pipeline.pipe import Pipeline
+from pipeline.testing import ScriptedBackend, peaked
 from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
 from stages.tokenize import HFTokenizer
 from tests.http_helpers import config, endless_model, running
@@ -242,3 +244,21 @@ def test_api_keys_come_from_the_environment_and_a_file(tmp_path: Path,
         with pytest.raises(AuthenticationError):
             gateway.authenticate(authorization, key)
     gateway.close()
+
+
+def test_a_failing_backend_is_a_500_in_the_dialect_shape(tmp_path: Path) -> None:
+    vocab = _TOKENIZER.vocab_size
+    backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: 5), fail=lambda ids: True)
+    pipe = build(DEFAULT_MODEL_DIR, backend=backend)
+    with running(Gateway(config(tmp_path), lambda f, c: pipe)) as url:
+        with pytest.raises(openai.InternalServerError) as err:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0).chat.completions.\
+                create(**chat(3))  # type: ignore[call-overload]
+        assert err.value.status_code == 500
+        assert err.value.body["type"] == "server_error"  # type: ignore[index]
+        with httpx.stream("POST", f"{url}/v1/messages", json=chat(3, True)) as r:
+            lines = list(r.iter_lines())
+        assert r.status_code == 200 and "event: error" in lines
+        error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert httpx.get(f"{url}/health").status_code == 200

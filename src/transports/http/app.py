@@ -35,10 +35,11 @@ from transports.http.gateway import Flight, Gateway, ServedModel
 from transports.http.inbox import batches
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.output import OutputSplitter, Part
-from transports.sse import SSEEvent, encode
+from transports.sse import SSEEvent, encode, encode_comment
 
 log = logging.getLogger("pipeline.http")
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
+KEEP_ALIVE = encode_comment("keep-alive")
 
 
 def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
@@ -163,9 +164,8 @@ class Server:
         histogram = self.gateway.metrics.inter_token.labels(flight.model.name)
         last = None
         async for delta in batches(flight.handle, self.gateway.config.ping_interval_s):
-            if delta is None:
-                if dialect is Dialect.ANTHROPIC:
-                    yield anthropic_api.PING
+            if delta is None:  # idle (queued): keep the connection alive
+                yield anthropic_api.PING if dialect is Dialect.ANTHROPIC else KEEP_ALIVE
                 continue
             now = time.perf_counter()
             if last is not None:
