@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeline.errors import InvalidValueError
 from pipeline.types import (
-    Completion, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
+    Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
 )
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
 from transports.http.fields import Obj, check
@@ -259,7 +259,7 @@ class MessageStream:
         self._open = kind
         return out + _event("content_block_start", {"index": self._index, "content_block": block})
 
-    def parts(self, parts: Sequence[Part]) -> bytes:
+    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
         """Block events for the parts one engine delta produced."""
         out: list[bytes] = []
         for part in parts:
@@ -275,9 +275,9 @@ class MessageStream:
                 empty = ({"type": "thinking", "thinking": "", "signature": ""}
                          if part.kind == "thinking" else {"type": "text", "text": ""})
                 out.append(self._begin(part.kind, empty))
-            delta = ({"type": "thinking_delta", "thinking": part.text} if part.kind == "thinking"
-                     else {"type": "text_delta", "text": part.text})
-            out.append(_event("content_block_delta", {"index": self._index, "delta": delta}))
+            body = ({"type": "thinking_delta", "thinking": part.text} if part.kind == "thinking"
+                    else {"type": "text_delta", "text": part.text})
+            out.append(_event("content_block_delta", {"index": self._index, "delta": body}))
         return b"".join(out)
 
     def end(self, completion: Completion) -> bytes:

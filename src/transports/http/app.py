@@ -28,7 +28,7 @@ from starlette.routing import Route
 from pipeline.errors import InvalidValueError, PipelineError
 from pipeline.types import Completion
 from transports.http import anthropic_api, openai_api
-from transports.http.common import Parsed, ServerDefaults, traceparent
+from transports.http.common import Parsed, ServerDefaults, StreamEncoder, traceparent
 from transports.http.errors import Dialect, classify, error_body, status_for
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ServedModel
@@ -155,9 +155,10 @@ class Server:
         tokenizer = pipe.stages.tokenizer
         assert tokenizer is not None
         splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
+        encoder: StreamEncoder
         if dialect is Dialect.ANTHROPIC:
-            encoder: Any = anthropic_api.MessageStream(parsed, parsed.request.request_id,
-                                                       prompt_tokens)
+            encoder = anthropic_api.MessageStream(parsed, parsed.request.request_id,
+                                                  prompt_tokens)
         else:
             encoder = openai_api.ChatStream(parsed, parsed.request.request_id, tokenizer)
         yield encoder.start()
@@ -174,8 +175,7 @@ class Server:
             parts: list[Part] = splitter.feed(delta.text)
             if delta.final:
                 parts += splitter.finish()
-            chunk = (encoder.parts(parts) if dialect is Dialect.ANTHROPIC
-                     else encoder.delta(parts, delta))
+            chunk = encoder.delta(parts, delta)
             if chunk:
                 yield chunk
         completion = await flight.done

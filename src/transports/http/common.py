@@ -8,13 +8,15 @@ out), :func:`config_from` and :func:`text_content`.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import GenerationConfig, Request
+from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
+from transports.http.output import Part
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -41,6 +43,23 @@ class Parsed:
     include_usage: bool = False
     thinking: bool = False
     """The prompt left a ``<think>`` block open: the output starts as reasoning."""
+
+
+class StreamEncoder(Protocol):
+    """A dialect's streamed answer as SSE bytes: ``start`` once, ``delta`` for each engine
+    delta (with the parts the output splitter made of it), ``end`` with the completion."""
+
+    def start(self) -> bytes:
+        """The opening events."""
+        ...
+
+    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
+        """Events for one delta (may be empty)."""
+        ...
+
+    def end(self, completion: Completion) -> bytes:
+        """The closing events."""
+        ...
 
 
 def config_from(fields: dict[str, Any], max_tokens: int | None,
