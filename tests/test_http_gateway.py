@@ -199,6 +199,12 @@ def test_metrics_tokenize_and_detokenize(tmp_path: Path) -> None:
         assert tokens["tokens"] == hf.encode(text, add_special_tokens=False, split_special_tokens=True)
         back = httpx.post(f"{url}/detokenize", json={"model": "default", "tokens": tokens["tokens"]})
         assert back.json()["prompt"] == text
+        convo = [{"role": "user", "content": "hi"}]
+        for add in (True, False):
+            got = httpx.post(f"{url}/tokenize", json={"model": "default", "messages": convo,
+                                                      "add_generation_prompt": add}).json()
+            want = hf.apply_chat_template(convo, tokenize=True, add_generation_prompt=add)
+            assert got["tokens"] == list(want["input_ids"])
         bad = httpx.post(f"{url}/detokenize", json={"model": "default", "tokens": [1, 99999]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
         scrape = httpx.get(f"{url}/metrics").text

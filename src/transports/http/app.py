@@ -209,9 +209,11 @@ class Server:
         if body.has("messages"):
             parsed = openai_api.parse_chat({"model": model, "messages": body.value["messages"]},
                                            self.defaults)
-            body.get("add_generation_prompt", "boolean")
+            add = body.get("add_generation_prompt", "boolean", True)
             body.done()
-            ids = (await asyncio.to_thread(pipe.tokenize, parsed.request)).input_ids
+            request = attrs.evolve(parsed.request,
+                                   template_kwargs={"add_generation_prompt": add})
+            ids = (await asyncio.to_thread(pipe.tokenize, request)).input_ids
         else:
             prompt = body.need("prompt", "string")
             body.done()
