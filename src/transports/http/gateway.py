@@ -47,7 +47,9 @@ def token_upper_bound(text: str) -> int:
     """An upper bound on the token count of ``text`` by character class, without tokenizing.
 
     A byte-level BPE token covers at least one UTF-8 byte, so the count is at most the byte
-    length: 1 per ASCII character, 2 below U+0800, 3 below U+10000, else 4.
+    length: 1 per ASCII character, 2 below U+0800, 3 below U+10000, else 4. (A tokenizer with
+    tokens that cover no input byte, like SentencePiece's dummy prefix, can exceed it by a few;
+    the pipeline's own window check and the engine's context-full stop still hold then.)
     """
     return len(text.encode("utf-8", "surrogatepass"))
 

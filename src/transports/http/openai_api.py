@@ -159,6 +159,8 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     stream = body.get("stream", "boolean", False)
     options = body.obj("stream_options")
     include_usage = False
+    if options is not None and not stream:
+        raise InvalidValueError("stream_options", options.value, "only allowed with stream=true")
     if options is not None:
         include_usage = options.get("include_usage", "boolean", False)
         options.done()
