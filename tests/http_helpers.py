@@ -72,9 +72,9 @@ def config(tmp: Path, **fields: object) -> ServerConfig:
 def endless_model(delay_s: float = 0.0, num_slots: int = 8,
                   tokenizer: object | None = None) -> tuple[Pipeline, ScriptedBackend]:
     """A scripted model over the embedded tokenizer that writes "a" until it is stopped."""
-    tok = tokenizer if tokenizer is not None else HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
-    a = HFTokenizer.from_dir(DEFAULT_MODEL_DIR).encode_text("a")[0]
-    vocab = HFTokenizer.from_dir(DEFAULT_MODEL_DIR).vocab_size
+    plain = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    tok = tokenizer if tokenizer is not None else plain
+    a, vocab = plain.encode_text("a")[0], plain.vocab_size
     backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: a, 30.0), num_slots=num_slots,
                               delay_s=delay_s)
     return build(DEFAULT_MODEL_DIR, backend=backend, tokenizer=tok), backend  # type: ignore[arg-type]

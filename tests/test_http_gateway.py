@@ -31,6 +31,7 @@ from transports.http.gateway import token_upper_bound
 from transports.http.usage import read_records
 
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+_TOKENIZER = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -138,11 +139,7 @@ def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) ->
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=0, max_size=200))
 def test_the_character_class_bound_is_never_below_the_exact_count(text: str) -> None:
-    tok = _TOKENIZER
-    assert len(tok.encode_text(text)) <= token_upper_bound(text)
-
-
-_TOKENIZER = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    assert len(_TOKENIZER.encode_text(text)) <= token_upper_bound(text)
 
 
 def test_too_long_prompt_is_a_400_with_the_numbers_in_both_dialects(tmp_path: Path) -> None:
