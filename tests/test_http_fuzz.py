@@ -19,7 +19,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from tests.http_helpers import config, running
+from tests.http_support import config, running
 from transports.http import Gateway
 
 SENT = {"count": 0}

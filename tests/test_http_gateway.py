@@ -25,7 +25,7 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
 from stages.tokenize import HFTokenizer
-from tests.http_helpers import config, endless_model, running
+from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig, load_api_keys
 from transports.http.gateway import token_upper_bound
 from transports.http.usage import read_records

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from pipeline.builder import DEFAULT_MODEL_DIR, build
 from pipeline.pipe import Pipeline
-from tests.http_helpers import ANSWER_TEXT, config, running, thinker_model, tool_model
+from tests.http_support import ANSWER_TEXT, config, running, thinker_model, tool_model
 from transports.http import Gateway, ServerConfig
 
 KEY = "sk-test-key"

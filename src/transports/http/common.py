@@ -1,4 +1,4 @@
-"""What both dialects share: the parsed request, server defaults, and content helpers.
+"""What both dialects share: the parsed request, server defaults, message content as text, the traceparent check.
 
 Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.types.Request`
 plus how to answer it), :class:`ServerDefaults` (the server-side defaults a body may leave

@@ -1,4 +1,4 @@
-"""Helpers for the HTTP tests: a real uvicorn server on 127.0.0.1 in a background thread,
+"""Support for the HTTP tests: a real uvicorn server on 127.0.0.1 in a background thread,
 and a scripted "tool-using" model over the embedded model's tokenizer and chat template."""
 
 from __future__ import annotations
