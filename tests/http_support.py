@@ -99,3 +99,24 @@ def thinker_model() -> Pipeline:
 
     backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
     return build(DEFAULT_MODEL_DIR, backend=backend)
+
+
+POLITE_TEXT = "No tools needed."
+
+
+def polite_model() -> Pipeline:
+    """A scripted model that answers ``POLITE_TEXT`` unless its output already began a tool
+    call, which it then completes as ``TOOL_CALL_TEXT`` (text-level, so it continues any
+    forced prefix however that was tokenized)."""
+    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    header = len(tok.encode_text("assistant\n"))
+
+    def choose(ids: Sequence[int]) -> int:
+        start = len(ids) - 1 - list(reversed(ids)).index(IM_START)
+        text = tok.decode(ids[start + 1 + header:], skip_special_tokens=False)
+        target = TOOL_CALL_TEXT if text and TOOL_CALL_TEXT.startswith(text) else POLITE_TEXT
+        rest = target[len(text):] if target.startswith(text) else ""
+        return tok.encode_text(rest, special=True)[0] if rest else IM_END
+
+    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
+    return build(DEFAULT_MODEL_DIR, backend=backend)

@@ -113,3 +113,14 @@ def test_reasoning_budget_forces_the_end_of_thinking_marker(budget: int) -> None
     assert ids == [THINK_OPEN] + [ord("a")] * budget + [THINK_CLOSE, ord("!"), eos]
     assert [e.event_type for e in done.trace].count("reasoning.budget_reached") == 1
     assert THINK_CLOSE not in free.token_ids and len(free.token_ids) == 20  # no budget: no cut
+
+
+def test_a_forced_prefix_comes_first_then_the_model_goes_on() -> None:
+    vocab = ByteTokenizer.VOCAB
+    backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: ord("a")))
+    with build_scripted(backend) as pipe:
+        done = pipe.generate("q", max_tokens=6, temperature=0, forced_prefix=(ord("x"), ord("y")),
+                             logprobs=True)
+    assert done.text == "xyaaaa"
+    assert [e.event_type for e in done.trace].count("token.forced") == 2
+    assert done.logprobs is not None and [lp.logprob for lp in done.logprobs[:2]] == [0.0, 0.0]

@@ -19,7 +19,9 @@ from transformers import AutoTokenizer
 
 from pipeline.builder import DEFAULT_MODEL_DIR, build
 from pipeline.pipe import Pipeline
-from tests.http_support import ANSWER_TEXT, config, running, thinker_model, tool_model
+from tests.http_support import (
+    ANSWER_TEXT, POLITE_TEXT, config, polite_model, running, thinker_model, tool_model,
+)
 from transports.http import Gateway, ServerConfig
 
 KEY = "sk-test-key"
@@ -34,13 +36,16 @@ def builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:
         return tool_model()[0]
     if folder is not None and folder.name == "thinker":
         return thinker_model()
+    if folder is not None and folder.name == "polite":
+        return polite_model()
     return build(options={"num_slots": cfg.num_slots})
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cfg = config(tmp_path_factory.mktemp("usage"), api_keys={KEY},
-                 models={"default": None, "tools": Path("tools"), "thinker": Path("thinker")})
+                 models={"default": None, "tools": Path("tools"), "thinker": Path("thinker"),
+                         "polite": Path("polite")})
     with running(Gateway(cfg, builder)) as url:
         yield url
 
@@ -158,11 +163,11 @@ def test_sdk_error_types(oai: openai.OpenAI, claude: anthropic.Anthropic, base_u
     with pytest.raises(anthropic.BadRequestError, match="top_k"):
         claude.messages.create(model="default", messages=QUESTION, max_tokens=2,  # type: ignore[arg-type]
                                extra_body={"top_k": -1})  # type: ignore[arg-type]
-    with pytest.raises(openai.NotFoundError, match="served models: default, thinker, tools"):
+    with pytest.raises(openai.NotFoundError, match="served models: default, polite, thinker, tools"):
         oai.chat.completions.create(model="gpt-9", messages=QUESTION)  # type: ignore[arg-type]
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.create(model="gpt-9", messages=QUESTION, max_tokens=2)  # type: ignore[arg-type]
-    assert missing.value.body["error"]["served_models"] == ["default", "thinker", "tools"]  # type: ignore[index]
+    assert missing.value.body["error"]["served_models"] == ["default", "polite", "thinker", "tools"]  # type: ignore[index]
 
 
 def test_logprobs_are_a_distribution_led_by_the_greedy_choice(oai: openai.OpenAI) -> None:
@@ -211,3 +216,29 @@ def test_reasoning_budget_over_both_dialects(oai: openai.OpenAI, claude: anthrop
     unbudgeted = oai.chat.completions.create(model="thinker", messages=ask, max_tokens=12)  # type: ignore[arg-type]
     assert unbudgeted.choices[0].finish_reason == "length"
     assert unbudgeted.choices[0].message.content is None or "Done" not in unbudgeted.choices[0].message.content
+
+
+def test_a_required_or_named_tool_choice_makes_the_answer_a_tool_call(
+        oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """The polite model never starts a tool call by itself; a required (or named) choice
+    forces the opening of one, and it completes the call."""
+    tools = [{"type": "function", "function": WEATHER}]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    free = oai.chat.completions.create(model="polite", messages=ask, tools=tools,  # type: ignore[arg-type]
+                                       max_tokens=64)
+    assert free.choices[0].message.content == POLITE_TEXT
+    for choice in ("required", named):
+        out = oai.chat.completions.create(model="polite", messages=ask, tools=tools,  # type: ignore[arg-type]
+                                          tool_choice=choice, max_tokens=64)  # type: ignore[arg-type]
+        (call,) = out.choices[0].message.tool_calls  # type: ignore[misc]
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert out.choices[0].finish_reason == "tool_calls"
+    claude_tools = [{"name": "get_weather", "input_schema": WEATHER["parameters"]}]
+    for claude_choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        message = claude.messages.create(model="polite", messages=ask, tools=claude_tools,  # type: ignore[arg-type]
+                                         tool_choice=claude_choice, max_tokens=64)  # type: ignore[arg-type]
+        assert [(b.type, getattr(b, "input", None)) for b in message.content] == [
+            ("tool_use", {"city": "Paris"})]
+        assert message.stop_reason == "tool_use"

@@ -184,8 +184,17 @@ class Job:
 
     def budgeted(self, token: int, logprob: TokenLogprob | None
                  ) -> tuple[int, TokenLogprob | None]:
-        """The token to take at this step: the selector's, or the end-of-thinking marker when
-        the reasoning budget is spent (a point mass, so its logprob is 0)."""
+        """The token to take at this step: the selector's; or the next id of the config's
+        ``forced_prefix``; or the end-of-thinking marker when the reasoning budget is spent.
+        A forced token is a point mass, so its logprob is 0."""
+        step = len(self.output_ids) + 1
+        prefix = self.config.forced_prefix
+        if step <= len(prefix):
+            forced = prefix[step - 1]
+            if forced != token:
+                self._emit("engine", "token.forced", {
+                    "step": step, "selected": token, "forced": forced, "why": "prefix"})
+            return forced, (TokenLogprob(forced, 0.0) if logprob is not None else None)
         budget = self.config.reasoning_budget_tokens
         if budget is None or self.thinking is None or self.thinking < budget:
             return token, logprob

@@ -86,7 +86,8 @@ def _messages(body: Obj) -> list[Message]:
     return out
 
 
-def _tools(body: Obj) -> list[ToolSpec]:
+def _tools(body: Obj) -> tuple[list[ToolSpec], str | None]:
+    """The tools offered, and the tool call the output must open (``""``: any)."""
     tools = []
     for path, raw in body.items("tools"):
         o = Obj(raw, path)
@@ -99,21 +100,23 @@ def _tools(body: Obj) -> list[ToolSpec]:
         o.done()
     choice = body.obj("tool_choice")
     if choice is None:
-        return tools
+        return tools, None
     kind = choice.need("type", "string")
     choice.get("disable_parallel_tool_use", "boolean")
     name = choice.get("name", "string")
     choice.done()
     if kind == "none":
-        return []
+        return [], None
     if kind == "tool":
         picked = [t for t in tools if t.name == name]
         if not picked:
             raise InvalidValueError("tool_choice.name", name, "names no tool in 'tools'")
-        return picked
+        return picked, name
     if kind not in ("auto", "any"):
         raise InvalidValueError("tool_choice.type", kind, "must be auto, any, tool or none")
-    return tools
+    if kind == "any" and not tools:
+        raise InvalidValueError("tool_choice.type", kind, "requires 'tools'")
+    return tools, ("" if kind == "any" else None)
 
 
 def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
@@ -153,7 +156,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     body = Obj(raw, "body")
     model = body.need("model", "string")
     messages = _messages(body)
-    tools = _tools(body)
+    tools, forced = _tools(body)
     config, enable_thinking = _config(body, defaults, counting=counting)
     stream = False if counting else body.get("stream", "boolean", False)
     metadata = None if counting else body.obj("metadata")
@@ -167,7 +170,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
                       client_metadata={"user": user} if user else {},
                       template_kwargs=({} if enable_thinking is None
                                        else {"enable_thinking": enable_thinking}))
-    return Parsed(model, request, stream, True, bool(tools))
+    return Parsed(model, request, stream, True, bool(tools), forced_tool=forced)
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -28,7 +28,9 @@ from starlette.routing import Route
 from pipeline.errors import InvalidValueError, PipelineError
 from pipeline.types import Completion
 from transports.http import anthropic_api, openai_api
-from transports.http.common import Parsed, ServerDefaults, StreamEncoder, traceparent
+from transports.http.common import (
+    Parsed, ServerDefaults, StreamEncoder, force_tool_call, traceparent,
+)
 from transports.http.errors import Dialect, classify, error_body, status_for
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ServedModel
@@ -108,7 +110,10 @@ class Server:
         loop = asyncio.get_running_loop()
 
         def start() -> tuple[Flight, int, bool]:
-            fitted = self.gateway.fit(served, request, max_tokens_given=parsed.max_tokens_given)
+            tokenizer = served.pipe.stages.tokenizer
+            assert tokenizer is not None
+            forced = force_tool_call(request, parsed.forced_tool, tokenizer)
+            fitted = self.gateway.fit(served, forced, max_tokens_given=parsed.max_tokens_given)
             # message_start reports the prompt's size before any token exists
             counted = parsed.stream and dialect is Dialect.ANTHROPIC
             prompt = served.pipe.count_tokens(fitted.request) if counted else 0

@@ -14,9 +14,10 @@ from typing import Any, Protocol
 import attrs
 
 from pipeline.errors import InvalidValueError
+from pipeline.protocols import Tokenizer
 from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
-from transports.http.output import Part
+from transports.http.output import Part, tool_call_prefix
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -43,6 +44,18 @@ class Parsed:
     include_usage: bool = False
     thinking: bool = False
     """The prompt left a ``<think>`` block open: the output starts as reasoning."""
+    forced_tool: str | None = None
+    """A tool call is required: ``""`` for any tool, else the tool's name."""
+
+
+def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokenizer) -> Request:
+    """``request`` whose output must open a tool call (of ``forced_tool`` when it names one),
+    through the engine's ``forced_prefix``; unchanged when no call is required."""
+    if forced_tool is None:
+        return request
+    ids = tuple(tokenizer.encode_text(tool_call_prefix(forced_tool), special=True))
+    config = attrs.evolve(request.generation_config, forced_prefix=ids)
+    return attrs.evolve(request, generation_config=config)
 
 
 class StreamEncoder(Protocol):

@@ -96,14 +96,19 @@ def _tools(body: Obj) -> list[ToolSpec]:
     return tools
 
 
-def _tool_choice(body: Obj, tools: list[ToolSpec]) -> list[ToolSpec]:
-    """The tools the template sees: none, all, or the one a named choice picks."""
+def _tool_choice(body: Obj, tools: list[ToolSpec]) -> tuple[list[ToolSpec], str | None]:
+    """The tools the template sees (none, all, or the one a named choice picks), and the
+    tool call the output must open (``""``: any; None: not required)."""
     choice = body.value.get("tool_choice")
     body.has("tool_choice")
-    if choice is None or choice in ("auto", "required"):
-        return tools
+    if choice is None or choice == "auto":
+        return tools, None
+    if choice == "required":
+        if not tools:
+            raise InvalidValueError("tool_choice", choice, "requires 'tools'")
+        return tools, ""
     if choice == "none":
-        return []
+        return [], None
     o = Obj(choice, "tool_choice")
     fn = o.obj("function")
     if o.need("type", "string") != "function" or fn is None:
@@ -115,7 +120,7 @@ def _tool_choice(body: Obj, tools: list[ToolSpec]) -> list[ToolSpec]:
     picked = [t for t in tools if t.name == name]
     if not picked:
         raise InvalidValueError("tool_choice.function.name", name, "names no tool in 'tools'")
-    return picked
+    return picked, name
 
 
 def _config(body: Obj, defaults: ServerDefaults) -> tuple[GenerationConfig, bool]:
@@ -153,7 +158,7 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     messages = [_message(p, m) for p, m in body.items("messages", required=True)]
     if not messages:
         raise InvalidValueError("messages", [], "at least one message is required")
-    tools = _tool_choice(body, _tools(body))
+    tools, forced = _tool_choice(body, _tools(body))
     body.get("parallel_tool_calls", "boolean")
     config, given = _config(body, defaults)
     stream = body.get("stream", "boolean", False)
@@ -169,7 +174,7 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {})
-    return Parsed(model, request, stream, given, bool(tools), include_usage)
+    return Parsed(model, request, stream, given, bool(tools), include_usage, forced_tool=forced)
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -43,6 +43,14 @@ class ToolCallPart:
 Part = TextPart | ToolCallPart
 
 
+def tool_call_prefix(name: str) -> str:
+    """The text a tool call must begin with: the opening marker, and, when ``name`` is not
+    empty, the call's name in the template's format up to its arguments."""
+    if not name:
+        return TOOL_OPEN + "\n"
+    return TOOL_OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
 def opens_thinking(prompt: str) -> bool:
     """True when a rendered prompt ends inside an open ``<think>`` block (templates that
     start the reasoning for the model), so the output begins as thinking."""
