@@ -158,7 +158,7 @@ class Job:
             "strategy": strategy.name, "processors": list(strategy.order(row)),
             "seed": self.spec.seed})
 
-    # --- reasoning budget -------------------------------------------------------------------
+    # --- forced tokens: a required prefix, the reasoning budget ---------------------------
 
     def _thinking_at_start(self) -> int | None:
         """0 when the prompt's generation prefix opened a think block (e.g. ``<think>\\n``)."""
@@ -182,8 +182,8 @@ class Job:
         elif self.thinking is not None:
             self.thinking += 1
 
-    def budgeted(self, token: int, logprob: TokenLogprob | None
-                 ) -> tuple[int, TokenLogprob | None]:
+    def taken(self, token: int, logprob: TokenLogprob | None
+              ) -> tuple[int, TokenLogprob | None]:
         """The token to take at this step: the selector's; or the next id of the config's
         ``forced_prefix``; or the end-of-thinking marker when the reasoning budget is spent.
         A forced token is a point mass, so its logprob is 0."""
