@@ -3,12 +3,16 @@ plain regular-expression reading of the whole text; and the engine's reasoning b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
 import pytest
 
+from pipeline.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
+from pipeline.types import Delta, FinishReason
+from transports.http.inbox import batches
 from transports.http.output import OutputSplitter, TextPart, ToolCallPart
 
 TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
@@ -124,3 +128,32 @@ def test_a_forced_prefix_comes_first_then_the_model_goes_on() -> None:
     assert done.text == "xyaaaa"
     assert [e.event_type for e in done.trace].count("token.forced") == 2
     assert done.logprobs is not None and [lp.logprob for lp in done.logprobs[:2]] == [0.0, 0.0]
+
+
+def test_batches_merge_deltas_in_order_and_an_early_exit_cancels() -> None:
+    """Deltas of a real engine reach the event loop merged, in order, ending with the final
+    one; closing the iterator early (what the server does when a client leaves) cancels."""
+    vocab = ByteTokenizer.VOCAB
+    backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: ord("a") + len(ids) % 26))
+
+    async def collect(handle: RequestHandle) -> list[Delta]:
+        return [d async for d in batches(handle, ping_s=5.0) if d is not None]
+
+    async def leave_early(handle: RequestHandle) -> None:
+        stream = batches(handle, ping_s=5.0)
+        assert (await anext(stream)) is not None
+        await stream.aclose()
+
+    with build_scripted(backend) as pipe:
+        handle = pipe.submit("q", max_tokens=400, temperature=0)
+        got = asyncio.run(collect(handle))
+        done = handle.result(timeout=10)
+        assert "".join(d.text for d in got) == done.text and len(done.text) == 400
+        assert [t for d in got for t in d.token_ids] == list(done.token_ids)
+        assert got[-1].final and not handle.cancel_requested
+        slow = ScriptedBackend(vocab, peaked(vocab, lambda ids: ord("a")), delay_s=0.01)
+        with build_scripted(slow) as slow_pipe:
+            early = slow_pipe.submit("q", max_tokens=5000, temperature=0)
+            asyncio.run(leave_early(early))
+            assert early.cancel_requested
+            assert early.result(timeout=10).finish_reason is FinishReason.CANCELLED

@@ -50,7 +50,13 @@ class _Inbox:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.handle.cancel()
 
-    def _wake(self) -> None:  # loop thread
+    def _wake(self) -> None:  # loop thread: deltas arrived (unless a take() got them first)
+        with self.lock:
+            empty = not self.items
+        if not empty:
+            self._resolve()
+
+    def _resolve(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
@@ -66,7 +72,7 @@ class _Inbox:
         if taken:
             return taken
         self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout, self._wake)
+        timer = self.loop.call_later(timeout, self._resolve)
         try:
             await self.waiter
         finally:
