@@ -1,4 +1,4 @@
-"""The ``pipeline`` command: ``plugins``, ``count``, ``demo``, ``trace``.
+"""The ``pipeline`` command: ``plugins``, ``count``, ``demo``, ``trace``, ``serve``.
 
 Owns argument parsing and printing only; every command calls the library's public API.
 """
@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
@@ -56,6 +57,41 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
+    from transports.http import ServerConfig, load_api_keys, parse_models, serve
+
+    keys = load_api_keys(args.api_key_env, args.api_key_file)
+    config = ServerConfig(
+        models=parse_models(args.model), api_keys=keys, data_dir=args.data_dir,
+        num_slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
+        context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
+        reasoning_budget_tokens=args.reasoning_budget)
+    serve(config, args.host, args.port)
+    return 0
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="serve models over HTTP (OpenAI + Anthropic dialects)")
+    serve.add_argument("--model", action="append", default=[],
+                       help="DIR or NAME=DIR, repeatable (default: the embedded model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-dir", default="pipeline-data", help="where the usage store lives")
+    serve.add_argument("--api-key-env", default="PIPELINE_API_KEYS",
+                       help="environment variable holding comma-separated API keys")
+    serve.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    serve.add_argument("--slots", type=int, default=8, help="concurrent requests per model")
+    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
+    serve.add_argument("--max-context", type=int, default=None, help="cap on the window")
+    serve.add_argument("--context-slack", type=int, default=0)
+    serve.add_argument("--no-clamp", action="store_true",
+                       help="refuse a max_tokens beyond the room instead of clamping it")
+    serve.add_argument("--reasoning-budget", type=int, default=None,
+                       help="default reasoning budget in tokens")
+    serve.set_defaults(run=_serve)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipeline`` console script."""
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
@@ -71,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=80)
     demo.set_defaults(run=_demo)
     add_trace_parser(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

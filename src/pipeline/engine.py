@@ -8,7 +8,8 @@ Owns the scheduler and the step loop. Each step it
    (a long prompt never starves decoding), then prefill chunks of at most ``max_prefill_chunk``
    tokens for prefilling requests in admission order with what is left,
 4. calls ``backend.prefill`` and ``backend.decode`` for that plan,
-5. for every request with fresh logits z_t: processor chain → selector → stoppers →
+5. for every request with fresh logits z_t: processor chain → selector (overridden by a
+   ``forced_prefix`` or a spent reasoning budget, see ``Job.taken``) → stoppers →
    detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
    next step's ``decode`` writes into the cache (cache length m + t) — the DESIGN §4 order.
 
@@ -305,8 +306,9 @@ class Engine:
             processed = self._processed_records(choice, items)
             for i, (job, _) in enumerate(items):
                 draw = choice.draws[i] if choice.draws else None
-                reason = job.advance(choice.token_ids[i], choice.logprobs[i],
-                                     self.backend.max_context, processed[i], draw, orders[i])
+                token, logprob = job.taken(choice.token_ids[i], choice.logprobs[i])
+                reason = job.advance(token, logprob, self.backend.max_context, processed[i],
+                                     draw, orders[i])
                 if reason is not None:
                     self._release(job)
 

@@ -9,7 +9,8 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     ├── ValidationError (also ValueError)      bad input from a caller
     │   ├── InvalidValueError                    a field holds a value outside its domain
     │   ├── UnknownFieldError                    a key that the type does not have
-    │   └── TraceError                           a trace file that cannot be read as traces
+    │   ├── TraceError                           a trace file that cannot be read as traces
+    │   └── ContextWindowError                   prompt (+ max_tokens) does not fit the window
     ├── RegistryError (also LookupError)       plugin registry
     │   ├── UnknownNameError                     a stage name nobody registered
     │   └── PluginLoadError                      a plugin failed to import or register
@@ -23,7 +24,12 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     │   ├── RequestFailed                        the request ended in state ``failed``
     │   └── RequestCancelled                     the request ended in state ``cancelled``
     ├── EngineClosed                           the engine no longer accepts work
-    └── InvariantViolation                     a live-checked trace broke a DESIGN §8 invariant
+    ├── InvariantViolation                     a live-checked trace broke a DESIGN §8 invariant
+    └── ServingError                           the HTTP gateway refused a request
+        ├── AuthenticationError                  missing or wrong API key
+        ├── ModelNotFoundError                   no served model has that name
+        ├── OverloadedError                      concurrency and queue are full
+        └── ModelLoadingError                    the model is still loading
 """
 
 from __future__ import annotations
@@ -63,6 +69,26 @@ class UnknownFieldError(ValidationError):
 
 class TraceError(ValidationError):
     """A trace (file or event list) that cannot be read or is not what was asked for."""
+class ContextWindowError(ValidationError):
+    """The prompt, or the prompt plus ``max_tokens``, does not fit the context window.
+
+    ``prompt_tokens`` and ``limit`` are the numbers (``limit`` is the most the window allows for
+    what ``field`` measures); ``requested`` is the ``max_tokens`` asked for, when that is what
+    did not fit.
+    """
+
+    def __init__(self, field: str, prompt_tokens: int, limit: int,
+                 requested: int | None = None) -> None:
+        self.field = field
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+        self.requested = requested
+        if requested is None:
+            message = f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+        else:
+            message = (f"{field}={requested} is too large: the prompt has {prompt_tokens} "
+                       f"tokens, leaving room for {limit} output tokens")
+        super().__init__(message)
 
 
 class RegistryError(PipelineError, LookupError):
@@ -158,3 +184,33 @@ class InvariantViolation(PipelineError):
         self.reports = tuple(reports)
         super().__init__(f"{len(self.reports)} trace(s) broke an invariant:\n"
                          + "\n".join(rendered))
+class ServingError(PipelineError):
+    """The serving gateway refused a request before it reached a pipeline."""
+
+
+class AuthenticationError(ServingError):
+    """The request carried no API key, or a key the server does not accept."""
+
+
+class ModelNotFoundError(ServingError, LookupError):
+    """No served model is called ``model``; ``served`` lists the names that are."""
+
+    def __init__(self, model: str, served: Iterable[str]) -> None:
+        self.model = model
+        self.served = tuple(sorted(served))
+        super().__init__(f"model {model!r} is not served here; served models: "
+                         f"{', '.join(self.served) or '(none)'}")
+
+
+class OverloadedError(ServingError):
+    """Every concurrency slot and queue place is taken; try again later."""
+
+
+class ModelLoadingError(ServingError):
+    """The model exists but is still loading (or failed to load: ``failed`` is then set)."""
+
+    def __init__(self, model: str, failed: str | None = None) -> None:
+        self.model = model
+        self.failed = failed
+        state = f"failed to load: {failed}" if failed else "is still loading"
+        super().__init__(f"model {model!r} {state}")

@@ -51,6 +51,7 @@ class RequestHandle:
         self._cond = threading.Condition()
         self._deltas: list[Delta] = []
         self._listeners: list[DeltaListener] = []
+        self._done_callbacks: list[Callable[[Completion], None]] = []
         self._completion: Completion | None = None
         self._state = RequestState.QUEUED
         self._cancel = threading.Event()
@@ -116,6 +117,16 @@ class RequestHandle:
                 listener(delta)
             self._listeners.append(listener)
 
+    def add_done_callback(self, callback: Callable[[Completion], None]) -> None:
+        """Call ``callback`` with the completion once the request is terminal (at once if it
+        already is). Runs on the engine thread: it must be quick and must not block."""
+        with self._cond:
+            completion = self._completion
+            if completion is None:
+                self._done_callbacks.append(callback)
+                return
+        callback(completion)
+
     # --- engine side -----------------------------------------------------------------------
 
     def _set_state(self, state: RequestState) -> None:
@@ -135,3 +146,6 @@ class RequestHandle:
             self._completion = completion
             self._state = state
             self._cond.notify_all()
+            callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            callback(completion)

@@ -42,6 +42,8 @@ class JobSpec:
     stoppers: tuple[Stopper[Any], ...]
     accepted_ns: int
     last_event: int | None = None
+    think_markers: tuple[int, int] | None = None
+    """Ids of the template's begin- and end-of-thinking markers, when a reasoning budget is set."""
 
 
 class Job:
@@ -76,6 +78,7 @@ class Job:
         self._full = spec.request.recording is Recording.FULL
         self._order: tuple[str, ...] = ()
         self.raw_digest: str | None = None  # of the latest raw logits z_t
+        self.thinking = self._thinking_at_start()
 
     # --- small views -------------------------------------------------------------------------
 
@@ -168,6 +171,53 @@ class Job:
         self._emit("engine", "selection.configured", {
             "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
 
+    # --- forced tokens: a required prefix, the reasoning budget ---------------------------
+
+    def _thinking_at_start(self) -> int | None:
+        """0 when the prompt's generation prefix opened a think block (e.g. ``<think>\\n``)."""
+        if self.spec.think_markers is None:
+            return None
+        begin, end = self.spec.think_markers
+        for token in reversed(self.prompt_ids[-8:]):
+            if token == end:
+                return None
+            if token == begin:
+                return 0
+        return None
+
+    def _track_thinking(self, token: int) -> None:
+        assert self.spec.think_markers is not None
+        begin, end = self.spec.think_markers
+        if token == begin:
+            self.thinking = 0
+        elif token == end:
+            self.thinking = None
+        elif self.thinking is not None:
+            self.thinking += 1
+
+    def taken(self, token: int, logprob: TokenLogprob | None
+              ) -> tuple[int, TokenLogprob | None]:
+        """The token to take at this step: the selector's; or the next id of the config's
+        ``forced_prefix``; or the end-of-thinking marker when the reasoning budget is spent.
+        A forced token is a point mass, so its logprob is 0."""
+        step = len(self.output_ids) + 1
+        prefix = self.config.forced_prefix
+        if step <= len(prefix):
+            forced = prefix[step - 1]
+            if forced != token:
+                self._emit("engine", "token.forced", {
+                    "step": step, "selected": token, "forced": forced, "why": "prefix"})
+            return forced, (TokenLogprob(forced, 0.0) if logprob is not None else None)
+        budget = self.config.reasoning_budget_tokens
+        if budget is None or self.thinking is None or self.thinking < budget:
+            return token, logprob
+        assert self.spec.think_markers is not None
+        end = self.spec.think_markers[1]
+        self._emit("engine", "reasoning.budget_reached", {
+            "step": len(self.output_ids) + 1, "thinking_tokens": self.thinking,
+            "budget": budget, "selected": token, "forced": end})
+        return end, (TokenLogprob(end, 0.0) if logprob is not None else None)
+
     # --- decode ------------------------------------------------------------------------------
 
     def decoded(self, cache: tuple[int, CacheLayout | None], logits: dict[str, Any]) -> None:
@@ -208,6 +258,8 @@ class Job:
             self.first_token_ns = time.monotonic_ns()
         self.output_ids.append(token)
         self.unsent_ids.append(token)
+        if self.spec.think_markers is not None:
+            self._track_thinking(token)
         if logprob is not None:
             self.logprobs.append(logprob)
             self.unsent_logprobs.append(logprob)

@@ -90,6 +90,7 @@ class Pipeline:
         self.description = dict(description or {})
         self._sinks = tuple(sinks)
         self._environment = environment_id()
+        self._think: tuple[int, int] | tuple[()] | None = None
 
     # --- artifacts without a model ---------------------------------------------------------
 
@@ -183,6 +184,14 @@ class Pipeline:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    def think_markers(self) -> tuple[int, int] | None:
+        """Ids of ``<think>`` and ``</think>`` when the tokenizer has each as one token."""
+        if self._think is None:
+            tok = self._tokenizer
+            ids = [tok.encode_text(m, special=True) for m in ("<think>", "</think>")]
+            self._think = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else ()
+        return self._think or None
+
     # --- internals ---------------------------------------------------------------------------
 
     @property
@@ -241,8 +250,10 @@ class Pipeline:
             **({"input_ids": list(prompt.input_ids)}
                if request.recording is Recording.FULL else {})}, parent)
         assert self.stages.detokenizer is not None
+        think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
+                 is not None else None)
         spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
-                       self.stages.stoppers, accepted_ns, last)
+                       self.stages.stoppers, accepted_ns, last, think)
         return request, spec
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:

@@ -228,7 +228,10 @@ class GenerationConfig:
 
     ``temperature=0`` means greedy. ``top_k=0``, ``top_p=1``, ``min_p=0``, ``typical_p=1`` and
     penalties of 1 / 0 / 0 are "off". ``processor_order`` overrides the builder's default chain
-    order with the names of processors the pipeline has.
+    order with the names of processors the pipeline has. ``reasoning_budget_tokens`` caps a
+    ``<think>`` block: at the budget the engine forces the template's end-of-thinking marker.
+    ``forced_prefix`` are token ids the output must begin with (e.g. a tool-call opening when
+    a tool call is required); the engine takes them in place of the selector's choices.
     """
 
     max_tokens: int = attrs.field(default=256, validator=_range(1, None, integer=True))
@@ -257,6 +260,10 @@ class GenerationConfig:
         validator=attrs.validators.optional(_token_ids))
     processor_order: tuple[str, ...] | None = attrs.field(
         default=None, converter=_optional_order)
+    reasoning_budget_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_range(0, None, integer=True)))
+    forced_prefix: tuple[int, ...] = attrs.field(
+        default=(), converter=_tuple_of_ints, validator=_token_ids)
 
     @stop.validator
     def _stop(self, _: attrs.Attribute[Any], value: Any) -> None:
@@ -298,6 +305,7 @@ class GenerationConfig:
     def token_ids_used(self) -> set[int]:
         """Every token id the config names; checked against the vocabulary once it is known."""
         ids = set(self.logit_bias) | set(self.stop_token_ids) | set(self.banned_token_ids)
+        ids |= set(self.forced_prefix)
         return ids | set(self.allowed_token_ids or ())
 
 

@@ -1,0 +1,292 @@
+"""The Anthropic dialect: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+Owns :func:`parse_messages` (a Messages body → :class:`~transports.http.common.Parsed`:
+system prompt, ``text`` / ``tool_use`` / ``tool_result`` / ``thinking`` blocks, tools,
+``tool_choice``, ``thinking.budget_tokens`` as the reasoning budget), :func:`message_body` (the
+non-stream answer) and :class:`MessageStream` (``message_start``, ``content_block_start`` /
+``delta`` / ``stop`` for ``thinking``, ``text`` and ``tool_use`` with ``input_json_delta``,
+``message_delta`` with ``stop_reason`` and usage, ``message_stop``, and ``ping``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.errors import InvalidValueError
+from pipeline.types import (
+    Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
+)
+from transports.http.common import Parsed, ServerDefaults, config_from, text_content
+from transports.http.fields import Obj, check
+from transports.http.output import Part, TextPart, ToolCallPart
+from transports.sse import SSEEvent, encode
+
+
+def _tool_result(path: str, block: Obj) -> Message:
+    content = text_content(f"{path}.content", block.value.get("content"), "text") or ""
+    block.has("content")
+    if block.get("is_error", "boolean", False):
+        content = f"Error: {content}"
+    return Message("tool", content, tool_call_id=block.need("tool_use_id", "string"))
+
+
+def _blocks(path: str, role: str, value: Any) -> list[Message]:
+    """One Anthropic message → internal messages (tool results become ``tool`` messages)."""
+    if isinstance(value, str):
+        return [Message(role, value)]
+    texts, thinking, calls, results = [], [], [], []
+    for i, raw in enumerate(check(path, value, "array")):
+        at = f"{path}[{i}]"
+        block = Obj(raw, at)
+        kind = block.need("type", "string")
+        block.get("cache_control", "object")
+        if kind == "text":
+            texts.append(block.need("text", "string"))
+            block.get("citations", "array")
+        elif kind == "thinking" and role == "assistant":
+            thinking.append(block.need("thinking", "string"))
+            block.get("signature", "string")
+        elif kind == "tool_use" and role == "assistant":
+            block.get("caller", "object")  # who issued the call; the SDK echoes it back
+            calls.append(ToolCall(block.need("name", "string"),
+                                  json.dumps(block.need("input", "object")),
+                                  block.need("id", "string")))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(at, block))
+        else:
+            raise InvalidValueError(f"{at}.type", kind, f"unsupported in a {role} message")
+        block.done()
+    text = "".join(texts)
+    if role == "assistant":
+        return [Message("assistant", text, calls, reasoning_content="".join(thinking) or None)]
+    return results + ([Message("user", text)] if texts or not results else [])
+
+
+def _messages(body: Obj) -> list[Message]:
+    out: list[Message] = []
+    system = body.value.get("system")
+    body.has("system")
+    if system is not None:
+        out.append(Message("system", text_content("system", system, "text")))
+    for path, raw in body.items("messages", required=True):
+        o = Obj(raw, path)
+        role = o.need("role", "string")
+        if role not in ("user", "assistant"):
+            raise InvalidValueError(f"{path}.role", role, "must be 'user' or 'assistant'")
+        o.has("content")
+        if "content" not in o.value:
+            raise InvalidValueError(f"{path}.content", None, "is required")
+        out.extend(_blocks(f"{path}.content", role, o.value["content"]))
+        o.done()
+    if not any(m.role != "system" for m in out):
+        raise InvalidValueError("messages", [], "at least one message is required")
+    return out
+
+
+def _tools(body: Obj) -> tuple[list[ToolSpec], str | None]:
+    """The tools offered, and the tool call the output must open (``""``: any)."""
+    tools = []
+    for path, raw in body.items("tools"):
+        o = Obj(raw, path)
+        kind = o.get("type", "string", "custom")
+        if kind != "custom":
+            raise InvalidValueError(f"{path}.type", kind, "only custom (client) tools exist here")
+        tools.append(ToolSpec(o.need("name", "string"), o.get("description", "string", ""),
+                              o.need("input_schema", "object")))
+        o.get("cache_control", "object")
+        o.done()
+    choice = body.obj("tool_choice")
+    if choice is None:
+        return tools, None
+    kind = choice.need("type", "string")
+    choice.get("disable_parallel_tool_use", "boolean")
+    name = choice.get("name", "string")
+    choice.done()
+    if kind == "none":
+        return [], None
+    if kind == "tool":
+        picked = [t for t in tools if t.name == name]
+        if not picked:
+            raise InvalidValueError("tool_choice.name", name, "names no tool in 'tools'")
+        return picked, name
+    if kind not in ("auto", "any"):
+        raise InvalidValueError("tool_choice.type", kind, "must be auto, any, tool or none")
+    if kind == "any" and not tools:
+        raise InvalidValueError("tool_choice.type", kind, "requires 'tools'")
+    return tools, ("" if kind == "any" else None)
+
+
+def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
+            ) -> tuple[GenerationConfig, bool | None]:
+    """The generation config, and ``thinking.type`` as a template's ``enable_thinking``."""
+    fields: dict[str, Any] = {}
+    for name, lo, hi, integer in (("temperature", 0.0, 1.0, False), ("top_p", 0.0, 1.0, False),
+                                  ("top_k", 0, 1 << 30, True)):
+        value = body.num(name, lo, hi, integer=integer)
+        if value is not None:
+            fields[name] = value
+    seed = body.get("seed", "integer")  # an extension: the Messages API has no seed
+    if seed is not None:
+        fields["seed"] = seed % (1 << 63)
+    stops = [check(p, s, "string") for p, s in body.items("stop_sequences")]
+    if stops:
+        fields["stop"] = stops
+    thinking = body.obj("thinking")
+    if thinking is not None:
+        kind = thinking.need("type", "string")
+        fields["_enable_thinking"] = kind != "disabled"
+        if kind == "enabled":
+            fields["reasoning_budget_tokens"] = thinking.num("budget_tokens", 0, 1 << 30,
+                                                             integer=True)
+        elif kind not in ("disabled", "adaptive"):
+            raise InvalidValueError("thinking.type", kind, "must be enabled or disabled")
+        thinking.done()
+    max_tokens = None if counting else body.num("max_tokens", 1, 1 << 30, integer=True)
+    if not counting and max_tokens is None:
+        raise InvalidValueError("max_tokens", None, "is required")
+    enable = fields.pop("_enable_thinking", None)
+    return config_from(fields, max_tokens, defaults), enable
+
+
+def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False) -> Parsed:
+    """A Messages (or count_tokens) body → the internal request and how to answer it."""
+    body = Obj(raw, "body")
+    model = body.need("model", "string")
+    messages = _messages(body)
+    tools, forced = _tools(body)
+    config, enable_thinking = _config(body, defaults, counting=counting)
+    stream = False if counting else body.get("stream", "boolean", False)
+    metadata = None if counting else body.obj("metadata")
+    user = None
+    if metadata is not None:
+        user = metadata.get("user_id", "string")
+        metadata.done()
+    body.done()
+    request = Request(messages=messages, generation_config=config, tool_catalog=tools,
+                      request_id=f"msg_{uuid.uuid4().hex[:24]}",
+                      client_metadata={"user": user} if user else {},
+                      template_kwargs=({} if enable_thinking is None
+                                       else {"enable_thinking": enable_thinking}))
+    return Parsed(model, request, stream, True, bool(tools), forced_tool=forced)
+
+
+# --- responses -----------------------------------------------------------------------------
+
+
+def stop_reason(completion: Completion, tool_calls: bool) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``."""
+    reason = completion.finish_reason
+    if reason is FinishReason.STOP_STRING:
+        return "stop_sequence", str(completion.stop_reason)
+    if reason in (FinishReason.LENGTH, FinishReason.DEADLINE):
+        return "max_tokens", None
+    if tool_calls:
+        return "tool_use", None
+    return ("end_turn" if reason is not FinishReason.ERROR else "refusal"), None
+
+
+def _block(part: Part) -> dict[str, Any]:
+    if isinstance(part, ToolCallPart):
+        return {"type": "tool_use", "id": _tool_id(part), "name": part.name,
+                "input": json.loads(part.arguments)}
+    if part.kind == "thinking":
+        return {"type": "thinking", "thinking": part.text, "signature": ""}
+    return {"type": "text", "text": part.text}
+
+
+def _tool_id(part: ToolCallPart) -> str:
+    return "toolu_" + part.id.removeprefix("call_")
+
+
+def _merged(parts: Sequence[Part]) -> list[Part]:
+    out: list[Part] = []
+    for part in parts:
+        last = out[-1] if out else None
+        if (isinstance(part, TextPart) and isinstance(last, TextPart)
+                and last.kind == part.kind):
+            out[-1] = TextPart(part.kind, last.text + part.text)
+        else:
+            out.append(part)
+    return out
+
+
+def message_body(parsed: Parsed, completion: Completion, parts: Sequence[Part]) -> dict[str, Any]:
+    """The non-stream response body."""
+    blocks = [_block(p) for p in _merged(parts)]
+    reason, sequence = stop_reason(completion, any(b["type"] == "tool_use" for b in blocks))
+    return {"id": completion.request_id, "type": "message", "role": "assistant",
+            "model": parsed.model, "content": blocks, "stop_reason": reason,
+            "stop_sequence": sequence, "usage": {
+                "input_tokens": completion.usage.prompt_tokens,
+                "output_tokens": completion.usage.completion_tokens,
+                "cache_read_input_tokens": completion.usage.cached_tokens}}
+
+
+def _event(kind: str, body: dict[str, Any]) -> bytes:
+    return encode(SSEEvent(json.dumps({"type": kind, **body}, ensure_ascii=False), kind))
+
+
+PING = _event("ping", {})
+
+
+class MessageStream:
+    """The event sequence of one streamed message, as SSE bytes."""
+
+    def __init__(self, parsed: Parsed, request_id: str, prompt_tokens: int) -> None:
+        self.parsed = parsed
+        self._id = request_id
+        self._prompt_tokens = prompt_tokens
+        self._index = -1
+        self._open: str | None = None  # kind of the open content block
+        self._tool_calls = False
+
+    def start(self) -> bytes:
+        """``message_start`` and a first ``ping``."""
+        return _event("message_start", {"message": {
+            "id": self._id, "type": "message", "role": "assistant", "content": [],
+            "model": self.parsed.model, "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": self._prompt_tokens, "output_tokens": 0}}}) + PING
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return _event("content_block_stop", {"index": self._index})
+
+    def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self._index += 1
+        self._open = kind
+        return out + _event("content_block_start", {"index": self._index, "content_block": block})
+
+    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
+        """Block events for the parts one engine delta produced."""
+        out: list[bytes] = []
+        for part in parts:
+            if isinstance(part, ToolCallPart):
+                self._tool_calls = True
+                out.append(self._begin("tool_use", {"type": "tool_use", "id": _tool_id(part),
+                                                    "name": part.name, "input": {}}))
+                out.append(_event("content_block_delta", {"index": self._index, "delta": {
+                    "type": "input_json_delta", "partial_json": part.arguments}}))
+                out.append(self._close())
+                continue
+            if self._open != part.kind:
+                empty = ({"type": "thinking", "thinking": "", "signature": ""}
+                         if part.kind == "thinking" else {"type": "text", "text": ""})
+                out.append(self._begin(part.kind, empty))
+            body = ({"type": "thinking_delta", "thinking": part.text} if part.kind == "thinking"
+                    else {"type": "text_delta", "text": part.text})
+            out.append(_event("content_block_delta", {"index": self._index, "delta": body}))
+        return b"".join(out)
+
+    def end(self, completion: Completion) -> bytes:
+        """Close the open block, then ``message_delta`` and ``message_stop``."""
+        reason, sequence = stop_reason(completion, self._tool_calls)
+        return self._close() + _event("message_delta", {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": completion.usage.completion_tokens}}) + _event(
+            "message_stop", {})

@@ -1,0 +1,293 @@
+"""The ASGI application: routes, the request flow, and streaming with disconnect → cancel.
+
+Owns :func:`create_app` (a Starlette app over a :class:`~transports.http.gateway.Gateway`) and
+the flow every generation takes: key → JSON → dialect parse → model → ``traceparent`` →
+window fit and admission (on a worker thread) → stream or wait. Errors anywhere before the
+first byte become the dialect's error response through :mod:`transports.http.errors`, the
+only place that maps them. A streaming client that disconnects cancels its request (Starlette
+cancels the body iterator; its ``finally`` cancels the handle, and the engine frees the slot at
+its next step); a non-streaming one is watched for ``http.disconnect`` the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import attrs
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline.errors import InvalidValueError, PipelineError
+from pipeline.types import Completion
+from transports.http import anthropic_api, openai_api
+from transports.http.common import (
+    Parsed, ServerDefaults, StreamEncoder, force_tool_call, traceparent,
+)
+from transports.http.errors import Dialect, classify, error_body, status_for
+from transports.http.fields import Obj, check, parse_json
+from transports.http.gateway import Flight, Gateway, ServedModel
+from transports.http.inbox import batches
+from transports.http.metrics import CONTENT_TYPE
+from transports.http.output import OutputSplitter, Part
+from transports.sse import SSEEvent, encode, encode_comment
+
+log = logging.getLogger("pipeline.http")
+Handler = Callable[[HTTPRequest], Awaitable[Response]]
+KEEP_ALIVE = encode_comment("keep-alive")
+
+
+def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
+    info = classify(exc)
+    if info.status >= 500 and not isinstance(exc, PipelineError):
+        log.exception("internal error", exc_info=exc)
+    return JSONResponse(error_body(info, dialect), status_for(info, dialect))
+
+
+def _failed(completion: Completion) -> RuntimeError:
+    return RuntimeError(f"generation failed: {completion.error}")
+
+
+class Server:
+    """The routes' handlers over one gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        c = gateway.config
+        self.defaults = ServerDefaults(c.default_max_tokens, c.reasoning_budget_tokens)
+
+    # --- the shared front of every authenticated endpoint ----------------------------------
+
+    def endpoint(self, name: str, dialect: Dialect,
+                 body: Callable[[HTTPRequest], Awaitable[Response]]) -> Handler:
+        """Wrap ``body`` with the key check, the error mapping and request counting."""
+
+        async def handler(http: HTTPRequest) -> Response:
+            try:
+                self.gateway.authenticate(http.headers.get("authorization"),
+                                          http.headers.get("x-api-key"))
+                response = await body(http)
+            except Exception as exc:
+                response = _error(exc, dialect)
+            self.gateway.metrics.request(getattr(http.state, "model", ""), name,
+                                         response.status_code)
+            return response
+
+        return handler
+
+    async def _json(self, http: HTTPRequest) -> Any:
+        return parse_json(await http.body())
+
+    def _served(self, http: HTTPRequest, parsed: Parsed) -> ServedModel:
+        http.state.model = parsed.model
+        return self.gateway.model(parsed.model)
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def chat(self, http: HTTPRequest) -> Response:
+        """``POST /v1/chat/completions``."""
+        parsed = openai_api.parse_chat(await self._json(http), self.defaults)
+        return await self._generate(http, parsed, Dialect.OPENAI, "chat.completions")
+
+    async def messages(self, http: HTTPRequest) -> Response:
+        """``POST /v1/messages``."""
+        parsed = anthropic_api.parse_messages(await self._json(http), self.defaults)
+        return await self._generate(http, parsed, Dialect.ANTHROPIC, "messages")
+
+    async def _generate(self, http: HTTPRequest, parsed: Parsed, dialect: Dialect,
+                        endpoint: str) -> Response:
+        served = self._served(http, parsed)
+        meta = {**parsed.request.client_metadata,
+                **traceparent(http.headers.get("traceparent"))}
+        request = attrs.evolve(parsed.request, client_metadata=meta)
+        loop = asyncio.get_running_loop()
+
+        def start() -> tuple[Flight, int, bool]:
+            tokenizer = served.pipe.stages.tokenizer
+            assert tokenizer is not None
+            forced = force_tool_call(request, parsed.forced_tool, tokenizer)
+            fitted = self.gateway.fit(served, forced, max_tokens_given=parsed.max_tokens_given)
+            # message_start reports the prompt's size before any token exists
+            counted = parsed.stream and dialect is Dialect.ANTHROPIC
+            prompt = served.pipe.count_tokens(fitted.request) if counted else 0
+            flight = self.gateway.submit(served, fitted.request, endpoint, loop)
+            return flight, prompt, fitted.thinking
+
+        flight, prompt_tokens, thinking = await asyncio.to_thread(start)
+        parsed = attrs.evolve(parsed, request=request, thinking=thinking)
+        if parsed.stream:
+            return StreamingResponse(self._stream(flight, parsed, dialect, prompt_tokens),
+                                     media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        completion = await self._wait(http, flight)
+        if completion.error is not None:
+            raise _failed(completion)
+        splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
+        parts = splitter.feed(completion.text) + splitter.finish()
+        if dialect is Dialect.ANTHROPIC:
+            return JSONResponse(anthropic_api.message_body(parsed, completion, parts))
+        tokenizer = served.pipe.stages.tokenizer
+        assert tokenizer is not None
+        return JSONResponse(openai_api.chat_completion(parsed, completion, parts, tokenizer))
+
+    async def _wait(self, http: HTTPRequest, flight: Flight) -> Completion:
+        """The completion; a client that disconnects first cancels the request."""
+
+        async def disconnected() -> None:
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+        waiting: set[asyncio.Future[Any]] = {flight.done, watcher}
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not flight.done.done():
+                flight.handle.cancel()
+            watcher.cancel()
+        return await flight.done
+
+    async def _stream(self, flight: Flight, parsed: Parsed, dialect: Dialect,
+                      prompt_tokens: int) -> AsyncIterator[bytes]:
+        pipe = flight.model.pipe
+        tokenizer = pipe.stages.tokenizer
+        assert tokenizer is not None
+        splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
+        encoder: StreamEncoder
+        if dialect is Dialect.ANTHROPIC:
+            encoder = anthropic_api.MessageStream(parsed, parsed.request.request_id,
+                                                  prompt_tokens)
+        else:
+            encoder = openai_api.ChatStream(parsed, parsed.request.request_id, tokenizer)
+        yield encoder.start()
+        histogram = self.gateway.metrics.inter_token.labels(flight.model.name)
+        last = None
+        async for delta in batches(flight.handle, self.gateway.config.ping_interval_s):
+            if delta is None:  # idle (queued): keep the connection alive
+                yield anthropic_api.PING if dialect is Dialect.ANTHROPIC else KEEP_ALIVE
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                histogram.observe(now - last)
+            last = now
+            parts: list[Part] = splitter.feed(delta.text)
+            if delta.final:
+                parts += splitter.finish()
+            chunk = encoder.delta(parts, delta)
+            if chunk:
+                yield chunk
+        completion = await flight.done
+        if completion.error is not None:
+            yield self._stream_error(_failed(completion), dialect)
+            return
+        yield encoder.end(completion)
+
+    @staticmethod
+    def _stream_error(exc: BaseException, dialect: Dialect) -> bytes:
+        body = error_body(classify(exc), dialect)
+        return encode(SSEEvent(json.dumps(body), "error" if dialect is Dialect.ANTHROPIC
+                               else None))
+
+    # --- counting and tokens -----------------------------------------------------------------
+
+    async def count_tokens(self, http: HTTPRequest) -> Response:
+        """``POST /v1/messages/count_tokens``."""
+        parsed = anthropic_api.parse_messages(await self._json(http), self.defaults,
+                                              counting=True)
+        pipe = self._served(http, parsed).pipe
+        count = await asyncio.to_thread(pipe.count_tokens, parsed.request)
+        return JSONResponse({"input_tokens": count})
+
+    async def tokenize(self, http: HTTPRequest) -> Response:
+        """``POST /tokenize``: ``{model, prompt | messages}`` → token ids."""
+        body = Obj(await self._json(http), "body")
+        model = body.need("model", "string")
+        served = self._served_name(http, model)
+        pipe = served.pipe
+        if body.has("messages"):
+            parsed = openai_api.parse_chat({"model": model, "messages": body.value["messages"]},
+                                           self.defaults)
+            add = body.get("add_generation_prompt", "boolean", True)
+            body.done()
+            request = attrs.evolve(parsed.request,
+                                   template_kwargs={"add_generation_prompt": add})
+            ids = (await asyncio.to_thread(pipe.tokenize, request)).input_ids
+        else:
+            prompt = body.need("prompt", "string")
+            body.done()
+            tokenizer = pipe.stages.tokenizer
+            assert tokenizer is not None
+            ids = tuple(tokenizer.encode_text(prompt))
+        return JSONResponse({"tokens": list(ids), "count": len(ids),
+                             "max_model_len": self.gateway.window(served)})
+
+    async def detokenize(self, http: HTTPRequest) -> Response:
+        """``POST /detokenize``: ``{model, tokens}`` → text."""
+        body = Obj(await self._json(http), "body")
+        served = self._served_name(http, body.need("model", "string"))
+        tokenizer = served.pipe.stages.tokenizer
+        assert tokenizer is not None
+        vocab = tokenizer.vocab_size
+        ids = []
+        for path, token in body.items("tokens", required=True):
+            check(path, token, "integer")
+            if not 0 <= token < vocab:
+                raise InvalidValueError(path, token, f"outside the vocabulary (size {vocab})")
+            ids.append(token)
+        body.done()
+        return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+
+    def _served_name(self, http: HTTPRequest, name: str) -> ServedModel:
+        http.state.model = name
+        return self.gateway.model(name)
+
+    # --- listings and health -----------------------------------------------------------------
+
+    async def models(self, http: HTTPRequest) -> Response:
+        """``GET /v1/models``."""
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline",
+                 "state": m.state.value} for name, m in self.gateway.models.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, http: HTTPRequest) -> Response:
+        """``GET /health``: 200 when every model is loaded, else 503 with each model's state."""
+        states = {name: m.state.value for name, m in self.gateway.models.items()}
+        ok = self.gateway.ready
+        return JSONResponse({"status": "ok" if ok else "loading", "models": states},
+                            200 if ok else 503)
+
+    async def metrics(self, http: HTTPRequest) -> Response:
+        """``GET /metrics`` in the Prometheus text format."""
+        return Response(self.gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def create_app(gateway: Gateway) -> Starlette:
+    """The Starlette app serving ``gateway``'s models; closing the app closes the gateway."""
+    s = Server(gateway)
+    oa, an = Dialect.OPENAI, Dialect.ANTHROPIC
+    routes = [
+        Route("/v1/chat/completions", s.endpoint("chat.completions", oa, s.chat),
+              methods=["POST"]),
+        Route("/v1/messages", s.endpoint("messages", an, s.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", s.endpoint("count_tokens", an, s.count_tokens),
+              methods=["POST"]),
+        Route("/tokenize", s.endpoint("tokenize", oa, s.tokenize), methods=["POST"]),
+        Route("/detokenize", s.endpoint("detokenize", oa, s.detokenize), methods=["POST"]),
+        Route("/v1/models", s.endpoint("models", oa, s.models), methods=["GET"]),
+        Route("/health", s.health, methods=["GET"]),
+        Route("/metrics", s.metrics, methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(gateway.close)
+
+    return Starlette(routes=routes, lifespan=lifespan)

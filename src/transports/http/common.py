@@ -1,0 +1,117 @@
+"""What both dialects share: the parsed request, server defaults, message content as text, the traceparent check.
+
+Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.types.Request`
+plus how to answer it), :class:`ServerDefaults` (the server-side defaults a body may leave
+out), :func:`config_from` and :func:`text_content`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from pipeline.errors import InvalidValueError
+from pipeline.protocols import Tokenizer
+from pipeline.types import Completion, Delta, GenerationConfig, Request
+from transports.http.fields import Obj
+from transports.http.output import Part, tool_call_prefix
+
+TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+@attrs.frozen
+class ServerDefaults:
+    """Server-side defaults for fields a request leaves out."""
+
+    max_tokens: int = 1024
+    reasoning_budget_tokens: int | None = None
+
+
+@attrs.frozen
+class Parsed:
+    """A request body, understood: the served model's name, the internal request, and the
+    answer's form. ``max_tokens_given`` tells the window arithmetic whether it may clamp
+    silently; ``tools`` turns on tool-call parsing of the output."""
+
+    model: str
+    request: Request
+    stream: bool
+    max_tokens_given: bool
+    tools: bool
+    include_usage: bool = False
+    thinking: bool = False
+    """The prompt left a ``<think>`` block open: the output starts as reasoning."""
+    forced_tool: str | None = None
+    """A tool call is required: ``""`` for any tool, else the tool's name."""
+
+
+def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokenizer) -> Request:
+    """``request`` whose output must open a tool call (of ``forced_tool`` when it names one),
+    through the engine's ``forced_prefix``; unchanged when no call is required."""
+    if forced_tool is None:
+        return request
+    ids = tuple(tokenizer.encode_text(tool_call_prefix(forced_tool), special=True))
+    config = attrs.evolve(request.generation_config, forced_prefix=ids)
+    return attrs.evolve(request, generation_config=config)
+
+
+class StreamEncoder(Protocol):
+    """A dialect's streamed answer as SSE bytes: ``start`` once, ``delta`` for each engine
+    delta (with the parts the output splitter made of it), ``end`` with the completion."""
+
+    def start(self) -> bytes:
+        """The opening events."""
+        ...
+
+    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
+        """Events for one delta (may be empty)."""
+        ...
+
+    def end(self, completion: Completion) -> bytes:
+        """The closing events."""
+        ...
+
+
+def config_from(fields: dict[str, Any], max_tokens: int | None,
+                defaults: ServerDefaults) -> GenerationConfig:
+    """A :class:`GenerationConfig` from dialect-neutral ``fields`` plus the server defaults."""
+    fields = dict(fields)
+    fields["max_tokens"] = max_tokens if max_tokens is not None else defaults.max_tokens
+    if "reasoning_budget_tokens" not in fields and defaults.reasoning_budget_tokens is not None:
+        fields["reasoning_budget_tokens"] = defaults.reasoning_budget_tokens
+    return GenerationConfig.from_dict(fields)
+
+
+def text_content(path: str, value: Any, text_type: str) -> str | None:
+    """Message content as text: a string, or a list of ``{"type": text_type, "text"}`` parts."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidValueError(path, type(value).__name__, "must be a string or a list of parts")
+    pieces = []
+    for i, raw in enumerate(value):
+        part = Obj(raw, f"{path}[{i}]")
+        kind = part.need("type", "string")
+        if kind != text_type:
+            raise InvalidValueError(f"{path}[{i}].type", kind,
+                                    f"only '{text_type}' parts are supported here")
+        pieces.append(part.need("text", "string"))
+        part.get("cache_control", "object")
+        part.done()
+    return "".join(pieces)
+
+
+def traceparent(value: str | None) -> dict[str, str]:
+    """``{"traceparent": value}`` for a valid W3C trace-context header, ``{}`` when absent."""
+    if value is None:
+        return {}
+    match = TRACEPARENT.match(value.strip())
+    if (match is None or match.group(1) == "ff" or set(match.group(2)) == {"0"}
+            or set(match.group(3)) == {"0"}):
+        raise InvalidValueError("traceparent", value,
+                                "must be W3C trace-context: 2-32-16-2 lowercase hex digits, "
+                                "non-zero trace and parent ids, version not ff")
+    return {"traceparent": value.strip()}

@@ -1,0 +1,80 @@
+"""Server settings: which models to serve and the gateway's limits, as one value.
+
+Owns :class:`ServerConfig` and :func:`load_api_keys` (keys from an environment variable and/or
+a file, one per line or comma-separated).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from pipeline.errors import InvalidValueError
+
+
+def _positive(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidValueError(attribute.name, value, "must be an integer >= 1")
+
+
+def _non_negative(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidValueError(attribute.name, value, "must be an integer >= 0")
+
+
+def _models(value: Any) -> Mapping[str, Path | None]:
+    if not isinstance(value, Mapping) or not value:
+        raise InvalidValueError("models", value, "serve at least one model (name -> folder)")
+    return MappingProxyType({str(k): (Path(v) if v is not None else None)
+                             for k, v in value.items()})
+
+
+def _keys(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
+@attrs.frozen
+class ServerConfig:
+    """What a server serves and the limits of its gateway.
+
+    ``models`` maps a served name to a model folder (``None``: the embedded default model).
+    ``api_keys`` empty means no authentication. Per model, at most ``num_slots`` requests run
+    and ``max_queue`` more wait; beyond that a request is refused as overloaded. ``max_context``
+    caps each model's window (``None``: the model's own); ``context_slack`` tokens of it are
+    kept free. A ``max_tokens`` larger than the room left is clamped when ``clamp_max_tokens``,
+    else refused; a request without one gets ``min(room, default_max_tokens)``.
+    """
+
+    models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
+    api_keys: frozenset[str] = attrs.field(default=frozenset(), converter=_keys)
+    data_dir: Path = attrs.field(default=Path("pipeline-data"), converter=Path)
+    num_slots: int = attrs.field(default=8, validator=_positive)
+    max_queue: int = attrs.field(default=64, validator=_non_negative)
+    max_context: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
+    context_slack: int = attrs.field(default=0, validator=_non_negative)
+    clamp_max_tokens: bool = True
+    default_max_tokens: int = attrs.field(default=1024, validator=_positive)
+    reasoning_budget_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_non_negative))
+    ping_interval_s: float = 5.0
+
+
+def load_api_keys(env_var: str | None = "PIPELINE_API_KEYS",
+                  path: str | Path | None = None) -> frozenset[str]:
+    """Keys from ``$env_var`` (comma-separated) and from ``path`` (one per line; ``#`` comments)."""
+    keys: set[str] = set()
+    if env_var and os.environ.get(env_var):
+        keys.update(k.strip() for k in os.environ[env_var].split(","))
+    if path is not None:
+        for line in Path(path).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                keys.add(line)
+    keys.discard("")
+    return frozenset(keys)

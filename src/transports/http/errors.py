@@ -1,0 +1,108 @@
+"""The one place where the exception tree becomes HTTP statuses and dialect error bodies.
+
+Owns :func:`classify` (exception → :class:`ErrorInfo`: status, the Anthropic and OpenAI error
+types, message, the field it names, structured extras) and :func:`error_body`, which writes
+that in the dialect's shape::
+
+    OpenAI     {"error": {"message", "type", "param", "code", ...extras}}
+    Anthropic  {"type": "error", "error": {"type", "message", ...extras}}
+
+Mapping (the exception tree is drawn in :mod:`pipeline.errors`):
+
+=============================  ======  ==========================  ==========================
+exception                      status  OpenAI ``type``             Anthropic ``type``
+=============================  ======  ==========================  ==========================
+ValidationError (all)          400     invalid_request_error       invalid_request_error
+UnknownNameError               400     invalid_request_error       invalid_request_error
+AuthenticationError            401     authentication_error        authentication_error
+ModelNotFoundError             404     invalid_request_error       not_found_error
+OverloadedError                429/529 rate_limit_exceeded (429)   overloaded_error (529)
+ModelLoadingError, EngineClosed 503    service_unavailable         api_error
+anything else                  500     server_error                api_error
+=============================  ======  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from pipeline.errors import (
+    AuthenticationError, ContextWindowError, EngineClosed, InvalidValueError, ModelLoadingError,
+    ModelNotFoundError, OverloadedError, UnknownFieldError, UnknownNameError, ValidationError,
+)
+
+
+class Dialect(enum.Enum):
+    """Which API's error shape (and status for overload) a response uses."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+@attrs.frozen
+class ErrorInfo:
+    """What a client is told about a refused or failed request."""
+
+    status: int
+    openai_type: str
+    anthropic_type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    extras: dict[str, Any] = attrs.field(factory=dict)
+
+
+def _validation(exc: ValidationError) -> ErrorInfo:
+    if isinstance(exc, ContextWindowError):
+        extras: dict[str, Any] = {"prompt_tokens": exc.prompt_tokens, "limit": exc.limit}
+        if exc.requested is not None:
+            extras["requested"] = exc.requested
+        code = "context_length_exceeded" if exc.requested is None else "max_tokens_exceeded"
+        return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc),
+                         exc.field, code, extras)
+    param = exc.field if isinstance(exc, (InvalidValueError, UnknownFieldError)) else None
+    code = "unknown_field" if isinstance(exc, UnknownFieldError) else "invalid_value"
+    return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc), param, code)
+
+
+def classify(exc: BaseException) -> ErrorInfo:
+    """The status and error types for ``exc``; unknown exceptions are a 500."""
+    if isinstance(exc, ValidationError):
+        return _validation(exc)
+    if isinstance(exc, UnknownNameError):
+        return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc),
+                         exc.kind, "unknown_name")
+    if isinstance(exc, AuthenticationError):
+        return ErrorInfo(401, "authentication_error", "authentication_error", str(exc),
+                         code="invalid_api_key")
+    if isinstance(exc, ModelNotFoundError):
+        return ErrorInfo(404, "invalid_request_error", "not_found_error", str(exc), "model",
+                         "model_not_found", {"served_models": list(exc.served)})
+    if isinstance(exc, OverloadedError):
+        return ErrorInfo(429, "rate_limit_exceeded", "overloaded_error", str(exc),
+                         code="overloaded")
+    if isinstance(exc, (ModelLoadingError, EngineClosed)):
+        return ErrorInfo(503, "service_unavailable", "api_error", str(exc),
+                         code="model_loading" if isinstance(exc, ModelLoadingError) else None)
+    return ErrorInfo(500, "server_error", "api_error", "internal server error")
+
+
+def status_for(info: ErrorInfo, dialect: Dialect) -> int:
+    """The HTTP status: Anthropic reports overload as 529, as its API does."""
+    if dialect is Dialect.ANTHROPIC and info.anthropic_type == "overloaded_error":
+        return 529
+    return info.status
+
+
+def error_body(info: ErrorInfo, dialect: Dialect) -> dict[str, Any]:
+    """The JSON error body in ``dialect``'s shape."""
+    if dialect is Dialect.ANTHROPIC:
+        inner: dict[str, Any] = {"type": info.anthropic_type, "message": info.message}
+        if info.param is not None:
+            inner["param"] = info.param
+        return {"type": "error", "error": {**inner, **info.extras}}
+    return {"error": {"message": info.message, "type": info.openai_type, "param": info.param,
+                      "code": info.code, **info.extras}}

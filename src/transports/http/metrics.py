@@ -1,0 +1,71 @@
+"""Prometheus metrics of the HTTP server, on a registry of its own (no process globals).
+
+Owns :class:`Metrics`: request counts by model, endpoint and status; prompt and completion
+token counts; time-to-first-token and inter-token latency histograms; and gauges of active
+slots and queue depth read from the engines at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pipeline.pipe import Pipeline
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineGauges(Collector):
+    """Active slots and queue depth of every loaded model, read when scraped."""
+
+    def __init__(self, pipelines: Callable[[], Mapping[str, Pipeline]]) -> None:
+        self._pipelines = pipelines
+
+    def collect(self) -> Iterable[Metric]:
+        active = GaugeMetricFamily("pipeline_active_slots", "Requests holding a slot",
+                                   labels=["model"])
+        queued = GaugeMetricFamily("pipeline_queue_depth", "Requests waiting for a slot",
+                                   labels=["model"])
+        for name, pipe in self._pipelines().items():
+            if pipe.engine is not None:
+                active.add_metric([name], pipe.engine.active_slots)
+                queued.add_metric([name], pipe.engine.queue_depth)
+        return [active, queued]
+
+
+class Metrics:
+    """The server's metrics; ``render()`` gives the Prometheus text exposition."""
+
+    def __init__(self, pipelines: Callable[[], Mapping[str, Pipeline]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("pipeline_requests", "HTTP requests by outcome",
+                                ["model", "endpoint", "status"], registry=self.registry)
+        self.tokens = Counter("pipeline_tokens", "Tokens processed", ["model", "kind"],
+                              registry=self.registry)
+        self.ttft = Histogram("pipeline_time_to_first_token_seconds",
+                              "Time from acceptance to the first token", ["model"],
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram("pipeline_inter_token_seconds",
+                                     "Time between streamed deltas", ["model"],
+                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineGauges(pipelines))
+
+    def request(self, model: str, endpoint: str, status: int) -> None:
+        """Count one answered request."""
+        self.requests.labels(model, endpoint, str(status)).inc()
+
+    def finished(self, model: str, prompt_tokens: int, completion_tokens: int,
+                 ttft_s: float | None) -> None:
+        """Record a finished generation's tokens and time to first token."""
+        self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        self.tokens.labels(model, "completion").inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.labels(model).observe(ttft_s)
+
+    def render(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)

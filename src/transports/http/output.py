@@ -1,0 +1,187 @@
+"""Splitting the model's output text into answer text, thinking, and tool calls.
+
+Owns :class:`OutputSplitter`, an incremental parser over the detokenized text of one request.
+The chat templates mark reasoning with ``<think>…</think>`` and tool calls with
+``<tool_call>{"name": …, "arguments": {…}}</tool_call>``; the splitter finds these markers
+across delta boundaries (holding back a partial marker), and turns each completed tool call
+into a :class:`ToolCallPart`. A tool call whose body is not a JSON object with a string
+``name`` stays visible as text, so nothing the model wrote is lost. Both dialects, streaming
+and not, go through this one parser, so streamed and non-streamed answers agree.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Literal
+
+import attrs
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_MARKERS = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN, TOOL_CLOSE)
+
+
+@attrs.frozen
+class TextPart:
+    """Answer text (``kind="text"``) or reasoning (``kind="thinking"``)."""
+
+    kind: Literal["text", "thinking"]
+    text: str
+
+
+@attrs.frozen
+class ToolCallPart:
+    """A parsed tool call; ``arguments`` is compact JSON text of an object."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+Part = TextPart | ToolCallPart
+
+
+def tool_call_prefix(name: str) -> str:
+    """The text a tool call must begin with: the opening marker, and, when ``name`` is not
+    empty, the call's name in the template's format up to its arguments."""
+    if not name:
+        return TOOL_OPEN + "\n"
+    return TOOL_OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+def opens_thinking(prompt: str) -> bool:
+    """True when a rendered prompt ends inside an open ``<think>`` block (templates that
+    start the reasoning for the model), so the output begins as thinking."""
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+def _held_suffix(text: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
+    for n in range(min(len(text), max(map(len, _MARKERS)) - 1), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) for m in _MARKERS):
+            return n
+    return 0
+
+
+def parse_tool_call(body: str, index: int) -> ToolCallPart | None:
+    """The tool call in ``body`` (the text between the markers), or None if malformed."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCallPart(index, f"call_{uuid.uuid4().hex[:24]}", value["name"],
+                        json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+
+
+class OutputSplitter:
+    """Feed detokenized text; get :data:`Part`\\s in order. Call ``finish`` at the end.
+
+    ``thinking`` starts the parser inside a reasoning block (a template that opened
+    ``<think>`` in the prompt). Tool-call parsing is on only when the request offered tools.
+    """
+
+    def __init__(self, *, tools: bool, thinking: bool = False) -> None:
+        self._tools = tools
+        self._mode: Literal["text", "thinking", "tool"] = "thinking" if thinking else "text"
+        self._buffer = ""
+        self._tool_body: list[str] = []
+        self._calls = 0
+        self._after_tool = ""  # whitespace after a tool call, held until real text follows
+        self.tool_calls: list[ToolCallPart] = []
+
+    def feed(self, text: str) -> list[Part]:
+        """Parse more text; parts whose end is certain come back, a partial marker is held."""
+        self._buffer += text
+        parts: list[Part] = []
+        while True:
+            at, marker = self._next_marker()
+            if marker is None:
+                keep = _held_suffix(self._buffer)
+                self._emit(self._buffer[:len(self._buffer) - keep], parts)
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return parts
+            self._emit(self._buffer[:at], parts)
+            self._buffer = self._buffer[at + len(marker):]
+            self._switch(marker, parts)
+
+    def finish(self) -> list[Part]:
+        """End of output: release held text; an unclosed tool call is returned as text."""
+        parts: list[Part] = []
+        self._emit(self._buffer, parts)
+        self._buffer = ""
+        if self._mode == "tool":
+            self._mode = "text"
+            self._text(TOOL_OPEN + "".join(self._tool_body), parts)
+        return parts
+
+    def _next_marker(self) -> tuple[int, str | None]:
+        best, found = len(self._buffer), None
+        for marker in self._active_markers():
+            at = self._buffer.find(marker)
+            if 0 <= at < best:
+                best, found = at, marker
+        return best, found
+
+    def _active_markers(self) -> tuple[str, ...]:
+        if self._mode == "tool":
+            return (TOOL_CLOSE,)
+        if self._mode == "thinking":
+            return (THINK_CLOSE,)
+        return (THINK_OPEN, TOOL_OPEN) if self._tools else (THINK_OPEN,)
+
+    def _switch(self, marker: str, parts: list[Part]) -> None:
+        if marker == THINK_OPEN:
+            self._mode = "thinking"
+        elif marker == THINK_CLOSE:
+            self._mode = "text"
+        elif marker == TOOL_OPEN:
+            self._mode, self._tool_body, self._after_tool = "tool", [], ""
+        else:
+            self._close_tool(parts)
+
+    def _close_tool(self, parts: list[Part]) -> None:
+        body = "".join(self._tool_body)
+        self._mode = "text"
+        call = parse_tool_call(body.strip(), self._calls)
+        if call is None:
+            self._text(TOOL_OPEN + body + TOOL_CLOSE, parts)
+            return
+        self._calls += 1
+        self.tool_calls.append(call)
+        parts.append(call)
+        self._after_tool = "\0"  # marks "just after a call": whitespace is held from here
+
+    def _emit(self, text: str, parts: list[Part]) -> None:
+        if not text:
+            return
+        if self._mode == "tool":
+            self._tool_body.append(text)
+        elif self._mode == "thinking":
+            parts.append(TextPart("thinking", text))
+        else:
+            self._text(text, parts)
+
+    def _text(self, text: str, parts: list[Part]) -> None:
+        if self._after_tool:
+            held = self._after_tool.lstrip("\0") + text
+            if not held.strip():
+                self._after_tool = "\0" + held
+                return
+            self._after_tool, text = "", held
+        if parts and isinstance(parts[-1], TextPart) and parts[-1].kind == "text":
+            parts[-1] = TextPart("text", parts[-1].text + text)
+        else:
+            parts.append(TextPart("text", text))

@@ -1,0 +1,45 @@
+"""Running the HTTP server: a gateway, its app, and uvicorn on one host and port.
+
+Owns :func:`serve` (blocking; what ``pipeline serve`` calls) and :func:`parse_models`
+(``--model DIR`` / ``--model NAME=DIR`` arguments into served names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import uvicorn
+
+from pipeline.errors import InvalidValueError
+from transports.http.app import create_app
+from transports.http.config import ServerConfig
+from transports.http.gateway import Gateway
+
+DEFAULT_MODEL_NAME = "default"
+
+
+def parse_models(specs: Sequence[str]) -> dict[str, Path | None]:
+    """``["DIR", "NAME=DIR"]`` → ``{name: folder}``; a bare DIR is named after its folder.
+    No specs serve the embedded default model as ``default``."""
+    if not specs:
+        return {DEFAULT_MODEL_NAME: None}
+    models: dict[str, Path | None] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        path = Path(folder if sep else spec)
+        name = name if sep else path.resolve().name
+        if not name or name in models:
+            raise InvalidValueError("--model", spec, "each served model needs a distinct name")
+        models[name] = path
+    return models
+
+
+def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "warning") -> None:
+    """Load the models (in the background) and serve until interrupted."""
+    gateway = Gateway(config)
+    gateway.load()
+    app = create_app(gateway)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on",
+                timeout_graceful_shutdown=5)

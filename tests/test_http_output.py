@@ -1,0 +1,159 @@
+"""The output splitter (thinking / text / tool calls): fed at every split it agrees with a
+plain regular-expression reading of the whole text; and the engine's reasoning budget."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from pipeline.handle import RequestHandle
+from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
+from pipeline.types import Delta, FinishReason
+from transports.http.inbox import batches
+from transports.http.output import OutputSplitter, TextPart, ToolCallPart
+
+TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
+        ' "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n<tool_call>\n{"name": "bad"'
+        '\n</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>\n')
+
+
+def regex_reading(text: str) -> tuple[str, str, list[tuple[str, dict[str, object]]], str]:
+    """(thinking, text, calls, leftover) by a second, whole-text implementation."""
+    thinking = "".join(re.findall(r"<think>(.*?)</think>", text, re.S))
+    rest = re.sub(r"<think>.*?</think>", "", text, flags=re.S)
+    calls, shown = [], []
+    at, after_call = 0, False
+    for m in re.finditer(r"<tool_call>(.*?)</tool_call>", rest, re.S):
+        gap = rest[at:m.start()]
+        if not (after_call and not gap.strip()):  # whitespace right after a call is not shown
+            shown.append(gap)
+        try:
+            body = json.loads(m.group(1))
+            calls.append((body["name"], body["arguments"]))
+            after_call = True
+        except (ValueError, KeyError):
+            shown.append(m.group(0))
+            after_call = False
+        at = m.end()
+    tail = rest[at:]
+    return thinking, "".join(shown), calls, tail
+
+
+def split(text: str, cuts: list[int]) -> list[TextPart | ToolCallPart]:
+    splitter = OutputSplitter(tools=True)
+    parts = []
+    at = 0
+    for cut in [*cuts, len(text)]:
+        parts += splitter.feed(text[at:cut])
+        at = cut
+    return parts + splitter.finish()
+
+
+def summary(parts: list[TextPart | ToolCallPart]) -> tuple[str, str, list[tuple[str, object]]]:
+    thinking = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "thinking")
+    text = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "text")
+    calls = [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCallPart)]
+    return thinking, text, calls
+
+
+def test_every_split_agrees_with_the_regex_reading() -> None:
+    thinking, shown, calls, tail = regex_reading(TEXT)
+    assert tail.strip() == ""  # whitespace after the last call is not shown
+    expected = (thinking, shown, calls)
+    assert expected[2] == [("get_weather", {"city": "Paris", "unit": "°C"}), ("time", {})]
+    for cut in range(len(TEXT) + 1):
+        assert summary(split(TEXT, [cut])) == expected, cut
+    assert summary(split(TEXT, list(range(1, len(TEXT))))) == expected
+
+
+def test_a_prompt_that_opened_thinking_starts_the_output_as_thinking() -> None:
+    splitter = OutputSplitter(tools=False, thinking=True)
+    parts = splitter.feed("plan it</th") + splitter.feed("ink>answer") + splitter.finish()
+    assert summary(parts) == ("plan it", "answer", [])
+
+
+def test_without_tools_markers_stay_text_and_unclosed_calls_are_kept() -> None:
+    splitter = OutputSplitter(tools=False)
+    parts = splitter.feed("a <tool_call>{}</tool_call> b") + splitter.finish()
+    assert summary(parts) == ("", "a <tool_call>{}</tool_call> b", [])
+    assert summary(split('x<tool_call>{"name": "f"', [3])) == ("", 'x<tool_call>{"name": "f"', [])
+
+
+THINK_OPEN, THINK_CLOSE = ord("{"), ord("}")
+
+
+class ThinkTokenizer(ByteTokenizer):
+    """The byte tokenizer, with "{" and "}" standing for the thinking markers."""
+
+    def encode_text(self, text: str, *, special: bool = False) -> list[int]:
+        markers = {"<think>": [THINK_OPEN], "</think>": [THINK_CLOSE]}
+        return markers[text] if special and text in markers else super().encode_text(
+            text, special=special)
+
+
+@pytest.mark.parametrize("budget", [0, 3, 7])
+def test_reasoning_budget_forces_the_end_of_thinking_marker(budget: int) -> None:
+    """A model that would think forever ("{" then "a" for ever) is cut at the budget: the
+    engine forces "}" after exactly ``budget`` thinking tokens, and the model, seeing the
+    marker, answers ("!") and stops."""
+    vocab = ByteTokenizer.VOCAB
+    eos = 256
+
+    def choose(ids: list[int]) -> int:
+        if ids[-1] == THINK_CLOSE:
+            return ord("!")
+        if ids[-1] == ord("!"):
+            return eos
+        return ord("a") if THINK_OPEN in ids else THINK_OPEN
+
+    backend = ScriptedBackend(vocab, peaked(vocab, choose))
+    with build_scripted(backend, tokenizer=ThinkTokenizer()) as pipe:
+        done = pipe.generate("q", max_tokens=50, temperature=0, reasoning_budget_tokens=budget)
+        free = pipe.generate("q", max_tokens=20, temperature=0)
+    ids = list(done.token_ids)
+    assert ids == [THINK_OPEN] + [ord("a")] * budget + [THINK_CLOSE, ord("!"), eos]
+    assert [e.event_type for e in done.trace].count("reasoning.budget_reached") == 1
+    assert THINK_CLOSE not in free.token_ids and len(free.token_ids) == 20  # no budget: no cut
+
+
+def test_a_forced_prefix_comes_first_then_the_model_goes_on() -> None:
+    vocab = ByteTokenizer.VOCAB
+    backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: ord("a")))
+    with build_scripted(backend) as pipe:
+        done = pipe.generate("q", max_tokens=6, temperature=0, forced_prefix=(ord("x"), ord("y")),
+                             logprobs=True)
+    assert done.text == "xyaaaa"
+    assert [e.event_type for e in done.trace].count("token.forced") == 2
+    assert done.logprobs is not None and [lp.logprob for lp in done.logprobs[:2]] == [0.0, 0.0]
+
+
+def test_batches_merge_deltas_in_order_and_an_early_exit_cancels() -> None:
+    """Deltas of a real engine reach the event loop merged, in order, ending with the final
+    one; closing the iterator early (what the server does when a client leaves) cancels."""
+    vocab = ByteTokenizer.VOCAB
+    backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: ord("a") + len(ids) % 26))
+
+    async def collect(handle: RequestHandle) -> list[Delta]:
+        return [d async for d in batches(handle, ping_s=5.0) if d is not None]
+
+    async def leave_early(handle: RequestHandle) -> None:
+        stream = batches(handle, ping_s=5.0)
+        assert (await anext(stream)) is not None
+        await stream.aclose()
+
+    with build_scripted(backend) as pipe:
+        handle = pipe.submit("q", max_tokens=400, temperature=0)
+        got = asyncio.run(collect(handle))
+        done = handle.result(timeout=10)
+        assert "".join(d.text for d in got) == done.text and len(done.text) == 400
+        assert [t for d in got for t in d.token_ids] == list(done.token_ids)
+        assert got[-1].final and not handle.cancel_requested
+        slow = ScriptedBackend(vocab, peaked(vocab, lambda ids: ord("a")), delay_s=0.01)
+        with build_scripted(slow) as slow_pipe:
+            early = slow_pipe.submit("q", max_tokens=5000, temperature=0)
+            asyncio.run(leave_early(early))
+            assert early.cancel_requested
+            assert early.result(timeout=10).finish_reason is FinishReason.CANCELLED
