@@ -437,3 +437,24 @@ def test_one_token_path_equals_the_grouped_path(dtype: torch.dtype, routing: Rou
                           down.double(), 3, routing.renormalize)
         tol = 1e-5 if dtype == torch.float32 else 0.05
         assert (alone.double() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("arch", ["qwen2-moe", "llama"])
+def test_packed_weights_agree_with_plain_linear(arch: str, checkpoints: dict[str, Any]) -> None:
+    """oneDNN-packed float32 weights (the default on CPU) against plain F.linear, prefill and a
+    ragged decode; the transformers parity tests above run packed too."""
+    from backends.torch.packed import packing_available
+
+    folder = checkpoints[arch][0]
+    packed = TorchBackend.from_dir(folder, num_slots=2, max_context=32)
+    plain = TorchBackend.from_dir(folder, num_slots=2, max_context=32, pack=False)
+    if not packing_available(packed.model.weights.embed):
+        pytest.skip("this torch has no oneDNN weight packing")
+    assert len(packed.model.linears) > 0 and len(plain.model.linears) == 0
+    outs = []
+    for backend in (packed, plain):
+        a, b = backend.allocate(), backend.allocate()
+        z = backend.prefill([PrefillChunk(a, _prompt(9, 1), 0, True),
+                             PrefillChunk(b, _prompt(4, 2), 0, True)])
+        outs.append(torch.cat([z, backend.decode([a, b], [3, 5])]))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

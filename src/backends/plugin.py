@@ -1,7 +1,8 @@
 """Registers the built-in model backends through the ``pipeline_components`` hook.
 
 Factories import lazily; options come from ``build(..., options={...})``: ``num_slots``,
-``max_context``, ``dtype``, ``device``, and ``moe`` — the routed-experts function of MoE
+``max_context``, ``dtype``, ``device``, ``pack`` (oneDNN-packed float32 weights on CPU,
+default true), and ``moe`` — the routed-experts function of MoE
 layers: ``"torch"`` (default, the reference), ``"triton"`` (fused Triton kernels; on a CPU
 only under ``TRITON_INTERPRET=1``, float32/float16), or a callable with
 ``moe_forward``'s signature. ``moe_configs`` adds folders of tuned Triton launch tables.
@@ -26,8 +27,8 @@ def _torch(ctx: BuildContext) -> Any:
     backend = TorchBackend.from_dir(
         ctx.model_dir, num_slots=int(opts.get("num_slots", 8)),
         max_context=opts.get("max_context"), dtype=opts.get("dtype"),
-        device=opts.get("device", "cpu"), moe=_moe(opts.get("moe", "torch"),
-                                                   opts.get("moe_configs", ())))
+        device=opts.get("device", "cpu"), pack=bool(opts.get("pack", True)),
+        moe=_moe(opts.get("moe", "torch"), opts.get("moe_configs", ())))
     if opts.get("moe") == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 

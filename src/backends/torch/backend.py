@@ -64,18 +64,19 @@ class TorchBackend:
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
                  dtype: torch.dtype | str | None = None,
                  device: torch.device | str = "cpu",
-                 moe: MoeFunction = moe_forward) -> TorchBackend:
+                 moe: MoeFunction = moe_forward, pack: bool = True) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the cache is
         preallocated, so pick less for big models); ``dtype`` defaults to the checkpoint's;
-        ``moe`` computes MoE layers' routed experts. Raises
+        ``moe`` computes MoE layers' routed experts; ``pack`` gives float32 CPU weights
+        oneDNN-packed copies (:mod:`backends.torch.packed`; twice the weight memory). Raises
         :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
         if isinstance(dtype, str):
             dtype = _dtype(dtype)
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
-        return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe), ckpt.snapshot,
+        return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack), ckpt.snapshot,
                    num_slots=num_slots, max_context=max_context)
 
     def allocate(self) -> int:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
 from backends.torch.moe import RoutingSpec, moe_forward
+from backends.torch.packed import Linears
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
@@ -152,11 +153,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU ``[T, H] -> [T, H]``."""
-    gate_up = F.linear(x, w.gate_up, w.gate_up_bias)                          # [T, 2I]
+def mlp_forward(w: MlpWeights, x: torch.Tensor, linear: Linears | None = None) -> torch.Tensor:
+    """SwiGLU ``[T, H] -> [T, H]`` (``linear``: packed weights, default plain ``F.linear``)."""
+    lin = linear or Linears.plain()
+    gate_up = lin(x, w.gate_up, w.gate_up_bias)                               # [T, 2I]
     half = gate_up.shape[-1] // 2
-    return F.linear(F.silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
+    return lin(F.silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
 
 
 class Transformer:
@@ -164,14 +166,19 @@ class Transformer:
 
     ``moe`` computes the routed experts of MoE layers (default: the plain-torch
     :func:`~backends.torch.moe.moe_forward`); any function with its signature and semantics
-    may replace it, and nothing else of the model changes.
+    may replace it, and nothing else of the model changes. With ``pack`` (the default),
+    float32 CPU weights get oneDNN-packed copies (:mod:`backends.torch.packed`), the routed
+    experts' too when ``moe`` is the default; ``pack=False`` multiplies with ``F.linear``.
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
-                 moe: MoeFunction = moe_forward) -> None:
+                 moe: MoeFunction = moe_forward, pack: bool = True) -> None:
         self.spec = spec
         self.weights = weights
-        self.moe = moe
+        default_moe = moe is moe_forward
+        self.linears = (Linears.pack(weights, experts=default_moe) if pack
+                        else Linears.plain())
+        self.moe = self._packed_moe if default_moe and len(self.linears) else moe
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]
 
@@ -187,7 +194,7 @@ class Transformer:
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)
         h = rms_norm(h[batch.last], self.weights.norm, self.spec.rms_norm_eps)  # [B, H]
-        return F.linear(h, self.weights.lm_head).float()                       # [B, V]
+        return self.linears(h, self.weights.lm_head).float()                   # [B, V]
 
     def _layer(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
@@ -197,14 +204,15 @@ class Transformer:
         x = rms_norm(h, layer.post_norm, eps)
         if isinstance(layer.mlp, MoeWeights):
             return h + self._moe(layer.mlp, x)
-        return h + mlp_forward(layer.mlp, x)
+        return h + mlp_forward(layer.mlp, x, self.linears)
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
-        q = F.linear(x, w.q, w.q_bias).view(t, s.num_heads, s.head_dim)        # [T, Hq, D]
-        k = F.linear(x, w.k, w.k_bias).view(t, s.num_kv_heads, s.head_dim)     # [T, Hkv, D]
-        v = F.linear(x, w.v, w.v_bias).view(t, s.num_kv_heads, s.head_dim)     # [T, Hkv, D]
+        lin = self.linears
+        q = lin(x, w.q, w.q_bias).view(t, s.num_heads, s.head_dim)             # [T, Hq, D]
+        k = lin(x, w.k, w.k_bias).view(t, s.num_kv_heads, s.head_dim)          # [T, Hkv, D]
+        v = lin(x, w.v, w.v_bias).view(t, s.num_kv_heads, s.head_dim)          # [T, Hkv, D]
         if w.q_norm is not None and w.k_norm is not None:
             q, k = rms_norm(q, w.q_norm, s.rms_norm_eps), rms_norm(k, w.k_norm, s.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -214,16 +222,24 @@ class Transformer:
             keys, values = cache.write(i, slot, start, k[at:at + n], v[at:at + n])
             outs.append(attend(q[at:at + n], keys, values, start, window))     # [n, Hq, D]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)                    # [T, Hq, D]
-        return F.linear(out.reshape(t, -1), w.o, w.o_bias)                     # [T, H]
+        return lin(out.reshape(t, -1), w.o, w.o_bias)                          # [T, H]
 
     def _moe(self, w: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         moe = self.spec.moe
         assert moe is not None  # a MoeWeights layer exists only when the spec has moe
-        out = self.moe(x, F.linear(x, w.router), w.gate_up, w.down, top_k=moe.top_k,
+        out = self.moe(x, self.linears(x, w.router), w.gate_up, w.down, top_k=moe.top_k,
                        routing=moe.routing)                                    # [T, H]
         if w.shared is not None and w.shared_gate is not None:
-            out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * mlp_forward(w.shared, x)
+            gate = torch.sigmoid(self.linears(x, w.shared_gate))               # [T, 1]
+            out = out + gate * mlp_forward(w.shared, x, self.linears)
         return out
+
+    def _packed_moe(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int,
+                    routing: RoutingSpec) -> torch.Tensor:
+        """:func:`moe_forward` with this model's packed expert weights."""
+        return moe_forward(hidden, router_logits, w_gate_up, w_down, top_k=top_k,
+                           routing=routing, linear=self.linears.expert)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,

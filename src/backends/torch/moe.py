@@ -30,9 +30,19 @@ Example::
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 import torch
 import torch.nn.functional as F
+
+ExpertLinear = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``linear(x [n, in], stack [E, out, in], e) -> x @ stack[e].T``: how expert rows are
+multiplied (default ``F.linear``; the torch backend passes oneDNN-packed weights)."""
+
+
+def _plain_linear(x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
+    return F.linear(x, stack[e])
 
 
 @attrs.frozen
@@ -81,7 +91,8 @@ def group_by_expert(experts: torch.Tensor,
     return order, token_of, counts
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                   linear: ExpertLinear = _plain_linear) -> torch.Tensor:
     """Rows of ``x [N, in]`` sorted by expert times ``weight[e].T``: ``[N, out]``.
 
     ``weight`` is ``[E, out, in]``; the first ``counts[0]`` rows belong to expert 0, and so on.
@@ -96,7 +107,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     at = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            parts.append(F.linear(x[at:at + n], weight[e]))          # [n, out]
+            parts.append(linear(x[at:at + n], weight, e))            # [n, out]
             at += n
     return torch.cat(parts) if parts else x.new_empty((0, weight.shape[1]))
 
@@ -113,7 +124,8 @@ def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                   w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   linear: ExpertLinear = _plain_linear) -> torch.Tensor:
     """SwiGLU experts over routed tokens: ``[T, H]``.
 
     ``hidden [T, H]``, ``weights``/``experts [T, K]`` from :func:`route`, ``w_gate_up
@@ -121,19 +133,20 @@ def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.T
     """
     num_experts, two_i, _ = w_gate_up.shape
     if experts.shape[0] == 1:
-        return _one_token(hidden, weights, experts, w_gate_up, w_down)
+        return _one_token(hidden, weights, experts, w_gate_up, w_down, linear)
     order, token_of, counts = group_by_expert(experts, num_experts)
     x = hidden[token_of]                                              # [T*K, H]
-    gate_up = grouped_linear(x, w_gate_up, counts)                    # [T*K, 2I]
+    gate_up = grouped_linear(x, w_gate_up, counts, linear)            # [T*K, 2I]
     act = F.silu(gate_up[:, :two_i // 2]) * gate_up[:, two_i // 2:]   # [T*K, I]
-    y = grouped_linear(act, w_down, counts) * weights.reshape(-1, 1)[order]   # [T*K, H]
+    y = grouped_linear(act, w_down, counts, linear) * weights.reshape(-1, 1)[order]  # [T*K, H]
     unsorted = torch.empty_like(y)
     unsorted[order] = y                                               # [T*K, H] token-major
     return unsorted.view(*experts.shape, -1).sum(dim=1).to(hidden.dtype)   # [T, H]
 
 
 def _one_token(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-               w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+               w_gate_up: torch.Tensor, w_down: torch.Tensor,
+               linear: ExpertLinear) -> torch.Tensor:
     """:func:`expert_forward` for a single token (a batch-1 decode step): its K experts in
     routing order, no sort, gather or scatter (each of those is a parallel region, which
     costs more than the arithmetic at one row). Same products and the same sum over K as the
@@ -141,18 +154,20 @@ def _one_token(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     half = w_gate_up.shape[1] // 2
     products = []
     for k, e in enumerate(experts[0].tolist()):
-        gate_up = F.linear(hidden, w_gate_up[e])                      # [1, 2I]
+        gate_up = linear(hidden, w_gate_up, e)                        # [1, 2I]
         act = F.silu(gate_up[:, :half]) * gate_up[:, half:]           # [1, I]
-        products.append(F.linear(act, w_down[e]) * weights[:, k:k + 1])   # [1, H]
+        products.append(linear(act, w_down, e) * weights[:, k:k + 1])     # [1, H]
     return torch.stack(products, dim=1).sum(dim=1).to(hidden.dtype)   # [1, H]
 
 
 def moe_forward(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, *, top_k: int, routing: RoutingSpec) -> torch.Tensor:
+                w_down: torch.Tensor, *, top_k: int, routing: RoutingSpec,
+                linear: ExpertLinear = _plain_linear) -> torch.Tensor:
     """The routed-experts output ``[T, H]`` for ``hidden [T, H]``.
 
     ``router_logits [T, E]`` (``hidden @ gate_weight.T``), ``w_gate_up [E, 2I, H]``,
-    ``w_down [E, H, I]``. Raises ``ValueError`` for inconsistent shapes.
+    ``w_down [E, H, I]``. ``linear`` multiplies an expert's rows by its matrix (default
+    ``F.linear``). Raises ``ValueError`` for inconsistent shapes.
     """
     t, h = hidden.shape
     e, two_i, h2 = w_gate_up.shape
@@ -161,4 +176,4 @@ def moe_forward(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
                          f"{tuple(router_logits.shape)}, gate_up {tuple(w_gate_up.shape)}, "
                          f"down {tuple(w_down.shape)}")
     weights, experts = route(router_logits, top_k=top_k, routing=routing)
-    return expert_forward(hidden, weights, experts, w_gate_up, w_down)
+    return expert_forward(hidden, weights, experts, w_gate_up, w_down, linear)

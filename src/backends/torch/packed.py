@@ -1,0 +1,109 @@
+"""Linear layers for the torch backend: plain ``F.linear``, or oneDNN-packed float32 weights.
+
+A decode step is a chain of matrix-vector products with a handful of rows, so it runs at the
+speed the CPU streams weights. MKL's ``sgemm`` (what ``F.linear`` calls for float32) reads
+them at about two thirds of the machine's copy bandwidth for one row and at a third for two
+to eight rows; oneDNN with weights reordered once into its blocked layout (the path
+``torch.compile``'s CPU backend uses) reads them at close to the copy bandwidth
+(``benchmarks/torch_backend.py``, ``docs/performance.md``).
+
+:class:`Linears` holds those packed copies, keyed by the plain tensor they were made from,
+so the model keeps passing its ordinary weights around and asks ``linears(x, w, b)``; a weight
+with no packed copy (another dtype, another device, a build without oneDNN) goes to
+``F.linear``. Packing is float32-on-CPU only: oneDNN's bfloat16 path needs AVX-512 or
+AVX-NE-CONVERT. The packed copies take as much memory again as the weights they copy.
+
+Example::
+
+    linears = Linears.pack(model_weights)          # Linears.plain() packs nothing
+    y = linears(x, weights.q, weights.q_bias)      # [T, out]
+    y_e = linears.expert(x_rows, moe.gate_up, e)   # rows of expert e: [n, 2I]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from backends.torch.weights import MlpWeights, ModelWeights, MoeWeights
+
+
+def packing_available(weight: torch.Tensor) -> bool:
+    """Whether this torch can pack ``weight`` for oneDNN (float32, CPU, oneDNN built in)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linears:
+    """``F.linear`` with packed weights where a packed copy exists (see the module docstring).
+
+    Keys are ``id()`` of the plain weight tensors (and the expert index for stacked experts),
+    so the weights must outlive this object, as a model's do. Not thread-safe to build; read
+    only afterwards.
+    """
+
+    def __init__(self) -> None:
+        self._packed: dict[tuple[int, int], torch.Tensor] = {}
+
+    @classmethod
+    def plain(cls) -> Linears:
+        """No packed copies: every call is ``F.linear``."""
+        return cls()
+
+    @classmethod
+    def pack(cls, weights: ModelWeights, *, experts: bool = True) -> Linears:
+        """Packed copies of every matrix of ``weights`` that :func:`packing_available` allows;
+        the routed experts' stacks too when ``experts``."""
+        out = cls()
+        for key, matrix in _matrices(weights, experts):
+            if packing_available(matrix):
+                out._packed[key] = torch.ops.mkldnn._reorder_linear_weight(matrix, 1)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, in] @ weight.T (+ bias)``: ``[T, out]``."""
+        packed = self._packed.get((id(weight), -1))
+        if packed is None:
+            return F.linear(x, weight, bias)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out
+
+    def expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
+        """``x [n, in] @ stack[e].T`` for a stack of expert matrices ``[E, out, in]``."""
+        packed = self._packed.get((id(stack), e))
+        if packed is None:
+            return F.linear(x, stack[e])
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
+
+
+def _matrices(weights: ModelWeights, experts: bool) -> Iterator[tuple[tuple[int, int], torch.Tensor]]:
+    """Every weight matrix a forward multiplies by, with its key."""
+    def mlp(w: MlpWeights) -> list[torch.Tensor]:
+        return [w.gate_up, w.down]
+
+    plain = [weights.lm_head]
+    for layer in weights.layers:
+        a = layer.attention
+        plain += [a.q, a.k, a.v, a.o]
+        if isinstance(layer.mlp, MoeWeights):
+            plain.append(layer.mlp.router)
+            if layer.mlp.shared is not None:
+                plain += mlp(layer.mlp.shared)
+            if layer.mlp.shared_gate is not None:
+                plain.append(layer.mlp.shared_gate)
+            if experts:
+                for stack in (layer.mlp.gate_up, layer.mlp.down):
+                    for e in range(stack.shape[0]):
+                        yield (id(stack), e), stack[e]
+        else:
+            plain += mlp(layer.mlp)
+    for matrix in plain:
+        yield (id(matrix), -1), matrix
