@@ -57,13 +57,7 @@ CONFIGS: dict[str, Callable[[], Any]] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and lose a lot on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _redraw(model: Any) -> None:

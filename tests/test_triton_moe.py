@@ -13,7 +13,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
-from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -35,12 +34,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
 SMALL = LaunchConfig(block_m=4, block_n=16, block_k=16, group_m=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _experts(e: int, h: int, i: int, dtype: torch.dtype,

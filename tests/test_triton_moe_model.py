@@ -14,7 +14,6 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
-from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -43,12 +42,7 @@ CONFIGS = {
 PROMPT = (5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
