@@ -1,4 +1,5 @@
-"""Transports: how deltas reach a consumer (in-process iterators now; SSE over HTTP later)."""
+"""Transports: how deltas reach a consumer: in-process iterators, and HTTP serving (OpenAI and
+Anthropic dialects over SSE) in ``transports.http``."""
 
 from transports.inprocess import AsyncioTransport, InProcessTransport
 
