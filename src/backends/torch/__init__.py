@@ -2,7 +2,8 @@
 
 Modules: :mod:`.config` (``ModelSpec`` from ``config.json``), :mod:`.moe` (routing and grouped
 expert compute, the oracle for fused kernels), :mod:`.rope`, :mod:`.model` (the forward over a
-per-slot KV cache), :mod:`.loader` (safetensors folders) and :mod:`.backend` (``TorchBackend``,
+per-slot KV cache), :mod:`.packed` (oneDNN-packed float32 linears), :mod:`.weights`,
+:mod:`.loader` (safetensors folders) and :mod:`.backend` (``TorchBackend``,
 the :class:`pipeline.protocols.Backend` implementation).
 """
 
