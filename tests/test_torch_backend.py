@@ -174,13 +174,17 @@ def test_chunked_prefill_equals_one_shot(arch: str, checkpoints: dict[str, Any])
     assert (z2[0] - z2[1]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["llama3-rope-tied-bias", "qwen2-moe", "mixtral"])
-def test_bfloat16_prefill_close_to_transformers(arch: str, checkpoints: dict[str, Any]) -> None:
-    """On CPU the two agree bit for bit today; the bound leaves room for other kernels."""
+def test_half_precision_prefill_close_to_transformers(arch: str, dtype: str,
+                                                      checkpoints: dict[str, Any]) -> None:
+    """On CPU the two agree bit for bit in bfloat16 today; the bound leaves room for other
+    kernels (and float16's narrower range)."""
     folder, _ = checkpoints[arch]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=32, dtype="bfloat16")
-    assert backend.model.dtype == torch.bfloat16
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype)).eval()
+    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=32, dtype=dtype)
+    assert backend.model.dtype == getattr(torch, dtype)
     prompt = _prompt(15, 11)
     z = backend.prefill([PrefillChunk(backend.allocate(), prompt, 0, True)])[0]
     assert z.dtype == torch.float32
