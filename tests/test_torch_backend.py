@@ -456,3 +456,42 @@ def test_packed_weights_agree_with_plain_linear(arch: str, checkpoints: dict[str
                              PrefillChunk(b, _prompt(4, 2), 0, True)])
         outs.append(torch.cat([z, backend.decode([a, b], [3, 5])]))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_layout_reports_each_layer_and_a_failed_call_changes_nothing(
+        checkpoints: dict[str, Any]) -> None:
+    """Invariant 2 from the backend's own bookkeeping: every layer's keys and values cover the
+    slot's length after prefill, chunked prefill and decode; a forward that fails after some
+    layers wrote leaves every layer's extent (and the length) as it was."""
+    from backends.torch.loader import load_checkpoint
+    from backends.torch.model import Transformer
+
+    ckpt = load_checkpoint(checkpoints["qwen3-moe"][0])
+    fail = {"on": False}
+
+    def moe(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if fail["on"]:
+            raise RuntimeError("injected failure after layer 0's attention wrote its cache")
+        return moe_forward(*args, **kwargs)
+
+    backend = TorchBackend(Transformer(ckpt.spec, ckpt.weights, moe=moe), ckpt.snapshot,
+                           num_slots=2, max_context=32)
+    layers = ckpt.spec.num_layers
+    a, b = backend.allocate(), backend.allocate()
+    backend.prefill([PrefillChunk(a, _prompt(7, 1), 0, True), PrefillChunk(b, _prompt(3, 2), 0, False)])
+    backend.prefill([PrefillChunk(b, _prompt(4, 3), 3, True)])
+    backend.decode([a, b], [5, 6])
+    for slot, n in ((a, 8), (b, 8)):
+        layout = backend.cache_layout(slot)
+        assert layout.key_lengths == layout.value_lengths == (n,) * layers
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        backend.decode([a], [7])
+    fail["on"] = False
+    assert backend.cache_length(a) == 8
+    assert backend.cache_layout(a).key_lengths == (8,) * layers
+    backend.decode([b], [7])                  # the failed call's writes are not committed now
+    assert backend.cache_layout(a).key_lengths == (8,) * layers
+    assert backend.cache_layout(b).key_lengths == (9,) * layers
+    backend.release(a)
+    assert backend.allocate() == a and backend.cache_layout(a).key_lengths == (0,) * layers

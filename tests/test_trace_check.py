@@ -48,7 +48,9 @@ def test_real_traces_hold_every_invariant(pipe, decode, greedy, sampled) -> None
         report = check(list(trace), detokenize=decode)
         assert report.ok, report.render()
     notes = dict(check(list(greedy)).notes)  # it says what the trace did not let it see
-    assert "no per-layer lengths" in notes[2] and "no tool calls" in notes[7]
+    assert 2 not in notes and "no tool calls" in notes[7]  # the torch backend reports layers
+    layers = next(e for e in greedy if e.event_type == "decode.completed").payload["layers"]
+    assert len(layers["k"]) == len(layers["v"]) > 1
     assert "no tokenizer" in notes[5]
     chunks = [e for e in greedy if e.event_type == "prefill.chunk"]
     assert len(chunks) >= 2  # the prompt really was prefilled in pieces
@@ -89,8 +91,18 @@ def test_2_layers_whose_values_lag_their_keys_are_reported() -> None:
     assert violated(events) == {2}
 
 
+def test_2_a_real_layer_whose_values_lag_is_reported(greedy) -> None:
+    events = edit(greedy, is_("decode.completed", 2),
+                  lambda p: p["layers"]["v"].__setitem__(1, p["cache_len"] - 1))
+    assert violated(events) == {2}
+
+
 def test_3_a_cache_of_m_plus_1_after_prefill_is_reported(greedy) -> None:
-    events = edit(greedy, is_("prefill.completed"), lambda p: p.update(cache_len=p["cache_len"] + 1))
+    def one_more(p: dict) -> None:  # every layer too, as a backend that really wrote m+1 would
+        p.update(cache_len=p["cache_len"] + 1,
+                 layers={kv: [n + 1 for n in ns] for kv, ns in p["layers"].items()})
+
+    events = edit(greedy, is_("prefill.completed"), one_more)
     report = check(events)
     assert report.violated == {3}
     assert "right after prefill" in report.render()

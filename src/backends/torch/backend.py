@@ -30,10 +30,10 @@ from backends.torch.loader import load_checkpoint
 from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
 from backends.torch.moe import moe_forward
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
-from pipeline.protocols import PrefillChunk
+from pipeline.protocols import CacheLayout, PrefillChunk
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend
+    from pipeline.protocols import Backend, CacheInspector
 
 
 class TorchBackend:
@@ -99,6 +99,13 @@ class TorchBackend:
         self._check_allocated([slot])
         return self.cache.lengths[slot]
 
+    def cache_layout(self, slot: int) -> CacheLayout:
+        """How far each layer has written ``slot``'s keys and values (DESIGN §8, invariant 2;
+        :class:`~pipeline.protocols.CacheInspector`)."""
+        self._check_allocated([slot])
+        return CacheLayout(tuple(e[slot] for e in self.cache.key_extent),
+                           tuple(e[slot] for e in self.cache.value_extent))
+
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Append each chunk to its slot; logits ``[len(chunks), V]`` at each chunk's last token."""
@@ -123,6 +130,7 @@ class TorchBackend:
 
     def _run(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
         batch = RaggedBatch.build(seqs, device=self.cache.device)
+        self.cache.discard()
         logits = self.model.forward(self.cache, batch)                        # [B, V]
         self.cache.commit(batch)
         return logits.cpu()
@@ -166,4 +174,8 @@ def _dtype(name: str) -> torch.dtype:
 if TYPE_CHECKING:
     def _satisfies_backend(backend: TorchBackend) -> Backend:
         """mypy proves structurally that TorchBackend is a Backend (isinstance checks names)."""
+        return backend
+
+    def _satisfies_cache_inspector(backend: TorchBackend) -> CacheInspector:
+        """... and a CacheInspector."""
         return backend

@@ -56,15 +56,21 @@ class KVCache:
     """Keys and values per layer, ``k[l]``/``v[l]`` of shape ``[slots, Hkv, max_len, D]``.
 
     ``lengths[s]`` is how many positions of slot ``s`` are valid; every layer's keys and
-    values cover exactly those positions (DESIGN §8, invariant 2). Owned by one backend and
-    mutated only by :meth:`write` (positions beyond the lengths), :meth:`commit` and
-    :meth:`reset`.
+    values cover exactly those positions (DESIGN §8, invariant 2). ``key_extent[l][s]`` and
+    ``value_extent[l][s]`` are how far layer ``l`` has actually written keys and values of
+    slot ``s``, committed with the lengths, so the invariant can be checked rather than
+    assumed. Owned by one backend and mutated only by :meth:`write` (positions beyond the
+    lengths), :meth:`commit`, :meth:`discard` and :meth:`reset`.
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         self.k = k
         self.v = v
-        self.lengths = [0] * k[0].shape[0]
+        slots = k[0].shape[0]
+        self.lengths = [0] * slots
+        self.key_extent = [[0] * slots for _ in k]
+        self.value_extent = [[0] * slots for _ in v]
+        self._written: list[tuple[int, int, int]] = []   # (layer, slot, end) since the commit
 
     @classmethod
     def empty(cls, spec: ModelSpec, *, num_slots: int, max_len: int, dtype: torch.dtype,
@@ -96,16 +102,26 @@ class KVCache:
         end = start + k.shape[0]
         self.k[layer][slot, :, start:end] = k.transpose(0, 1)
         self.v[layer][slot, :, start:end] = v.transpose(0, 1)
+        self._written.append((layer, slot, end))
         return self.k[layer][slot:slot + 1, :, :end], self.v[layer][slot:slot + 1, :, :end]
 
     def commit(self, batch: RaggedBatch) -> None:
         """Extend each sequence's slot length by the tokens the batch wrote."""
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
             self.lengths[slot] = start + n
+        for layer, slot, end in self._written:
+            self.key_extent[layer][slot] = self.value_extent[layer][slot] = end
+        self._written.clear()
+
+    def discard(self) -> None:
+        """Forget the writes of a call that failed (their positions stay beyond the lengths)."""
+        self._written.clear()
 
     def reset(self, slot: int) -> None:
         """Empty ``slot`` (stale values stay but are never read)."""
         self.lengths[slot] = 0
+        for layer in range(len(self.k)):
+            self.key_extent[layer][slot] = self.value_extent[layer][slot] = 0
 
 
 @attrs.frozen(eq=False)
