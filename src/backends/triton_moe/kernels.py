@@ -38,6 +38,16 @@ def _tile(pid, blocks_m, blocks_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """Row block ``pid_m`` of the sorted pairs: its positions ``[BM]``, the pair ids there,
+    which of them are real (padding ids are ``>= num_pairs``), and the block's expert."""
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # [BM]
+    pair = tl.load(sorted_ids_ptr + offs_p)                                   # [BM]
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return offs_p, pair, pair < num_pairs, expert
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                    blocks_m, blocks_n, num_pairs, I, H,
                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_ap, stride_ai,
@@ -49,10 +59,8 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_
     pid_m, pid_n = _tile(tl.program_id(0), blocks_m, blocks_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # [BM]
-    pair = tl.load(sorted_ids_ptr + offs_p)                                   # [BM]
-    live = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_p, pair, live, expert = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr,
+                                             num_pairs, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % I                    # [BN] wraps
     offs_k = tl.arange(0, BLOCK_K)                                            # [BK]
     a_ptrs = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xt \
@@ -89,10 +97,8 @@ def down_kernel(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ids_ptr, block_expert
     pid_m, pid_n = _tile(tl.program_id(0), blocks_m, blocks_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                          # [BM]
-    pair = tl.load(sorted_ids_ptr + offs_p)                                   # [BM]
-    live = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_p, pair, live, expert = _block_rows(pid_m, sorted_ids_ptr, block_expert_ptr,
+                                             num_pairs, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % H                    # [BN] wraps
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_k[None, :] * stride_ai
