@@ -70,7 +70,7 @@ def build(
     5. ``repetition_penalty`` — over prompt and output tokens (divide positive, multiply negative)
     6. ``presence_penalty`` — over output tokens, once per distinct token
     7. ``frequency_penalty`` — over output tokens, per occurrence
-    8. ``temperature`` — divide by T (T = 0 is greedy: the row is left for argmax)
+    8. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
     9. ``top_k`` — keep the k most likely
     10. ``top_p`` — keep the smallest set with mass >= p
     11. ``min_p`` — keep tokens with probability >= min_p × the top probability

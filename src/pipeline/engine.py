@@ -14,14 +14,22 @@ Owns the scheduler and the step loop. Each step it
    next step's ``decode`` writes into the cache (cache length m + t) — the DESIGN §4 order.
 
 Request-level work before the queue (render, tokenize, validation) happens in
-:class:`~pipeline.pipe.Pipeline` on the caller's thread. A backend exception fails the
-requests of that call (only the named slots for a :class:`~pipeline.errors.SlotError`); an
-exception anywhere else in a step fails the requests of that step; the loop itself never dies
-while it is open, so no caller hangs.
+:class:`~pipeline.pipe.Pipeline` on the caller's thread.
+
+Containment. A backend exception fails the requests of that call (only the named slots for a
+:class:`~pipeline.errors.SlotError`); a selector that raises, or returns something that is not
+a token id of the vocabulary, fails the requests of its group; an exception while one request
+takes its token fails that request alone; an exception anywhere else in a step fails the
+requests of that step. Failing a request can itself raise (a corrupt job state): then its
+handle is completed with a bare failure, so the caller still gets an answer. Should the loop
+thread end all the same (a ``BaseException``), it completes every handle it holds, refuses new
+work with :class:`~pipeline.errors.EngineClosed` naming why (``failure``), and calls
+``on_stop``; :meth:`Engine.fresh` gives a new engine over the same backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -80,8 +88,13 @@ class Engine:
     """
 
     def __init__(self, backend: Backend, strategies: StrategyFactory,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None,
+                 on_stop: Callable[[str], None] | None = None) -> None:
         self.backend = backend
+        self.on_stop = on_stop
+        """Called once, on the engine thread, if the loop ends other than by ``close``."""
+        self.failure: str | None = None
+        """Why the loop thread ended other than by ``close`` (None while it runs)."""
         self.config = config or EngineConfig()
         if self.config.token_budget <= backend.num_slots:
             raise InvalidValueError("token_budget", self.config.token_budget,
@@ -103,6 +116,9 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue ``job``; raises :class:`EngineClosed` after ``close``."""
         with self._cv:
+            if self.failure is not None:
+                raise EngineClosed(f"the engine stopped after an internal error "
+                                   f"({self.failure}); a fresh one must be started")
             if self._closed:
                 raise EngineClosed("the engine is closed")
             self._incoming.append(job)
@@ -118,6 +134,16 @@ class Engine:
         if order not in self._strategy_cache:
             self._strategy_cache[order] = self._strategies(order)
         return self._strategy_cache[order]
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop thread runs and the engine takes work."""
+        return self._thread.is_alive() and self.failure is None and not self._closed
+
+    def fresh(self) -> Engine:
+        """A new engine over the same backend, strategies, config and ``on_stop`` (after this
+        one stopped: it released what it held)."""
+        return Engine(self.backend, self._strategies, self.config, self.on_stop)
 
     @property
     def active_slots(self) -> int:
@@ -141,6 +167,13 @@ class Engine:
     # --- loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # the loop must not end silently: say why, free all
+            self._stopped(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _run(self) -> None:
         while True:
             with self._cv:
                 while not (self._closed or self._incoming or self._active or self._queue):
@@ -161,12 +194,27 @@ class Engine:
             self._idle_wait()
 
     def _recover(self, exc: Exception) -> None:
-        """After an unexpected error: fail every active job, finish any half-ended one."""
+        """After an unexpected error: fail every active job, finish any half-ended one.
+        Never raises: each job's ending is contained on its own."""
         for job in list(self._active):
             self._fail(job, f"engine step failed: {exc!r}")
         for job in list(self._queue):
             if job.state.terminal:
                 self._release(job)
+
+    def _stopped(self, why: str) -> None:
+        """The loop is ending abnormally: refuse new work, end every job it holds."""
+        with self._cv:
+            self.failure = why
+            jobs = list(self._incoming) + list(self._queue) + list(self._active)
+            self._incoming.clear()
+        for job in jobs:
+            self._fail(job, f"the engine stopped: {why}")
+        if self.on_stop is not None:
+            try:
+                self.on_stop(why)
+            except Exception:  # nothing more can be done on a dying thread
+                pass
 
     def _idle_wait(self) -> None:
         """Sleep only when nothing can progress (all queued behind a full backend)."""
@@ -303,14 +351,34 @@ class Engine:
                 for job, _ in items:
                     self._fail(job, f"selection failed: {exc!r}")
                 continue
+            bad = self._bad_selection(choice, len(items))
+            if bad is not None:
+                for job, _ in items:
+                    self._fail(job, f"selection failed: {bad}")
+                continue
             processed = self._processed_records(choice, items)
             for i, (job, _) in enumerate(items):
                 draw = choice.draws[i] if choice.draws else None
-                token, logprob = job.taken(choice.token_ids[i], choice.logprobs[i])
-                reason = job.advance(token, logprob, self.backend.max_context, processed[i],
-                                     draw, orders[i])
+                try:
+                    token, logprob = job.taken(choice.token_ids[i], choice.logprobs[i])
+                    reason = job.advance(token, logprob, self.backend.max_context,
+                                         processed[i], draw, orders[i])
+                except Exception as exc:  # this request's state is broken, not the others'
+                    self._fail(job, f"taking token failed: {exc!r}")
+                    continue
                 if reason is not None:
                     self._release(job)
+
+    def _bad_selection(self, choice: Selection, rows: int) -> str | None:
+        """Why ``choice`` is not one token id of the vocabulary per row (None when it is)."""
+        ids = choice.token_ids
+        if len(ids) != rows or len(choice.logprobs) != rows:
+            return f"the selector returned {len(ids)} tokens for {rows} rows"
+        vocab = self.backend.vocab_size
+        for token in ids:
+            if type(token) is not int or not 0 <= token < vocab:
+                return f"the selector returned {token!r}, not a token id below {vocab}"
+        return None
 
     def _processed_records(self, choice: Selection, items: list[tuple[Job, torch.Tensor]]
                            ) -> list[dict[str, Any] | None]:
@@ -327,11 +395,17 @@ class Engine:
     # --- endings ---------------------------------------------------------------------------
 
     def _finish(self, job: Job, reason: FinishReason, detail: str) -> None:
-        job.finish(reason, detail)
+        try:
+            job.finish(reason, detail)
+        except Exception as exc:
+            job.abort(f"ending the request ({reason.value}) failed: {exc!r}")
         self._release(job)
 
     def _fail(self, job: Job, error: str) -> None:
-        job.fail(error)
+        try:
+            job.fail(error)
+        except Exception as exc:  # the job's own state is broken: end it bare
+            job.abort(f"{error}; recording the failure failed: {exc!r}")
         self._release(job)
 
     def _release(self, job: Job) -> None:
@@ -344,8 +418,12 @@ class Engine:
             try:
                 self.backend.release(job.slot_id)
             except Exception as exc:  # the request is over either way; record it
-                job.tracer.emit("engine", "resources.release_failed", {"error": repr(exc)})
-        job.released()
+                with contextlib.suppress(Exception):
+                    job.tracer.emit("engine", "resources.release_failed", {"error": repr(exc)})
+        try:
+            job.released()
+        except Exception as exc:
+            job.abort(f"releasing the request failed: {exc!r}")
 
 
 __all__ = ["Engine", "EngineConfig", "RequestHandle", "RequestState", "Tracer"]

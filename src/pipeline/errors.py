@@ -10,7 +10,8 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     │   ├── InvalidValueError                    a field holds a value outside its domain
     │   ├── UnknownFieldError                    a key that the type does not have
     │   ├── TraceError                           a trace file that cannot be read as traces
-    │   └── ContextWindowError                   prompt (+ max_tokens) does not fit the window
+    │   ├── ContextWindowError                   prompt (+ max_tokens) does not fit the window
+    │   └── LimitExceededError                   a request exceeds a configured size limit
     ├── RegistryError (also LookupError)       plugin registry
     │   ├── UnknownNameError                     a stage name nobody registered
     │   └── PluginLoadError                      a plugin failed to import or register
@@ -29,12 +30,24 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
         ├── AuthenticationError                  missing or wrong API key
         ├── ModelNotFoundError                   no served model has that name
         ├── OverloadedError                      concurrency and queue are full
-        └── ModelLoadingError                    the model is still loading
+        ├── ModelLoadingError                    the model is still loading (or restarting)
+        ├── PayloadTooLargeError                 the request body exceeds the size limit
+        └── ClientGone                           the client disconnected; work for it stopped
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: error messages echo client input,
+    which may be megabytes long. (``repr`` escapes lone surrogates, so the message stays
+    encodable.)"""
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + f"... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class PipelineError(Exception):
@@ -52,7 +65,7 @@ class InvalidValueError(ValidationError):
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"{field}={value!r}: {reason}")
+        super().__init__(f"{field}={brief(value)}: {reason}")
 
 
 class UnknownFieldError(ValidationError):
@@ -74,21 +87,37 @@ class ContextWindowError(ValidationError):
 
     ``prompt_tokens`` and ``limit`` are the numbers (``limit`` is the most the window allows for
     what ``field`` measures); ``requested`` is the ``max_tokens`` asked for, when that is what
-    did not fit.
+    did not fit. ``lower_bound``: ``prompt_tokens`` is a bound from the prompt's length, not a
+    count (the prompt was refused before tokenizing).
     """
 
     def __init__(self, field: str, prompt_tokens: int, limit: int,
-                 requested: int | None = None) -> None:
+                 requested: int | None = None, *, lower_bound: bool = False) -> None:
         self.field = field
         self.prompt_tokens = prompt_tokens
         self.limit = limit
         self.requested = requested
         if requested is None:
-            message = f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+            count = (f"at least {prompt_tokens} tokens (by its length, not counted)"
+                     if lower_bound else f"{prompt_tokens} tokens")
+            message = f"prompt is too long: {count} > {limit} maximum"
         else:
             message = (f"{field}={requested} is too large: the prompt has {prompt_tokens} "
                        f"tokens, leaving room for {limit} output tokens")
         super().__init__(message)
+
+
+class LimitExceededError(ValidationError):
+    """A request exceeds the server's limit ``limit`` (a setting's name) on ``field``:
+    ``value`` is what the request has, ``maximum`` what the limit allows."""
+
+    def __init__(self, field: str, limit: str, value: int, maximum: int, what: str) -> None:
+        self.field = field
+        self.limit = limit
+        self.value = value
+        self.maximum = maximum
+        super().__init__(f"{field}: {value} {what} exceeds the limit of {maximum} "
+                         f"(server setting {limit})")
 
 
 class RegistryError(PipelineError, LookupError):
@@ -207,10 +236,29 @@ class OverloadedError(ServingError):
 
 
 class ModelLoadingError(ServingError):
-    """The model exists but is still loading (or failed to load: ``failed`` is then set)."""
+    """The model exists but is still loading (or failed to load: ``failed`` is then set; or
+    its engine stopped and is being restarted: ``restarting`` is then the reason)."""
 
-    def __init__(self, model: str, failed: str | None = None) -> None:
+    def __init__(self, model: str, failed: str | None = None,
+                 restarting: str | None = None) -> None:
         self.model = model
         self.failed = failed
-        state = f"failed to load: {failed}" if failed else "is still loading"
+        self.restarting = restarting
+        state = (f"failed to load: {failed}" if failed else
+                 f"has an engine that stopped ({restarting}); a fresh one is starting"
+                 if restarting else "is still loading")
         super().__init__(f"model {model!r} {state}")
+
+
+class PayloadTooLargeError(ServingError):
+    """The request body has ``size`` bytes (at least), over the server's ``limit``."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(f"request body of {size} bytes exceeds the limit of {limit} bytes "
+                         "(server setting max_body_bytes)")
+
+
+class ClientGone(ServingError):
+    """The client disconnected before its answer was ready; the work for it was stopped."""

@@ -9,11 +9,15 @@ loops (which read deltas, wait for the result, or cancel).
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from pipeline.errors import RequestFailed
-from pipeline.types import Completion, Delta
+from pipeline.types import Completion, Delta, FinishReason
+
+T = TypeVar("T")
 
 
 class RequestState(enum.Enum):
@@ -33,6 +37,16 @@ class RequestState(enum.Enum):
 
 
 DeltaListener = Callable[[Delta], None]
+log = logging.getLogger("pipeline.engine")
+
+
+def _contained(callback: Callable[[T], None], value: T) -> None:
+    """Run a consumer's callback on the engine thread; its failure is logged, never raised
+    (a consumer's bug must not end the engine or the other requests)."""
+    try:
+        callback(value)
+    except Exception:
+        log.exception("a request callback raised; the engine goes on")
 
 
 class RequestHandle:
@@ -139,7 +153,19 @@ class RequestHandle:
             listeners = tuple(self._listeners)
             self._cond.notify_all()
         for listener in listeners:
-            listener(delta)
+            _contained(listener, delta)
+
+    def _abort(self, completion: Completion) -> None:
+        """End in state failed without the job's help: a final delta if none was pushed
+        yet (so stream readers end), then the completion. Does nothing once complete."""
+        with self._cond:
+            if self._completion is not None:
+                return
+            pushed_final = bool(self._deltas) and self._deltas[-1].final
+        if not pushed_final:
+            self._push(Delta(self.request_id, len(self._deltas), "",
+                             finish_reason=FinishReason.ERROR))
+        self._complete(completion, RequestState.FAILED)
 
     def _complete(self, completion: Completion, state: RequestState) -> None:
         with self._cond:
@@ -148,4 +174,4 @@ class RequestHandle:
             self._cond.notify_all()
             callbacks, self._done_callbacks = self._done_callbacks, []
         for callback in callbacks:
-            callback(completion)
+            _contained(callback, completion)

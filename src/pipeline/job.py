@@ -347,6 +347,25 @@ class Job:
             "output_digest": digest_ids(self.output_ids), "text_digest": digest_text(
                 "".join(self.text)), "state": self.state.value})
 
+    def abort(self, error: str) -> None:
+        """Last resort when ending the job normally raised (its state is corrupt): complete
+        the handle with a bare failure built only from what is certainly well-formed. Never
+        raises, so a caller waiting on the handle always gets an answer."""
+        try:
+            self.state, self.error = RequestState.FAILED, error
+            self.finish_reason, self.slot = FinishReason.ERROR, None
+            ids = tuple(t for t in self.output_ids if type(t) is int)
+            elapsed = (time.monotonic_ns() - self.spec.accepted_ns) / 1e9
+            completion = Completion(
+                request_id=self.request.request_id, text="", token_ids=ids,
+                finish_reason=FinishReason.ERROR, usage=Usage(len(self.prompt_ids), len(ids)),
+                trace=self.tracer.events, timings=Timings(elapsed, None, elapsed),
+                stop_reason=None, error=error)
+        except Exception:  # not even that: an empty, failed completion
+            completion = Completion(self.request.request_id, "", (), FinishReason.ERROR,
+                                    Usage(0, 0), (), Timings(0.0, None, 0.0), error=error)
+        self.handle._abort(completion)
+
     def released(self) -> None:
         """The slot (if any) is free again; the caller gets its completion."""
         self._emit("engine", "resources.released", {"slot": self.slot})

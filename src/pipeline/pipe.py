@@ -171,6 +171,14 @@ class Pipeline:
         """The async-iterator form of :meth:`stream`, for an asyncio event loop."""
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
 
+    def restart_engine(self) -> None:
+        """Replace an engine whose loop stopped after an internal error (``engine.failure``)
+        with a fresh one over the same backend; requests submitted meanwhile got
+        :class:`~pipeline.errors.EngineClosed`. Does nothing while the engine is alive."""
+        engine = self._engine
+        if engine.failure is not None and not engine.alive:
+            self.engine = engine.fresh()
+
     def close(self) -> None:
         """Cancel what is in flight, stop the engine and close the event sinks."""
         if self.engine is not None:

@@ -64,6 +64,56 @@ def _range(
     return validate
 
 
+MAX_COUNT = 1 << 30
+"""Upper bound of every count a request names (``max_tokens``, ``top_k``, ...): beyond it a
+value can only be a mistake or an attack, and it keeps every count a 32-bit integer."""
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy: dividing logits by a smaller one overflows float32 (for
+``1e-320`` it is a division by zero), and the distribution is an argmax there anyway."""
+
+
+def unicode_error(value: str) -> str | None:
+    """Why ``value`` is not valid Unicode text (a lone UTF-16 surrogate), or None."""
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"is not valid Unicode: lone surrogate U+{ord(value[exc.start]):04X} at "
+                f"index {exc.start}")
+    return None
+
+
+def check_text(field: str, value: Any) -> None:
+    """Raise :class:`InvalidValueError` unless ``value`` is None or valid Unicode text."""
+    if isinstance(value, str):
+        why = unicode_error(value)
+        if why is not None:
+            raise InvalidValueError(field, value, why)
+
+
+def check_json_text(field: str, value: Any) -> None:
+    """Every string (keys too) inside a JSON-like value is valid Unicode (iterative, so a
+    deeply nested value cannot exhaust the stack)."""
+    stack: list[tuple[str, Any]] = [(field, value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            check_text(path, item)
+        elif isinstance(item, Mapping):
+            for key, sub in item.items():
+                check_text(f"{path} key", key)
+                stack.append((f"{path}.{key}", sub))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in enumerate(item))
+
+
+def _text(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """An attrs validator: None, or a string that is valid Unicode."""
+    _check(value is None or isinstance(value, str), attribute.name, value, "must be a string")
+    check_text(attribute.name, value)
+
+
 def _token_ids(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     for token in value:
         _check(_integer(token) and token >= 0, attribute.name, token,
@@ -107,9 +157,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class ToolCall:
     """A tool call the assistant proposed: ``arguments`` is the JSON text it emitted."""
 
-    name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    arguments: str = attrs.field(default="{}", validator=attrs.validators.instance_of(str))
-    id: str | None = None
+    name: str = attrs.field(validator=[attrs.validators.instance_of(str), _text])
+    arguments: str = attrs.field(default="{}", validator=[attrs.validators.instance_of(str),
+                                                          _text])
+    id: str | None = attrs.field(default=None, validator=_text)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToolCall:
@@ -132,9 +183,9 @@ class Message:
     role: str = attrs.field()
     content: str | None = attrs.field(default=None)
     tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tool_calls)
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    name: str | None = None
+    tool_call_id: str | None = attrs.field(default=None, validator=_text)
+    reasoning_content: str | None = attrs.field(default=None, validator=_text)
+    name: str | None = attrs.field(default=None, validator=_text)
 
     @role.validator
     def _role(self, _: attrs.Attribute[str], value: str) -> None:
@@ -143,6 +194,7 @@ class Message:
     @content.validator
     def _content(self, _: attrs.Attribute[Any], value: Any) -> None:
         _check(value is None or isinstance(value, str), "content", value, "must be a string")
+        check_text("content", value)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Message:
@@ -168,8 +220,8 @@ class Message:
 class ToolSpec:
     """A tool the model may call: name, description and a JSON-schema for its parameters."""
 
-    name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    description: str = ""
+    name: str = attrs.field(validator=[attrs.validators.instance_of(str), _text])
+    description: str = attrs.field(default="", validator=_text)
     parameters: Mapping[str, JSON] = attrs.field(
         factory=lambda: MappingProxyType({"type": "object", "properties": {}}),
         converter=_frozen_mapping, eq=False,
@@ -178,6 +230,10 @@ class ToolSpec:
     @name.validator
     def _name(self, _: attrs.Attribute[str], value: str) -> None:
         _check(bool(value), "name", value, "a tool needs a non-empty name")
+
+    @parameters.validator
+    def _parameters(self, _: attrs.Attribute[Any], value: Any) -> None:
+        check_json_text("parameters", value)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToolSpec:
@@ -232,15 +288,21 @@ class GenerationConfig:
     ``<think>`` block: at the budget the engine forces the template's end-of-thinking marker.
     ``forced_prefix`` are token ids the output must begin with (e.g. a tool-call opening when
     a tool call is required); the engine takes them in place of the selector's choices.
+
+    Numeric edges follow rules, not float accidents: a temperature below ``GREEDY_BELOW``
+    (1e-5) is greedy too; ``top_p`` and ``typical_p`` keep at least the most likely (most
+    typical) token however small they are, so ``top_p=1e-320`` means "the most likely token";
+    ``repetition_penalty`` lies in [0.01, 100] so penalized logits stay finite; every count is
+    at most ``MAX_COUNT`` (2**30). A ``stop`` given as one string is one stop string.
     """
 
-    max_tokens: int = attrs.field(default=256, validator=_range(1, None, integer=True))
+    max_tokens: int = attrs.field(default=256, validator=_range(1, MAX_COUNT, integer=True))
     temperature: float = attrs.field(default=1.0, validator=_range(0, 100))
-    top_k: int = attrs.field(default=0, validator=_range(0, None, integer=True))
+    top_k: int = attrs.field(default=0, validator=_range(0, MAX_COUNT, integer=True))
     top_p: float = attrs.field(default=1.0, validator=_range(0, 1, lo_open=True))
     min_p: float = attrs.field(default=0.0, validator=_range(0, 1))
     typical_p: float = attrs.field(default=1.0, validator=_range(0, 1, lo_open=True))
-    repetition_penalty: float = attrs.field(default=1.0, validator=_range(0, 100, lo_open=True))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_range(0.01, 100))
     presence_penalty: float = attrs.field(default=0.0, validator=_range(-2, 2))
     frequency_penalty: float = attrs.field(default=0.0, validator=_range(-2, 2))
     logit_bias: Mapping[int, float] = attrs.field(
@@ -248,7 +310,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_tuple_of_ints, validator=_token_ids)
-    min_tokens: int = attrs.field(default=0, validator=_range(0, None, integer=True))
+    min_tokens: int = attrs.field(default=0, validator=_range(0, MAX_COUNT, integer=True))
     ignore_eos: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     seed: int | None = attrs.field(default=None)
     logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
@@ -261,7 +323,7 @@ class GenerationConfig:
     processor_order: tuple[str, ...] | None = attrs.field(
         default=None, converter=_optional_order)
     reasoning_budget_tokens: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_range(0, None, integer=True)))
+        default=None, validator=attrs.validators.optional(_range(0, MAX_COUNT, integer=True)))
     forced_prefix: tuple[int, ...] = attrs.field(
         default=(), converter=_tuple_of_ints, validator=_token_ids)
 
@@ -271,6 +333,7 @@ class GenerationConfig:
         _check(len(value) <= 16, "stop", value, "at most 16 stop strings")
         for s in value:
             _check(isinstance(s, str) and s != "", "stop", s, "stop strings are non-empty")
+            check_text("stop", s)
 
     @seed.validator
     def _seed(self, _: attrs.Attribute[Any], value: Any) -> None:
@@ -294,8 +357,8 @@ class GenerationConfig:
 
     @property
     def greedy(self) -> bool:
-        """True when selection is argmax (``temperature == 0``)."""
-        return self.temperature == 0.0
+        """True when selection is argmax (``temperature < GREEDY_BELOW``, 0 included)."""
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GenerationConfig:
@@ -390,8 +453,12 @@ class Request:
                "give exactly one of messages (chat) or prompt (raw text)")
         _check(self.prompt is None or isinstance(self.prompt, str), "prompt", self.prompt,
                "must be a string")
+        check_text("prompt", self.prompt)
+        check_json_text("template_kwargs", self.template_kwargs)
+        check_json_text("client_metadata", self.client_metadata)
         _check(isinstance(self.request_id, str) and bool(self.request_id), "request_id",
                self.request_id, "must be a non-empty string")
+        check_text("request_id", self.request_id)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Request:

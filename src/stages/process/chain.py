@@ -10,7 +10,7 @@ Owns :class:`ProcessorChain`, the default order :data:`DEFAULT_ORDER`, the name-
 5. ``repetition_penalty`` — prompt + output tokens: positive ``/ p``, negative ``* p``
 6. ``presence_penalty`` — output tokens: ``- presence``
 7. ``frequency_penalty`` — output tokens: ``- frequency * count``
-8. ``temperature`` — ``/ T`` (``T == 0`` rows are greedy and left alone)
+8. ``temperature`` — ``/ T`` (greedy rows, ``T < 1e-5``, are left alone)
 9. ``top_k`` — the k most likely
 10. ``top_p`` — the smallest most-likely set with mass >= p
 11. ``min_p`` — ``prob >= min_p * max prob``

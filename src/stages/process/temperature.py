@@ -1,7 +1,7 @@
 """``temperature``: divide each row's logits by its temperature.
 
-Owns :class:`Temperature`. Argmax-invariant. A row with ``temperature == 0`` is greedy: it is
-left unchanged for the selector's argmax (the chain skips argmax-invariant processors for such
+Owns :class:`Temperature`. Argmax-invariant. A greedy row (``temperature`` below
+``GREEDY_BELOW``, 1e-5, zero included: dividing by less overflows float32) is left unchanged for the selector's argmax (the chain skips argmax-invariant processors for such
 rows). Works on either layout, in place; dividing by 1.0 is exact, so rows at ``T == 1`` are
 unchanged bit for bit.
 """
@@ -13,15 +13,14 @@ from stages.process.rows import row_floats
 
 
 class Temperature:
-    """``temperature``: ``s / T`` for rows with ``T`` not in (0, 1)."""
+    """``temperature``: ``s / T`` for sampled rows with ``T != 1``."""
 
     name: str = "temperature"
     argmax_invariant: bool = True
 
     def active(self, row: Row) -> bool:
         """Active for sampled rows whose temperature is not 1."""
-        t = row.config.temperature
-        return t != 0.0 and t != 1.0
+        return not row.config.greedy and row.config.temperature != 1.0
 
     def __call__(self, scores: Scores, batch: Batch) -> Scores:
         """Divide the active rows by their temperature."""

@@ -150,7 +150,10 @@ class TopP:
         flags = active_rows(batch, self.active)
         top_p = _per_row([r.config.top_p for r in batch.rows], scores.values)
         top, columns, above = _nucleus_prefix(scores.values, top_p, flags)  # [B, C]
-        outside = above >= top_p  # [B, C]; never the first column (above = 0 < top_p)
+        outside = above >= top_p  # [B, C]
+        # The most likely token always stays (its mass above is 0 < top_p), also when top_p
+        # is below float32's range (1e-320 rounds to 0 in the comparison).
+        outside[:, 0] = False
         if all(flags):
             return _nucleus(scores, columns, top.masked_fill_(outside, NEG_INF), outside)
         keep = outside.shape[1] - outside.sum(dim=1)  # [B], a prefix of the ranking

@@ -1,7 +1,7 @@
 """``greedy``: the argmax selector, ties to the lowest token id.
 
 Owns :class:`GreedySelector` and :func:`argmax_columns`, the argmax over either score layout
-(the sampling selector uses it for its ``temperature == 0`` rows).
+(the sampling selector uses it for its greedy rows, ``temperature < 1e-5``).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def _sampled_columns(scores: Scores, batch: Batch, sampled: list[int], u: torch.
 class SamplingSelector:
     """``sample``: draw each row's token from its processed distribution.
 
-    Rows with ``temperature == 0`` take the argmax (lowest id among ties). Each other row
+    Greedy rows (``temperature < 1e-5``) take the argmax (lowest id among ties). Each other row
     draws with ``uniform(row.seed, row.stream, row.step)``; logprobs come from the same
     processed scores. The selection records each row's draw (None for argmax rows).
 

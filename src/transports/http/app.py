@@ -1,8 +1,11 @@
 """The ASGI application: routes, the request flow, and streaming with disconnect → cancel.
 
 Owns :func:`create_app` (a Starlette app over a :class:`~transports.http.gateway.Gateway`) and
-the flow every generation takes: key → JSON → dialect parse → model → ``traceparent`` →
-window fit and admission (on a worker thread) → stream or wait. Errors anywhere before the
+the flow every generation takes: key → body (at most ``max_body_bytes``, else 413) → JSON
+checked at the door (depth, Unicode, size limits) and dialect parse → model →
+``traceparent`` → window fit and admission → stream or wait. Everything after reading the
+body that costs in proportion to the input runs on the bounded pool of
+:mod:`transports.http.work` and stops when the client leaves. Errors anywhere before the
 first byte become the dialect's error response through :mod:`transports.http.errors`, the
 only place that maps them. A streaming client that disconnects cancels its request (Starlette
 cancels the body iterator; its ``finally`` cancels the handle, and the engine frees the slot at
@@ -25,7 +28,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.errors import InvalidValueError, PipelineError
+from pipeline.errors import InvalidValueError, PayloadTooLargeError, PipelineError
 from pipeline.types import Completion
 from transports.http import anthropic_api, openai_api
 from transports.http.common import (
@@ -33,10 +36,11 @@ from transports.http.common import (
 )
 from transports.http.errors import Dialect, classify, error_body, status_for
 from transports.http.fields import Obj, check, parse_json
-from transports.http.gateway import Flight, Gateway, ServedModel
+from transports.http.gateway import Flight, Gateway, ModelState, ServedModel
 from transports.http.inbox import batches
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.output import OutputSplitter, Part
+from transports.http.work import Checkpoint, Workers, disconnected
 from transports.sse import SSEEvent, encode, encode_comment
 
 log = logging.getLogger("pipeline.http")
@@ -62,6 +66,8 @@ class Server:
         self.gateway = gateway
         c = gateway.config
         self.defaults = ServerDefaults(c.default_max_tokens, c.reasoning_budget_tokens)
+        self.limits = c.limits
+        self.work = Workers(c.work_threads, c.work_queue)
 
     # --- the shared front of every authenticated endpoint ----------------------------------
 
@@ -82,8 +88,32 @@ class Server:
 
         return handler
 
-    async def _json(self, http: HTTPRequest) -> Any:
-        return parse_json(await http.body())
+    async def _read(self, http: HTTPRequest) -> bytes:
+        """The body, refused with a 413 as soon as it is known to exceed the limit."""
+        limit = self.limits.max_body_bytes
+        declared = http.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise InvalidValueError("Content-Length", declared, "must be a byte count")
+            if int(declared) > limit:
+                raise PayloadTooLargeError(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _door(self, raw: bytes) -> Any:
+        """Parsed JSON that passed the door's checks: depth, Unicode, size limits."""
+        value = parse_json(raw, self.limits.max_json_depth)
+        self.limits.check(value)
+        return value
+
+    async def _parsed(self, http: HTTPRequest, parse: Callable[[Any], Parsed]) -> Parsed:
+        raw = await self._read(http)
+        return await self.work.run(http, lambda _: parse(self._door(raw)))
 
     def _served(self, http: HTTPRequest, parsed: Parsed) -> ServedModel:
         http.state.model = parsed.model
@@ -93,12 +123,14 @@ class Server:
 
     async def chat(self, http: HTTPRequest) -> Response:
         """``POST /v1/chat/completions``."""
-        parsed = openai_api.parse_chat(await self._json(http), self.defaults)
+        parsed = await self._parsed(
+            http, lambda body: openai_api.parse_chat(body, self.defaults))
         return await self._generate(http, parsed, Dialect.OPENAI, "chat.completions")
 
     async def messages(self, http: HTTPRequest) -> Response:
         """``POST /v1/messages``."""
-        parsed = anthropic_api.parse_messages(await self._json(http), self.defaults)
+        parsed = await self._parsed(
+            http, lambda body: anthropic_api.parse_messages(body, self.defaults))
         return await self._generate(http, parsed, Dialect.ANTHROPIC, "messages")
 
     async def _generate(self, http: HTTPRequest, parsed: Parsed, dialect: Dialect,
@@ -109,18 +141,22 @@ class Server:
         request = attrs.evolve(parsed.request, client_metadata=meta)
         loop = asyncio.get_running_loop()
 
-        def start() -> tuple[Flight, int, bool]:
+        def start(checkpoint: Checkpoint) -> tuple[Flight, int, bool]:
             tokenizer = served.pipe.stages.tokenizer
             assert tokenizer is not None
             forced = force_tool_call(request, parsed.forced_tool, tokenizer)
-            fitted = self.gateway.fit(served, forced, max_tokens_given=parsed.max_tokens_given)
+            fitted = self.gateway.fit(served, forced, max_tokens_given=parsed.max_tokens_given,
+                                      checkpoint=checkpoint)
             # message_start reports the prompt's size before any token exists
             counted = parsed.stream and dialect is Dialect.ANTHROPIC
+            checkpoint()
             prompt = served.pipe.count_tokens(fitted.request) if counted else 0
+            checkpoint()
             flight = self.gateway.submit(served, fitted.request, endpoint, loop)
             return flight, prompt, fitted.thinking
 
-        flight, prompt_tokens, thinking = await asyncio.to_thread(start)
+        flight, prompt_tokens, thinking = await self.work.run(
+            http, start, orphan=lambda started: started[0].handle.cancel())
         parsed = attrs.evolve(parsed, request=request, thinking=thinking)
         if parsed.stream:
             return StreamingResponse(self._stream(flight, parsed, dialect, prompt_tokens),
@@ -139,12 +175,7 @@ class Server:
 
     async def _wait(self, http: HTTPRequest, flight: Flight) -> Completion:
         """The completion; a client that disconnects first cancels the request."""
-
-        async def disconnected() -> None:
-            while (await http.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected(http))
         waiting: set[asyncio.Future[Any]] = {flight.done, watcher}
         try:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -199,15 +230,20 @@ class Server:
 
     async def count_tokens(self, http: HTTPRequest) -> Response:
         """``POST /v1/messages/count_tokens``."""
-        parsed = anthropic_api.parse_messages(await self._json(http), self.defaults,
-                                              counting=True)
+        parsed = await self._parsed(
+            http, lambda body: anthropic_api.parse_messages(body, self.defaults, counting=True))
         pipe = self._served(http, parsed).pipe
-        count = await asyncio.to_thread(pipe.count_tokens, parsed.request)
+        count = await self.work.run(http, lambda _: pipe.count_tokens(parsed.request))
         return JSONResponse({"input_tokens": count})
 
     async def tokenize(self, http: HTTPRequest) -> Response:
         """``POST /tokenize``: ``{model, prompt | messages}`` → token ids."""
-        body = Obj(await self._json(http), "body")
+        raw = await self._read(http)
+        return JSONResponse(await self.work.run(http, lambda check: self._tokens(http, raw,
+                                                                                 check)))
+
+    def _tokens(self, http: HTTPRequest, raw: bytes, checkpoint: Checkpoint) -> dict[str, Any]:
+        body = Obj(self._door(raw), "body")
         model = body.need("model", "string")
         served = self._served_name(http, model)
         pipe = served.pipe
@@ -218,19 +254,24 @@ class Server:
             body.done()
             request = attrs.evolve(parsed.request,
                                    template_kwargs={"add_generation_prompt": add})
-            ids = (await asyncio.to_thread(pipe.tokenize, request)).input_ids
+            checkpoint()
+            ids = pipe.tokenize(request).input_ids
         else:
             prompt = body.need("prompt", "string")
             body.done()
             tokenizer = pipe.stages.tokenizer
             assert tokenizer is not None
             ids = tuple(tokenizer.encode_text(prompt))
-        return JSONResponse({"tokens": list(ids), "count": len(ids),
-                             "max_model_len": self.gateway.window(served)})
+        return {"tokens": list(ids), "count": len(ids),
+                "max_model_len": self.gateway.window(served)}
 
     async def detokenize(self, http: HTTPRequest) -> Response:
         """``POST /detokenize``: ``{model, tokens}`` → text."""
-        body = Obj(await self._json(http), "body")
+        raw = await self._read(http)
+        return JSONResponse(await self.work.run(http, lambda _: self._text(http, raw)))
+
+    def _text(self, http: HTTPRequest, raw: bytes) -> dict[str, Any]:
+        body = Obj(self._door(raw), "body")
         served = self._served_name(http, body.need("model", "string"))
         tokenizer = served.pipe.stages.tokenizer
         assert tokenizer is not None
@@ -242,7 +283,7 @@ class Server:
                 raise InvalidValueError(path, token, f"outside the vocabulary (size {vocab})")
             ids.append(token)
         body.done()
-        return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+        return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
 
     def _served_name(self, http: HTTPRequest, name: str) -> ServedModel:
         http.state.model = name
@@ -257,11 +298,25 @@ class Server:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, http: HTTPRequest) -> Response:
-        """``GET /health``: 200 when every model is loaded, else 503 with each model's state."""
-        states = {name: m.state.value for name, m in self.gateway.models.items()}
+        """``GET /health``: 200 when every model is loaded and its engine runs, else 503 with
+        each model's state (``restarting`` while a stopped engine waits for a fresh one),
+        ``engine_failures`` naming why an engine stopped, and ``restarts`` counting fresh
+        engines per model once there were any."""
+        states, failures = {}, {}
+        for name, m in self.gateway.models.items():
+            failure = m.engine_failure if m.state is ModelState.READY else None
+            states[name] = "restarting" if failure is not None else m.state.value
+            if failure is not None:
+                failures[name] = failure
         ok = self.gateway.ready
-        return JSONResponse({"status": "ok" if ok else "loading", "models": states},
-                            200 if ok else 503)
+        status = "ok" if ok else ("engine_stopped" if failures else "loading")
+        body: dict[str, Any] = {"status": status, "models": states}
+        restarts = {n: m.restarts for n, m in self.gateway.models.items() if m.restarts}
+        if restarts:
+            body["restarts"] = restarts
+        if failures:
+            body["engine_failures"] = failures
+        return JSONResponse(body, 200 if ok else 503)
 
     async def metrics(self, http: HTTPRequest) -> Response:
         """``GET /metrics`` in the Prometheus text format."""
@@ -288,6 +343,7 @@ def create_app(gateway: Gateway) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
+        s.work.close()
         await asyncio.to_thread(gateway.close)
 
     return Starlette(routes=routes, lifespan=lifespan)

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
+from transports.http.limits import Limits
 
 
 def _positive(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -48,6 +49,11 @@ class ServerConfig:
     caps each model's window (``None``: the model's own); ``context_slack`` tokens of it are
     kept free. A ``max_tokens`` larger than the room left is clamped when ``clamp_max_tokens``,
     else refused; a request without one gets ``min(room, default_max_tokens)``.
+
+    ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`).
+    Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
+    most ``work_queue`` more waiting. When a model's engine loop stops after an internal
+    error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -63,6 +69,15 @@ class ServerConfig:
     reasoning_budget_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_non_negative))
     ping_interval_s: float = 5.0
+    limits: Limits = attrs.field(factory=Limits)
+    work_threads: int = attrs.field(default=4, validator=_positive)
+    work_queue: int = attrs.field(default=64, validator=_non_negative)
+    restart_delay_s: float = attrs.field(default=1.0)
+
+    @restart_delay_s.validator
+    def _delay(self, _: attrs.Attribute[float], value: float) -> None:
+        if not isinstance(value, (int, float)) or not 0 <= value < 3600:
+            raise InvalidValueError("restart_delay_s", value, "must be in [0, 3600) seconds")
 
 
 def load_api_keys(env_var: str | None = "PIPELINE_API_KEYS",

@@ -13,13 +13,19 @@ Mapping (the exception tree is drawn in :mod:`pipeline.errors`):
 exception                      status  OpenAI ``type``             Anthropic ``type``
 =============================  ======  ==========================  ==========================
 ValidationError (all)          400     invalid_request_error       invalid_request_error
+ (LimitExceededError: code ``limit_exceeded`` with ``limit``, ``value``, ``maximum``)
 UnknownNameError               400     invalid_request_error       invalid_request_error
 AuthenticationError            401     authentication_error        authentication_error
 ModelNotFoundError             404     invalid_request_error       not_found_error
 OverloadedError                429/529 rate_limit_exceeded (429)   overloaded_error (529)
 ModelLoadingError, EngineClosed 503    service_unavailable         api_error
+PayloadTooLargeError           413     invalid_request_error       request_too_large
+ClientGone                     499     client_closed_request       client_closed_request
 anything else                  500     server_error                api_error
 =============================  ======  ==========================  ==========================
+
+Every string of an error body is valid Unicode (a lone surrogate a client sent is written as
+its ``\\uXXXX`` escape), so echoing hostile input can never make the error itself fail.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from typing import Any
 import attrs
 
 from pipeline.errors import (
-    AuthenticationError, ContextWindowError, EngineClosed, InvalidValueError, ModelLoadingError,
-    ModelNotFoundError, OverloadedError, UnknownFieldError, UnknownNameError, ValidationError,
+    AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
+    LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
+    PayloadTooLargeError, UnknownFieldError, UnknownNameError, ValidationError,
 )
 
 
@@ -63,6 +70,10 @@ def _validation(exc: ValidationError) -> ErrorInfo:
         code = "context_length_exceeded" if exc.requested is None else "max_tokens_exceeded"
         return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc),
                          exc.field, code, extras)
+    if isinstance(exc, LimitExceededError):
+        return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc),
+                         exc.field, "limit_exceeded",
+                         {"limit": exc.limit, "value": exc.value, "maximum": exc.maximum})
     param = exc.field if isinstance(exc, (InvalidValueError, UnknownFieldError)) else None
     code = "unknown_field" if isinstance(exc, UnknownFieldError) else "invalid_value"
     return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc), param, code)
@@ -84,6 +95,11 @@ def classify(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, OverloadedError):
         return ErrorInfo(429, "rate_limit_exceeded", "overloaded_error", str(exc),
                          code="overloaded")
+    if isinstance(exc, PayloadTooLargeError):
+        return ErrorInfo(413, "invalid_request_error", "request_too_large", str(exc),
+                         code="request_too_large", extras={"limit": exc.limit})
+    if isinstance(exc, ClientGone):
+        return ErrorInfo(499, "client_closed_request", "client_closed_request", str(exc))
     if isinstance(exc, (ModelLoadingError, EngineClosed)):
         return ErrorInfo(503, "service_unavailable", "api_error", str(exc),
                          code="model_loading" if isinstance(exc, ModelLoadingError) else None)
@@ -97,8 +113,23 @@ def status_for(info: ErrorInfo, dialect: Dialect) -> int:
     return info.status
 
 
+def _safe(value: Any) -> Any:
+    """``value`` with every string made valid Unicode (lone surrogates escaped)."""
+    if isinstance(value, str):
+        return value if value.isascii() else value.encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, dict):
+        return {_safe(k): _safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_safe(v) for v in value]
+    return value
+
+
 def error_body(info: ErrorInfo, dialect: Dialect) -> dict[str, Any]:
-    """The JSON error body in ``dialect``'s shape."""
+    """The JSON error body in ``dialect``'s shape (every string valid Unicode)."""
+    return _safe(_body(info, dialect))  # type: ignore[no-any-return]
+
+
+def _body(info: ErrorInfo, dialect: Dialect) -> dict[str, Any]:
     if dialect is Dialect.ANTHROPIC:
         inner: dict[str, Any] = {"type": info.anthropic_type, "message": info.message}
         if info.param is not None:

@@ -1,7 +1,8 @@
 """Reading JSON request bodies: typed field access that names the field in every error.
 
-Owns :func:`parse_json` (bytes → a JSON value; malformed JSON, ``NaN`` and ``Infinity`` are
-errors) and :class:`Obj`, a view of one JSON object whose getters check type and range and
+Owns :func:`parse_json` (bytes → a JSON value; malformed JSON, ``NaN`` and ``Infinity``, a
+lone UTF-16 surrogate in any string or key, and nesting deeper than ``max_depth`` are errors:
+text is checked once, here at the door) and :class:`Obj`, a view of one JSON object whose getters check type and range and
 record which keys were read, so :meth:`Obj.done` can reject every key nobody asked for. Every
 error is an :class:`~pipeline.errors.InvalidValueError` or
 :class:`~pipeline.errors.UnknownFieldError` whose field is the JSON path
@@ -12,10 +13,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipeline.errors import InvalidValueError, UnknownFieldError
+from pipeline.errors import InvalidValueError, LimitExceededError, UnknownFieldError
+from pipeline.types import unicode_error
+
+MAX_DEPTH = 64
+# A surrogate can only enter a decoded string through a \uD800-\uDFFF escape (strict UTF-8
+# decoding refuses encoded surrogates), so bodies without one skip the string check.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
@@ -28,13 +36,71 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(raw: bytes) -> Any:
-    """Decode a request body; anything but strict UTF-8 JSON is a 400 naming ``body``."""
+def parse_json(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """Decode a request body; anything but strict UTF-8 JSON of valid Unicode text, nested
+    at most ``max_depth`` deep, is a 400 naming where."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        value = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InvalidValueError("body", raw[:80].decode("utf-8", "replace"),
                                 f"malformed JSON: {exc}") from None
+    _check_tree(value, max_depth, _SURROGATE_ESCAPE.search(raw) is not None)
+    return value
+
+
+def _check_tree(value: Any, max_depth: int, strings: bool) -> None:
+    """Nesting depth, and (when ``strings``) every key and string's Unicode, without recursion.
+    Only on a failure is the walk redone to name the path."""
+    if isinstance(value, str):
+        if strings and unicode_error(value) is not None:
+            _bad_text(value)
+        return
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            path, _ = _find(value, lambda _, d: d > max_depth)
+            raise LimitExceededError(path, "max_json_depth", depth, max_depth, "levels of nesting")
+        children = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, sub in children:
+            bad = strings and ((isinstance(key, str) and unicode_error(key) is not None)
+                               or (isinstance(sub, str) and unicode_error(sub) is not None))
+            if bad:
+                _bad_text(value)
+            if isinstance(sub, (dict, list)):
+                stack.append((sub, depth + 1))
+
+
+def _bad_text(value: Any) -> None:
+    """Raise for the first invalid string or key in ``value`` (known to hold one)."""
+    def invalid(item: Any, _: int) -> bool:
+        return isinstance(item, str) and unicode_error(item) is not None
+    path, text = _find(value, invalid)
+    raise InvalidValueError(path, text, unicode_error(text) or "is not valid Unicode")
+
+
+def _find(value: Any, hit: Callable[[Any, int], bool]) -> tuple[str, Any]:
+    """``(JSON path, node)`` of the first node (keys count as nodes, at their value's depth)
+    for which ``hit(node, depth)``; the root is at depth 1."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 1)]
+    while stack:
+        item, at, level = stack.pop()
+        if hit(item, level):
+            return at or "body", item
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                name = f"{at}.{_ascii(key)}" if at else _ascii(key)
+                if hit(key, level + 1):
+                    return f"{name} (the key)", key
+                stack.append((sub, name, level + 1))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{at}[{i}]", level + 1) for i, sub in enumerate(item))
+    return "body", None
+
+
+def _ascii(key: Any) -> str:
+    """A key as printable text: lone surrogates become their escapes."""
+    return str(key).encode("utf-8", "backslashreplace").decode()
 
 
 def check(path: str, value: Any, kind: str) -> Any:

@@ -4,8 +4,14 @@ Owns :class:`Gateway`: API-key checks (constant time), the served models and the
 state (503 while loading), routing by name (404 listing the served names), window arithmetic
 (a fast upper bound first, the exact count only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
-:class:`~pipeline.errors.OverloadedError`), and the end of every request: its usage record
-committed durably, its admission place given back, its metrics counted.
+:class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
+committed durably, its admission place given back, its metrics counted), and supervision:
+when a model's engine loop stops after an internal error, the model answers 503 (its queued
+requests already failed) and a fresh engine replaces it ``restart_delay_s`` later.
+
+Keys: ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` are both accepted. When a request
+sends both, both must be valid keys: a wrong one is a 401 naming its header, never ignored
+because the other one is right. An ``Authorization`` header of another scheme is a 401.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import hmac
+import logging
+import math
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,11 +36,13 @@ from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, Request
 from transports.http.config import ServerConfig
+from transports.http.work import Checkpoint
 from transports.http.metrics import Metrics
 from transports.http.output import opens_thinking
 from transports.http.usage import UsageRecord, UsageStore
 
 Builder = Callable[[Path | None, ServerConfig], Pipeline]
+log = logging.getLogger("pipeline.http")
 
 
 def default_builder(folder: Path | None, config: ServerConfig) -> Pipeline:
@@ -73,13 +83,39 @@ class ServedModel:
         self.error: str | None = None
         self.inflight = 0
         self.lock = threading.Lock()
+        self.restarts = 0
+        """Fresh engines started after the engine loop stopped."""
+        self._token_chars: int | None = None
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the engine loop stopped, while no fresh engine has replaced it."""
+        pipe = self.pipeline
+        engine = pipe.engine if pipe is not None else None
+        return engine.failure if engine is not None and not engine.alive else None
 
     @property
     def pipe(self) -> Pipeline:
-        """The pipeline; raises :class:`ModelLoadingError` until it is ready."""
+        """The pipeline; raises :class:`ModelLoadingError` until it is ready, and while its
+        stopped engine waits for a fresh one."""
         if self.pipeline is None or self.state is not ModelState.READY:
             raise ModelLoadingError(self.name, self.error)
+        failure = self.engine_failure
+        if failure is not None:
+            raise ModelLoadingError(self.name, restarting=failure)
         return self.pipeline
+
+    @property
+    def token_chars(self) -> int:
+        """The most characters one token of the vocabulary decodes to (computed once)."""
+        if self._token_chars is None:
+            assert self.pipeline is not None, "the model is loaded"
+            tokenizer = self.pipeline.stages.tokenizer
+            assert tokenizer is not None
+            self._token_chars = max(
+                (len(tokenizer.decode([i], skip_special_tokens=False))
+                 for i in range(tokenizer.vocab_size)), default=1) or 1
+        return self._token_chars
 
     @property
     def max_context(self) -> int:
@@ -115,7 +151,7 @@ class Gateway:
         self.config = config
         self._builder = builder
         self.models = {name: ServedModel(name, folder) for name, folder in config.models.items()}
-        self.metrics = Metrics(self.pipelines)
+        self.metrics = Metrics(self.pipelines, tuple(self.models))
         self.usage = UsageStore(config.data_dir)
         self._loaders: list[threading.Thread] = []
         self._closed = threading.Event()
@@ -143,12 +179,45 @@ class Gateway:
         for served in self.models.values():
             try:
                 served.pipeline = self._builder(served.folder, self.config)
+                self._supervise(served)
+                served.token_chars  # the prompt-size bound needs it; compute it before serving
                 served.state = ModelState.READY
             except Exception as exc:  # reported as a 503 naming the failure
                 served.error = repr(exc)
                 served.state = ModelState.FAILED
         loaded.set()
         self._closed.wait()
+
+    # --- supervision -------------------------------------------------------------------------
+
+    def _supervise(self, served: ServedModel) -> None:
+        """Have ``served``'s engine report a stopped loop to :meth:`_engine_stopped`."""
+        engine = served.pipeline.engine if served.pipeline is not None else None
+        if engine is not None:
+            engine.on_stop = lambda why: self._engine_stopped(served, why)
+
+    def _engine_stopped(self, served: ServedModel, why: str) -> None:
+        """On the dying engine thread: schedule a fresh engine (503 until it runs)."""
+        log.error("model %r: the engine loop stopped (%s); a fresh engine starts in %.1f s",
+                  served.name, why, self.config.restart_delay_s)
+        if self._closed.is_set():
+            return
+        timer = threading.Timer(self.config.restart_delay_s, self._restart, (served,))
+        timer.daemon = True
+        timer.start()
+
+    def _restart(self, served: ServedModel) -> None:
+        if self._closed.is_set() or served.pipeline is None:
+            return
+        try:
+            served.pipeline.restart_engine()
+        except Exception as exc:
+            served.error, served.state = f"restarting the engine failed: {exc!r}", ModelState.FAILED
+            log.exception("model %r: restarting the engine failed", served.name)
+            return
+        served.restarts += 1
+        log.warning("model %r: a fresh engine is running (restart %d)", served.name,
+                    served.restarts)
 
     def pipelines(self) -> Mapping[str, Pipeline]:
         """The loaded pipelines by served name."""
@@ -165,8 +234,9 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        """True when every model is loaded."""
-        return all(m.state is ModelState.READY for m in self.models.values())
+        """True when every model is loaded and its engine runs."""
+        return all(m.state is ModelState.READY and m.engine_failure is None
+                   for m in self.models.values())
 
     # --- keys --------------------------------------------------------------------------------
 
@@ -174,18 +244,27 @@ class Gateway:
         """Accept the request's key (``Authorization: Bearer`` or ``x-api-key``) or raise."""
         if not self.config.api_keys:
             return
-        given = api_key
-        if given is None and authorization is not None:
-            scheme, _, token = authorization.partition(" ")
-            given = token.strip() if scheme.lower() == "bearer" else None
-        if not given:
+        sent: list[tuple[str, str]] = []
+        if authorization is not None:
+            scheme, _, token = authorization.strip().partition(" ")
+            if scheme.lower() != "bearer":
+                raise AuthenticationError("Authorization header: only the Bearer scheme is "
+                                          "accepted (Authorization: Bearer <key>)")
+            sent.append(("Authorization", token.strip()))
+        if api_key is not None:
+            sent.append(("x-api-key", api_key.strip()))
+        if not any(key for _, key in sent):
             raise AuthenticationError("missing API key: send Authorization: Bearer <key> "
                                       "or x-api-key")
+        for header, given in sent:  # both must be valid when both are sent
+            if not self._valid(given):
+                raise AuthenticationError(f"invalid API key in the {header} header")
+
+    def _valid(self, given: str) -> bool:
         match = False
         for key in self.config.api_keys:  # compare with all, in constant time each
-            match |= hmac.compare_digest(given.encode(), key.encode())
-        if not match:
-            raise AuthenticationError("invalid API key")
+            match |= hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode())
+        return match
 
     # --- window arithmetic -------------------------------------------------------------------
 
@@ -195,11 +274,14 @@ class Gateway:
         limit = min(served.max_context, self.config.max_context or served.max_context)
         return limit - self.config.context_slack
 
-    def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool) -> Fitted:
+    def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool,
+            checkpoint: Checkpoint | None = None) -> Fitted:
         """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
 
         ``room = window - slack - prompt_tokens``. When the character-class bound plus
-        ``max_tokens`` fits, the prompt is not counted here at all.
+        ``max_tokens`` fits, the prompt is not counted here at all. A prompt with more
+        characters than ``window`` tokens of the longest token could cover is refused before
+        tokenizing. ``checkpoint`` is called between the render and the count.
         """
         pipe, config = served.pipe, request.generation_config
         window = self.window(served)
@@ -213,6 +295,11 @@ class Gateway:
         thinking = opens_thinking(text)
         if token_upper_bound(text) + config.max_tokens <= window:
             return Fitted(request, thinking)
+        at_least = math.ceil(len(text) / served.token_chars)
+        if at_least > window - 1:
+            raise ContextWindowError("messages", at_least, window - 1, lower_bound=True)
+        if checkpoint is not None:
+            checkpoint()
         prompt_tokens = pipe.count_tokens(request)
         if prompt_tokens > window - 1:
             raise ContextWindowError("messages", prompt_tokens, window - 1)

@@ -2,7 +2,9 @@
 
 Owns :class:`Metrics`: request counts by model, endpoint and status; prompt and completion
 token counts; time-to-first-token and inter-token latency histograms; and gauges of active
-slots and queue depth read from the engines at scrape time.
+slots and queue depth read from the engines at scrape time. Labels come from bounded sets:
+a ``model`` label is a served name or ``other`` (a client choosing model names must not grow
+the exposition, nor put undecodable text in it).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class _EngineGauges(Collector):
 class Metrics:
     """The server's metrics; ``render()`` gives the Prometheus text exposition."""
 
-    def __init__(self, pipelines: Callable[[], Mapping[str, Pipeline]]) -> None:
+    def __init__(self, pipelines: Callable[[], Mapping[str, Pipeline]],
+                 served: Iterable[str] = ()) -> None:
+        self.served = frozenset(served)
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("pipeline_requests", "HTTP requests by outcome",
                                 ["model", "endpoint", "status"], registry=self.registry)
@@ -54,13 +58,18 @@ class Metrics:
                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_EngineGauges(pipelines))
 
+    def label(self, model: str) -> str:
+        """The ``model`` label for a name a request gave: itself if served, else ``other``."""
+        return model if model in self.served else "other"
+
     def request(self, model: str, endpoint: str, status: int) -> None:
-        """Count one answered request."""
-        self.requests.labels(model, endpoint, str(status)).inc()
+        """Count one answered request (``model`` as the request named it)."""
+        self.requests.labels(self.label(model), endpoint, str(status)).inc()
 
     def finished(self, model: str, prompt_tokens: int, completion_tokens: int,
                  ttft_s: float | None) -> None:
         """Record a finished generation's tokens and time to first token."""
+        model = self.label(model)
         self.tokens.labels(model, "prompt").inc(prompt_tokens)
         self.tokens.labels(model, "completion").inc(completion_tokens)
         if ttft_s is not None:

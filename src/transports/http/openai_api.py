@@ -37,7 +37,7 @@ _NUMBERS = {
     # common server extensions (vLLM spellings)
     "top_k": ("top_k", 0, 1 << 30, True),
     "min_p": ("min_p", 0.0, 1.0, False),
-    "repetition_penalty": ("repetition_penalty", 0.0, 100.0, False),
+    "repetition_penalty": ("repetition_penalty", 0.01, 100.0, False),
     "min_tokens": ("min_tokens", 0, 1 << 30, True),
     "reasoning_budget_tokens": ("reasoning_budget_tokens", 0, 1 << 30, True),
 }

@@ -1,0 +1,118 @@
+"""Size limits on what one request may ask for, checked at the door before any real work.
+
+Owns :class:`Limits`, the server's configurable bounds (``pipeline serve --max-...``), and
+their check on a request body that is parsed JSON but not yet validated by a dialect, so a
+hostile body is refused before it is rendered, tokenized or even read field by field:
+
+==========================  ===========  ===================================================
+setting                     default      what it bounds (error)
+==========================  ===========  ===================================================
+``max_body_bytes``          4 MiB        the request body (413, before it is all read)
+``max_json_depth``          64           nesting of the JSON body (400)
+``max_messages``            2048         ``messages`` entries (400)
+``max_stop``                16           stop strings: ``stop`` / ``stop_sequences`` (400)
+``max_stop_chars``          1024         characters of each stop string (400)
+``max_tools``               128          ``tools`` entries (400)
+``max_tool_schema_bytes``   65536        each tool's definition, as compact JSON (400)
+``max_prompt_chars``        1,000,000    characters of all text in ``messages``, ``system``
+                                         and ``prompt``, before tokenization (400)
+==========================  ===========  ===================================================
+
+Every refusal is a :class:`~pipeline.errors.LimitExceededError` (or
+:class:`~pipeline.errors.PayloadTooLargeError`) naming the field, the value, the limit and the
+setting. A prompt within ``max_prompt_chars`` can still be too long for the model's window:
+the gateway refuses it, still before tokenizing, when its characters cannot fit even at the
+longest token's length (:meth:`transports.http.gateway.Gateway.fit`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from pipeline.errors import InvalidValueError, LimitExceededError
+
+MIB = 1 << 20
+
+
+def _at_least_one(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidValueError(attribute.name, value, "must be an integer >= 1")
+
+
+def _limit(default: int) -> Any:
+    return attrs.field(default=default, validator=_at_least_one)
+
+
+@attrs.frozen
+class Limits:
+    """The server's bounds on one request (see the module docstring for each)."""
+
+    max_body_bytes: int = _limit(4 * MIB)
+    max_json_depth: int = _limit(64)
+    max_messages: int = _limit(2048)
+    max_stop: int = _limit(16)
+    max_stop_chars: int = _limit(1024)
+    max_tools: int = _limit(128)
+    max_tool_schema_bytes: int = _limit(64 * 1024)
+    max_prompt_chars: int = _limit(1_000_000)
+
+    def check(self, body: Any) -> None:
+        """Raise for the first limit ``body`` (parsed JSON of any endpoint) exceeds. Fields
+        of the wrong type are left for the dialect's parser to name."""
+        if not isinstance(body, dict):
+            return
+        self._count(body, "messages", self.max_messages, "max_messages", "messages")
+        self._count(body, "tools", self.max_tools, "max_tools", "tools")
+        for name in ("stop", "stop_sequences"):
+            self._stops(name, body.get(name))
+        self._tools(body.get("tools"))
+        chars = sum(_text_chars(body.get(name)) for name in ("messages", "system", "prompt"))
+        if chars > self.max_prompt_chars:
+            raise LimitExceededError("messages", "max_prompt_chars", chars,
+                                     self.max_prompt_chars, "characters of prompt text")
+
+    @staticmethod
+    def _count(body: dict[str, Any], name: str, maximum: int, setting: str, what: str) -> None:
+        value = body.get(name)
+        if isinstance(value, list) and len(value) > maximum:
+            raise LimitExceededError(name, setting, len(value), maximum, what)
+
+    def _stops(self, name: str, value: Any) -> None:
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list):
+            return
+        if len(stops) > self.max_stop:
+            raise LimitExceededError(name, "max_stop", len(stops), self.max_stop,
+                                     "stop strings")
+        for i, stop in enumerate(stops):
+            if isinstance(stop, str) and len(stop) > self.max_stop_chars:
+                raise LimitExceededError(f"{name}[{i}]" if stops is value else name,
+                                         "max_stop_chars", len(stop), self.max_stop_chars,
+                                         "characters in a stop string")
+
+    def _tools(self, tools: Any) -> None:
+        if not isinstance(tools, list):
+            return
+        for i, tool in enumerate(tools):
+            size = len(json.dumps(tool, separators=(",", ":"), ensure_ascii=False))
+            if size > self.max_tool_schema_bytes:
+                raise LimitExceededError(f"tools[{i}]", "max_tool_schema_bytes", size,
+                                         self.max_tool_schema_bytes,
+                                         "characters of tool definition JSON")
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of every string value (not key) inside ``value``, without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
