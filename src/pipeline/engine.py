@@ -30,6 +30,7 @@ work with :class:`~pipeline.errors.EngineClosed` naming why (``failure``), and c
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -52,6 +53,7 @@ from pipeline.recording import host_rows, logits_record, processed_record, same_
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
+log = logging.getLogger("pipeline.engine")
 
 
 @attrs.frozen
@@ -170,8 +172,8 @@ class Engine:
         try:
             self._run()
         except BaseException as exc:  # the loop must not end silently: say why, free all
+            log.critical("the engine loop stopped", exc_info=exc)
             self._stopped(f"{type(exc).__name__}: {exc}")
-            raise
 
     def _run(self) -> None:
         while True:
@@ -239,16 +241,28 @@ class Engine:
         if ready:
             self._select(ready)
 
+    def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` for ``job``; if it raises, fail that job alone. True when it ran."""
+        try:
+            fn()
+        except Exception as exc:  # this request's state is broken, not the others'
+            self._fail(job, f"{what} failed: {exc!r}")
+            return False
+        return True
+
     def _settle(self) -> None:
         """Cancellations, deadlines and queue time-outs, in every non-terminal state."""
         now = time.monotonic_ns()
         for job in list(self._queue) + list(self._active):
-            if job.handle.cancel_requested:
-                self._finish(job, FinishReason.CANCELLED, "cancel requested")
-            elif job.deadline_passed(now):
-                self._finish(job, FinishReason.DEADLINE, "deadline")
-            elif job.state is RequestState.QUEUED and job.queue_timed_out(now):
-                self._fail(job, "queue timeout: no slot became free in time")
+            self._guarded(job, "settling", lambda: self._settle_one(job, now))
+
+    def _settle_one(self, job: Job, now: int) -> None:
+        if job.handle.cancel_requested:
+            self._finish(job, FinishReason.CANCELLED, "cancel requested")
+        elif job.deadline_passed(now):
+            self._finish(job, FinishReason.DEADLINE, "deadline")
+        elif job.state is RequestState.QUEUED and job.queue_timed_out(now):
+            self._fail(job, "queue timeout: no slot became free in time")
 
     def _admit(self) -> None:
         while self._queue and len(self._active) < self.backend.num_slots:
@@ -259,19 +273,22 @@ class Engine:
             job = self._queue.popleft()
             with self._cv:
                 self._active.append(job)
-            job.start_prefill(slot)
+            job.slot = slot  # held from now on: a failed start releases it
+            self._guarded(job, "starting prefill", lambda: job.start_prefill(slot))
 
     def _plan(self) -> _Plan:
         decode = [j for j in self._active if j.state is RequestState.DECODING]
         budget = self.config.token_budget - len(decode)
         prefill: list[tuple[Job, PrefillChunk]] = []
-        for job in self._active:
+        for job in list(self._active):
             if budget <= 0:
                 break
             if job.state is RequestState.PREFILLING:
-                chunk = job.next_chunk(min(budget, self.config.max_prefill_chunk))
-                prefill.append((job, chunk))
-                budget -= len(chunk.token_ids)
+                chunk: list[PrefillChunk] = []
+                limit = min(budget, self.config.max_prefill_chunk)
+                if self._guarded(job, "planning", lambda: chunk.append(job.next_chunk(limit))):
+                    prefill.append((job, chunk[0]))
+                    budget -= len(chunk[0].token_ids)
         return _Plan(decode, prefill)
 
     def _run_prefill(self, work: list[tuple[Job, PrefillChunk]]) -> list[tuple[Job, torch.Tensor]]:
@@ -280,16 +297,17 @@ class Engine:
                           lambda jobs: self.backend.prefill([chunks[j] for j in jobs]))
         ready = [(job, logits) for job, logits in done if chunks[job].last]
         records = dict(zip((j for j, _ in ready), self._logits_records(ready)))
-        for job, _ in done:
-            job.prefilled(chunks[job], self._cache(job), records.get(job))
-        return ready
+        kept = {job for job, _ in done if self._guarded(job, "recording prefill", lambda: (
+            job.prefilled(chunks[job], self._cache(job), records.get(job))))}
+        return [(job, logits) for job, logits in ready if job in kept]
 
     def _run_decode(self, jobs: list[Job]) -> list[tuple[Job, torch.Tensor]]:
         done = self._call(jobs, lambda js: self.backend.decode(
             [j.slot_id for j in js], [j.pending_token for j in js]))
-        for (job, _), record in zip(done, self._logits_records(done)):
-            job.decoded(self._cache(job), record)
-        return done
+        records = self._logits_records(done)
+        return [(job, logits) for (job, logits), record in zip(done, records)
+                if self._guarded(job, "recording decode",
+                                 lambda: job.decoded(self._cache(job), record))]
 
     def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
         """The slot's cache length, and its per-layer lengths when the backend reports them."""
@@ -335,15 +353,13 @@ class Engine:
             groups.setdefault(job.processor_order, []).append((job, row))
         for order, items in groups.items():
             strategy = self.strategy(order)
+            orders: dict[Job, tuple[str, ...] | None] = {}
+            items = [(job, row) for job, row in items if self._guarded(
+                job, "configuring selection", lambda: orders.update(
+                    {job: self._configure(job, strategy)}))]
+            if not items:
+                continue
             batch = Batch(tuple(j.row() for j, _ in items), self.backend.vocab_size)
-            orders: list[tuple[str, ...] | None] = []
-            for (job, _), state in zip(items, batch.rows):
-                # The applied order is recorded at step 1, and at every step for ``full``
-                # recordings (it costs ~20 µs per row; an order can change, e.g. min_tokens).
-                order = strategy.order(state) if state.step == 1 or job.full else None
-                if state.step == 1:
-                    job.configured(strategy, order or ())
-                orders.append(order)
             logits = torch.stack([r for _, r in items]).float()  # [B, V]
             try:
                 choice = strategy.update(logits, batch)
@@ -362,12 +378,23 @@ class Engine:
                 try:
                     token, logprob = job.taken(choice.token_ids[i], choice.logprobs[i])
                     reason = job.advance(token, logprob, self.backend.max_context,
-                                         processed[i], draw, orders[i])
+                                         processed[i], draw, orders[job])
                 except Exception as exc:  # this request's state is broken, not the others'
                     self._fail(job, f"taking token failed: {exc!r}")
                     continue
                 if reason is not None:
                     self._release(job)
+
+    @staticmethod
+    def _configure(job: Job, strategy: Strategy) -> tuple[str, ...] | None:
+        """The processor order to record for this step (and the step-1 configuration event).
+        It is recorded at step 1, and at every step for ``full`` recordings (it costs ~20 µs
+        per row; an order can change, e.g. with min_tokens)."""
+        state = job.row()
+        order = strategy.order(state) if state.step == 1 or job.full else None
+        if state.step == 1:
+            job.configured(strategy, order or ())
+        return order
 
     def _bad_selection(self, choice: Selection, rows: int) -> str | None:
         """Why ``choice`` is not one token id of the vocabulary per row (None when it is)."""

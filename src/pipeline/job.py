@@ -353,7 +353,7 @@ class Job:
         raises, so a caller waiting on the handle always gets an answer."""
         try:
             self.state, self.error = RequestState.FAILED, error
-            self.finish_reason, self.slot = FinishReason.ERROR, None
+            self.finish_reason = FinishReason.ERROR  # the slot stays: the engine frees it
             ids = tuple(t for t in self.output_ids if type(t) is int)
             elapsed = (time.monotonic_ns() - self.spec.accepted_ns) / 1e9
             completion = Completion(
