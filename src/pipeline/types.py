@@ -67,6 +67,9 @@ def _range(
 MAX_COUNT = 1 << 30
 """Upper bound of every count a request names (``max_tokens``, ``top_k``, ...): beyond it a
 value can only be a mistake or an attack, and it keeps every count a 32-bit integer."""
+MAX_SECONDS = 1e9
+"""Upper bound of every duration (about 31 years): a longer one is a mistake, and beyond it
+nanosecond arithmetic leaves the range of integers a clock can hold."""
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy: dividing logits by a smaller one overflows float32 (for
 ``1e-320`` it is a division by zero), and the distribution is an argmax there anyway."""
@@ -374,14 +377,15 @@ class GenerationConfig:
 
 @attrs.frozen
 class RuntimeLimits:
-    """Limits the engine enforces: wall-clock deadline, queue wait, and total context."""
+    """Limits the engine enforces: wall-clock deadline, queue wait, and total context.
+    Durations are in (0, ``MAX_SECONDS``]; a tiny one simply expires at the next check."""
 
     deadline_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_range(0, None, lo_open=True)))
+        default=None, validator=attrs.validators.optional(_range(0, MAX_SECONDS, lo_open=True)))
     queue_timeout_s: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_range(0, None, lo_open=True)))
+        default=None, validator=attrs.validators.optional(_range(0, MAX_SECONDS, lo_open=True)))
     max_context_tokens: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_range(1, None, integer=True)))
+        default=None, validator=attrs.validators.optional(_range(1, MAX_COUNT, integer=True)))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RuntimeLimits:
