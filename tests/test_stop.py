@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -146,6 +151,110 @@ def test_no_stop_strings_pass_text_through() -> None:
     state = stopper.start(request(), CTX)
     assert stopper.check_text(state, "<", final=False) == (state, "<", None)
     assert stopper.check_token(state, EOS, 1) is None
+
+
+def brute_force(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """A second, deliberately naive oracle: list every occurrence of every stop string, take
+    the one with the smallest (end, start), and release the text before it."""
+    found = [(at + len(s), at, s) for s in stops for at in range(len(text))
+             if text[at:at + len(s)] == s]
+    if not found:
+        return text, None
+    _, at, stop = min(found)
+    return text[:at], stop
+
+
+def random_pieces(text: str, cuts: Sequence[int]) -> list[str]:
+    """``text`` cut at ``cuts`` (taken modulo its length); repeated cuts give empty pieces."""
+    points = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
+    return [text[a:b] for a, b in zip(points, points[1:])]
+
+
+ab_stops = st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=4)
+
+
+@PROPERTY
+@given(st.data())
+def test_streaming_automata_match_a_brute_force_oracle_on_a_tiny_alphabet(
+        data: st.DataObject) -> None:
+    """Two letters make overlaps, repeats and self-overlapping stops ("aab", "abab") common;
+    after every call exactly the naive longest suffix that is a proper prefix is held."""
+    stops = data.draw(ab_stops)
+    text = data.draw(st.text("ab", max_size=40))
+    pieces = random_pieces(text, data.draw(st.lists(st.integers(0, 64), max_size=16)))
+    stopper = StopStringStopper()
+    state = stopper.start(request(stop=stops), CTX)
+    released, seen, verdict = "", "", None
+    for i, piece in enumerate([*pieces, ""]):
+        final = i == len(pieces)
+        seen += piece
+        state, out, verdict = stopper.check_text(state, piece, final)
+        released += out
+        if verdict is not None:
+            break
+        held = 0 if final else held_by_oracle(seen, stops)
+        assert len(state.held) == held and state.held == seen[len(seen) - held:]
+        assert released == seen[:len(seen) - held]
+    assert (released, verdict.detail if verdict else None) == brute_force(text, stops)
+    assert state.held == ""
+    if verdict is not None:  # everything after a match is dropped
+        assert stopper.check_text(state, "ab", final=False) == (state, "", verdict)
+
+
+@contextmanager
+def address_space_cap(extra: int) -> Iterator[None]:
+    """Lower this process's address-space limit to its current size plus ``extra`` bytes, so
+    that a memory blow-up raises MemoryError in the test instead of getting the whole run
+    killed by the kernel. Does nothing where the limit or /proc is unavailable."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as statm:
+            size = int(statm.read().split()[0]) * resource.getpagesize()
+    except (ImportError, OSError):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = min(c for c in (size + extra, soft, hard) if c != resource.RLIM_INFINITY)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def run_long_stop(stop: str, text: str) -> tuple[str, StopVerdict | None]:
+    """Start a request with the one stop string and feed ``text`` a few characters at a time,
+    as tokens arrive, then a final call."""
+    stopper = StopStringStopper()
+    state = stopper.start(request(stop=[stop]), CTX)
+    pieces = random_pieces(text, random.Random(1).choices(range(len(text)), k=len(text) // 3))
+    released: list[str] = []
+    for i, piece in enumerate([*pieces, ""]):
+        state, out, verdict = stopper.check_text(state, piece, final=i == len(pieces))
+        released.append(out)
+    return "".join(released), verdict
+
+
+def test_a_one_mebibyte_stop_string_costs_linear_memory_and_time() -> None:
+    """A 1 MiB stop string once made a quadratic table of all its prefixes, and the server was
+    killed for memory. Its state plus 10,000 characters of text must now stay well inside a
+    small multiple of the string (the failure table is 4 bytes a character), and be quick."""
+    stop = "ab" * 2**19  # periodic, so the failure table holds large values
+    text = "".join(random.Random(0).choices("ab", k=10_000))
+    size = sys.getsizeof(stop)
+    with address_space_cap(2**30):
+        tracemalloc.start()
+        try:
+            assert run_long_stop(stop, text) == (text, None)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        began = time.perf_counter()  # timed apart: tracemalloc slows allocation a lot
+        run_long_stop(stop, text)
+        seconds = time.perf_counter() - began
+    assert peak < 8 * size, f"peak {peak / size:.1f} x the stop string"
+    assert seconds < 2.0
 
 
 # --- token stoppers --------------------------------------------------------------------------

@@ -3,12 +3,19 @@
 It owns :class:`StopStringStopper`, its per-request tables :class:`StopTable` and its state
 :class:`StopStringState`. Matching runs on detokenized text, never on token ids, so a stop
 string split over any number of tokens (or spelled by a different tokenization) is found.
-Between calls the stopper holds back the longest suffix of the text that is a prefix of some
-stop string; each call scans only that held tail plus the new text.
+Between calls the stopper holds back the longest suffix of the text that is a proper prefix of
+some stop string.
+
+Algorithm: one streaming Knuth–Morris–Pratt automaton per stop string. Its failure table is
+built once at ``start`` (one machine integer per character, so memory is linear in the total
+length of the stop strings) and the state carries each automaton's position, so a call reads
+only its new text, in time linear in it (amortized). The held text is never stored: it is a
+prefix of a stop string, sliced from that string when it is released.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import attrs
@@ -17,49 +24,100 @@ from pipeline.protocols import StopContext, StopVerdict
 from pipeline.types import FinishReason, Request
 
 
+def _failure_table(stop: str) -> array[int]:
+    """``table[q]`` (for ``1 <= q < len(stop)``) is the length of the longest proper border of
+    ``stop[:q]``: where the automaton falls back to when ``stop[q]`` does not come next.
+    ``table[0]`` is unused. An ``array`` of C ints keeps it at 4 bytes a character; a list
+    would take a pointer plus an int object (up to 36 bytes) for each."""
+    table = array("i" if len(stop) < 2**31 else "q", [0]) * max(len(stop), 1)
+    border = 0  # of stop[:q]
+    for q in range(1, len(stop) - 1):
+        border = _advance(stop, table, border, stop[q])
+        table[q + 1] = border
+    return table
+
+
+def _advance(stop: str, table: array[int], position: int, char: str) -> int:
+    """The automaton's position after ``char``, from ``position < len(stop)``."""
+    while position and stop[position] != char:
+        position = table[position]
+    return position + 1 if stop[position] == char else 0
+
+
 @attrs.frozen
 class StopTable:
-    """A request's stop strings with every proper prefix of them, built once at start."""
+    """A request's stop strings with their failure tables, built once at start.
+
+    A position is the length of the longest suffix of the text read so far that is a prefix
+    of that stop string; it reaches the stop's length exactly where the stop string ends.
+    Equality and hashing look at ``stops`` only, as the tables follow from them.
+    """
 
     stops: tuple[str, ...]
-    prefixes: frozenset[str]
-    longest: int
+    failures: tuple[array[int], ...] = attrs.field(eq=False, repr=False)
 
     @classmethod
     def build(cls, stops: Sequence[str]) -> StopTable:
         """Tables for ``stops`` (non-empty strings, as ``GenerationConfig`` guarantees)."""
-        prefixes = frozenset(s[:k] for s in stops for k in range(1, len(s)))
-        return cls(tuple(stops), prefixes, max((len(s) for s in stops), default=0))
+        return cls(tuple(stops), tuple(_failure_table(s) for s in stops))
 
-    def first_match(self, text: str) -> tuple[int, str] | None:
-        """The match in ``text`` that completes first: the smallest end, and among matches
-        ending there the earliest start (the longest). ``(start, stop string)`` or None."""
-        best: tuple[int, int, str] | None = None
-        for stop in self.stops:
-            start = text.find(stop)
-            if start < 0:
-                continue
-            key = (start + len(stop), start, stop)
-            if best is None or key[:2] < best[:2]:
-                best = key
-        return None if best is None else (best[1], best[2])
+    def origin(self) -> tuple[int, ...]:
+        """Every automaton's position before any text (or after a release at final)."""
+        return (0,) * len(self.stops)
 
-    def hold_length(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        for k in range(min(len(text), self.longest - 1), 0, -1):
-            if text[-k:] in self.prefixes:
-                return k
-        return 0
+    def scan(self, index: int, position: int, text: str) -> tuple[int | None, int]:
+        """Feed ``text`` to stop ``index``'s automaton from ``position``: the offset in ``text``
+        just past the first match (then the position is the stop's length), or None and the
+        position after all of ``text``."""
+        stop, table = self.stops[index], self.failures[index]
+        for offset, char in enumerate(text):
+            position = _advance(stop, table, position, char)
+            if position == len(stop):
+                return offset + 1, position
+        return None, position
+
+    def feed(self, positions: Sequence[int], text: str
+             ) -> tuple[tuple[int, str] | None, tuple[int, ...]]:
+        """Run every automaton over ``text``. The match that completes first — the smallest
+        end, and among matches ending there the longest (the earliest start) — as ``(offset
+        in text just past it, stop string)``, or None; and the positions after ``text``
+        (meaningless after a match, as nothing is read past one)."""
+        scans = [self.scan(i, p, text) for i, p in enumerate(positions)]
+        # Two matches of equal end and length are the same string, so min() never has to
+        # compare further than the stop string itself.
+        ends = [(end, -len(stop), stop) for (end, _), stop in zip(scans, self.stops)
+                if end is not None]
+        positions_after = tuple(position for _, position in scans)
+        if not ends:
+            return None, positions_after
+        end, _, stop = min(ends)
+        return (end, stop), positions_after
+
+    def held_head(self, positions: Sequence[int], count: int) -> str:
+        """The first ``count`` characters of the text ``positions`` hold back: the longest of
+        the prefixes they stand for, sliced so that only what is asked for is copied."""
+        longest = max(positions, default=0)
+        return self.stops[positions.index(longest)][:min(count, longest)] if longest else ""
 
 
 @attrs.frozen
 class StopStringState:
-    """The request's tables, the text held back, and the verdict once a stop string matched
-    (after which all further text is dropped)."""
+    """The request's tables, each automaton's position, and the verdict once a stop string
+    matched (after which all further text is dropped)."""
 
     table: StopTable
-    held: str = ""
+    positions: tuple[int, ...]
     stopped: StopVerdict | None = None
+
+    @property
+    def held(self) -> str:
+        """The text held back, built on demand (the state stores only positions)."""
+        return self.head("", max(self.positions, default=0))
+
+    def head(self, text: str, count: int) -> str:
+        """The first ``count`` characters of the held text followed by ``text``."""
+        held = max(self.positions, default=0)
+        return self.table.held_head(self.positions, count) + text[:max(0, count - held)]
 
 
 class StopStringStopper:
@@ -85,8 +143,9 @@ class StopStringStopper:
     name = "stop_strings"
 
     def start(self, request: Request, context: StopContext) -> StopStringState:
-        """Tables for the request's ``generation_config.stop``."""
-        return StopStringState(StopTable.build(request.generation_config.stop))
+        """Tables for the request's ``generation_config.stop``, every automaton at 0."""
+        table = StopTable.build(request.generation_config.stop)
+        return StopStringState(table, table.origin())
 
     def check_token(self, state: StopStringState, token_id: int,
                     generated: int) -> StopVerdict | None:
@@ -95,17 +154,19 @@ class StopStringStopper:
 
     def check_text(self, state: StopStringState, text: str, final: bool
                    ) -> tuple[StopStringState, str, StopVerdict | None]:
-        """Scan the held tail plus ``text``; release what cannot begin a stop string."""
+        """Run every automaton over ``text``; release what cannot begin a stop string."""
         if state.stopped is not None:
             return state, "", state.stopped
         if not state.table.stops:
             return state, text, None
-        pending = state.held + text
-        match = state.table.first_match(pending)
+        held = max(state.positions)
+        match, positions = state.table.feed(state.positions, text)
         if match is not None:
-            start, stop = match
+            end, stop = match
             verdict = StopVerdict(FinishReason.STOP_STRING, stop, keep_token_text=False)
-            return StopStringState(state.table, "", verdict), pending[:start], verdict
-        keep = 0 if final else state.table.hold_length(pending)
-        cut = len(pending) - keep
-        return StopStringState(state.table, pending[cut:]), pending[:cut], None
+            released = state.head(text, held + end - len(stop))
+            return StopStringState(state.table, state.table.origin(), verdict), released, verdict
+        if final:
+            positions = state.table.origin()
+        released = state.head(text, held + len(text) - max(positions))
+        return StopStringState(state.table, positions), released, None
