@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http_support import config, running
 from transports.http import Gateway
@@ -28,6 +29,10 @@ SENT = {"count": 0}
 ANY = st.sampled_from([
     None, True, False, 0, -1, 7, 2**70, -2**70, 0.5, -1e308, 1e308, "", "x", "ü✓\u0000",
     "<|im_end|>", [], [1, "a"], [None], {}, {"a": 1}, {"type": "text"}, [[[]]],
+    # numeric edges: denormals, the smallest normal, negative zero, near the float maximum
+    5e-324, 1e-320, 2.2250738585072014e-308, -0.0, 1e-5, 9.99e-6, 1.7976931348623157e308,
+    # invalid Unicode (json.dumps escapes it, so the bytes on the wire are valid UTF-8)
+    "\ud800", "a\udfffb", {"\ud800": 1}, ["\udbff"], "x" * 5000,
 ])
 
 
@@ -36,7 +41,7 @@ def field(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(valid, valid, valid, ANY)
 
 
-TEXT = st.text(max_size=12)
+TEXT = st.text(max_size=12) | st.sampled_from(["\ud800", "ok\udc00", "\ud83d\ude00"])
 OPENAI_MESSAGE = st.fixed_dictionaries(
     {"role": field(st.sampled_from(["system", "user", "assistant", "tool", "developer"])),
      "content": field(TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"),
@@ -46,7 +51,7 @@ TOOL = st.fixed_dictionaries({"type": field(st.just("function")), "function": fi
     st.fixed_dictionaries({"name": field(st.from_regex(r"[a-z_]{1,8}", fullmatch=True))},
                           optional={"parameters": field(st.just({"type": "object"}))}))})
 OPENAI = st.fixed_dictionaries(
-    {"model": field(st.sampled_from(["default", "default", "nope"])),
+    {"model": field(st.sampled_from(["default", "default", "nope", "\ud800"])),
      "messages": field(st.lists(OPENAI_MESSAGE, min_size=1, max_size=3))},
     optional={"max_tokens": field(st.integers(1, 3)), "max_completion_tokens": field(st.integers(1, 3)),
               "temperature": field(st.floats(0, 2)), "top_p": field(st.floats(0, 1)),
@@ -68,7 +73,7 @@ ANTHROPIC_BLOCK = st.one_of(
                            "content": field(TEXT)}),
     ANY)
 ANTHROPIC = st.fixed_dictionaries(
-    {"model": field(st.sampled_from(["default", "default", "nope"])),
+    {"model": field(st.sampled_from(["default", "default", "nope", "\ud800"])),
      "max_tokens": field(st.integers(1, 3)),
      "messages": field(st.lists(st.fixed_dictionaries({
          "role": field(st.sampled_from(["user", "assistant"])),
@@ -128,6 +133,12 @@ def test_healthy_after_the_fuzzing(server: tuple[httpx.Client, Gateway]) -> None
     ok = client.post("/v1/chat/completions", json={
         "model": "default", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    # metrics still render, and model labels stayed a bounded set (served names + "other")
+    scrape = client.get("/metrics")
+    assert scrape.status_code == 200
+    labels = {s.labels["model"] for family in text_string_to_metric_families(scrape.text)
+              for s in family.samples if "model" in s.labels}
+    assert labels <= {"default", "other"}
     engine = gateway.model("default").pipe.engine
     assert engine is not None
     deadline = time.monotonic() + 10
