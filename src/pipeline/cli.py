@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
 
@@ -59,16 +61,36 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
+    from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, parse_models, serve
+    from transports.http.limits import Limits
 
-    keys = load_api_keys(args.api_key_env, args.api_key_file)
-    config = ServerConfig(
-        models=parse_models(args.model), api_keys=keys, data_dir=args.data_dir,
-        num_slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
-        context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
-        reasoning_budget_tokens=args.reasoning_budget)
+    try:
+        keys = load_api_keys(args.api_key_env, args.api_key_file)
+        limits = Limits(**{f.name: getattr(args, f.name) for f in attrs.fields(Limits)})
+        config = ServerConfig(
+            models=parse_models(args.model), api_keys=keys, data_dir=args.data_dir,
+            num_slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
+            context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
+            reasoning_budget_tokens=args.reasoning_budget, limits=limits,
+            work_threads=args.work_threads, work_queue=args.work_queue,
+            restart_delay_s=args.restart_delay)
+    except PipelineError as exc:
+        print(f"pipeline serve: {exc}", file=sys.stderr)
+        return 2
     serve(config, args.host, args.port)
     return 0
+
+
+def _add_limits(serve: Any) -> None:
+    """One flag per request limit (``--max-body-bytes`` ...), defaults from :class:`Limits`."""
+    from transports.http.limits import Limits
+
+    group = serve.add_argument_group("request limits (a request over one is refused, 4xx)")
+    for field in attrs.fields(Limits):
+        group.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=int,
+                           default=field.default, metavar="N",
+                           help=f"{field.metadata['help']} (default {field.default})")
 
 
 def _add_serve(sub: Any) -> None:
@@ -89,6 +111,13 @@ def _add_serve(sub: Any) -> None:
                        help="refuse a max_tokens beyond the room instead of clamping it")
     serve.add_argument("--reasoning-budget", type=int, default=None,
                        help="default reasoning budget in tokens")
+    serve.add_argument("--work-threads", type=int, default=4,
+                       help="threads that parse, render and count requests")
+    serve.add_argument("--work-queue", type=int, default=64,
+                       help="requests that may wait for those threads before a 429")
+    serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
+                       help="wait before a stopped engine is replaced by a fresh one")
+    _add_limits(serve)
     serve.set_defaults(run=_serve)
 
 

@@ -42,22 +42,22 @@ def _at_least_one(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise InvalidValueError(attribute.name, value, "must be an integer >= 1")
 
 
-def _limit(default: int) -> Any:
-    return attrs.field(default=default, validator=_at_least_one)
+def _limit(default: int, help: str) -> Any:
+    return attrs.field(default=default, validator=_at_least_one, metadata={"help": help})
 
 
 @attrs.frozen
 class Limits:
     """The server's bounds on one request (see the module docstring for each)."""
 
-    max_body_bytes: int = _limit(4 * MIB)
-    max_json_depth: int = _limit(64)
-    max_messages: int = _limit(2048)
-    max_stop: int = _limit(16)
-    max_stop_chars: int = _limit(1024)
-    max_tools: int = _limit(128)
-    max_tool_schema_bytes: int = _limit(64 * 1024)
-    max_prompt_chars: int = _limit(1_000_000)
+    max_body_bytes: int = _limit(4 * MIB, "request body size in bytes (413)")
+    max_json_depth: int = _limit(64, "nesting depth of the JSON body")
+    max_messages: int = _limit(2048, "messages in one request")
+    max_stop: int = _limit(16, "stop strings in one request")
+    max_stop_chars: int = _limit(1024, "characters in one stop string")
+    max_tools: int = _limit(128, "tools in one request")
+    max_tool_schema_bytes: int = _limit(64 * 1024, "bytes of one tool's compact JSON definition")
+    max_prompt_chars: int = _limit(1_000_000, "characters of prompt text, before tokenizing")
 
     def check(self, body: Any) -> None:
         """Raise for the first limit ``body`` (parsed JSON of any endpoint) exceeds. Fields
@@ -97,11 +97,12 @@ class Limits:
         if not isinstance(tools, list):
             return
         for i, tool in enumerate(tools):
-            size = len(json.dumps(tool, separators=(",", ":"), ensure_ascii=False))
+            # the door already refused lone surrogates, so the text encodes
+            size = len(json.dumps(tool, separators=(",", ":"), ensure_ascii=False).encode())
             if size > self.max_tool_schema_bytes:
                 raise LimitExceededError(f"tools[{i}]", "max_tool_schema_bytes", size,
                                          self.max_tool_schema_bytes,
-                                         "characters of tool definition JSON")
+                                         "bytes of tool definition JSON")
 
 
 def _text_chars(value: Any) -> int:
