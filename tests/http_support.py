@@ -15,7 +15,8 @@ from pipeline.builder import DEFAULT_MODEL_DIR, build
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
-from transports.http import Gateway, ServerConfig, create_app
+from transports.http import Gateway, ServerConfig, Timeouts, create_app
+from transports.http.timeouts import HTTPImpl, uvicorn_config
 
 IM_START, IM_END, TOOL_RESPONSE = 1, 2, 6140
 TOOL_CALL_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -24,12 +25,13 @@ ANSWER_TEXT = "It is 18 degrees in Paris."
 
 
 @contextmanager
-def running(gateway: Gateway, wait: bool = True) -> Iterator[str]:
-    """Serve ``gateway`` on 127.0.0.1 (a free port); yields the base URL. ``wait``: start
-    serving only once the models are loaded."""
+def running(gateway: Gateway, wait: bool = True, *, timeouts: Timeouts | None = None,
+            http: HTTPImpl = "httptools") -> Iterator[str]:
+    """Serve ``gateway`` on 127.0.0.1 (a free port) with the server's own uvicorn configuration;
+    yields the base URL. ``wait``: start serving only once the models are loaded."""
     gateway.load(wait=wait)
-    server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0,
-                                           log_level="error", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(create_app(gateway), "127.0.0.1", 0, "error",
+                                           timeouts or Timeouts(), http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

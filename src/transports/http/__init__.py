@@ -4,12 +4,13 @@ Modules: ``app`` (routes and request flow), ``gateway`` (keys, routing, window a
 admission, usage), ``openai_api`` / ``anthropic_api`` (the dialects), ``errors`` (the one map
 from the exception tree to statuses and bodies), ``fields`` (body validation), ``output``
 (thinking and tool-call splitting), ``usage`` (SQLite WAL store), ``metrics`` (Prometheus),
-``config``, ``server`` (uvicorn).
+``config``, ``server`` (uvicorn), ``timeouts`` (deadlines for a request's headers and body).
 """
 
 from transports.http.app import create_app
 from transports.http.config import ServerConfig, load_api_keys
 from transports.http.gateway import Gateway
 from transports.http.server import parse_models, serve
+from transports.http.timeouts import Timeouts
 
-__all__ = ["Gateway", "ServerConfig", "create_app", "load_api_keys", "parse_models", "serve"]
+__all__ = ["Gateway", "ServerConfig", "create_app", "load_api_keys", "Timeouts", "parse_models", "serve"]

@@ -9,7 +9,9 @@ body that costs in proportion to the input runs on the bounded pool of
 first byte become the dialect's error response through :mod:`transports.http.errors`, the
 only place that maps them. A streaming client that disconnects cancels its request (Starlette
 cancels the body iterator; its ``finally`` cancels the handle, and the engine frees the slot at
-its next step); a non-streaming one is watched for ``http.disconnect`` the same way.
+its next step); a non-streaming one is watched for ``http.disconnect`` the same way. A client
+whose body never fully arrives (it left, or a read deadline of :mod:`transports.http.timeouts`
+cut it off) is counted as 499, nginx's "client closed request", not as a server error.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import attrs
 from starlette.applications import Starlette
-from starlette.requests import Request as HTTPRequest
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -46,6 +48,7 @@ from transports.sse import SSEEvent, encode, encode_comment
 log = logging.getLogger("pipeline.http")
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
 KEEP_ALIVE = encode_comment("keep-alive")
+CLIENT_CLOSED = 499
 
 
 def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
@@ -80,6 +83,9 @@ class Server:
                 self.gateway.authenticate(http.headers.get("authorization"),
                                           http.headers.get("x-api-key"))
                 response = await body(http)
+            except ClientDisconnect:
+                # nobody is left to answer, and it is no fault of ours: no 500, no traceback
+                response = Response(status_code=CLIENT_CLOSED)
             except Exception as exc:
                 response = _error(exc, dialect)
             self.gateway.metrics.request(getattr(http.state, "model", ""), name,

@@ -1,20 +1,25 @@
 """Running the HTTP server: a gateway, its app, and uvicorn on one host and port.
 
 Owns :func:`serve` (blocking; what ``pipeline serve`` calls) and :func:`parse_models`
-(``--model DIR`` / ``--model NAME=DIR`` arguments into served names).
+(``--model DIR`` / ``--model NAME=DIR`` arguments into served names). uvicorn's configuration,
+request read deadlines included, is :func:`transports.http.timeouts.uvicorn_config`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from pipeline.errors import InvalidValueError
 from transports.http.app import create_app
 from transports.http.config import ServerConfig
 from transports.http.gateway import Gateway
+from transports.http.timeouts import Timeouts, uvicorn_config
 
 DEFAULT_MODEL_NAME = "default"
 
@@ -36,10 +41,15 @@ def parse_models(specs: Sequence[str]) -> dict[str, Path | None]:
 
 
 def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "warning") -> None:
-    """Load the models (in the background) and serve until interrupted."""
+          log_level: str = "warning", *, timeouts: Timeouts = Timeouts()) -> None:
+    """Load the models (in the background) and serve until interrupted; a request's headers
+    and body must each arrive within ``timeouts``."""
     gateway = Gateway(config)
     gateway.load()
-    app = create_app(gateway)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on",
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn_config(create_app(gateway), host, port, log_level, timeouts))
+    # what uvicorn.run does around Server.run (it cannot take a prepared Config): Ctrl-C is the
+    # ordinary way to stop, and a server that never started exits with uvicorn's status
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
