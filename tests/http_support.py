@@ -31,7 +31,7 @@ def running(gateway: Gateway, wait: bool = True, *, timeouts: Timeouts | None = 
     yields the base URL. ``wait``: start serving only once the models are loaded."""
     gateway.load(wait=wait)
     server = uvicorn.Server(uvicorn_config(create_app(gateway), "127.0.0.1", 0, "error",
-                                           timeouts or Timeouts(), http))
+                                           timeouts or gateway.config.timeouts, http))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -145,7 +145,7 @@ def test_a_body_that_stops_arriving_gets_408_and_close(url: str,
     # the app saw a disconnect, not a failure of its own
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    assert 'endpoint="chat.completions",model="",status="499"' in metrics
+    assert 'endpoint="chat.completions",model="other",status="499"' in metrics
     assert 'status="500"' not in metrics
 
 

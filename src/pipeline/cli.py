@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, parse_models, serve
     from transports.http.limits import Limits
+    from transports.http.timeouts import Timeouts
 
     try:
         keys = load_api_keys(args.api_key_env, args.api_key_file)
@@ -74,7 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
             context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
             reasoning_budget_tokens=args.reasoning_budget, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
-            restart_delay_s=args.restart_delay)
+            restart_delay_s=args.restart_delay,
+            timeouts=Timeouts(args.header_timeout, args.body_timeout))
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
         return 2
@@ -117,6 +119,10 @@ def _add_serve(sub: Any) -> None:
                        help="requests that may wait for those threads before a 429")
     serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                        help="wait before a stopped engine is replaced by a fresh one")
+    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="time a request's headers may take to arrive (then 408, close)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="time a request's body may take to arrive (then 408, close)")
     _add_limits(serve)
     serve.set_defaults(run=_serve)
 

@@ -16,6 +16,7 @@ import attrs
 
 from pipeline.errors import InvalidValueError
 from transports.http.limits import Limits
+from transports.http.timeouts import Timeouts
 
 
 def _positive(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -50,7 +51,8 @@ class ServerConfig:
     kept free. A ``max_tokens`` larger than the room left is clamped when ``clamp_max_tokens``,
     else refused; a request without one gets ``min(room, default_max_tokens)``.
 
-    ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`).
+    ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`);
+    ``timeouts`` how long its headers and body may take to arrive (408 and close).
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
     error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
@@ -70,6 +72,7 @@ class ServerConfig:
         default=None, validator=attrs.validators.optional(_non_negative))
     ping_interval_s: float = 5.0
     limits: Limits = attrs.field(factory=Limits)
+    timeouts: Timeouts = attrs.field(factory=Timeouts)
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)

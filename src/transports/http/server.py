@@ -19,7 +19,7 @@ from pipeline.errors import InvalidValueError
 from transports.http.app import create_app
 from transports.http.config import ServerConfig
 from transports.http.gateway import Gateway
-from transports.http.timeouts import Timeouts, uvicorn_config
+from transports.http.timeouts import uvicorn_config
 
 DEFAULT_MODEL_NAME = "default"
 
@@ -41,12 +41,13 @@ def parse_models(specs: Sequence[str]) -> dict[str, Path | None]:
 
 
 def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "warning", *, timeouts: Timeouts = Timeouts()) -> None:
+          log_level: str = "warning") -> None:
     """Load the models (in the background) and serve until interrupted; a request's headers
-    and body must each arrive within ``timeouts``."""
+    and body must each arrive within ``config.timeouts``."""
     gateway = Gateway(config)
     gateway.load()
-    server = uvicorn.Server(uvicorn_config(create_app(gateway), host, port, log_level, timeouts))
+    server = uvicorn.Server(uvicorn_config(create_app(gateway), host, port, log_level,
+                                           config.timeouts))
     # what uvicorn.run does around Server.run (it cannot take a prepared Config): Ctrl-C is the
     # ordinary way to stop, and a server that never started exits with uvicorn's status
     with contextlib.suppress(KeyboardInterrupt):
