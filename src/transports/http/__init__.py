@@ -4,7 +4,8 @@ Modules: ``app`` (routes and request flow), ``gateway`` (keys, routing, window a
 admission, usage), ``openai_api`` / ``anthropic_api`` (the dialects), ``errors`` (the one map
 from the exception tree to statuses and bodies), ``fields`` (body validation), ``output``
 (thinking and tool-call splitting), ``usage`` (SQLite WAL store), ``metrics`` (Prometheus),
-``config``, ``server`` (uvicorn), ``timeouts`` (deadlines for a request's headers and body).
+``config``, ``server`` (uvicorn), ``timeouts`` (deadlines for a request's headers and body),
+``limits`` (what one request may ask for), ``work`` (the bounded request-side pool).
 """
 
 from transports.http.app import create_app
