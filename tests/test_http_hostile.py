@@ -175,6 +175,13 @@ def test_tool_count_and_schema_size_are_bounded(server: Any) -> None:
     assert error(r)["param"] == "tools[0]"
 
 
+def test_logit_bias_entries_are_bounded(server: Any) -> None:
+    client, _ = server
+    r = send(client, "/v1/chat/completions",
+             chat(logit_bias={str(i): 1 for i in range(Limits().max_logit_bias + 1)}))
+    assert r.status_code == 400 and error(r)["limit"] == "max_logit_bias"
+
+
 def test_deep_nesting_is_refused(server: Any) -> None:
     client, _ = server
     deep = b'{"model": "default", "messages": ' + b"[" * 100 + b"]" * 100 + b"}"

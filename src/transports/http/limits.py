@@ -14,6 +14,8 @@ setting                     default      what it bounds (error)
 ``max_stop_chars``          1024         characters of each stop string (400)
 ``max_tools``               128          ``tools`` entries (400)
 ``max_tool_schema_bytes``   65536        each tool's definition, as compact JSON (400)
+``max_logit_bias``          2048         ``logit_bias`` entries (400; each is work on every
+                                         step of the request's batch)
 ``max_prompt_chars``        1,000,000    characters of all text in ``messages``, ``system``
                                          and ``prompt``, before tokenization (400)
 ==========================  ===========  ===================================================
@@ -58,6 +60,7 @@ class Limits:
     max_tools: int = _limit(128, "tools in one request")
     max_tool_schema_bytes: int = _limit(64 * 1024, "bytes of one tool's compact JSON definition")
     max_prompt_chars: int = _limit(1_000_000, "characters of prompt text, before tokenizing")
+    max_logit_bias: int = _limit(2048, "logit_bias entries in one request")
 
     def check(self, body: Any) -> None:
         """Raise for the first limit ``body`` (parsed JSON of any endpoint) exceeds. Fields
@@ -66,6 +69,7 @@ class Limits:
             return
         self._count(body, "messages", self.max_messages, "max_messages", "messages")
         self._count(body, "tools", self.max_tools, "max_tools", "tools")
+        self._count(body, "logit_bias", self.max_logit_bias, "max_logit_bias", "biased tokens")
         for name in ("stop", "stop_sequences"):
             self._stops(name, body.get(name))
         self._tools(body.get("tools"))
@@ -77,7 +81,7 @@ class Limits:
     @staticmethod
     def _count(body: dict[str, Any], name: str, maximum: int, setting: str, what: str) -> None:
         value = body.get(name)
-        if isinstance(value, list) and len(value) > maximum:
+        if isinstance(value, (list, dict)) and len(value) > maximum:
             raise LimitExceededError(name, setting, len(value), maximum, what)
 
     def _stops(self, name: str, value: Any) -> None:
