@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from qwen_files import CONVERSATIONS, oracle, oracle_render, qwen_dir, renderer
 
 from pipeline.errors import InvalidValueError, TemplateError
+from stages.render.spans import subtract
 from pipeline.events import digest_text
 from pipeline.protocols import Renderer
 from pipeline.types import Message, Rendered, SpanKind, ToolCall, ToolSpec
@@ -313,3 +314,40 @@ def test_hf_renderer_passes_raw_prompts_through() -> None:
     out = renderer().render_prompt("<|im_start|>raw text")
     assert out.pieces() == [("<|im_start|>raw text", SpanKind.CONTENT)]
     assert out.template_digest == renderer().digest
+
+
+@settings(max_examples=300, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), max_size=8),
+       cuts=st.lists(st.integers(0, 60), max_size=10, unique=True))
+def test_subtract_equals_set_difference_of_positions(
+        spans: list[tuple[int, int]], cuts: list[int]) -> None:
+    # oracle: the covered positions, as sets; holes are sorted and disjoint by construction
+    bounds = sorted(cuts)
+    holes = [(bounds[i], bounds[i + 1]) for i in range(0, len(bounds) - 1, 2)]
+    spans = [(min(a, b), max(a, b)) for a, b in spans]
+    got = subtract(spans, holes)
+    covered = [set(range(s, e)) for s, e in spans]
+    removed = set().union(*(range(s, e) for s, e in holes))
+    assert set().union(*(range(s, e) for s, e in got)) == set().union(*covered) - removed
+    assert all(s < e for s, e in got)
+
+
+def test_rendering_many_caller_strings_is_not_quadratic() -> None:
+    import time
+
+    from pipeline.builder import DEFAULT_MODEL_DIR, build
+
+    def seconds(n: int) -> float:
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+                for i in range(n)]
+        started = time.perf_counter()
+        rendered = pipe.render(msgs)
+        elapsed = time.perf_counter() - started
+        assert sum(1 for s in rendered.spans if s.kind.value == "content") == n
+        return elapsed
+
+    with build(DEFAULT_MODEL_DIR) as pipe:
+        seconds(500)  # warm the template
+        small, large = min(seconds(2000) for _ in range(2)), min(seconds(8000) for _ in range(2))
+    # 4x the strings: about 4x the time when linear, 16x when quadratic (as it was)
+    assert large / small < 9, (small, large)

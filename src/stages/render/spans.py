@@ -27,6 +27,7 @@ sees a placeholder instead; that is the one way the text can differ from transfo
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import os
@@ -39,6 +40,10 @@ from pipeline.types import Span, SpanKind
 
 _NOT_CALLER_KEYS = frozenset({"role", "type"})
 _PRIVATE_USE = range(0x100000, 0x10FFFE)  # Supplementary Private Use Area-B
+# Markers all come from that area: one character class over the whole area finds them in
+# linear time (a class listing each of N markers costs O(N) per character, which made a
+# render of many caller strings quadratic).
+_MARKER_AREA = re.compile("[\U00100000-\U0010FFFD]")
 
 
 # --- caller strings and markers -----------------------------------------------------------
@@ -92,9 +97,10 @@ def _unmark(wrapped: str, opens: Mapping[str, int], close: str
             ) -> tuple[str, list[tuple[int, int | None]]]:
     """``wrapped`` without markers, and each marker's position there with its probe index
     (``None`` for the closing marker)."""
-    pattern = re.compile("[" + re.escape("".join(opens) + close) + "]")
     parts, marks, last, at = [], [], 0, 0
-    for m in pattern.finditer(wrapped):
+    for m in _MARKER_AREA.finditer(wrapped):
+        if m.group() != close and m.group() not in opens:
+            continue  # a private-use character of the template's own, not a marker
         parts.append(wrapped[last:m.start()])
         at, last = at + m.start() - last, m.end()
         marks.append((at, opens.get(m.group())))
@@ -165,14 +171,18 @@ def searched_spans(text: str, probes: Sequence[str], region: tuple[int, int],
 
 def subtract(spans: Sequence[tuple[int, int]], holes: Sequence[tuple[int, int]]
              ) -> list[tuple[int, int]]:
-    """``spans`` with the sorted, disjoint ``holes`` cut out."""
+    """``spans`` with the sorted, disjoint ``holes`` cut out. Each span visits only the holes
+    that overlap it (found by bisection), so many spans and holes cost O((n + m) log m)."""
+    ends = [he for _, he in holes]
     out = []
     for s, e in spans:
-        for hs, he in holes:
-            if hs < e and s < he:
-                if s < hs:
-                    out.append((s, hs))
-                s = max(s, he)
+        i = bisect.bisect_right(ends, s)  # the first hole ending after s
+        while i < len(holes) and holes[i][0] < e:
+            hs, he = holes[i]
+            if s < hs:
+                out.append((s, hs))
+            s = max(s, he)
+            i += 1
         if s < e:
             out.append((s, e))
     return out
