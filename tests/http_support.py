@@ -24,12 +24,15 @@ ANSWER_TEXT = "It is 18 degrees in Paris."
 
 
 @contextmanager
-def running(gateway: Gateway, wait: bool = True) -> Iterator[str]:
+def running(gateway: Gateway, wait: bool = True,
+            graceful_s: float | None = None) -> Iterator[str]:
     """Serve ``gateway`` on 127.0.0.1 (a free port); yields the base URL. ``wait``: start
-    serving only once the models are loaded."""
+    serving only once the models are loaded. ``graceful_s``: how long shutdown waits for open
+    requests before cancelling them (None: as long as they take)."""
     gateway.load(wait=wait)
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0,
-                                           log_level="error", lifespan="on"))
+                                           log_level="error", lifespan="on",
+                                           timeout_graceful_shutdown=graceful_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
