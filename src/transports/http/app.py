@@ -41,6 +41,7 @@ from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ModelState, ServedModel
 from transports.http.inbox import batches
 from transports.http.metrics import CONTENT_TYPE
+from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
 from transports.http.work import Checkpoint, Workers, disconnected
 from transports.sse import SSEEvent, encode, encode_comment
@@ -328,6 +329,10 @@ class Server:
         """``GET /metrics`` in the Prometheus text format."""
         return Response(self.gateway.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, http: HTTPRequest) -> Response:
+        """``GET /openapi.json``: this server's OpenAPI document (no key needed)."""
+        return JSONResponse(openapi_document(list(self.gateway.models)))
+
 
 def create_app(gateway: Gateway) -> Starlette:
     """The Starlette app serving ``gateway``'s models; closing the app closes the gateway."""
@@ -344,6 +349,7 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", s.endpoint("models", oa, s.models), methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
+        Route("/openapi.json", s.openapi, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager
