@@ -137,3 +137,34 @@ def test_an_engine_thread_that_ends_fails_its_requests_and_refuses_new_ones() ->
         assert pipe.engine is not engine and pipe.engine.alive
         assert pipe.engine.on_stop == stopped.append  # the fresh engine reports the same way
         assert pipe.generate("four", max_tokens=3, temperature=0).text == "zzz"
+
+
+class DyingRelease(ScriptedBackend):
+    """A backend whose ``release`` ends the engine thread once (a dying device)."""
+
+    def __init__(self) -> None:
+        super().__init__(V, peaked(V, lambda tokens: Z if tokens.count(Z) < 3 else EOS),
+                         num_slots=2)
+        self.armed = True
+
+    def release(self, slot: int) -> None:
+        if self.armed:
+            self.armed = False
+            raise Fatal("release pulled the plug")
+        super().release(slot)
+
+
+def test_an_engine_that_dies_while_releasing_still_answers_and_a_fresh_one_has_every_slot(
+        ) -> None:
+    backend = DyingRelease()
+    with build_scripted(backend) as pipe:
+        engine = pipe.engine
+        handle = pipe.submit("x", max_tokens=10, temperature=0)
+        with pytest.raises(RequestFailed):  # answered, not left waiting
+            handle.result(timeout=10)
+        engine._thread.join(10)
+        assert not engine.alive and "release pulled the plug" in (engine.failure or "")
+        pipe.restart_engine()
+        assert backend.busy_slots == 0  # the fresh engine got back the slot the dead one held
+        done = [pipe.submit(p, max_tokens=10, temperature=0) for p in ("a", "b")]
+        assert [h.result(timeout=10).text for h in done] == ["zzz", "zzz"]

@@ -156,3 +156,18 @@ def test_error_messages_echo_bounded_input() -> None:
     with pytest.raises(InvalidValueError) as err:
         RuntimeLimits(deadline_s="x" * 1_000_000)  # type: ignore[arg-type]
     assert len(str(err.value)) < 300
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1" * 40, "-1", "1.0"])
+def test_logit_bias_keys_must_be_ascii_token_ids(key: str) -> None:
+    with pytest.raises(InvalidValueError) as err:
+        GenerationConfig(logit_bias={key: 1.0})
+    assert err.value.field == "logit_bias"
+
+
+def test_server_limits_cannot_promise_more_stops_than_the_library_takes() -> None:
+    from transports.http.limits import Limits
+
+    assert Limits(max_stop=16).max_stop == 16
+    with pytest.raises(InvalidValueError, match="library's own cap"):
+        Limits(max_stop=17)

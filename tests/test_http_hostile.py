@@ -161,6 +161,14 @@ def test_many_messages_are_refused_before_rendering(server: Any) -> None:
     r = send(client, "/v1/messages/count_tokens", {"model": "default", "messages": messages})
     assert r.status_code == 400 and time.monotonic() - started < 5
     assert r.json()["error"]["limit"] == "max_messages"
+    # content blocks count too: one message of 30,000 tool results renders 30,000 messages
+    blocks = [{"type": "tool_result", "tool_use_id": "a"}] * 30_000
+    started = time.monotonic()
+    r = send(client, "/v1/messages/count_tokens",
+             {"model": "default", "messages": [{"role": "user", "content": blocks}]})
+    assert r.status_code == 400 and time.monotonic() - started < 5
+    assert r.json()["error"]["limit"] == "max_messages"
+    assert r.json()["error"]["value"] == 30_001
 
 
 def test_tool_count_and_schema_size_are_bounded(server: Any) -> None:
@@ -173,6 +181,33 @@ def test_tool_count_and_schema_size_are_bounded(server: Any) -> None:
     r = send(client, "/v1/chat/completions", chat(tools=[big]))
     assert r.status_code == 400 and error(r)["limit"] == "max_tool_schema_bytes"
     assert error(r)["param"] == "tools[0]"
+
+
+def test_the_template_refusing_a_conversation_is_a_400(server: Any) -> None:
+    client, _ = server
+    # caller text that uses up every private-use character the renderer marks spans with
+    every = "".join(chr(c) for c in range(0x100000, 0x10FFFE))
+    r = send(client, "/v1/chat/completions",
+             chat(messages=[{"role": "user", "content": every}]))
+    assert r.status_code == 400 and error(r)["code"] == "template_error"
+
+
+def test_detokenize_is_bounded_by_the_window(server: Any) -> None:
+    client, gateway = server
+    window = gateway.window(gateway.model("default"))
+    r = send(client, "/detokenize", {"model": "default", "tokens": [100] * (window + 1)})
+    assert r.status_code == 400 and error(r)["limit"] == "max_model_len"
+    r = send(client, "/detokenize", {"model": "default", "tokens": [100] * window})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1" * 40, "-1", " 5"])
+def test_logit_bias_keys_are_ascii_token_ids(server: Any, key: str) -> None:
+    client, _ = server
+    body = b'{"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],' \
+        b' "logit_bias": {"' + key.encode() + b'": 1}}'
+    r = send(client, "/v1/chat/completions", body)
+    assert r.status_code == 400 and error(r)["param"] == "logit_bias"
 
 
 def test_logit_bias_entries_are_bounded(server: Any) -> None:
@@ -196,7 +231,8 @@ def test_prompt_characters_are_bounded_before_tokenizing(server: Any) -> None:
     long = [{"role": "user", "content": "a" * 600_000}, {"role": "user", "content": "b" * 500_000}]
     r = send(client, "/v1/chat/completions", chat(messages=long))
     assert r.status_code == 400 and error(r)["limit"] == "max_prompt_chars"
-    assert error(r)["value"] == 1_100_000 + 2 * len("user")  # every string counts, roles too
+    # every string counts, keys and roles too
+    assert error(r)["value"] == 1_100_000 + 2 * len("user") + 2 * len("role" + "content")
     # within the character limit but far beyond the 512-token window at any token length:
     # refused from its length alone, without tokenizing
     served = gateway.model("default")
@@ -288,9 +324,14 @@ def test_metrics_labels_stay_bounded(server: Any) -> None:
     ({"authorization": f"Basic {KEY}", "x-api-key": KEY}, 401, "Bearer scheme"),
     ({"x-api-key": KEY}, 200, None),
     ({"authorization": "Bearer"}, 401, "missing"),
+    ([("x-api-key", KEY), ("x-api-key", "wrong")], 401, "x-api-key"),
+    ([("authorization", f"Bearer {KEY}"), ("authorization", "Basic x")], 401, "Bearer scheme"),
+    ([("authorization", f"Bearer {KEY}"), ("authorization", "Bearer wrong")], 401,
+     "Authorization"),
 ])
-def test_both_key_headers_must_be_valid_when_both_are_sent(server: Any, headers: dict[str, str],
-                                                           status: int, says: str | None) -> None:
+def test_both_key_headers_must_be_valid_when_both_are_sent(
+        server: Any, headers: dict[str, str] | list[tuple[str, str]], status: int,
+        says: str | None) -> None:
     client, _ = server
     bare = httpx.Client(base_url=str(client.base_url), timeout=30)
     with bare:

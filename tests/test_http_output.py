@@ -13,7 +13,7 @@ from pipeline.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
 from pipeline.types import Delta, FinishReason
 from transports.http.inbox import batches
-from transports.http.output import OutputSplitter, TextPart, ToolCallPart
+from transports.http.output import OutputSplitter, TextPart, ToolCallPart, parse_tool_call
 
 TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
         ' "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n<tool_call>\n{"name": "bad"'
@@ -157,3 +157,17 @@ def test_batches_merge_deltas_in_order_and_an_early_exit_cancels() -> None:
             asyncio.run(leave_early(early))
             assert early.cancel_requested
             assert early.result(timeout=10).finish_reason is FinishReason.CANCELLED
+
+
+@pytest.mark.parametrize("body", [
+    '{"name": "f", "arguments": {"x": NaN}}',
+    '{"name": "f", "arguments": {"x": Infinity}}',
+    '{"name": "f", "arguments": "{\\"x\\": -Infinity}"}',
+    '{"name": "f", "arguments": ' + "[" * 5000 + "]" * 5000 + "}",
+    '{"name": "\\ud800", "arguments": {}}',
+    '{"name": "f", "arguments": {"\\udfff": 1}}',
+])
+def test_model_output_that_is_not_json_text_is_no_tool_call(body: str) -> None:
+    # what a model may write: answering with it must never fail (NaN cannot be encoded in a
+    # JSON answer, deep nesting overflows the parser, a lone surrogate cannot be sent)
+    assert parse_tool_call(body, 0) is None

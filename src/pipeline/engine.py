@@ -109,6 +109,7 @@ class Engine:
         self._incoming: list[Job] = []
         self._queue: deque[Job] = deque()
         self._active: list[Job] = []
+        self._held: set[int] = set()  # slots allocated and not yet released
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pipeline-engine", daemon=True)
         self._thread.start()
@@ -143,8 +144,13 @@ class Engine:
         return self._thread.is_alive() and self.failure is None and not self._closed
 
     def fresh(self) -> Engine:
-        """A new engine over the same backend, strategies, config and ``on_stop`` (after this
-        one stopped: it released what it held)."""
+        """A new engine over the same backend, strategies, config and ``on_stop``, after this
+        one stopped. Slots this engine still holds (a release that failed as it died) are
+        released first, so the fresh engine has the backend's every slot."""
+        for slot in sorted(self._held):
+            with contextlib.suppress(Exception):
+                self.backend.release(slot)
+        self._held.clear()
         return Engine(self.backend, self._strategies, self.config, self.on_stop)
 
     @property
@@ -205,18 +211,23 @@ class Engine:
                 self._release(job)
 
     def _stopped(self, why: str) -> None:
-        """The loop is ending abnormally: refuse new work, end every job it holds."""
+        """The loop is ending abnormally: refuse new work, end every job it holds. Whatever
+        raises here (even a ``BaseException`` again), every handle is completed and
+        ``on_stop`` is called."""
         with self._cv:
             self.failure = why
             jobs = list(self._incoming) + list(self._queue) + list(self._active)
             self._incoming.clear()
-        for job in jobs:
-            self._fail(job, f"the engine stopped: {why}")
-        if self.on_stop is not None:
-            try:
-                self.on_stop(why)
-            except Exception:  # nothing more can be done on a dying thread
-                pass
+        try:
+            for job in jobs:
+                try:
+                    self._fail(job, f"the engine stopped: {why}")
+                except BaseException as exc:  # the backend keeps failing: end the job bare
+                    job.abort(f"the engine stopped: {why}; then {exc!r}")
+        finally:
+            if self.on_stop is not None:
+                with contextlib.suppress(BaseException):  # nothing more to do on this thread
+                    self.on_stop(why)
 
     def _idle_wait(self) -> None:
         """Sleep only when nothing can progress (all queued behind a full backend)."""
@@ -270,6 +281,7 @@ class Engine:
                 slot = self.backend.allocate()
             except CapacityError:
                 return
+            self._held.add(slot)
             job = self._queue.popleft()
             with self._cv:
                 self._active.append(job)
@@ -441,16 +453,21 @@ class Engine:
                 self._queue.remove(job)
             if job in self._active:
                 self._active.remove(job)
-        if job.slot is not None:
-            try:
-                self.backend.release(job.slot_id)
-            except Exception as exc:  # the request is over either way; record it
-                with contextlib.suppress(Exception):
-                    job.tracer.emit("engine", "resources.release_failed", {"error": repr(exc)})
         try:
+            if job.slot is not None:
+                try:
+                    self.backend.release(job.slot_id)
+                    self._held.discard(job.slot_id)
+                except Exception as exc:  # the request is over either way; record it
+                    with contextlib.suppress(Exception):
+                        job.tracer.emit("engine", "resources.release_failed",
+                                        {"error": repr(exc)})
             job.released()
         except Exception as exc:
             job.abort(f"releasing the request failed: {exc!r}")
+        finally:  # even a BaseException (the loop then stops) leaves no caller waiting
+            if not job.handle.done():
+                job.abort("the request ended without a completion")
 
 
 __all__ = ["Engine", "EngineConfig", "RequestHandle", "RequestState", "Tracer"]

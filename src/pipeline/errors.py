@@ -37,6 +37,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Sequence
 
 
@@ -46,8 +47,17 @@ def brief(value: object, limit: int = 80) -> str:
     encodable.)"""
     if isinstance(value, str) and len(value) > limit:
         return repr(value[:limit]) + f"... ({len(value)} characters)"
-    text = repr(value)
+    text = _bounded_repr(limit).repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _bounded_repr(limit: int) -> reprlib.Repr:
+    """A ``repr`` that looks at a few levels and items only (3.11's ``Repr`` takes no
+    keyword arguments)."""
+    shape = reprlib.Repr()
+    shape.maxlevel, shape.maxstring, shape.maxother, shape.maxlong = 3, limit, limit, limit
+    shape.maxlist = shape.maxtuple = shape.maxdict = shape.maxset = 8
+    return shape
 
 
 class PipelineError(Exception):

@@ -168,7 +168,10 @@ class RequestHandle:
         self._complete(completion, RequestState.FAILED)
 
     def _complete(self, completion: Completion, state: RequestState) -> None:
+        """Complete once; a later call (a bare abort after a failed ending) changes nothing."""
         with self._cond:
+            if self._completion is not None:
+                return
             self._completion = completion
             self._state = state
             self._cond.notify_all()

@@ -67,6 +67,8 @@ def _range(
 MAX_COUNT = 1 << 30
 """Upper bound of every count a request names (``max_tokens``, ``top_k``, ...): beyond it a
 value can only be a mistake or an attack, and it keeps every count a 32-bit integer."""
+MAX_STOP = 16
+"""Most stop strings one request may give."""
 MAX_SECONDS = 1e9
 """Upper bound of every duration (about 31 years): a longer one is a mistake, and beyond it
 nanosecond arithmetic leaves the range of integers a clock can hold."""
@@ -269,7 +271,9 @@ def _logit_bias(value: Any) -> Mapping[int, float]:
         raise InvalidValueError("logit_bias", value, "must be a mapping of token id to bias")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        # JSON keys are strings: ASCII decimal ones name token ids ("²" and "٣" pass isdigit)
+        decimal = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12
+        token = int(key) if decimal else key
         _check(_integer(token) and token >= 0, "logit_bias", key, "keys are token ids")
         _check(_number(bias) and -100 <= bias <= 100, f"logit_bias[{token}]", bias,
                "bias must be a number in [-100, 100]")
@@ -333,7 +337,7 @@ class GenerationConfig:
     @stop.validator
     def _stop(self, _: attrs.Attribute[Any], value: Any) -> None:
         _check(isinstance(value, tuple), "stop", value, "must be a string or a list of strings")
-        _check(len(value) <= 16, "stop", value, "at most 16 stop strings")
+        _check(len(value) <= MAX_STOP, "stop", value, f"at most {MAX_STOP} stop strings")
         for s in value:
             _check(isinstance(s, str) and s != "", "stop", s, "stop strings are non-empty")
             check_text("stop", s)

@@ -28,9 +28,12 @@ import attrs
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.routing import Route
 
-from pipeline.errors import InvalidValueError, PayloadTooLargeError, PipelineError
+from pipeline.errors import (
+    InvalidValueError, LimitExceededError, PayloadTooLargeError, PipelineError,
+)
 from pipeline.types import Completion
 from transports.http import anthropic_api, openai_api
 from transports.http.common import (
@@ -54,8 +57,8 @@ CLIENT_CLOSED = 499
 
 def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
     info = classify(exc)
-    if info.status >= 500 and not isinstance(exc, PipelineError):
-        log.exception("internal error", exc_info=exc)
+    if info.status >= 500:  # every 5xx is logged: the body tells the client nothing useful
+        log.error("%d: %s", info.status, exc, exc_info=not isinstance(exc, PipelineError))
     return JSONResponse(error_body(info, dialect), status_for(info, dialect))
 
 
@@ -81,8 +84,8 @@ class Server:
 
         async def handler(http: HTTPRequest) -> Response:
             try:
-                self.gateway.authenticate(http.headers.get("authorization"),
-                                          http.headers.get("x-api-key"))
+                self.gateway.authenticate(http.headers.getlist("authorization"),
+                                          http.headers.getlist("x-api-key"))
                 response = await body(http)
             except ClientDisconnect:
                 # nobody is left to answer, and it is no fault of ours: no 500, no traceback
@@ -166,9 +169,12 @@ class Server:
             http, start, orphan=lambda started: started[0].handle.cancel())
         parsed = attrs.evolve(parsed, request=request, thinking=thinking)
         if parsed.stream:
+            # The generator's own ``finally`` cancels when the client leaves; the background
+            # task cancels too when the stream never started (a disconnect seen first).
             return StreamingResponse(self._stream(flight, parsed, dialect, prompt_tokens),
                                      media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
+                                     headers={"cache-control": "no-cache"},
+                                     background=BackgroundTask(flight.handle.cancel))
         completion = await self._wait(http, flight)
         if completion.error is not None:
             raise _failed(completion)
@@ -282,7 +288,11 @@ class Server:
         served = self._served_name(http, body.need("model", "string"))
         tokenizer = served.pipe.stages.tokenizer
         assert tokenizer is not None
-        vocab = tokenizer.vocab_size
+        vocab, window = tokenizer.vocab_size, self.gateway.window(served)
+        tokens = body.need("tokens", "array")
+        if len(tokens) > window:  # the answer grows with each id's text: bound it
+            raise LimitExceededError("tokens", "max_model_len", len(tokens), window,
+                                     "token ids")
         ids = []
         for path, token in body.items("tokens", required=True):
             check(path, token, "integer")

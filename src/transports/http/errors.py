@@ -15,6 +15,8 @@ exception                      status  OpenAI ``type``             Anthropic ``t
 ValidationError (all)          400     invalid_request_error       invalid_request_error
  (LimitExceededError: code ``limit_exceeded`` with ``limit``, ``value``, ``maximum``)
 UnknownNameError               400     invalid_request_error       invalid_request_error
+TemplateError                  400     invalid_request_error       invalid_request_error
+ (the chat template refused this conversation, e.g. its ``raise_exception`` on role order)
 AuthenticationError            401     authentication_error        authentication_error
 ModelNotFoundError             404     invalid_request_error       not_found_error
 OverloadedError                429/529 rate_limit_exceeded (429)   overloaded_error (529)
@@ -38,7 +40,7 @@ import attrs
 from pipeline.errors import (
     AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
     LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
-    PayloadTooLargeError, UnknownFieldError, UnknownNameError, ValidationError,
+    PayloadTooLargeError, TemplateError, UnknownFieldError, UnknownNameError, ValidationError,
 )
 
 
@@ -86,6 +88,10 @@ def classify(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, UnknownNameError):
         return ErrorInfo(400, "invalid_request_error", "invalid_request_error", str(exc),
                          exc.kind, "unknown_name")
+    if isinstance(exc, TemplateError):
+        return ErrorInfo(400, "invalid_request_error", "invalid_request_error",
+                         f"the chat template cannot render this request: {exc}",
+                         "messages", "template_error")
     if isinstance(exc, AuthenticationError):
         return ErrorInfo(401, "authentication_error", "authentication_error", str(exc),
                          code="invalid_api_key")

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipeline.errors import InvalidValueError, LimitExceededError, UnknownFieldError
+from pipeline.errors import InvalidValueError, LimitExceededError, UnknownFieldError, brief
 from pipeline.types import unicode_error
 
 MAX_DEPTH = 64
@@ -119,8 +119,13 @@ def _article(kind: str) -> str:
 
 
 def _short(value: Any) -> Any:
-    text = repr(value)
-    return value if len(text) <= 80 else text[:77] + "..."
+    """``value`` itself if its repr is short, else a bounded repr (never the repr of a
+    megabyte-sized value built only to be cut)."""
+    scalar = isinstance(value, (int, float, bool, type(None))) or (
+        isinstance(value, str) and len(value) <= 80)
+    if scalar and len(repr(value)) <= 80:
+        return value
+    return brief(value, 77)
 
 
 class Obj:

@@ -10,8 +10,9 @@ when a model's engine loop stops after an internal error, the model answers 503 
 requests already failed) and a fresh engine replaces it ``restart_delay_s`` later.
 
 Keys: ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` are both accepted. When a request
-sends both, both must be valid keys: a wrong one is a 401 naming its header, never ignored
-because the other one is right. An ``Authorization`` header of another scheme is a 401.
+sends both (or repeats one), every value must be a valid key: a wrong one is a 401 naming its
+header, never ignored because another is right. An ``Authorization`` header of another scheme
+is a 401.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import hmac
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -62,6 +63,13 @@ def token_upper_bound(text: str) -> int:
     the pipeline's own window check and the engine's context-full stop still hold then.)
     """
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _values(header: str | Sequence[str] | None) -> list[str]:
+    """A header's values: none, one, or each of a repeated header."""
+    if header is None:
+        return []
+    return [header] if isinstance(header, str) else list(header)
 
 
 class ModelState(enum.Enum):
@@ -155,6 +163,7 @@ class Gateway:
         self.usage = UsageStore(config.data_dir)
         self._loaders: list[threading.Thread] = []
         self._closed = threading.Event()
+        self._lifecycle = threading.Lock()  # orders engine restarts against close()
         self.flights: dict[str, Flight] = {}
         """Requests admitted and not yet finished, by request id (for inspection)."""
 
@@ -207,14 +216,16 @@ class Gateway:
         timer.start()
 
     def _restart(self, served: ServedModel) -> None:
-        if self._closed.is_set() or served.pipeline is None:
-            return
-        try:
-            served.pipeline.restart_engine()
-        except Exception as exc:
-            served.error, served.state = f"restarting the engine failed: {exc!r}", ModelState.FAILED
-            log.exception("model %r: restarting the engine failed", served.name)
-            return
+        with self._lifecycle:  # never after close(): a fresh engine nobody would close
+            if self._closed.is_set() or served.pipeline is None:
+                return
+            try:
+                served.pipeline.restart_engine()
+            except Exception as exc:
+                served.error = f"restarting the engine failed: {exc!r}"
+                served.state = ModelState.FAILED
+                log.exception("model %r: restarting the engine failed", served.name)
+                return
         served.restarts += 1
         log.warning("model %r: a fresh engine is running (restart %d)", served.name,
                     served.restarts)
@@ -240,19 +251,20 @@ class Gateway:
 
     # --- keys --------------------------------------------------------------------------------
 
-    def authenticate(self, authorization: str | None, api_key: str | None) -> None:
-        """Accept the request's key (``Authorization: Bearer`` or ``x-api-key``) or raise."""
+    def authenticate(self, authorization: str | Sequence[str] | None,
+                     api_key: str | Sequence[str] | None) -> None:
+        """Accept the request's keys or raise. Each header may be given once or repeated
+        (a sequence of its values): every value sent must be a valid key."""
         if not self.config.api_keys:
             return
         sent: list[tuple[str, str]] = []
-        if authorization is not None:
-            scheme, _, token = authorization.strip().partition(" ")
+        for value in _values(authorization):
+            scheme, _, token = value.strip().partition(" ")
             if scheme.lower() != "bearer":
                 raise AuthenticationError("Authorization header: only the Bearer scheme is "
                                           "accepted (Authorization: Bearer <key>)")
             sent.append(("Authorization", token.strip()))
-        if api_key is not None:
-            sent.append(("x-api-key", api_key.strip()))
+        sent.extend(("x-api-key", value.strip()) for value in _values(api_key))
         if not any(key for _, key in sent):
             raise AuthenticationError("missing API key: send Authorization: Bearer <key> "
                                       "or x-api-key")
@@ -358,7 +370,8 @@ class Gateway:
 
     def close(self) -> None:
         """Stop every engine (cancelling what runs), then flush the usage store."""
-        self._closed.set()
+        with self._lifecycle:
+            self._closed.set()
         for served in self.models.values():
             if served.pipeline is not None:
                 served.pipeline.close()

@@ -9,15 +9,18 @@ setting                     default      what it bounds (error)
 ==========================  ===========  ===================================================
 ``max_body_bytes``          4 MiB        the request body (413, before it is all read)
 ``max_json_depth``          64           nesting of the JSON body (400)
-``max_messages``            2048         ``messages`` entries (400)
-``max_stop``                16           stop strings: ``stop`` / ``stop_sequences`` (400)
+``max_messages``            2048         ``messages`` entries, each content block and tool
+                                         call in them counting as one more (400)
+``max_stop``                16           stop strings: ``stop`` / ``stop_sequences`` (400;
+                                         at most the library's own cap of 16)
 ``max_stop_chars``          1024         characters of each stop string (400)
 ``max_tools``               128          ``tools`` entries (400)
 ``max_tool_schema_bytes``   65536        each tool's definition, as compact JSON (400)
 ``max_logit_bias``          2048         ``logit_bias`` entries (400; each is work on every
                                          step of the request's batch)
-``max_prompt_chars``        1,000,000    characters of all text in ``messages``, ``system``
-                                         and ``prompt``, before tokenization (400)
+``max_prompt_chars``        1,000,000    characters of all text (keys included) in
+                                         ``messages``, ``system``, ``prompt`` and ``tools``,
+                                         before tokenization (400)
 ==========================  ===========  ===================================================
 
 Every refusal is a :class:`~pipeline.errors.LimitExceededError` (or
@@ -35,6 +38,7 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError, LimitExceededError
+from pipeline.types import MAX_STOP
 
 MIB = 1 << 20
 
@@ -52,6 +56,11 @@ def _limit(default: int, help: str) -> Any:
 class Limits:
     """The server's bounds on one request (see the module docstring for each)."""
 
+    def __attrs_post_init__(self) -> None:
+        if self.max_stop > MAX_STOP:
+            raise InvalidValueError("max_stop", self.max_stop,
+                                    f"at most {MAX_STOP}, the library's own cap")
+
     max_body_bytes: int = _limit(4 * MIB, "request body size in bytes (413)")
     max_json_depth: int = _limit(64, "nesting depth of the JSON body")
     max_messages: int = _limit(2048, "messages in one request")
@@ -67,13 +76,17 @@ class Limits:
         of the wrong type are left for the dialect's parser to name."""
         if not isinstance(body, dict):
             return
-        self._count(body, "messages", self.max_messages, "max_messages", "messages")
+        units = _message_units(body.get("messages"))
+        if units > self.max_messages:
+            raise LimitExceededError("messages", "max_messages", units, self.max_messages,
+                                     "messages and content blocks")
         self._count(body, "tools", self.max_tools, "max_tools", "tools")
         self._count(body, "logit_bias", self.max_logit_bias, "max_logit_bias", "biased tokens")
         for name in ("stop", "stop_sequences"):
             self._stops(name, body.get(name))
         self._tools(body.get("tools"))
-        chars = sum(_text_chars(body.get(name)) for name in ("messages", "system", "prompt"))
+        chars = sum(_text_chars(body.get(name))
+                    for name in ("messages", "system", "prompt", "tools"))
         if chars > self.max_prompt_chars:
             raise LimitExceededError("messages", "max_prompt_chars", chars,
                                      self.max_prompt_chars, "characters of prompt text")
@@ -109,14 +122,28 @@ class Limits:
                                          "bytes of tool definition JSON")
 
 
+def _message_units(messages: Any) -> int:
+    """Messages, plus each content block and tool call in them: what a render iterates."""
+    if not isinstance(messages, list):
+        return 0
+    units = len(messages)
+    for message in messages:
+        if isinstance(message, dict):
+            for name in ("content", "tool_calls"):
+                if isinstance(message.get(name), list):
+                    units += len(message[name])
+    return units
+
+
 def _text_chars(value: Any) -> int:
-    """Characters of every string value (not key) inside ``value``, without recursion."""
+    """Characters of every string inside ``value``, keys included, without recursion."""
     total, stack = 0, [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item)
         elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
+
+from pipeline.types import unicode_error
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -66,24 +68,39 @@ def _held_suffix(text: str) -> int:
     return 0
 
 
+def _strict_json(text: str) -> Any:
+    """``json.loads`` of model output; NaN / Infinity (not JSON, and unencodable in an
+    answer) and nesting too deep to parse are malformed like any other bad JSON."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_tool_call(body: str, index: int) -> ToolCallPart | None:
     """The tool call in ``body`` (the text between the markers), or None if malformed."""
     try:
-        value = json.loads(body)
-    except ValueError:
+        value = _strict_json(body)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     args = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except ValueError:
+            args = _strict_json(args)
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCallPart(index, f"call_{uuid.uuid4().hex[:24]}", value["name"],
-                        json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+    try:
+        arguments = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:
+        return None
+    if unicode_error(arguments) or unicode_error(value["name"]):  # a "\ud800" escape
+        return None
+    return ToolCallPart(index, f"call_{uuid.uuid4().hex[:24]}", value["name"], arguments)
 
 
 class OutputSplitter:

@@ -82,11 +82,13 @@ class Workers:
         try:
             await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
-        if result.done():
+        if result.done() and not left:
             return cast(T, result.result())
         checkpoint.leave()
         future.cancel()  # never starts if it was still waiting
+        # (when the job finished in the same instant, the callback runs at once)
         result.add_done_callback(lambda f: _orphaned(f, orphan))
         raise ClientGone("the client disconnected while its request was being prepared")
 
