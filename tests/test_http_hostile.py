@@ -217,6 +217,14 @@ def test_logit_bias_entries_are_bounded(server: Any) -> None:
     assert r.status_code == 400 and error(r)["limit"] == "max_logit_bias"
 
 
+def test_a_body_of_a_million_tiny_objects_stays_under_the_memory_guard(server: Any) -> None:
+    client, _ = server
+    tiny = b",".join([b"{}"] * ((4 << 20) // 3 - 100))  # just under the body limit
+    r = send(client, "/v1/chat/completions",
+             b'{"model": "default", "messages": [], "user": [' + tiny + b"]}")
+    assert r.status_code == 400 and len(r.text) < 1000  # the echoed value is cut short
+
+
 def test_deep_nesting_is_refused(server: Any) -> None:
     client, _ = server
     deep = b'{"model": "default", "messages": ' + b"[" * 100 + b"]" * 100 + b"}"

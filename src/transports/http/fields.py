@@ -67,7 +67,7 @@ def _check_tree(value: Any, max_depth: int, strings: bool) -> None:
                                or (isinstance(sub, str) and unicode_error(sub) is not None))
             if bad:
                 _bad_text(value)
-            if isinstance(sub, (dict, list)):
+            if sub and isinstance(sub, (dict, list)):  # an empty one cannot nest deeper
                 stack.append((sub, depth + 1))
 
 
