@@ -5,7 +5,8 @@ admission, usage), ``openai_api`` / ``anthropic_api`` (the dialects), ``errors``
 from the exception tree to statuses and bodies), ``fields`` (body validation), ``output``
 (thinking and tool-call splitting), ``usage`` (SQLite WAL store), ``metrics`` (Prometheus),
 ``config``, ``server`` (uvicorn), ``timeouts`` (deadlines for a request's headers and body),
-``limits`` (what one request may ask for), ``work`` (the bounded request-side pool).
+``limits`` (what one request may ask for), ``work`` (the bounded request-side pool),
+``openapi`` (the server's own OpenAPI document).
 """
 
 from transports.http.app import create_app
