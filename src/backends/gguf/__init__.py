@@ -1,0 +1,1 @@
+"""GGUF model files: reading their metadata, tokenizer and chat template, and weights."""
