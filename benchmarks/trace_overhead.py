@@ -141,7 +141,7 @@ def measure(rounds: int, tokens: int) -> dict[str, Any]:
     """Run every batch size and configuration; returns the results as JSON-ready data."""
     with tempfile.TemporaryDirectory() as tmp:
         sink = JsonlSink(Path(tmp) / "trace.jsonl")
-        pipes = {name: build(sinks=[sink] if name == "digest+jsonl" else [])
+        pipes = {name: build("tiny", sinks=[sink] if name == "digest+jsonl" else [])
                  for name in CONFIGS}
         try:
             for name in CONFIGS:  # warm up every pipeline once

@@ -27,7 +27,7 @@ from _trace_doc import write
 from safetensors.torch import load_file, save_file
 
 from pipeline import build
-from pipeline.builder import DEFAULT_MODEL_DIR
+from pipeline.models import TINY_MODEL_DIR
 from pipeline.trace import diff
 
 QUESTION = "Why is the sky usually blue? Answer in one sentence."
@@ -36,7 +36,7 @@ WEIGHT = "model.layers.0.self_attn.q_proj.weight"
 
 def perturbed_copy(folder: Path) -> tuple[float, float]:
     """Copy the default model to ``folder`` and add 1e-3 to one element of ``WEIGHT``."""
-    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    shutil.copytree(TINY_MODEL_DIR, folder)
     weights = load_file(folder / "model.safetensors")
     old = float(weights[WEIGHT][0, 0])
     weights[WEIGHT][0, 0] = torch.tensor(old + 1e-3).to(weights[WEIGHT].dtype)
@@ -50,7 +50,7 @@ def block(text: str) -> str:
 
 def main() -> None:
     options = dict(max_tokens=12, temperature=0)
-    with tempfile.TemporaryDirectory() as tmp, build() as pipe:
+    with tempfile.TemporaryDirectory() as tmp, build("tiny") as pipe:
         old, new = perturbed_copy(Path(tmp) / "model")
         with build(Path(tmp) / "model") as other:
             b_digest = other.generate(QUESTION, **options)

@@ -36,7 +36,7 @@ def pick_stop(text: str) -> str:
 
 def main() -> None:
     sink = MemorySink()
-    with build(sinks=[sink]) as pipe:
+    with build("tiny", sinks=[sink]) as pipe:
         plain = pipe.generate(QUESTION, max_tokens=40, temperature=0, recording="full",
                               request_id="plain-2")
         stop = pick_stop(plain.text)

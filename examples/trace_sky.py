@@ -59,7 +59,7 @@ def main() -> None:
     jsonl = DOCS / "1_sky.jsonl"
     DOCS.mkdir(parents=True, exist_ok=True)
     jsonl.unlink(missing_ok=True)
-    with build(sinks=[JsonlSink(jsonl)]) as pipe:
+    with build("tiny", sinks=[JsonlSink(jsonl)]) as pipe:
         done = pipe.generate(QUESTION, max_tokens=60, temperature=0, recording="full",
                              request_id="sky-1")
         trace = trace_of(done)

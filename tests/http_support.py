@@ -11,7 +11,8 @@ from pathlib import Path
 
 import uvicorn
 
-from pipeline.builder import DEFAULT_MODEL_DIR, build
+from pipeline.builder import build
+from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
@@ -49,7 +50,7 @@ def running(gateway: Gateway, wait: bool = True, *, timeouts: Timeouts | None = 
 def tool_model(delay_s: float = 0.0, num_slots: int = 8) -> tuple[Pipeline, ScriptedBackend]:
     """A scripted model with the embedded model's tokenizer and template: asked with tools it
     calls ``get_weather``; given the tool's response it answers ``ANSWER_TEXT``."""
-    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     call = tok.encode_text(TOOL_CALL_TEXT, special=True) + [IM_END]
     answer = tok.encode_text(ANSWER_TEXT) + [IM_END]
 
@@ -62,24 +63,24 @@ def tool_model(delay_s: float = 0.0, num_slots: int = 8) -> tuple[Pipeline, Scri
 
     backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0),
                               num_slots=num_slots, delay_s=delay_s)
-    return build(DEFAULT_MODEL_DIR, backend=backend), backend
+    return build(TINY_MODEL_DIR, backend=backend), backend
 
 
 def config(tmp: Path, **fields: object) -> ServerConfig:
-    """A server config serving the embedded model as ``default``, data in ``tmp``."""
-    fields.setdefault("models", {"default": None})
+    """A server config serving the tiny embedded model as ``default``, data in ``tmp``."""
+    fields.setdefault("models", {"default": TINY_MODEL_DIR})
     return ServerConfig(data_dir=tmp, **fields)  # type: ignore[arg-type]
 
 
 def endless_model(delay_s: float = 0.0, num_slots: int = 8,
                   tokenizer: object | None = None) -> tuple[Pipeline, ScriptedBackend]:
     """A scripted model over the embedded tokenizer that writes "a" until it is stopped."""
-    plain = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    plain = HFTokenizer.from_dir(TINY_MODEL_DIR)
     tok = tokenizer if tokenizer is not None else plain
     a, vocab = plain.encode_text("a")[0], plain.vocab_size
     backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: a, 30.0), num_slots=num_slots,
                               delay_s=delay_s)
-    return build(DEFAULT_MODEL_DIR, backend=backend, tokenizer=tok), backend  # type: ignore[arg-type]
+    return build(TINY_MODEL_DIR, backend=backend, tokenizer=tok), backend  # type: ignore[arg-type]
 
 
 THINK, END_THINK = 6142, 6143
@@ -88,7 +89,7 @@ THINK, END_THINK = 6142, 6143
 def thinker_model() -> Pipeline:
     """A scripted model that opens ``<think>``, writes "a" until ``</think>`` appears (it never
     closes the block itself), then answers "Done." and stops."""
-    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     a = tok.encode_text("a")[0]
     answer = tok.encode_text("Done.") + [IM_END]
 
@@ -100,7 +101,7 @@ def thinker_model() -> Pipeline:
         return a if THINK in out else THINK
 
     backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
-    return build(DEFAULT_MODEL_DIR, backend=backend)
+    return build(TINY_MODEL_DIR, backend=backend)
 
 
 POLITE_TEXT = "No tools needed."
@@ -110,7 +111,7 @@ def polite_model() -> Pipeline:
     """A scripted model that answers ``POLITE_TEXT`` unless its output already began a tool
     call, which it then completes as ``TOOL_CALL_TEXT`` (text-level, so it continues any
     forced prefix however that was tokenized)."""
-    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     header = len(tok.encode_text("assistant\n"))
 
     def choose(ids: Sequence[int]) -> int:
@@ -121,4 +122,4 @@ def polite_model() -> Pipeline:
         return tok.encode_text(rest, special=True)[0] if rest else IM_END
 
     backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
-    return build(DEFAULT_MODEL_DIR, backend=backend)
+    return build(TINY_MODEL_DIR, backend=backend)

@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from pipeline.builder import DEFAULT_MODEL_DIR, build
+from pipeline.builder import build
+from pipeline.models import TINY_MODEL_DIR
 from pipeline.errors import AuthenticationError, ContextWindowError
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
@@ -31,7 +32,7 @@ from transports.http.gateway import token_upper_bound
 from transports.http.usage import read_records
 
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-_TOKENIZER = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+_TOKENIZER = HFTokenizer.from_dir(TINY_MODEL_DIR)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -95,9 +96,9 @@ class CountingTokenizer(HFTokenizer):
 
 
 def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) -> None:
-    tok = CountingTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    tok = CountingTokenizer.from_dir(TINY_MODEL_DIR)
     pipe, _ = endless_model(tokenizer=tok)
-    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    hf = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
 
     def exact(text: str) -> int:
         return len(hf.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
@@ -184,7 +185,7 @@ def test_loading_is_a_503_and_health_follows(tmp_path: Path) -> None:
 
 def test_metrics_tokenize_and_detokenize(tmp_path: Path) -> None:
     pipe, _ = endless_model()
-    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    hf = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
     with running(Gateway(config(tmp_path), lambda f, c: pipe)) as url:
         for _ in range(3):
             assert httpx.post(f"{url}/v1/chat/completions", json=chat(4)).status_code == 200
@@ -254,7 +255,7 @@ def test_api_keys_come_from_the_environment_and_a_file(tmp_path: Path,
 def test_a_failing_backend_is_a_500_in_the_dialect_shape(tmp_path: Path) -> None:
     vocab = _TOKENIZER.vocab_size
     backend = ScriptedBackend(vocab, peaked(vocab, lambda ids: 5), fail=lambda ids: True)
-    pipe = build(DEFAULT_MODEL_DIR, backend=backend)
+    pipe = build(TINY_MODEL_DIR, backend=backend)
     with running(Gateway(config(tmp_path), lambda f, c: pipe)) as url:
         with pytest.raises(openai.InternalServerError) as err:
             openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0).chat.completions.\

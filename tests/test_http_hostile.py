@@ -23,7 +23,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.builder import DEFAULT_MODEL_DIR, build
+from pipeline.builder import build
+from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.protocols import Renderer
 from pipeline.testing import ScriptedBackend, peaked
@@ -375,7 +376,7 @@ def slow_pipeline(delay_s: float) -> Pipeline:
     base.close()  # only its renderer is wanted
     assert base.stages.renderer is not None
     slow = SlowRenderer(base.stages.renderer, delay_s)
-    return build(DEFAULT_MODEL_DIR, backend=backend, renderer=slow)  # type: ignore[arg-type]
+    return build(TINY_MODEL_DIR, backend=backend, renderer=slow)  # type: ignore[arg-type]
 
 
 def test_work_for_clients_that_left_stops_and_cheap_requests_are_never_starved(
@@ -432,7 +433,7 @@ class Fatal(BaseException):
 
 
 def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) -> None:
-    tok = HFTokenizer.from_dir(DEFAULT_MODEL_DIR)
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     a = tok.encode_text("a")[0]
     armed = threading.Event()
 
@@ -444,7 +445,7 @@ def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) 
 
     backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0),
                               num_slots=2, delay_s=0.01)
-    pipe = build(DEFAULT_MODEL_DIR, backend=backend)
+    pipe = build(TINY_MODEL_DIR, backend=backend)
     gateway = Gateway(config(tmp_path, restart_delay_s=2.0), lambda f, c: pipe)
     with running(gateway) as url, httpx.Client(base_url=url, timeout=10) as client:
         armed.set()

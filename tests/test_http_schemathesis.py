@@ -241,7 +241,7 @@ def scripted(folder: Path | None, cfg: ServerConfig) -> Pipeline:
         return tool_model()[0]
     if folder is not None and folder.name == "thinker":
         return thinker_model()
-    return build(options={"num_slots": cfg.num_slots})
+    return build("tiny", options={"num_slots": cfg.num_slots})
 
 
 def test_scripted_answers_conform(tmp_path: Path) -> None:

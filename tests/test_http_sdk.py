@@ -17,7 +17,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.builder import DEFAULT_MODEL_DIR, build
+from pipeline.builder import build
+from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from tests.http_support import (
     ANSWER_TEXT, POLITE_TEXT, config, polite_model, running, thinker_model, tool_model,
@@ -38,7 +39,7 @@ def builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:
         return thinker_model()
     if folder is not None and folder.name == "polite":
         return polite_model()
-    return build(options={"num_slots": cfg.num_slots})
+    return build("tiny", options={"num_slots": cfg.num_slots})
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_count_tokens_matches_transformers_chat_template(claude: anthropic.Anthr
                 {"role": "user", "content": "Again"}]
     counted = claude.messages.count_tokens(model="default", messages=messages,  # type: ignore[arg-type]
                                            system="Be terse.")
-    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    hf = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
     ids = hf.apply_chat_template([{"role": "system", "content": "Be terse."}, *messages],
                                  tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -183,7 +184,7 @@ def test_logprobs_are_a_distribution_led_by_the_greedy_choice(oai: openai.OpenAI
 
 
 def test_logit_bias_and_stop_strings_reach_the_engine(oai: openai.OpenAI) -> None:
-    hf = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    hf = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
     (word,) = hf.encode(" list", add_special_tokens=False)
     out = oai.chat.completions.create(model="default", messages=QUESTION, max_tokens=6,  # type: ignore[arg-type]
                                       temperature=0, logit_bias={str(word): 100})

@@ -335,7 +335,8 @@ def test_subtract_equals_set_difference_of_positions(
 def test_rendering_many_caller_strings_is_not_quadratic() -> None:
     import time
 
-    from pipeline.builder import DEFAULT_MODEL_DIR, build
+    from pipeline.builder import build
+    from pipeline.models import TINY_MODEL_DIR
 
     def seconds(n: int) -> float:
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
@@ -346,7 +347,7 @@ def test_rendering_many_caller_strings_is_not_quadratic() -> None:
         assert sum(1 for s in rendered.spans if s.kind.value == "content") == n
         return elapsed
 
-    with build(DEFAULT_MODEL_DIR) as pipe:
+    with build(TINY_MODEL_DIR) as pipe:
         seconds(500)  # warm the template
         small, large = min(seconds(2000) for _ in range(2)), min(seconds(8000) for _ in range(2))
     # 4x the strings: about 4x the time when linear, 16x when quadratic (as it was)

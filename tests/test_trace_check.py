@@ -18,7 +18,7 @@ from trace_runs import QUESTION, append, edit, is_, set_text
 @pytest.fixture(scope="module")
 def pipe():
     # Small prefill chunks so the prompt is written in several pieces (invariant 2).
-    with build(engine=EngineConfig(max_prefill_chunk=8)) as p:
+    with build("tiny", engine=EngineConfig(max_prefill_chunk=8)) as p:
         yield p
 
 
@@ -207,12 +207,12 @@ class Shouting:
 
 def test_live_checking_raises_on_close_for_a_faulty_stage(pipe, decode) -> None:
     clean = CheckingSink(detokenize=decode)
-    with build(sinks=[clean]) as ok:
+    with build("tiny", sinks=[clean]) as ok:
         ok.generate(QUESTION, max_tokens=4, temperature=0, recording="full")
         ok.generate(QUESTION, max_tokens=4, temperature=0)
     assert clean.checked == 2 and not clean.failures
     live = CheckingSink(detokenize=decode)
-    faulty = build(detokenizer=Shouting(pipe.stages.detokenizer), sinks=[live])
+    faulty = build("tiny", detokenizer=Shouting(pipe.stages.detokenizer), sinks=[live])
     done = faulty.generate(QUESTION, max_tokens=4, temperature=0, recording="full")
     assert done.text != decode(done.token_ids)  # the stage really misbehaved
     with pytest.raises(InvariantViolation) as raised:

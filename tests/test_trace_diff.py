@@ -20,7 +20,7 @@ from trace_runs import QUESTION, copy_model, edit, is_, perturb_weight
 
 @pytest.fixture(scope="module")
 def pipe():
-    with build() as p:
+    with build("tiny") as p:
         yield p
 
 
@@ -86,7 +86,7 @@ def test_one_weight_perturbed_by_1e_3_diverges_at_the_prefill_logits(pipe, tmp_p
     # which hides a shift this small
     with build(folder, options={"dtype": "float32"}) as other:
         b = _run(other, recording="full")
-    with build(options={"dtype": "float32"}) as same:
+    with build("tiny", options={"dtype": "float32"}) as same:
         a = _run(same, recording="full")
     report = diff(a, b)
     d = report.divergence
@@ -163,7 +163,7 @@ def _cancelled_after(pipe, sink: MemorySink, n: int):
 
 def test_the_moment_of_cancellation_is_where_runs_diverge() -> None:
     sink = MemorySink()
-    with build(sinks=[sink]) as pipe:
+    with build("tiny", sinks=[sink]) as pipe:
         a = _cancelled_after(pipe, sink, 3)
         b = _cancelled_after(pipe, sink, 7)
     assert [len(t.of("token.selected")) for t in (a, b)] == [3, 7]

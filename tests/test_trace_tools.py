@@ -29,7 +29,7 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 @pytest.fixture(scope="module")
 def pipe():
-    with build() as p:
+    with build("tiny") as p:
         yield p
 
 
@@ -150,9 +150,9 @@ def test_show_and_svg_render_the_timeline(full) -> None:
 
 def test_cli_check_diff_show_export_and_exit_status(tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    with build(sinks=[JsonlSink(a)]) as p:
+    with build("tiny", sinks=[JsonlSink(a)]) as p:
         p.generate(QUESTION, max_tokens=5, temperature=0, recording="full")
-    with build(sinks=[JsonlSink(b)]) as p:
+    with build("tiny", sinks=[JsonlSink(b)]) as p:
         p.generate(QUESTION, max_tokens=5, temperature=0.9, seed=4)
     assert main(["trace", "check", str(a)]) == 0
     assert "5. streamed bytes" in capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_load_names_the_problem(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="lacks the field"):
         load(bad)
     two = tmp_path / "two.jsonl"
-    with build(sinks=[JsonlSink(two)]) as p:
+    with build("tiny", sinks=[JsonlSink(two)]) as p:
         first = p.generate(QUESTION, max_tokens=2, temperature=0)
         p.generate(QUESTION, max_tokens=2, temperature=0)
     with pytest.raises(TraceError, match="several traces"):

@@ -92,7 +92,7 @@ def test_default_model_greedy_tokens_equal_with_triton_moe() -> None:
     prompt = "How do I open a file in Python?"
     runs = []
     for moe in ("torch", "triton"):
-        with build(options={"dtype": "float32", "moe": moe, "num_slots": 1,
+        with build("tiny", options={"dtype": "float32", "moe": moe, "num_slots": 1,
                             "max_context": 256}) as pipe:
             assert pipe.engine is not None
             model_moe = pipe.engine.backend.model.moe  # type: ignore[attr-defined]
@@ -110,17 +110,17 @@ def test_a_callable_moe_option_is_used_by_the_model() -> None:
         seen.append(tuple(hidden.shape))
         return moe_forward(hidden, *args, **kwargs)
 
-    with build(options={"moe": spy, "num_slots": 1, "max_context": 128}) as pipe:
+    with build("tiny", options={"moe": spy, "num_slots": 1, "max_context": 128}) as pipe:
         pipe.generate("Hi", max_tokens=2, temperature=0)
     assert seen and all(len(s) == 2 for s in seen)
 
 
 def test_triton_moe_where_it_cannot_run_is_refused_at_build_time() -> None:
     with pytest.raises(BackendError, match="bfloat16"):
-        build(options={"moe": "triton"})   # the default model's bfloat16 weights
+        build("tiny", options={"moe": "triton"})   # the tiny model's bfloat16 weights
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = ("from pipeline import build\n"
-              "try:\n build(options={'moe': 'triton', 'dtype': 'float32'})\n"
+              "try:\n build('tiny', options={'moe': 'triton', 'dtype': 'float32'})\n"
               "except Exception as exc:\n print(type(exc).__name__, exc)\n")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
@@ -129,4 +129,4 @@ def test_triton_moe_where_it_cannot_run_is_refused_at_build_time() -> None:
 
 def test_unknown_moe_name_is_named() -> None:
     with pytest.raises(InvalidValueError, match="moe"):
-        build(options={"moe": "cuda-graphs"})
+        build("tiny", options={"moe": "cuda-graphs"})

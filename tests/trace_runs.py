@@ -12,7 +12,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.builder import DEFAULT_MODEL_DIR
+from pipeline.models import TINY_MODEL_DIR
 from pipeline.events import Event, digest_text
 
 QUESTION = "Why is the sky usually blue?"
@@ -52,7 +52,7 @@ def set_text(payload: dict[str, Any], text: str) -> None:
 
 def copy_model(dst: Path) -> Path:
     """A copy of the embedded default model folder."""
-    shutil.copytree(DEFAULT_MODEL_DIR, dst)
+    shutil.copytree(TINY_MODEL_DIR, dst)
     return dst
 
 

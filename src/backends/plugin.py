@@ -28,7 +28,7 @@ def _torch(ctx: BuildContext) -> Any:
         ctx.model_dir, num_slots=int(opts.get("num_slots", 8)),
         max_context=opts.get("max_context"), dtype=opts.get("dtype"),
         device=opts.get("device", "cpu"), pack=bool(opts.get("pack", True)),
-        moe=_moe(opts.get("moe", "torch"), opts.get("moe_configs", ())))
+        moe=moe_function(opts.get("moe", "torch"), opts.get("moe_configs", ())))
     if opts.get("moe") == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 
@@ -36,7 +36,8 @@ def _torch(ctx: BuildContext) -> Any:
     return backend
 
 
-def _moe(choice: Any, folders: Any) -> Any:
+def moe_function(choice: Any, folders: Any) -> Any:
+    """The routed-experts function for the ``moe`` option (see the module docstring)."""
     if callable(choice):
         return choice
     if choice == "torch":
@@ -53,8 +54,33 @@ def _moe(choice: Any, folders: Any) -> Any:
     raise InvalidValueError("moe", choice, "must be 'torch', 'triton' or a callable")
 
 
+def _gguf_backend(ctx: BuildContext) -> Any:
+    from backends.gguf.factories import gguf_backend
+
+    return gguf_backend(ctx)
+
+
+def _gguf_tokenizer(ctx: BuildContext) -> Any:
+    from backends.gguf.factories import gguf_tokenizer
+
+    return gguf_tokenizer(ctx)
+
+
+def _gguf_renderer(ctx: BuildContext) -> Any:
+    from backends.gguf.factories import gguf_renderer
+
+    return gguf_renderer(ctx)
+
+
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """The torch reference backend for Hugging Face checkpoints."""
+    """The torch reference backend for Hugging Face checkpoints, and a GGUF file's tokenizer,
+    chat template and weights (on the same torch backend)."""
     return [Component("backend", "torch", _torch,
-                      "torch reference for HF checkpoints (dense and MoE)")]
+                      "torch reference for HF checkpoints (dense and MoE)"),
+            Component("backend", "gguf", _gguf_backend,
+                      "a GGUF file's weights on the torch backend (dequantized at load)"),
+            Component("tokenizer", "gguf", _gguf_tokenizer,
+                      "a GGUF file's tokenizer (tokenizer.ggml.*) as a tokenizers BPE"),
+            Component("renderer", "gguf", _gguf_renderer,
+                      "a GGUF file's chat template (tokenizer.chat_template)")]

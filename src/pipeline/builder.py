@@ -11,9 +11,14 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, cast
 
+import attrs
+
 from pipeline.engine import Engine, EngineConfig
 from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.events import EventSink
+from pipeline.models import (
+    DEFAULT_MODEL, TINY_MODEL_DIR, ResolvedModel, is_gguf_file, resolve_model,
+)
 from pipeline.pipe import Pipeline, Stages
 from pipeline.protocols import (
     Backend, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
@@ -30,8 +35,6 @@ DEFAULT_PROCESSORS = (
 DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
-"""The small Qwen3-MoE model that ships inside the package (see docs/default_model.md)."""
 
 StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
 
@@ -52,9 +55,11 @@ def build(
     defaults: GenerationConfig | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> Pipeline:
-    """Build a pipeline for ``model`` (a Hugging Face-layout folder) or from explicit stages.
+    """Build a pipeline for ``model`` or from explicit stages.
 
-    With no model, backend or tokenizer, the embedded default model is used.
+    ``model`` is a Hugging Face-layout folder, a GGUF file, a short name (``"smollm2"``,
+    ``"tiny"``) or a repo id in the local Hugging Face cache (:mod:`pipeline.models`). With
+    no model, backend or tokenizer, the default model (SmolLM2-135M-Instruct) is used.
 
     A folder that holds only tokenizer files gives a pipeline that renders, tokenizes and
     counts tokens without a model. Every stage argument takes a registered name or an
@@ -83,13 +88,15 @@ def build(
     """
     registry = Registry(plugins)
     if model is None and backend is None and tokenizer is None:
-        model = DEFAULT_MODEL_DIR
-    model_dir = Path(model) if model is not None else None
-    if model_dir is not None and not model_dir.is_dir():
-        raise InvalidValueError("model", str(model), "not a directory")
-    context = BuildContext(model_dir=model_dir, options=dict(options or {}))
+        model = DEFAULT_MODEL
+    found = resolve_model(model) if model is not None else ResolvedModel()
+    model_dir, model_file = found.directory, found.file
+    if model_file is not None and not is_gguf_file(model_file):
+        raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
+    context = BuildContext(model_dir=model_dir, options=dict(options or {}),
+                           model_file=model_file)
     tok = _tokenizer(registry, context, tokenizer)
-    context = BuildContext(model_dir=model_dir, tokenizer=tok, options=context.options)
+    context = attrs.evolve(context, tokenizer=tok)
     procs = [_resolve(registry, "processor", p, context)
              for p in (DEFAULT_PROCESSORS if processors is None else processors)]
     sel: Selector = _resolve(registry, "selector", selector, context)
@@ -119,8 +126,9 @@ def build(
             return make_strategy(chain, sel)
 
         eng = Engine(model_backend, strategies, engine)
+    where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
-                    description={"model": str(model_dir) if model_dir else None})
+                    description={"model": str(where) if where else None})
 
 
 def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:
@@ -130,19 +138,25 @@ def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -
 def _tokenizer(registry: Registry, context: BuildContext,
                value: str | Tokenizer | None) -> Tokenizer | None:
     if value is None:
-        if context.model_dir is None or not (context.model_dir / "tokenizer.json").exists():
+        if context.model_file is not None:
+            value = "gguf"
+        elif context.model_dir is None or not (context.model_dir / "tokenizer.json").exists():
             return None
-        value = "hf"
+        else:
+            value = "hf"
     return cast(Tokenizer, _resolve(registry, "tokenizer", value, context))
 
 
 def _renderer(registry: Registry, context: BuildContext,
               value: str | Renderer | None) -> Renderer | None:
     if value is None:
-        if context.model_dir is None:
+        if context.model_file is not None:
+            value = "gguf"
+        elif context.model_dir is None:
             return None
-        has_template = any((context.model_dir / f).exists() for f in TEMPLATE_FILES)
-        value = "hf_chat_template" if has_template else "plain"
+        else:
+            has_template = any((context.model_dir / f).exists() for f in TEMPLATE_FILES)
+            value = "hf_chat_template" if has_template else "plain"
     return cast(Renderer, _resolve(registry, "renderer", value, context))
 
 
@@ -150,7 +164,10 @@ def _backend(registry: Registry, context: BuildContext,
              value: str | Backend | None) -> Backend | None:
     if value is None:
         folder = context.model_dir
-        if folder is None or not any((folder / f).exists() for f in WEIGHT_FILES):
+        if context.model_file is not None:
+            value = "gguf"
+        elif folder is None or not any((folder / f).exists() for f in WEIGHT_FILES):
             return None  # tokenizer-only pipeline: render and count, no generation
-        value = "torch"
+        else:
+            value = "torch"
     return cast(Backend, _resolve(registry, "backend", value, context))

@@ -31,12 +31,16 @@ ENTRY_POINT_GROUP = "pipeline"
 
 @attrs.frozen
 class BuildContext:
-    """What a factory may use: the model/tokenizer folder, the tokenizer once built, and
-    per-build options (``build(..., options={...})``)."""
+    """What a factory may use: the model/tokenizer folder, or the single model file (a GGUF
+    file), the tokenizer once built, per-build options (``build(..., options={...})``), and
+    ``shared``, a memo the factories of one build may share (e.g. a model file opened once
+    for its tokenizer, template and weights)."""
 
     model_dir: Path | None = None
     tokenizer: Tokenizer | None = None
     options: Mapping[str, Any] = attrs.field(factory=dict)
+    model_file: Path | None = None
+    shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
 
 
 @attrs.frozen

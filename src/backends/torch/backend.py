@@ -74,7 +74,7 @@ class TorchBackend:
         :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
         if isinstance(dtype, str):
-            dtype = _dtype(dtype)
+            dtype = torch_dtype(dtype)
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
         return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack), ckpt.snapshot,
                    num_slots=num_slots, max_context=max_context)
@@ -164,7 +164,8 @@ class TorchBackend:
         ]
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` ("float32", "bfloat16", ...)."""
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
         raise InvalidValueError("dtype", name, "not a torch dtype name")

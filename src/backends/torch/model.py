@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
 from backends.torch.moe import RoutingSpec, moe_forward
-from backends.torch.packed import Linears
+from backends.torch.packed import LinearFn, Linears
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
@@ -185,15 +185,20 @@ class Transformer:
     may replace it, and nothing else of the model changes. With ``pack`` (the default),
     float32 CPU weights get oneDNN-packed copies (:mod:`backends.torch.packed`), the routed
     experts' too when ``moe`` is the default; ``pack=False`` multiplies with ``F.linear``.
+    ``own_products`` pairs weights (placeholders in ``weights``) with the function that
+    multiplies by them, e.g. a GGUF weight kept quantized in memory.
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
-                 moe: MoeFunction = moe_forward, pack: bool = True) -> None:
+                 moe: MoeFunction = moe_forward, pack: bool = True,
+                 own_products: Sequence[tuple[torch.Tensor, LinearFn]] = ()) -> None:
         self.spec = spec
         self.weights = weights
         default_moe = moe is moe_forward
         self.linears = (Linears.pack(weights, experts=default_moe) if pack
                         else Linears.plain())
+        for placeholder, multiply in own_products:
+            self.linears.register(placeholder, multiply)
         self.moe = self._packed_moe if default_moe and len(self.linears) else moe
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]

@@ -22,12 +22,16 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from backends.torch.weights import MlpWeights, ModelWeights, MoeWeights
+
+LinearFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""``fn(x [T, in], bias) -> [T, out]``: a weight's own matrix product (e.g. one that keeps
+the weight quantized and dequantizes it chunk by chunk)."""
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -47,6 +51,12 @@ class Linears:
 
     def __init__(self) -> None:
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
+        self._own: dict[int, LinearFn] = {}
+
+    def register(self, weight: torch.Tensor, multiply: LinearFn) -> None:
+        """Multiply by ``weight`` (typically a ``meta`` placeholder of the right shape that
+        stands in the model's weights) with ``multiply`` instead of ``F.linear``."""
+        self._own[id(weight)] = multiply
 
     @classmethod
     def plain(cls) -> Linears:
@@ -69,6 +79,9 @@ class Linears:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] @ weight.T (+ bias)``: ``[T, out]``."""
+        own = self._own.get(id(weight))
+        if own is not None:
+            return own(x, bias)
         packed = self._packed.get((id(weight), -1))
         if packed is None:
             return F.linear(x, weight, bias)

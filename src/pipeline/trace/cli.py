@@ -27,10 +27,10 @@ from pipeline.trace.svg import to_svg
 def _detokenizer(trace: Trace, model: str | None) -> tuple[Detokenize | None, str]:
     """``tokenizer.decode`` of the model folder (default: the embedded model), used only when
     its digest is the trace's tokenizer artifact."""
-    from pipeline.builder import DEFAULT_MODEL_DIR
+    from pipeline.models import TINY_MODEL_DIR
     from pipeline.registry import BuildContext, Registry
 
-    folder = Path(model) if model else DEFAULT_MODEL_DIR
+    folder = Path(model) if model else TINY_MODEL_DIR
     if not (folder / "tokenizer.json").exists():
         return None, f"no tokenizer.json in {folder}"
     tokenizer = Registry().create("tokenizer", "hf", BuildContext(model_dir=folder))

@@ -47,7 +47,7 @@ log = logging.getLogger("pipeline.http")
 
 
 def default_builder(folder: Path | None, config: ServerConfig) -> Pipeline:
-    """``build()`` for a folder (None: the embedded model) with the server's slot count."""
+    """``build()`` for a model (None: the default model) with the server's slot count."""
     options: dict[str, object] = {"num_slots": config.num_slots}
     if config.max_context is not None:
         options["max_context"] = config.max_context

