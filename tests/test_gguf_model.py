@@ -192,3 +192,103 @@ def test_quantized_in_memory_mode_matches_the_dequantized_mode(pipe: Any) -> Non
 def _prefill_top(done: Any) -> dict[int, float]:
     event = next(e for e in done.trace if e.event_type == "prefill.completed")
     return {int(t): float(v) for t, v in event.payload["logits"]["top"]}
+
+
+# --- a MoE architecture: the tiny Qwen3-MoE written as GGUF ---------------------------------
+
+def _tiny_as_gguf(path: Path, qtype: Any = None) -> Path:
+    """The package's tiny Qwen3-MoE written with gguf.GGUFWriter under llama.cpp's names
+    (float32 tensors; ``qtype`` quantizes the 2-D attention matrices)."""
+    from backends.torch.loader import load_checkpoint
+    from pipeline.models import TINY_MODEL_DIR
+
+    ckpt = load_checkpoint(TINY_MODEL_DIR, dtype=torch.float32, progress=False)
+    s, w = ckpt.spec, ckpt.weights
+    assert s.moe is not None
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(s.num_layers)
+    writer.add_context_length(s.max_position_embeddings)
+    writer.add_embedding_length(s.hidden_size)
+    writer.add_feed_forward_length(s.intermediate_size)
+    writer.add_head_count(s.num_heads)
+    writer.add_head_count_kv(s.num_kv_heads)
+    writer.add_key_length(s.head_dim)
+    writer.add_value_length(s.head_dim)
+    writer.add_rope_freq_base(s.rope.theta)
+    writer.add_layer_norm_rms_eps(s.rms_norm_eps)
+    writer.add_expert_count(s.moe.num_experts)
+    writer.add_expert_used_count(s.moe.top_k)
+    writer.add_expert_feed_forward_length(s.moe.intermediate_size)
+    writer.add_vocab_size(s.vocab_size)
+
+    def put(name: str, t: torch.Tensor, quantize: bool = False) -> None:
+        data = t.detach().float().contiguous().numpy()
+        if quantize and qtype is not None:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+
+    put("token_embd.weight", w.embed)
+    put("output_norm.weight", w.norm)
+    inter = s.moe.intermediate_size
+    for i, layer in enumerate(w.layers):
+        p, a, m = f"blk.{i}.", layer.attention, layer.mlp
+        put(p + "attn_norm.weight", layer.input_norm)
+        put(p + "ffn_norm.weight", layer.post_norm)
+        for name, t in (("attn_q", a.q), ("attn_k", a.k), ("attn_v", a.v), ("attn_output", a.o)):
+            put(p + name + ".weight", t, quantize=True)
+        assert a.q_norm is not None and a.k_norm is not None
+        put(p + "attn_q_norm.weight", a.q_norm)
+        put(p + "attn_k_norm.weight", a.k_norm)
+        put(p + "ffn_gate_inp.weight", m.router)
+        put(p + "ffn_gate_exps.weight", m.gate_up[:, :inter])
+        put(p + "ffn_up_exps.weight", m.gate_up[:, inter:])
+        put(p + "ffn_down_exps.weight", m.down)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _logits(spec: Any, weights: Any, ids: list[int], products: Any = ()) -> torch.Tensor:
+    from backends.torch.backend import TorchBackend
+    from backends.torch.model import Transformer
+    from pipeline.protocols import PrefillChunk
+
+    backend = TorchBackend(Transformer(spec, weights, pack=False, own_products=products), "x",
+                           num_slots=1, max_context=64)
+    return backend.prefill([PrefillChunk(backend.allocate(), tuple(ids), 0, True)])[0]
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_qwen3_moe_gguf_loads_as_the_same_model(tmp_path: Path, qtype: str | None) -> None:
+    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.load import load_weights
+    from backends.torch.config import ModelSpec
+    from backends.torch.loader import load_checkpoint
+    from pipeline.models import TINY_MODEL_DIR
+
+    kind = None if qtype is None else getattr(gguf.GGMLQuantizationType, qtype)
+    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", kind))
+    spec = ModelSpec.from_hf_config(hf_config(f))
+    ref = load_checkpoint(TINY_MODEL_DIR, dtype=torch.float32, progress=False)
+    assert attrs_equal(spec, ref.spec)
+    ids = [1, 872, 198, 3219, 47, 9, 2025, 17]
+    want = _logits(ref.spec, ref.weights, ids)
+    for quantized in (False, True):
+        loaded = load_weights(f, spec, quantized=quantized)
+        got = _logits(spec, loaded.weights, ids, loaded.products)
+        # float32 tensors load exactly; Q8_0 attention matrices cost ~1e-2 in the logits
+        tol = 1e-4 if qtype is None else 0.2
+        assert (got - want).abs().max().item() < tol
+        assert int(got.argmax()) == int(want.argmax())
+
+
+def attrs_equal(a: Any, b: Any) -> bool:
+    """The two specs agree on everything but the stored dtype (GGUF here: float32) and the
+    epsilon's precision (GGUF stores it as a float32)."""
+    import attrs
+
+    assert abs(a.rms_norm_eps - b.rms_norm_eps) < 1e-12
+    return attrs.evolve(a, dtype=b.dtype, rms_norm_eps=b.rms_norm_eps) == b
