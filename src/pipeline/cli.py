@@ -98,7 +98,8 @@ def _add_limits(serve: Any) -> None:
 def _add_serve(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve models over HTTP (OpenAI + Anthropic dialects)")
     serve.add_argument("--model", action="append", default=[],
-                       help="DIR or NAME=DIR, repeatable (default: the embedded model)")
+                       help="MODEL or NAME=MODEL, repeatable; MODEL is a folder, GGUF file, "
+                            "name or cached repo id (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--data-dir", default="pipeline-data", help="where the usage store lives")
@@ -137,7 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     count.add_argument("text")
     count.set_defaults(run=_count)
     demo = sub.add_parser("demo", help="stream an answer and print a run summary")
-    demo.add_argument("--model", default=None, help="model folder (default: the embedded one)")
+    demo.add_argument("--model", default=None,
+                      help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
+                           "(default: SmolLM2-135M-Instruct)")
     demo.add_argument("--question", default="Why is the sky usually blue? Answer in one sentence.")
     demo.add_argument("--max-tokens", type=int, default=80)
     demo.set_defaults(run=_demo)
