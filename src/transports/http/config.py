@@ -44,7 +44,8 @@ def _keys(value: Iterable[str]) -> frozenset[str]:
 class ServerConfig:
     """What a server serves and the limits of its gateway.
 
-    ``models`` maps a served name to a model folder (``None``: the embedded default model).
+    ``models`` maps a served name to a model (a folder, a GGUF file, a name or a cached repo
+    id; ``None``: the default model, SmolLM2-135M-Instruct).
     ``api_keys`` empty means no authentication. Per model, at most ``num_slots`` requests run
     and ``max_queue`` more wait; beyond that a request is refused as overloaded. ``max_context``
     caps each model's window (``None``: the model's own); ``context_slack`` tokens of it are
