@@ -1,11 +1,14 @@
-"""The ``pipeline`` command: ``plugins``, ``count``, ``demo``, ``trace``, ``serve``.
+"""The ``pipeline`` command: ``run``, ``count``, ``demo``, ``plugins``, ``trace``, ``serve``.
 
-Owns argument parsing and printing only; every command calls the library's public API.
+Owns argument parsing and printing only; every command calls the library's public API. Every
+error a user can cause is one line on standard error that says what to do, with a non-zero
+exit status, never a traceback; a closed pipe (``pipeline run ... | head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from pipeline.cli_run import add_parser as add_run_parser
 from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
 
@@ -33,8 +37,12 @@ def _plugins(args: argparse.Namespace) -> int:
 def _count(args: argparse.Namespace) -> int:
     from pipeline.builder import build
 
-    with build(args.tokenizer) as pipe:
-        print(pipe.count_tokens(args.text))
+    with build(args.model) as pipe:
+        if args.raw:
+            assert pipe.stages.tokenizer is not None
+            print(len(pipe.stages.tokenizer.encode_text(args.text)))
+        else:
+            print(pipe.count_tokens(args.text))
     return 0
 
 
@@ -130,11 +138,20 @@ def _add_serve(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipeline`` console script."""
+    from pipeline import __version__
+
     parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_run_parser(sub)
     sub.add_parser("plugins", help="list registered components").set_defaults(run=_plugins)
-    count = sub.add_parser("count", help="count the tokens of a user message exactly")
-    count.add_argument("--tokenizer", required=True, help="folder with tokenizer.json")
+    count = sub.add_parser("count", help="count the tokens of a user message exactly "
+                                         "(through the chat template; --raw: the text alone)")
+    count.add_argument("--model", "--tokenizer", dest="model", default=None,
+                       help="a model or tokenizer folder, GGUF file, name or cached repo id "
+                            "(default: SmolLM2-135M-Instruct)")
+    count.add_argument("--raw", action="store_true",
+                       help="count the text's own tokens, without the chat template")
     count.add_argument("text")
     count.set_defaults(run=_count)
     demo = sub.add_parser("demo", help="stream an answer and print a run summary")
@@ -147,7 +164,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_trace_parser(sub)
     _add_serve(sub)
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    return _guarded(args)
+
+
+def _guarded(args: argparse.Namespace) -> int:
+    """Run the command; turn what a user can cause into one line and an exit status."""
+    from pipeline.errors import PipelineError
+
+    try:
+        return int(args.run(args))
+    except PipelineError as exc:
+        print(f"pipeline {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"pipeline {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader left (| head): say nothing, and keep Python from complaining at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,7 @@
+"""``python -m pipeline``: the same command as the ``pipeline`` console script."""
+
+import sys
+
+from pipeline.cli import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""The ``pipeline run`` command: one prompt, the answer streamed to the terminal (DESIGN §14).
+
+Owns the command's options (the sampling fields people use, in the spellings of
+``llama-cli`` and ``mlx_lm.generate``) and its output: the text as it streams, or with
+``--json`` one JSON object (text, finish reason, usage, timings, request id) on stdout;
+``--trace FILE`` keeps the request's JSONL trace. The prompt is the argument, or standard
+input when the argument is ``-`` or absent.
+
+Example::
+
+    pipeline run "Why is the sky blue?" --temperature 0 --max-tokens 64
+    echo "2+2?" | pipeline run --model tiny --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import InvalidValueError
+
+_SAMPLING = (  # flag, GenerationConfig field, type, help
+    ("--temperature", "temperature", float, "0 is greedy (default 1.0)"),
+    ("--top-p", "top_p", float, "nucleus mass to keep"),
+    ("--top-k", "top_k", int, "most likely tokens to keep (0: all)"),
+    ("--min-p", "min_p", float, "keep tokens at least this × the top probability"),
+    ("--repetition-penalty", "repetition_penalty", float, "divide repeated tokens' logits"),
+    ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
+    ("--max-tokens", "max_tokens", int, "most tokens to generate (default 256)"),
+)
+
+
+def add_parser(sub: Any) -> None:
+    """The ``run`` subcommand."""
+    run = sub.add_parser("run", help="answer one prompt, streaming to the terminal")
+    run.add_argument("prompt", nargs="?", default="-",
+                     help="the user's message (default or '-': read standard input)")
+    run.add_argument("--model", default=None,
+                     help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
+                          "(default: SmolLM2-135M-Instruct)")
+    run.add_argument("--system", default=None, help="a system message before the prompt")
+    for flag, field, kind, text in _SAMPLING:
+        run.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop before this text (repeatable)")
+    run.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    run.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                     help="write the request's trace as JSONL to FILE")
+    run.set_defaults(run=_run)
+
+
+def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise InvalidValueError("prompt", prompt, "is empty: give a prompt or pipe one in")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    return messages + [{"role": "user", "content": prompt}]
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
+                              if getattr(args, field) is not None}
+    params.setdefault("max_tokens", 256)
+    if args.stop:
+        params["stop"] = args.stop
+    return params
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipeline.builder import build
+    from pipeline.events import JsonlSink
+
+    messages = _messages(args)
+    sinks = [JsonlSink(args.trace)] if args.trace is not None else []
+    with build(args.model, sinks=sinks, options={"num_slots": 1}) as pipe:
+        handle = pipe.submit(messages, **_params(args))
+        try:
+            for delta in handle.deltas():
+                if not args.json:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+        except BaseException:
+            handle.cancel()
+            raise
+        done = handle.result()
+    if args.json:
+        print(json.dumps({
+            "request_id": done.request_id, "text": done.text,
+            "finish_reason": done.finish_reason.value,
+            "usage": {"prompt_tokens": done.usage.prompt_tokens,
+                      "completion_tokens": done.usage.completion_tokens},
+            "timings": {"queued_s": done.timings.queued_s,
+                        "first_token_s": done.timings.first_token_s,
+                        "total_s": done.timings.total_s}}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,91 @@
+"""The ``pipeline`` command as a user meets it: ``run`` (prompt or stdin, sampling flags,
+``--json``, ``--trace``), ``count`` (chat template or ``--raw``), ``--version``,
+``python -m pipeline``, and errors as one line without a traceback, also under ``| head``.
+
+Oracles: the library's own ``generate`` and ``count_tokens`` on the same model (the CLI adds
+no behaviour of its own), and the trace tooling reading the file ``--trace`` wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import build, cli
+from pipeline.trace import check, load_all
+
+RUN = [sys.executable, "-m", "pipeline"]
+
+
+def test_run_streams_what_generate_returns(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--model", "tiny", "Why?", "--temperature", "0",
+                     "--max-tokens", "12", "--system", "Be brief."]) == 0
+    out = capsys.readouterr().out
+    with build("tiny") as pipe:
+        want = pipe.generate([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "Why?"}],
+                             temperature=0, max_tokens=12).text
+    assert out == want + "\n"
+
+
+def test_run_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("2+2?"))
+    trace = tmp_path / "run.jsonl"
+    assert cli.main(["run", "--model", "tiny", "--json", "--seed", "5", "--top-k", "20",
+                     "--top-p", "0.9", "--min-p", "0.01", "--repetition-penalty", "1.1",
+                     "--stop", "zzz", "--max-tokens", "6", "--trace", str(trace)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    with build("tiny") as pipe:
+        want = pipe.generate("2+2?", seed=5, top_k=20, top_p=0.9, min_p=0.01,
+                             repetition_penalty=1.1, stop=["zzz"], max_tokens=6)
+    assert result["text"] == want.text and result["finish_reason"] == want.finish_reason.value
+    assert result["usage"]["completion_tokens"] == want.usage.completion_tokens
+    (loaded,) = load_all(trace)
+    assert loaded.events[0].trace_id == result["request_id"]
+    assert check(loaded).ok
+
+
+def test_count_with_and_without_the_template(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["count", "--model", "tiny", "hello world"]) == 0
+    assert cli.main(["count", "--model", "tiny", "--raw", "hello world"]) == 0
+    templated, raw = (int(x) for x in capsys.readouterr().out.split())
+    with build("tiny") as pipe:
+        assert templated == pipe.count_tokens("hello world")
+        assert pipe.stages.tokenizer is not None
+        assert raw == len(pipe.stages.tokenizer.encode_text("hello world")) < templated
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "--model", "/no/such/model", "hi"], "no such folder or file"),
+    (["run", "--model", "tiny", ""], "prompt"),
+    (["run", "--model", "tiny", "hi", "--temperature", "-1"], "temperature"),
+])
+def test_errors_are_one_line_without_a_traceback(argv: list[str], says: str) -> None:
+    done = subprocess.run(RUN + argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and says in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_version_and_module_entry_point() -> None:
+    from pipeline import __version__
+
+    done = subprocess.run(RUN + ["--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"pipeline {__version__}"
+
+
+def test_a_reader_that_leaves_early_ends_the_run_quietly() -> None:
+    run = subprocess.Popen(RUN + ["run", "--model", "tiny", "tell me", "--max-tokens", "400",
+                                  "--temperature", "0"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    assert run.stdout is not None and run.stderr is not None
+    run.stdout.read(5)
+    run.stdout.close()  # what `| head -c 5` does
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=120) == 0 and "Traceback" not in err and err == ""
