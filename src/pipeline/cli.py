@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -47,10 +48,18 @@ def _count(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Stream the default model's answer, then print a run summary."""
+    """Echo the question, stream the default model's answer, print a run summary and the
+    command that shows the kept trace."""
     from pipeline.builder import build
+    from pipeline.events import JsonlSink
 
-    with build(args.model) as pipe:
+    print(f"> {args.question}")
+    sinks = []
+    if args.trace is not None:
+        args.trace.parent.mkdir(parents=True, exist_ok=True)
+        args.trace.unlink(missing_ok=True)  # one run's trace, not an ever-growing file
+        sinks.append(JsonlSink(args.trace))
+    with build(args.model, sinks=sinks, options={"num_slots": 1}) as pipe:
         start = time.perf_counter()
         handle = pipe.submit(args.question, max_tokens=args.max_tokens, temperature=0.0)
         for delta in handle.deltas():
@@ -64,6 +73,8 @@ def _demo(args: argparse.Namespace) -> int:
     rate = max(done.usage.completion_tokens - 1, 0) / decode_s
     print(f"ttft {ttft * 1e3:.1f} ms | {rate:.0f} tokens/s | finish {done.finish_reason.value}"
           f" | {len(done.trace)} trace events")
+    if args.trace is not None:
+        print(f"trace: {args.trace} (show it with: pipeline trace show {args.trace})")
     return 0
 
 
@@ -160,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "(default: SmolLM2-135M-Instruct)")
     demo.add_argument("--question", default="Why is the sky usually blue? Answer in one sentence.")
     demo.add_argument("--max-tokens", type=int, default=80)
+    demo.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                      help="keep the run's trace as JSONL in FILE")
     demo.set_defaults(run=_demo)
     add_trace_parser(sub)
     _add_serve(sub)
