@@ -37,6 +37,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
 
 from __future__ import annotations
 
+import difflib
 import reprlib
 from collections.abc import Iterable, Sequence
 
@@ -85,8 +86,14 @@ class UnknownFieldError(ValidationError):
         self.type_name = type_name
         self.field = field
         self.allowed = tuple(sorted(allowed))
+        # compare the last path component ("messages[0].contnet" -> "contnet")
+        leaf = field.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(leaf, [a.rsplit(".", 1)[-1] for a in self.allowed],
+                                          n=1, cutoff=0.6)
+        self.suggestion = close[0] if close else None
+        hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
         super().__init__(
-            f"{type_name} has no field {field!r}; known fields: {', '.join(self.allowed)}"
+            f"{type_name} has no field {field!r}{hint}; known fields: {', '.join(self.allowed)}"
         )
 
 

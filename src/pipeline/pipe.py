@@ -101,15 +101,30 @@ class Pipeline:
         request = Request(messages=messages, tool_catalog=tools, template_kwargs=template_kwargs)
         return self._render(request, add_generation_prompt)
 
-    def tokenize(self, prompt: Prompt | Rendered, **template_kwargs: Any) -> TokenizedPrompt:
-        """Token ids of a string (one user turn), a conversation, a ``Request`` or rendered text."""
-        rendered = prompt if isinstance(prompt, Rendered) else self._render(
-            Request.coerce(prompt, **self._kwargs_field(prompt, template_kwargs)))
-        return self._tokenizer.encode(rendered)
+    def tokenize(self, prompt: Prompt | Rendered, *,
+                 tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+                 add_generation_prompt: bool | None = None,
+                 **template_kwargs: Any) -> TokenizedPrompt:
+        """Token ids of a string (one user turn), a conversation, a ``Request`` or rendered
+        text. ``tools``, ``add_generation_prompt`` (default True) and template kwargs work as
+        in :meth:`render` (and as transformers' ``apply_chat_template``); given for a
+        ``Request``, they replace its own."""
+        if isinstance(prompt, Rendered):
+            return self._tokenizer.encode(prompt)
+        if add_generation_prompt is not None:
+            template_kwargs["add_generation_prompt"] = add_generation_prompt
+        fields = self._kwargs_field(prompt, template_kwargs)
+        if tools is not None:
+            fields["tool_catalog"] = tools
+        return self._tokenizer.encode(self._render(Request.coerce(prompt, **fields)))
 
-    def count_tokens(self, prompt: Prompt | Rendered, **template_kwargs: Any) -> int:
-        """The exact prompt length in tokens (what a gateway's window arithmetic needs)."""
-        return len(self.tokenize(prompt, **template_kwargs))
+    def count_tokens(self, prompt: Prompt | Rendered, *,
+                     tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+                     add_generation_prompt: bool | None = None, **template_kwargs: Any) -> int:
+        """The exact prompt length in tokens (what a gateway's window arithmetic needs); the
+        arguments are :meth:`tokenize`'s."""
+        return len(self.tokenize(prompt, tools=tools, add_generation_prompt=add_generation_prompt,
+                                 **template_kwargs))
 
     # --- generation --------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ bodies, SSE) live in the transports, not here.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -169,8 +170,38 @@ class ToolCall:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToolCall:
-        """Build from ``{"name", "arguments", "id"}``."""
+        """Build from ``{"name", "arguments", "id"}``, or from the OpenAI / Hugging Face
+        shape ``{"id", "type": "function", "function": {"name", "arguments"}}``; ``arguments``
+        may be JSON text or a mapping (written as a chat template's ``tojson`` writes it, so
+        templates render it as transformers does)."""
+        if isinstance(data, Mapping) and "function" in data:
+            kind = data.get("type", "function")
+            _check(kind == "function", "tool_calls.type", kind, "only function calls exist")
+            extra = set(data) - {"id", "type", "function"}
+            if extra:
+                raise UnknownFieldError("ToolCall", sorted(extra)[0], ("id", "type", "function"))
+            function = data["function"]
+            _check(isinstance(function, Mapping), "tool_calls.function", function,
+                   "must be a mapping with name and arguments")
+            data = {**function, **({"id": data["id"]} if data.get("id") is not None else {})}
+        if isinstance(data, Mapping) and isinstance(data.get("arguments"), Mapping):
+            data = {**data, "arguments": json.dumps(_thaw(data["arguments"]),
+                                                    ensure_ascii=False)}
         return from_mapping(cls, data)
+
+
+def _content_text(value: Any) -> Any:
+    """Message content as text: a string, or a list of ``{"type": "text", "text"}`` parts
+    (the OpenAI / Hugging Face shape), joined."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    pieces = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        _check(kind == "text" and isinstance(part.get("text"), str), "content", kind,
+               "content parts must be {'type': 'text', 'text': ...} (only text is supported)")
+        pieces.append(part["text"])
+    return "".join(pieces)
 
 
 def _tool_calls(value: Any) -> tuple[ToolCall, ...]:
@@ -186,7 +217,7 @@ class Message:
     """One chat message, structured; never pre-rendered text."""
 
     role: str = attrs.field()
-    content: str | None = attrs.field(default=None)
+    content: str | None = attrs.field(default=None, converter=_content_text)
     tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tool_calls)
     tool_call_id: str | None = attrs.field(default=None, validator=_text)
     reasoning_content: str | None = attrs.field(default=None, validator=_text)
