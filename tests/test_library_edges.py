@@ -82,3 +82,29 @@ def test_an_unknown_field_suggests_the_closest_name(wrong: str, right: str) -> N
     assert err.value.suggestion == right and f"did you mean {right!r}" in str(err.value)
     with build("tiny") as pipe, pytest.raises(UnknownFieldError, match=f"did you mean {right!r}"):
         pipe.generate("x", **{wrong: 1})
+
+
+def test_a_vocabulary_padded_beyond_the_tokenizer_never_fails_a_request() -> None:
+    # The model has 320 ids, the byte tokenizer 257: the model's favourite id is padding.
+    import torch
+
+    from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted
+
+    vocab, padded = 320, 300
+
+    def logits(tokens: Any) -> torch.Tensor:
+        out = torch.zeros(vocab)
+        out[padded] = 50.0          # what an untrained padding row can do
+        out[ord("k")] = 10.0        # the best id the tokenizer can decode
+        return out
+
+    assert ByteTokenizer.VOCAB < padded
+    with build_scripted(ScriptedBackend(vocab, logits)) as pipe:
+        for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
+            done = pipe.generate("x", max_tokens=3, **params)
+            assert done.text == "kkk" and max(done.token_ids) < ByteTokenizer.VOCAB
+        # token-id fields may name any id the model has
+        assert pipe.generate("x", max_tokens=2, temperature=0,
+                             logit_bias={padded + 5: -1.0}).text == "kk"
+        with pytest.raises(InvalidValueError, match="outside the vocabulary"):
+            pipe.generate("x", max_tokens=2, logit_bias={vocab: 1.0})

@@ -125,7 +125,7 @@ def build(
             chain = procs if order is None else [by_name[n] for n in order]
             return make_strategy(chain, sel)
 
-        eng = Engine(model_backend, strategies, engine)
+        eng = Engine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
     where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
                     description={"model": str(where) if where else None})

@@ -91,8 +91,12 @@ class Engine:
 
     def __init__(self, backend: Backend, strategies: StrategyFactory,
                  config: EngineConfig | None = None,
-                 on_stop: Callable[[str], None] | None = None) -> None:
+                 on_stop: Callable[[str], None] | None = None,
+                 decodable_vocab: int | None = None) -> None:
         self.backend = backend
+        self.decodable_vocab = decodable_vocab
+        """Ids at or above this the tokenizer cannot decode (a model vocabulary padded beyond
+        the tokenizer's, as Qwen's 151,936 for 151,669 ids): never selected. None: all."""
         self.on_stop = on_stop
         """Called once, on the engine thread, if the loop ends other than by ``close``."""
         self.failure: str | None = None
@@ -151,7 +155,8 @@ class Engine:
             with contextlib.suppress(Exception):
                 self.backend.release(slot)
         self._held.clear()
-        return Engine(self.backend, self._strategies, self.config, self.on_stop)
+        return Engine(self.backend, self._strategies, self.config, self.on_stop,
+                      self.decodable_vocab)
 
     @property
     def active_slots(self) -> int:
@@ -373,6 +378,8 @@ class Engine:
                 continue
             batch = Batch(tuple(j.row() for j, _ in items), self.backend.vocab_size)
             logits = torch.stack([r for _, r in items]).float()  # [B, V]
+            if self.decodable_vocab is not None and self.decodable_vocab < logits.shape[1]:
+                logits[:, self.decodable_vocab:] = float("-inf")  # padding ids: never chosen
             try:
                 choice = strategy.update(logits, batch)
             except Exception as exc:

@@ -301,9 +301,10 @@ class Pipeline:
 
     def _validate(self, request: Request) -> None:
         config = request.generation_config
-        vocab = self._tokenizer.vocab_size
-        if self.engine is not None:
-            vocab = min(vocab, self.engine.backend.vocab_size) if vocab else vocab
+        # token-id fields may name any id the model has (its vocabulary may be padded beyond
+        # the tokenizer's; padding ids are never selected, see Engine.decodable_vocab)
+        vocab = (self.engine.backend.vocab_size if self.engine is not None
+                 else self._tokenizer.vocab_size)
         for token in sorted(config.token_ids_used()):
             if token >= vocab:
                 field = "logit_bias" if token in config.logit_bias else "token ids"
