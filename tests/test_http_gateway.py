@@ -268,3 +268,25 @@ def test_a_failing_backend_is_a_500_in_the_dialect_shape(tmp_path: Path) -> None
         error = json.loads(lines[lines.index("event: error") + 1].removeprefix("data: "))
         assert error["type"] == "error" and error["error"]["type"] == "api_error"
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_one_model_and_json_404_405_bodies_in_each_dialect(tmp_path: Path) -> None:
+    pipe, _ = endless_model()
+    with running(Gateway(config(tmp_path), lambda f, c: pipe)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+        assert client.models.retrieve("default").id == "default"  # the SDK's own parser
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("nope")
+        assert missing.value.body["served_models"] == ["default"]  # type: ignore[index]
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405),
+                                     ("POST", "/v1/messages/nope", 404),
+                                     ("DELETE", "/v1/messages", 405)):
+            r = httpx.request(method, f"{url}{path}")
+            assert r.status_code == status and r.headers["content-type"] == "application/json"
+            body = r.json()
+            if path.startswith("/v1/messages"):
+                assert body["type"] == "error" and body["error"]["message"]
+            else:
+                assert body["error"]["code"] in ("not_found", "method_not_allowed")
+        r = httpx.request("PUT", f"{url}/v1/models")
+        assert r.status_code == 405 and "GET" in r.headers.get("allow", "")

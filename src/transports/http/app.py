@@ -32,14 +32,15 @@ from starlette.background import BackgroundTask
 from starlette.routing import Route
 
 from pipeline.errors import (
-    InvalidValueError, LimitExceededError, PayloadTooLargeError, PipelineError,
+    InvalidValueError, LimitExceededError, ModelNotFoundError, PayloadTooLargeError,
+    PipelineError,
 )
 from pipeline.types import Completion
 from transports.http import anthropic_api, openai_api
 from transports.http.common import (
     Parsed, ServerDefaults, StreamEncoder, force_tool_call, traceparent,
 )
-from transports.http.errors import Dialect, classify, error_body, status_for
+from transports.http.errors import Dialect, classify, error_body, route_error, status_for
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ModelState, ServedModel
 from transports.http.inbox import batches
@@ -310,9 +311,23 @@ class Server:
 
     async def models(self, http: HTTPRequest) -> Response:
         """``GET /v1/models``."""
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pipeline",
-                 "state": m.state.value} for name, m in self.gateway.models.items()]
+        data = [self._model_object(name) for name in self.gateway.models]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, http: HTTPRequest) -> Response:
+        """``GET /v1/models/{model}``: one served model (404 naming the served ones)."""
+        name = http.path_params["model"]
+        http.state.model = name
+        if name not in self.gateway.models:
+            raise ModelNotFoundError(name, self.gateway.models)
+        return JSONResponse(self._model_object(name))
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        served = self.gateway.models[name]
+        state = ("restarting" if served.state is ModelState.READY and served.engine_failure
+                 else served.state.value)
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pipeline",
+                "state": state}
 
     async def health(self, http: HTTPRequest) -> Response:
         """``GET /health``: 200 when every model is loaded and its engine runs, else 503 with
@@ -357,6 +372,7 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/tokenize", s.endpoint("tokenize", oa, s.tokenize), methods=["POST"]),
         Route("/detokenize", s.endpoint("detokenize", oa, s.detokenize), methods=["POST"]),
         Route("/v1/models", s.endpoint("models", oa, s.models), methods=["GET"]),
+        Route("/v1/models/{model}", s.endpoint("models", oa, s.model), methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/openapi.json", s.openapi, methods=["GET"]),
@@ -368,4 +384,15 @@ def create_app(gateway: Gateway) -> Starlette:
         s.work.close()
         await asyncio.to_thread(gateway.close)
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={404: _no_route, 405: _no_route})
+
+
+async def _no_route(http: HTTPRequest, exc: Exception) -> Response:
+    """404 and 405 for paths and methods no route serves, as JSON in the dialect's shape
+    (``/v1/messages...`` is Anthropic's, everything else OpenAI's)."""
+    dialect = Dialect.ANTHROPIC if http.url.path.startswith("/v1/messages") else Dialect.OPENAI
+    status = int(getattr(exc, "status_code", 404))
+    info = route_error(status, http.method, http.url.path)
+    headers = dict(getattr(exc, "headers", None) or {})
+    return JSONResponse(error_body(info, dialect), status, headers=headers)

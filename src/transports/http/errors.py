@@ -112,6 +112,16 @@ def classify(exc: BaseException) -> ErrorInfo:
     return ErrorInfo(500, "server_error", "api_error", "internal server error")
 
 
+def route_error(status: int, method: str, path: str) -> ErrorInfo:
+    """A path no route serves (404) or a method the path does not take (405)."""
+    path = path.encode("utf-8", "backslashreplace").decode()[:200]
+    if status == 405:
+        return ErrorInfo(405, "invalid_request_error", "invalid_request_error",
+                         f"{method} is not allowed on {path}", code="method_not_allowed")
+    return ErrorInfo(404, "invalid_request_error", "not_found_error",
+                     f"no such endpoint: {method} {path}", code="not_found")
+
+
 def status_for(info: ErrorInfo, dialect: Dialect) -> int:
     """The HTTP status: Anthropic reports overload as 529, as its API does."""
     if dialect is Dialect.ANTHROPIC and info.anthropic_type == "overloaded_error":

@@ -372,15 +372,20 @@ def _anthropic_responses() -> dict[str, Schema]:
 
 
 def _other_responses() -> dict[str, Schema]:
-    state = {"type": "string", "enum": ["loading", "ready", "failed"]}
+    state = {"type": "string", "enum": ["loading", "ready", "failed", "restarting"]}
+    model = _out({"id": STRING, "object": {"const": "model"}, "created": COUNT,
+                  "owned_by": STRING, "state": state})
     return {
+        "ModelObject": model,
         "Tokens": _out({"tokens": _array(COUNT), "count": COUNT, "max_model_len": COUNT}),
         "Text": _out({"prompt": STRING}),
-        "ModelList": _out({"object": {"const": "list"}, "data": _array(_out({
-            "id": STRING, "object": {"const": "model"}, "created": COUNT,
-            "owned_by": STRING, "state": state}))}),
-        "Health": _out({"status": {"type": "string", "enum": ["ok", "loading"]},
-                        "models": {"type": "object", "additionalProperties": state}}),
+        "ModelList": _out({"object": {"const": "list"}, "data": _array(model)}),
+        "Health": _out({"status": {"type": "string",
+                                   "enum": ["ok", "loading", "engine_stopped"]},
+                        "models": {"type": "object", "additionalProperties": state}},
+                       {"engine_failures": {"type": "object",
+                                            "additionalProperties": STRING},
+                        "restarts": {"type": "object", "additionalProperties": COUNT}}),
     }
 
 
@@ -472,6 +477,11 @@ def _paths() -> Schema:
         "/detokenize": _post("token ids to text", "DetokenizeRequest", "Text", OPENAI),
         "/v1/models": {"get": {"summary": "the served models and their state", "responses": {
             "200": _json(_ref("ModelList"), "the served models"), **_errors(OPENAI, LISTING)}}},
+        "/v1/models/{model}": {"get": {
+            "summary": "one served model", "parameters": [{
+                "name": "model", "in": "path", "required": True, "schema": STRING}],
+            "responses": {"200": _json(_ref("ModelObject"), "the model"),
+                          **_errors(OPENAI, (*LISTING, 404))}}},
         "/health": _open_get("readiness", {
             "200": _json(_ref("Health"), "every model is loaded"),
             "503": _json(_ref("Health"), "some model is loading or failed")}),
