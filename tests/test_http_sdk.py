@@ -243,3 +243,24 @@ def test_a_required_or_named_tool_choice_makes_the_answer_a_tool_call(
         assert [(b.type, getattr(b, "input", None)) for b in message.content] == [
             ("tool_use", {"city": "Paris"})]
         assert message.stop_reason == "tool_use"
+
+
+def test_documented_fields_without_meaning_here_are_accepted_through_the_sdks(
+        oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    chat = oai.chat.completions.create(
+        model="default", max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+        service_tier="auto", store=False, metadata={"team": "docs"}, user="u1",
+        extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
+    assert chat.choices[0].message.content is not None
+    message = claude.messages.create(
+        model="default", max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+        service_tier="auto", metadata={"user_id": "u1"},
+        extra_body={"cache_control": {"type": "ephemeral"}})
+    assert message.content
+    with pytest.raises(openai.BadRequestError, match="service_tier"):
+        oai.chat.completions.create(model="default", max_tokens=3, service_tier="gold",  # type: ignore[arg-type]
+                                    messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError, match="cache_control.type"):
+        claude.messages.create(model="default", max_tokens=3,
+                               messages=[{"role": "user", "content": "hi"}],
+                               extra_body={"cache_control": {"type": "forever"}})

@@ -151,6 +151,21 @@ def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
     return config_from(fields, max_tokens, defaults), enable
 
 
+def _ignored(body: Obj) -> None:
+    """Documented fields with no meaning here, type-checked and ignored: ``cache_control``
+    (a prompt-caching hint; this server has no prompt cache yet) and ``service_tier``."""
+    hint = body.obj("cache_control")
+    if hint is not None:
+        kind = hint.need("type", "string")
+        if kind != "ephemeral":
+            raise InvalidValueError("cache_control.type", kind, "must be 'ephemeral'")
+        hint.get("ttl", "string")
+        hint.done()
+    tier = body.get("service_tier", "string")
+    if tier not in (None, "auto", "standard_only"):
+        raise InvalidValueError("service_tier", tier, "must be 'auto' or 'standard_only'")
+
+
 def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False) -> Parsed:
     """A Messages (or count_tokens) body → the internal request and how to answer it."""
     body = Obj(raw, "body")
@@ -164,6 +179,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     if metadata is not None:
         user = metadata.get("user_id", "string")
         metadata.done()
+    _ignored(body)
     body.done()
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",

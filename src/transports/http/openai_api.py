@@ -43,6 +43,27 @@ _NUMBERS = {
 }
 
 
+_TIERS = ("auto", "default", "flex", "scale", "priority")
+
+
+def _ignored(body: Obj) -> None:
+    """Documented fields with no meaning here, type-checked and ignored: ``service_tier``,
+    ``store``, ``metadata`` (at most 16 string values), ``prompt_cache_key`` and
+    ``safety_identifier``."""
+    tier = body.get("service_tier", "string")
+    if tier is not None and tier not in _TIERS:
+        raise InvalidValueError("service_tier", tier, f"must be one of {', '.join(_TIERS)}")
+    body.get("store", "boolean")
+    metadata = body.get("metadata", "object")
+    if metadata is not None:
+        if len(metadata) > 16:
+            raise InvalidValueError("metadata", len(metadata), "at most 16 entries")
+        for key, value in metadata.items():
+            check(f"metadata.{key}", value, "string")
+    body.get("prompt_cache_key", "string")
+    body.get("safety_identifier", "string")
+
+
 def _tool_call(path: str, raw: Any) -> ToolCall:
     o = Obj(raw, path)
     kind = o.get("type", "string", "function")
@@ -170,6 +191,7 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
         include_usage = options.get("include_usage", "boolean", False)
         options.done()
     user = body.get("user", "string")
+    _ignored(body)
     body.done()
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
