@@ -89,3 +89,27 @@ def test_a_reader_that_leaves_early_ends_the_run_quietly() -> None:
     run.stdout.close()  # what `| head -c 5` does
     err = run.stderr.read().decode()
     assert run.wait(timeout=120) == 0 and "Traceback" not in err and err == ""
+
+
+def _env_without_keys() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PIPELINE_API_KEYS"}
+
+
+def test_serve_without_keys_refuses_a_public_address_and_warns_on_loopback() -> None:
+    refused = subprocess.run(RUN + ["serve", "--model", "tiny", "--host", "0.0.0.0",
+                                    "--port", "0"], capture_output=True, text=True,
+                             timeout=60, env=_env_without_keys())
+    assert refused.returncode == 2 and "--insecure" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    server = subprocess.Popen(RUN + ["serve", "--model", "tiny", "--host", "127.0.0.1",
+                                     "--port", "0"], stderr=subprocess.PIPE, text=True,
+                              env=_env_without_keys())
+    try:
+        assert server.stderr is not None
+        first = server.stderr.readline()
+        assert first.startswith("WARNING: no API keys are configured")
+    finally:
+        server.terminate()  # this test's own child, by its handle
+        server.wait(timeout=30)

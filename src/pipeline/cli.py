@@ -95,12 +95,32 @@ def _serve(args: argparse.Namespace) -> int:
             reasoning_budget_tokens=args.reasoning_budget, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
             restart_delay_s=args.restart_delay,
-            timeouts=Timeouts(args.header_timeout, args.body_timeout))
+            timeouts=Timeouts(args.header_timeout, args.body_timeout),
+            device=args.device, dtype=args.dtype)
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
         return 2
+    if not keys and not _loopback(args.host) and not args.insecure:
+        print(f"pipeline serve: refusing to serve {args.host} without API keys: set "
+              f"${args.api_key_env} or --api-key-file, or pass --insecure", file=sys.stderr)
+        return 2
+    if not keys:
+        print(f"WARNING: no API keys are configured: anyone who can reach "
+              f"{args.host}:{args.port} can use this server", file=sys.stderr, flush=True)
     serve(config, args.host, args.port)
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """True for a host name or address that only this machine can reach."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _add_limits(serve: Any) -> None:
@@ -139,6 +159,11 @@ def _add_serve(sub: Any) -> None:
                        help="requests that may wait for those threads before a 429")
     serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                        help="wait before a stopped engine is replaced by a fresh one")
+    serve.add_argument("--device", default="cpu", help="torch device of the models (cpu, cuda)")
+    serve.add_argument("--dtype", default=None,
+                       help="compute dtype (float32, bfloat16, float16; default: the model's)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="serve a non-loopback address without API keys")
     serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="time a request's headers may take to arrive (then 408, close)")
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",

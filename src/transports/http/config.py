@@ -54,6 +54,8 @@ class ServerConfig:
 
     ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`);
     ``timeouts`` how long its headers and body may take to arrive (408 and close).
+    ``device`` and ``dtype`` are the models' torch device and compute dtype (None: each
+    model's own).
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
     error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
@@ -74,6 +76,8 @@ class ServerConfig:
     ping_interval_s: float = 5.0
     limits: Limits = attrs.field(factory=Limits)
     timeouts: Timeouts = attrs.field(factory=Timeouts)
+    device: str = "cpu"
+    dtype: str | None = None
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
