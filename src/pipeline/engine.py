@@ -47,7 +47,7 @@ from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.job import Job
 from pipeline.protocols import (
-    Backend, Batch, CacheInspector, CacheLayout, PrefillChunk, Selection, Strategy,
+    Backend, Batch, CacheInspector, CacheLayout, PrefillChunk, Row, Selection, Strategy,
 )
 from pipeline.recording import host_rows, logits_record, processed_record, same_bits
 from pipeline.types import FinishReason
@@ -370,13 +370,18 @@ class Engine:
             groups.setdefault(job.processor_order, []).append((job, row))
         for order, items in groups.items():
             strategy = self.strategy(order)
+            states = {job: job.row() for job, _ in items}  # one Row per job per step
             orders: dict[Job, tuple[str, ...] | None] = {}
-            items = [(job, row) for job, row in items if self._guarded(
-                job, "configuring selection", lambda: orders.update(
-                    {job: self._configure(job, strategy)}))]
+            kept = []
+            for job, logits_row in items:
+                def configure() -> None:
+                    orders[job] = self._configure(job, states[job], strategy)
+                if self._guarded(job, "configuring selection", configure):
+                    kept.append((job, logits_row))
+            items = kept
             if not items:
                 continue
-            batch = Batch(tuple(j.row() for j, _ in items), self.backend.vocab_size)
+            batch = Batch(tuple(states[j] for j, _ in items), self.backend.vocab_size)
             logits = torch.stack([r for _, r in items]).float()  # [B, V]
             if self.decodable_vocab is not None and self.decodable_vocab < logits.shape[1]:
                 logits[:, self.decodable_vocab:] = float("-inf")  # padding ids: never chosen
@@ -405,11 +410,10 @@ class Engine:
                     self._release(job)
 
     @staticmethod
-    def _configure(job: Job, strategy: Strategy) -> tuple[str, ...] | None:
+    def _configure(job: Job, state: Row, strategy: Strategy) -> tuple[str, ...] | None:
         """The processor order to record for this step (and the step-1 configuration event).
         It is recorded at step 1, and at every step for ``full`` recordings (it costs ~20 µs
         per row; an order can change, e.g. with min_tokens)."""
-        state = job.row()
         order = strategy.order(state) if state.step == 1 or job.full else None
         if state.step == 1:
             job.configured(strategy, order or ())

@@ -36,7 +36,6 @@ from backends.torch.weights import (
 )
 from pipeline.errors import ArtifactError
 
-Dequantize = Callable[[Any, torch.dtype], torch.Tensor]
 Product = tuple[torch.Tensor, Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]]
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
