@@ -1,10 +1,10 @@
 # Two entry points: `make demo` (run the default model; runtime dependencies only) and
-# `make test` (install everything, then mypy + pytest).
+# `make test` (install everything, then mypy + pytest). `make docs` builds the API reference.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test demo typecheck clean
+.PHONY: venv test demo docs typecheck clean
 
 $(BIN)/.runtime: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ typecheck: venv
 test: venv
 	$(BIN)/mypy --strict src
 	$(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The API reference, generated from the docstrings by pdoc (offline) into build/api/.
+docs: venv
+	$(BIN)/python scripts/api_docs.py build/api
 
 demo: $(BIN)/.runtime
 	$(BIN)/pipeline demo --trace pipeline-data/demo-trace.jsonl

@@ -18,8 +18,14 @@ if TYPE_CHECKING:
     from pipeline.registry import Component
 
 PROJECT = "pipeline"
+"""The pluggy project name: hooks here are ``pipeline_*``, the entry-point group ``pipeline``."""
+
 hookspec = pluggy.HookspecMarker(PROJECT)
+"""Marks the hook specifications below (for this module only)."""
+
 hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marks a plugin's implementation of a hook: ``@hookimpl`` over a function named after the
+spec (``def pipeline_components(): ...``), in a module or on an object's method."""
 
 
 @hookspec

@@ -37,7 +37,7 @@ def _failure_table(stop: str) -> array[int]:
     return table
 
 
-def _advance(stop: str, table: array[int], position: int, char: str) -> int:
+def _advance(stop: str, table: Sequence[int], position: int, char: str) -> int:
     """The automaton's position after ``char``, from ``position < len(stop)``."""
     while position and stop[position] != char:
         position = table[position]
@@ -54,7 +54,7 @@ class StopTable:
     """
 
     stops: tuple[str, ...]
-    failures: tuple[array[int], ...] = attrs.field(eq=False, repr=False)
+    failures: tuple[Sequence[int], ...] = attrs.field(eq=False, repr=False)  # array("i")s
 
     @classmethod
     def build(cls, stops: Sequence[str]) -> StopTable:
