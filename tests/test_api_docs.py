@@ -17,11 +17,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import pdoc.doc  # the dev extra installs pdoc
 import pytest
-
-pytest.importorskip("pdoc")  # the dev extra installs it
-
-import pdoc.doc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ("pipeline", "stages", "backends", "transports")
