@@ -29,6 +29,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     └── ServingError                           the HTTP gateway refused a request
         ├── AuthenticationError                  missing or wrong API key
         ├── ModelNotFoundError                   no served model has that name
+        ├── TraceNotFoundError                   no kept trace for that request id (and key)
         ├── OverloadedError                      concurrency and queue are full
         ├── ModelLoadingError                    the model is still loading (or restarting)
         ├── PayloadTooLargeError                 the request body exceeds the size limit
@@ -246,6 +247,18 @@ class ModelNotFoundError(ServingError, LookupError):
         self.served = tuple(sorted(served))
         super().__init__(f"model {model!r} is not served here; served models: "
                          f"{', '.join(self.served) or '(none)'}")
+
+
+class TraceNotFoundError(ServingError, LookupError):
+    """The server keeps no trace of ``request_id`` for this caller: unknown, evicted, still
+    running, or made with another API key (deliberately indistinguishable)."""
+
+    def __init__(self, request_id: str, kept: int) -> None:
+        self.request_id = request_id
+        self.kept = kept
+        why = (f"traces are kept for the last {kept} finished requests, each for the API key "
+               "that made it" if kept else "this server keeps no traces (keep_traces is 0)")
+        super().__init__(f"no trace of request {brief(request_id)}: {why}")
 
 
 class OverloadedError(ServingError):

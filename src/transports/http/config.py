@@ -59,6 +59,8 @@ class ServerConfig:
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
     error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
+    The traces of the last ``keep_traces`` finished requests are kept in memory for
+    ``GET /traces/{request_id}`` (:mod:`transports.http.traces`; 0 keeps none).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -81,6 +83,7 @@ class ServerConfig:
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
+    keep_traces: int = attrs.field(default=100, validator=_non_negative)
 
     @restart_delay_s.validator
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:
