@@ -156,3 +156,17 @@ def test_the_store_packs_traces_without_changing_them(tmp_path: Path) -> None:
         by_sink = [e for e in read_jsonl(tmp_path / "sink.jsonl")
                    if e.trace_id == completion.request_id]
         assert events_of(after.decode()) == by_sink
+
+
+def test_pipeline_serve_takes_keep_traces(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import transports.http
+    from pipeline import cli
+
+    served: list[ServerConfig] = []
+    monkeypatch.setattr(transports.http, "serve", lambda c, *args: served.append(c))
+    assert cli.main(["serve", "--model", "tiny", "--keep-traces", "7"]) == 0
+    assert [c.keep_traces for c in served] == [7]
+    assert cli.main(["serve", "--model", "tiny", "--keep-traces", "-1"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].startswith("pipeline serve: ") and "keep_traces" in error[-1]
