@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
             restart_delay_s=args.restart_delay,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype)
+        config.backend_options().check_device()
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +160,8 @@ def _add_serve(sub: Any) -> None:
                        help="requests that may wait for those threads before a 429")
     serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                        help="wait before a stopped engine is replaced by a fresh one")
-    serve.add_argument("--device", default="cpu", help="torch device of the models (cpu, cuda)")
+    serve.add_argument("--device", default="cpu",
+                       help="torch device of the models (cpu, cuda, cuda:N, mps)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
     serve.add_argument("--insecure", action="store_true",
