@@ -276,7 +276,7 @@ class Pipeline:
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
         spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
-                       self.stages.stoppers, accepted_ns, last, think)
+                       self.stages.stoppers, accepted_ns, last, think, tokenizer.token_bytes)
         return request, spec
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:
