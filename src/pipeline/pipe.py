@@ -241,7 +241,9 @@ class Pipeline:
         if request.prompt is not None:
             return Rendered.plain(request.prompt, RAW_PROMPT_DIGEST, "raw")
         if self.stages.renderer is None:
-            raise ArtifactError("this pipeline has no renderer for chat messages")
+            raise ArtifactError("this pipeline has no renderer for chat messages: build it from "
+                                "a model folder with a chat template, pass renderer=, or give a "
+                                "raw prompt as Request(prompt=...)")
         kwargs = dict(request.template_kwargs)
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
         return self.stages.renderer.render(request.messages, tools=request.tool_catalog, **kwargs)
