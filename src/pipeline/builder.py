@@ -129,13 +129,13 @@ def build(
     tok = _tokenizer(registry, context, tokenizer)
     context = attrs.evolve(context, tokenizer=tok)
     procs = [_resolve(registry, "processor", p, context)
-             for p in chain_of("processors", DEFAULT_PROCESSORS, processors, replace_processors,
+             for p in _chain_of("processors", DEFAULT_PROCESSORS, processors, replace_processors,
                                before=ADDED_PROCESSORS_BEFORE)]
     _unique("processors", [p.name for p in procs], replace_processors)
     sel: Selector = _resolve(registry, "selector", selector, context)
     make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
     stops = tuple(_resolve(registry, "stopper", s, context)
-                  for s in chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
+                  for s in _chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
     _unique("stoppers", [s.name for s in stops], replace_stoppers)
     stages = Stages(
         renderer=_renderer(registry, context, renderer),
@@ -166,7 +166,7 @@ def build(
                     description={"model": str(where) if where else None})
 
 
-def chain_of(what: str, defaults: Sequence[str], given: Sequence[T] | None, replace: bool, *,
+def _chain_of(what: str, defaults: Sequence[str], given: Sequence[T] | None, replace: bool, *,
              before: str | None = None) -> list[str | T]:
     """The stages of a chain: ``given`` alone when ``replace``, else the ``defaults`` with
     ``given`` (None: nothing) inserted before the default named ``before`` (None: at the end)."""
