@@ -647,7 +647,8 @@ class TokenLogprob:
 
     def with_text(self, token_bytes: Callable[[int], bytes]) -> TokenLogprob:
         """This record and its alternatives with ``token_bytes`` and ``text`` filled in from
-        ``token_bytes(token_id)`` (a tokenizer's :meth:`~pipeline.protocols.Tokenizer.token_bytes`)."""
+        ``token_bytes(token_id)`` (a tokenizer's
+        :meth:`~pipeline.protocols.Tokenizer.token_bytes`)."""
         data = token_bytes(self.token_id)
         return TokenLogprob(self.token_id, self.logprob,
                             tuple(t.with_text(token_bytes) for t in self.top),
