@@ -8,8 +8,10 @@ hand and compared with the logprobs the pipeline reports.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
+import torch
 
 from pipeline import Batch, Row, Scores
 from pipeline.builder import DEFAULT_PROCESSORS, DEFAULT_STOPPERS
@@ -23,10 +25,8 @@ A, B = 65, 66
 BOOST = 20.0
 
 
-def logits(tokens: object) -> object:
+def logits(tokens: Sequence[int]) -> torch.Tensor:
     """The model: 'A' at 10, 'B' at 5, every other token at 0."""
-    import torch
-
     out = torch.zeros(V)
     out[A], out[B] = 10.0, 5.0
     return out
