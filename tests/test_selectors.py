@@ -68,8 +68,8 @@ def test_logprobs_match_log_softmax(sparse: bool) -> None:
     assert first.token_id == choice.token_ids[0] == int(logits[0].argmax())
     assert first.logprob == pytest.approx(float(expected[0, first.token_id]), abs=1e-6)
     top = torch.topk(expected[0], 5)
-    assert [t for t, _ in first.top] == top.indices.tolist()
-    assert [lp for _, lp in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert [a.token_id for a in first.top] == top.indices.tolist()
+    assert [a.logprob for a in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
     assert third.top == () and third.logprob == pytest.approx(
         float(expected[2, choice.token_ids[2]]), abs=1e-6)
 
@@ -79,7 +79,7 @@ def test_removed_tokens_never_appear_among_top_logprobs() -> None:
     choice = GreedySelector()(Scores(logits), batch_of(
         row({"logprobs": True, "top_logprobs": 4}), vocab=4))
     record = choice.logprobs[0]
-    assert record is not None and [t for t, _ in record.top] == [2, 0]
+    assert record is not None and [a.token_id for a in record.top] == [2, 0]
 
 
 def test_sampling_follows_the_inverse_cdf_of_the_uniform() -> None:

@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
             restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype)
+        config.backend_options().check_device()
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +163,8 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--keep-traces", type=int, default=100, metavar="N",
                        help="keep the last N requests' traces in memory for GET "
                             "/traces/{request_id} (0: none)")
-    serve.add_argument("--device", default="cpu", help="torch device of the models (cpu, cuda)")
+    serve.add_argument("--device", default="cpu",
+                       help="torch device of the models (cpu, cuda, cuda:N, mps)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
     serve.add_argument("--insecure", action="store_true",

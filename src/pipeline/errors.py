@@ -62,6 +62,13 @@ def _bounded_repr(limit: int) -> reprlib.Repr:
     return shape
 
 
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice most like ``word`` (a likely misspelling of it), or None when none is close:
+    what "did you mean ...?" hints suggest."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 class PipelineError(Exception):
     """Root of every exception the library raises on purpose."""
 
@@ -88,10 +95,8 @@ class UnknownFieldError(ValidationError):
         self.field = field
         self.allowed = tuple(sorted(allowed))
         # compare the last path component ("messages[0].contnet" -> "contnet")
-        leaf = field.rsplit(".", 1)[-1]
-        close = difflib.get_close_matches(leaf, [a.rsplit(".", 1)[-1] for a in self.allowed],
-                                          n=1, cutoff=0.6)
-        self.suggestion = close[0] if close else None
+        self.suggestion = closest(field.rsplit(".", 1)[-1],
+                                  [a.rsplit(".", 1)[-1] for a in self.allowed])
         hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
         super().__init__(
             f"{type_name} has no field {field!r}{hint}; known fields: {', '.join(self.allowed)}"

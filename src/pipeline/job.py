@@ -10,6 +10,7 @@ methods, from its own thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -44,6 +45,8 @@ class JobSpec:
     last_event: int | None = None
     think_markers: tuple[int, int] | None = None
     """Ids of the template's begin- and end-of-thinking markers, when a reasoning budget is set."""
+    token_bytes: Callable[[int], bytes] | None = None
+    """The tokenizer's bytes of a token id, which logprob records are labelled with."""
 
 
 class Job:
@@ -261,6 +264,8 @@ class Job:
         if self.spec.think_markers is not None:
             self._track_thinking(token)
         if logprob is not None:
+            if self.spec.token_bytes is not None:
+                logprob = logprob.with_text(self.spec.token_bytes)
             self.logprobs.append(logprob)
             self.unsent_logprobs.append(logprob)
         verdict = self._check_token(token, step, max_context)

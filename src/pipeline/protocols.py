@@ -94,6 +94,13 @@ class Tokenizer(Protocol):
         """Text of ``ids`` (whole-sequence decode; the detokenizer streams it)."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes token ``token_id`` adds to the text when it follows other output
+        (a byte-level token may hold part of a UTF-8 character; a word-start token its
+        leading space; a special token its own text). Logprobs show tokens with these.
+        Raises :class:`~pipeline.errors.InvalidValueError` for an id with no token."""
+        ...
+
 
 @runtime_checkable
 class Detokenizer(Protocol[S]):

@@ -179,6 +179,12 @@ class ByteTokenizer:
                 at += len(self.SPECIALS[hit])
         return ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte itself; a special token's text."""
+        if not 0 <= token_id < self.VOCAB:
+            raise InvalidValueError("token_id", token_id, f"outside 0..{self.VOCAB - 1}")
+        return bytes([token_id]) if token_id < 256 else self.SPECIALS[token_id - 256].encode()
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """UTF-8 text of the byte tokens (invalid bytes become U+FFFD)."""
         out = bytearray()

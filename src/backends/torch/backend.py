@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.torch.config import ModelSpec
 from backends.torch.loader import load_checkpoint
 from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
 from backends.torch.moe import moe_forward
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
+from pipeline.options import check_device
 from pipeline.protocols import CacheLayout, PrefillChunk
 
 if TYPE_CHECKING:
@@ -64,20 +66,27 @@ class TorchBackend:
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
                  dtype: torch.dtype | str | None = None,
                  device: torch.device | str = "cpu",
-                 moe: MoeFunction = moe_forward, pack: bool = True) -> TorchBackend:
+                 moe: MoeFunction = moe_forward, pack: bool = True,
+                 kv_cache_bytes: int | None = None) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the cache is
-        preallocated, so pick less for big models); ``dtype`` defaults to the checkpoint's;
-        ``moe`` computes MoE layers' routed experts; ``pack`` gives float32 CPU weights
-        oneDNN-packed copies (:mod:`backends.torch.packed`; twice the weight memory). Raises
+        preallocated, so pick less for big models), or with ``kv_cache_bytes`` to the window
+        whose keys and values fit in that many bytes (:func:`fitting_context`); ``dtype``
+        defaults to the checkpoint's; ``moe`` computes MoE layers' routed experts; ``pack``
+        gives float32 CPU weights oneDNN-packed copies (:mod:`backends.torch.packed`; twice
+        the weight memory). Raises :class:`~pipeline.errors.InvalidValueError` for a device
+        this machine lacks (before reading anything) and
         :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
+        check_device(device)
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
-        return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack), ckpt.snapshot,
-                   num_slots=num_slots, max_context=max_context)
+        model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack)
+        if max_context is None and kv_cache_bytes is not None:
+            max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes)
+        return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context)
 
     def allocate(self) -> int:
         """The lowest free slot, with an empty cache; :class:`CapacityError` when none is."""
@@ -162,6 +171,14 @@ class TorchBackend:
             (f"sequence would exceed max_context={self.max_context}",
              [s for s, start, ids in seqs if start + len(ids) > self.max_context]),
         ]
+
+
+def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int) -> int:
+    """The longest window (a multiple of 256, at least 256, at most the model's) whose keys
+    and values for ``slots`` slots fit in ``budget`` bytes."""
+    per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    fits = budget // (slots * per_position) // 256 * 256
+    return max(256, min(spec.max_position_embeddings, fits))
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -50,13 +50,8 @@ log = logging.getLogger("pipeline.http")
 
 
 def default_builder(folder: Path | None, config: ServerConfig) -> Pipeline:
-    """``build()`` for a model (None: the default model) with the server's slot count."""
-    options: dict[str, object] = {"num_slots": config.num_slots, "device": config.device}
-    if config.dtype is not None:
-        options["dtype"] = config.dtype
-    if config.max_context is not None:
-        options["max_context"] = config.max_context
-    return build(folder, options=options)
+    """``build()`` for a model (None: the default model) with the server's backend options."""
+    return build(folder, options=config.backend_options())
 
 
 def token_upper_bound(text: str) -> int:
