@@ -7,11 +7,13 @@ Owns the scheduler and the step loop. Each step it
 3. plans the step under ``token_budget``: one decode token for every decoding request first
    (a long prompt never starves decoding), then prefill chunks of at most ``max_prefill_chunk``
    tokens for prefilling requests in admission order with what is left,
-4. calls ``backend.prefill`` and ``backend.decode`` for that plan,
+4. makes one batched ``backend.forward`` for that plan: every decode token and every prefill
+   chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
+   decode token and at a prompt's last chunk's last token),
 5. for every request with fresh logits z_t: processor chain → selector (overridden by a
    ``forced_prefix`` or a spent reasoning budget, see ``Job.taken``) → stoppers →
    detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
-   next step's ``decode`` writes into the cache (cache length m + t) — the DESIGN §4 order.
+   next step's forward writes into the cache (cache length m + t) — the DESIGN §4 order.
 
 Request-level work before the queue (render, tokenize, validation) happens in
 :class:`~pipeline.pipe.Pipeline` on the caller's thread.
@@ -47,7 +49,8 @@ from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.job import Job
 from pipeline.protocols import (
-    Backend, Batch, CacheInspector, CacheLayout, PrefillChunk, Row, Selection, Strategy,
+    Backend, Batch, CacheInspector, CacheLayout, ModelCall, PrefillChunk, Row, Selection,
+    Strategy, split_outputs,
 )
 from pipeline.recording import host_rows, logits_record, processed_record, same_bits
 from pipeline.types import FinishReason
@@ -253,7 +256,7 @@ class Engine:
         plan = self._plan()
         if not plan.decode and not plan.prefill:
             return
-        ready = self._run_prefill(plan.prefill) + self._run_decode(plan.decode)
+        ready = self._forward(plan)
         if ready:
             self._select(ready)
 
@@ -308,23 +311,33 @@ class Engine:
                     budget -= len(chunk[0].token_ids)
         return _Plan(decode, prefill)
 
-    def _run_prefill(self, work: list[tuple[Job, PrefillChunk]]) -> list[tuple[Job, torch.Tensor]]:
-        chunks = dict(work)
-        done = self._call([j for j, _ in work],
-                          lambda jobs: self.backend.prefill([chunks[j] for j in jobs]))
-        ready = [(job, logits) for job, logits in done if chunks[job].last]
-        records = dict(zip((j for j, _ in ready), self._logits_records(ready)))
-        kept = {job for job, _ in done if self._guarded(job, "recording prefill", lambda: (
-            job.prefilled(chunks[job], self._cache(job), records.get(job))))}
-        return [(job, logits) for job, logits in ready if job in kept]
-
-    def _run_decode(self, jobs: list[Job]) -> list[tuple[Job, torch.Tensor]]:
-        done = self._call(jobs, lambda js: self.backend.decode(
-            [j.slot_id for j in js], [j.pending_token for j in js]))
-        records = self._logits_records(done)
-        return [(job, logits) for (job, logits), record in zip(done, records)
-                if self._guarded(job, "recording decode",
-                                 lambda: job.decoded(self._cache(job), record))]
+    def _forward(self, plan: _Plan) -> list[tuple[Job, torch.Tensor]]:
+        """One batched model call for the step's decode tokens and prefill chunks; records
+        each job's progress and returns the jobs with fresh logits z_t (decoding jobs, and
+        jobs whose last prompt chunk ran) with them."""
+        calls: dict[Job, ModelCall] = {}
+        for job in plan.decode:  # y_t goes at position m + t - 1
+            start = len(job.prompt_ids) + len(job.output_ids) - 1
+            calls[job] = ModelCall(job.slot_id, (job.pending_token,), start, (0,))
+        chunks = dict(plan.prefill)
+        for job, chunk in plan.prefill:
+            calls[job] = ModelCall.chunk(chunk)
+        done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
+                          calls)
+        fresh = [(job, rows[0]) for job, rows in done if len(rows)]
+        records = dict(zip((j for j, _ in fresh), self._logits_records(fresh)))
+        ready = []
+        for job, logits in ((j, r[0] if len(r) else None) for j, r in done):
+            if job in chunks:
+                chunk = chunks[job]
+                ran = self._guarded(job, "recording prefill", lambda: job.prefilled(
+                    chunk, self._cache(job), records.get(job)))
+            else:
+                ran = self._guarded(job, "recording decode", lambda: job.decoded(
+                    self._cache(job), records[job]))
+            if ran and logits is not None:
+                ready.append((job, logits))
+        return ready
 
     def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
         """The slot's cache length, and its per-layer lengths when the backend reports them."""
@@ -339,9 +352,9 @@ class Engine:
         rows = host_rows(torch.stack([logits for _, logits in done]))  # [B, V]
         return logits_record(rows, [job.full for job, _ in done])
 
-    def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor]
-              ) -> list[tuple[Job, torch.Tensor]]:
-        """Run a backend call over ``jobs``; pair each job with its logits row.
+    def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor],
+              calls: dict[Job, ModelCall]) -> list[tuple[Job, torch.Tensor]]:
+        """Run a backend call over ``jobs``; pair each job with its rows of the logits.
 
         A :class:`SlotError` fails the named slots' jobs and the call is retried for the
         others (whose caches the contract says are intact); any other exception fails all.
@@ -360,7 +373,14 @@ class Engine:
                 for job in jobs:
                     self._fail(job, f"backend error: {exc!r}")
                 return []
-            return [(job, logits[i]) for i, job in enumerate(jobs)]
+            mine = [calls[j] for j in jobs]
+            wanted = sum(len(c.outputs) for c in mine)
+            if logits.shape[0] != wanted:
+                for job in jobs:
+                    self._fail(job, f"backend error: {logits.shape[0]} logits rows for "
+                                    f"{wanted} wanted outputs")
+                return []
+            return list(zip(jobs, split_outputs(mine, logits)))
         return []
 
     def _select(self, ready: list[tuple[Job, torch.Tensor]]) -> None:

@@ -12,6 +12,7 @@ per-request state (detokenizer, stoppers) receive their state and return the new
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
@@ -352,7 +353,8 @@ class PrefillChunk:
     """Prompt tokens ``token_ids`` for ``slot`` at positions ``start .. start+len-1``.
 
     ``start`` equals the slot's cache length before the call; the chunk is the last of its
-    prompt when ``last`` is true (only then are its logits used).
+    prompt when ``last`` is true (only then are its logits used). A convenience of the torch
+    and scripted backends' ``prefill``; the engine speaks :class:`ModelCall`.
     """
 
     slot: int
@@ -361,27 +363,82 @@ class PrefillChunk:
     last: bool
 
 
+class Attention(enum.Enum):
+    """How a call's new tokens attend (DESIGN §6, second edition).
+
+    ``CAUSAL``: each new token sees the cached prefix and the new tokens before it.
+    ``BLOCK``: each new token sees the cached prefix and *every* new token of its call
+    (bidirectional within the block over a causal prefix), as masked diffusion needs.
+    """
+
+    CAUSAL = "causal"
+    BLOCK = "block"
+
+
+@attrs.frozen
+class ModelCall:
+    """One sequence's part of a :meth:`Backend.forward`.
+
+    ``token_ids`` go at positions ``start .. start+len-1``; ``start`` must equal the slot's
+    cache length before the call. ``outputs`` are the offsets into ``token_ids`` whose logits
+    are wanted, ascending (a prefill chunk that is not its prompt's last wants none; a decode
+    token wants ``(0,)``; verifying k drafts after a pending token wants ``range(k + 1)``).
+    With ``write`` false the call reads the cache but leaves the slot's length as it was (its
+    keys and values are never read again).
+
+    Example::
+
+        ModelCall(slot, (y_t,), start=m + t - 1, outputs=(0,))        # a decode step
+        ModelCall(slot, tuple(chunk), start=0, outputs=())             # a non-final chunk
+    """
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    outputs: tuple[int, ...]
+    attention: Attention = Attention.CAUSAL
+    write: bool = True
+
+    @classmethod
+    def chunk(cls, chunk: PrefillChunk) -> ModelCall:
+        """The call for a prefill chunk: logits at its last token when it ends its prompt."""
+        return cls(chunk.slot, chunk.token_ids, chunk.start,
+                   (len(chunk.token_ids) - 1,) if chunk.last else ())
+
+
+def split_outputs(calls: Sequence[ModelCall], logits: torch.Tensor) -> list[torch.Tensor]:
+    """Each call's rows of a forward's ``[N, V]`` logits (``[len(outputs), V]`` each)."""
+    out, at = [], 0
+    for call in calls:
+        n = len(call.outputs)
+        out.append(logits[at:at + n])
+        at += n
+    return out
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """A model that keeps a KV cache per slot and computes next-token logits.
+    """A model that keeps a KV cache per slot and computes logits (DESIGN §4, §6).
 
-    Lifecycle: ``allocate`` a slot per request, then ``prefill`` its prompt (possibly in
-    several chunks, across several calls), then ``decode`` one token per step, then
-    ``release``. Step order (DESIGN §4): after prefill of an m-token prompt the slot's cache
-    length is m; ``decode(slots, y_t)`` writes y_t into the cache (length m+t) and returns
-    z_{t+1}. Every layer's keys and values cover the same positions.
+    Lifecycle: ``allocate`` a slot per request; ``forward`` batches of :class:`ModelCall`
+    (prompt chunks, decode tokens, draft verification, denoising passes of a block: all one
+    shape, one batched call per engine step); ``truncate`` a slot to roll back positions it
+    no longer wants (rejected drafts); ``release``. Step order (DESIGN §4): after the prompt
+    of m tokens the slot's cache length is m; a call writing y_t makes it m+t and its logits
+    are z_{t+1}. Every layer's keys and values cover the same positions.
 
-    ``prefill`` returns float32 logits ``[len(chunks), V]`` at the last token of each chunk;
-    ``decode`` returns ``[len(slots), V]``. Calls come from one thread (the engine's). On
-    failure raise :class:`~pipeline.errors.SlotError` naming the slots at fault when the other
-    rows' caches are intact; any other exception fails every request in the call.
-    :class:`~pipeline.errors.CapacityError` from ``allocate`` means "no free slot".
+    ``forward`` returns float32 logits ``[N, V]``: the wanted outputs of every call, in call
+    order then offset order (:func:`split_outputs` slices them). Calls come from one thread
+    (the engine's). On failure raise :class:`~pipeline.errors.SlotError` naming the slots at
+    fault when the other rows' caches are intact; any other exception fails every request in
+    the call. :class:`~pipeline.errors.CapacityError` from ``allocate`` means "no free slot".
 
     Example::
 
         slot = backend.allocate()
-        z1 = backend.prefill([PrefillChunk(slot, ids, 0, True)])[0]    # cache length m
-        z2 = backend.decode([slot], [int(z1.argmax())])[0]             # cache length m+1
+        z1 = backend.forward([ModelCall(slot, ids, 0, (len(ids) - 1,))])[0]   # cache m
+        y1 = int(z1.argmax())
+        z2 = backend.forward([ModelCall(slot, (y1,), len(ids), (0,))])[0]     # cache m+1
         backend.release(slot)
     """
 
@@ -402,12 +459,12 @@ class Backend(Protocol):
         """Positions the slot's cache covers now."""
         ...
 
-    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
-        """Append each chunk to its slot's cache; logits ``[len(chunks), V]``."""
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        """Run every call as one batch; logits ``[N, V]`` at the wanted outputs."""
         ...
 
-    def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
-        """Append one token per slot; logits ``[len(slots), V]``."""
+    def truncate(self, slot: int, length: int) -> None:
+        """Shrink ``slot``'s cache to its first ``length`` positions (never grows it)."""
         ...
 
 
