@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import torch
@@ -26,6 +26,7 @@ from pipeline.types import (
 
 if TYPE_CHECKING:
     from pipeline.engine import RequestHandle
+    from pipeline.forcing import Forcing
 
 S = TypeVar("S")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -313,38 +314,6 @@ class Selector(Protocol):
         ...
 
 
-@runtime_checkable
-class Strategy(Protocol):
-    """A generation strategy: the update rule between model calls (DESIGN §10).
-
-    Every strategy runs as init state -> repeated model call -> update rule -> termination,
-    with the same renderer, tokenizer, detokenizer, stoppers, RNG and trace. The engine owns
-    the loop and the model calls; ``update`` turns one model call's logits into the tokens the
-    step commits. Autoregressive decoding commits ``block_size == 1`` token per row per step.
-    A masked-diffusion strategy will receive ``[B, L, V]`` logits for a block of ``L``
-    positions and commit some of them per step; continuous diffusion and flow integrate over
-    embeddings and commit a whole block when they round to tokens. ``order`` names the
-    processors in the order the strategy applies them, for the trace.
-
-    Example::
-
-        ar = AutoregressiveStrategy(chain, selector)
-        step = ar.update(logits, batch)          # logits [B, V]
-        next_tokens = step.token_ids             # one per row
-    """
-
-    name: str
-    block_size: int
-
-    def order(self, row: Row) -> tuple[str, ...]:
-        """Names of the processors applied to ``row``, in application order."""
-        ...
-
-    def update(self, logits: torch.Tensor, batch: Batch) -> Selection:
-        """Commit tokens for each row from the model call's logits."""
-        ...
-
-
 # --- model --------------------------------------------------------------------------------
 
 
@@ -465,6 +434,102 @@ class Backend(Protocol):
 
     def truncate(self, slot: int, length: int) -> None:
         """Shrink ``slot``'s cache to its first ``length`` positions (never grows it)."""
+        ...
+
+
+# --- strategies (DESIGN §6 second edition, §10) --------------------------------------------
+
+
+@attrs.frozen
+class Plan:
+    """What a strategy asks of the model for one sequence this step.
+
+    ``token_ids`` are fed after the sequence's cache (at positions ``cache_len ..``);
+    ``outputs`` are the offsets into them whose logits the strategy wants back; see
+    :class:`ModelCall` for ``attention`` and ``write``. Autoregressive decoding plans
+    ``Plan((y_t,), (0,))``; verifying k drafts plans ``Plan((y_t, d_1..d_k), range(k + 1))``.
+    """
+
+    token_ids: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attention: Attention = Attention.CAUSAL
+    write: bool = True
+
+
+@attrs.frozen
+class Taken:
+    """One committed token, with what the trace records about how it was chosen.
+
+    ``draw`` is the uniform number the selector consumed (None for argmax); ``forced`` is the
+    event a forced-token source recorded when it overrode the selection
+    (``(event_type, payload)``, see :class:`pipeline.forcing.Forcing`).
+    """
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+    draw: float | None = None
+    forced: tuple[str, dict[str, Any]] | None = None
+
+
+@attrs.frozen
+class Update(Generic[S]):
+    """A strategy's verdict for one sequence after a model call.
+
+    ``taken`` are the tokens committed this step, in order (possibly none: a denoising
+    step that commits nothing yet); ``rollback`` is how many of the positions the plan fed
+    the cache must drop again (rejected drafts); ``processed`` holds, per taken token, the
+    dense processed logits it was chosen from (``[len(taken), V]``, for the trace; None if
+    the strategy does not report them).
+    """
+
+    state: S
+    taken: tuple[Taken, ...]
+    rollback: int = 0
+    processed: torch.Tensor | None = attrs.field(default=None, eq=False)
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A generation strategy: it owns each request's loop state (DESIGN §6, §10).
+
+    Every strategy runs as ``start`` (after the prompt is in the cache) -> repeatedly
+    ``plan`` a model call -> the engine batches every sequence's call into one
+    :meth:`Backend.forward` -> ``update`` with the logits it asked for -> commit tokens,
+    until a stopper ends the request. The engine owns scheduling, KV memory and the trace;
+    the text stages (detokenizer, stoppers, transport) see only the tokens a strategy
+    commits. The first ``update`` receives the prompt's last logits z_1 (no plan).
+
+    ``update`` is batched: it gets the states, the :class:`Row` of each sequence (its
+    committed tokens; ``step`` is the index of the next token) and each sequence's logits
+    ``[len(plan.outputs), V]``, and returns one :class:`Update` per sequence. States are
+    owned by the strategy; the engine stores them and hands them back. ``order`` names the
+    processors a row's logits go through, for the trace.
+
+    Example::
+
+        ar = AutoregressiveStrategy(chain, selector)
+        state = ar.start(row, Forcing.none())
+        update = ar.update([state], [row], [z1])[0]     # update.taken[0].token_id == y_1
+        ar.plan(update.state)                           # Plan((y_1,), (0,))
+    """
+
+    name: str
+
+    def order(self, row: Row) -> tuple[str, ...]:
+        """Names of the processors applied to ``row``, in application order."""
+        ...
+
+    def start(self, row: Row, forcing: Forcing) -> Any:
+        """The loop state of a sequence whose prompt is in the cache."""
+        ...
+
+    def plan(self, state: Any) -> Plan:
+        """The model call this sequence needs next."""
+        ...
+
+    def update(self, states: Sequence[Any], rows: Sequence[Row],
+               logits: Sequence[torch.Tensor]) -> Sequence[Update[Any]]:
+        """Commit tokens for each sequence from the logits its plan asked for."""
         ...
 
 
