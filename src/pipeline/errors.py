@@ -186,9 +186,9 @@ class BackendError(PipelineError):
 class SlotError(BackendError):
     """A backend failure confined to ``slots``; other rows of the same call are unharmed.
 
-    A backend raises this from ``prefill``/``decode`` when it knows which slots are at fault and
-    that the other rows' caches were left as they were. Any other exception fails every request
-    in the call.
+    A backend raises this from ``forward`` (or ``truncate``) when it knows which slots are at
+    fault and that the other rows' caches were left as they were. Any other exception fails
+    every request in the call.
     """
 
     def __init__(self, slots: Sequence[int], cause: BaseException | str) -> None:
