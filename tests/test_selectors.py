@@ -11,7 +11,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.protocols import Batch, Row, Scores, Selector, Strategy
+from pipeline.forcing import Forcing
+from pipeline.protocols import Batch, Plan, Row, Scores, Selector, Strategy
 from pipeline.types import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import (
@@ -68,8 +69,8 @@ def test_logprobs_match_log_softmax(sparse: bool) -> None:
     assert first.token_id == choice.token_ids[0] == int(logits[0].argmax())
     assert first.logprob == pytest.approx(float(expected[0, first.token_id]), abs=1e-6)
     top = torch.topk(expected[0], 5)
-    assert [t for t, _ in first.top] == top.indices.tolist()
-    assert [lp for _, lp in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert [a.token_id for a in first.top] == top.indices.tolist()
+    assert [a.logprob for a in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
     assert third.top == () and third.logprob == pytest.approx(
         float(expected[2, choice.token_ids[2]]), abs=1e-6)
 
@@ -79,7 +80,7 @@ def test_removed_tokens_never_appear_among_top_logprobs() -> None:
     choice = GreedySelector()(Scores(logits), batch_of(
         row({"logprobs": True, "top_logprobs": 4}), vocab=4))
     record = choice.logprobs[0]
-    assert record is not None and [t for t, _ in record.top] == [2, 0]
+    assert record is not None and [a.token_id for a in record.top] == [2, 0]
 
 
 def test_sampling_follows_the_inverse_cdf_of_the_uniform() -> None:
@@ -133,7 +134,7 @@ def test_autoregressive_strategy_is_chain_then_selector() -> None:
     processors = [make_processor(n) for n in DEFAULT_ORDER]
     strategy = AutoregressiveStrategy(processors, SamplingSelector())
     assert isinstance(strategy, Strategy)
-    assert (strategy.name, strategy.block_size) == ("autoregressive", 1)
+    assert strategy.name == "autoregressive"
     r = row({"temperature": 0.8, "top_k": 5}, seed=3, step=2)
     assert strategy.order(r) == ("temperature", "top_k")
     vocab = 100
@@ -141,5 +142,43 @@ def test_autoregressive_strategy_is_chain_then_selector() -> None:
     batch = batch_of(r, vocab=vocab)
     chain = ProcessorChain(processors)
     expected = SamplingSelector()(chain(Scores(logits.clone()), batch), batch)
-    assert strategy.update(logits.clone(), batch) == expected
+    state = strategy.start(r, Forcing.none())
+    with pytest.raises(ValueError, match="nothing to feed"):
+        strategy.plan(state)
+    update = strategy.update([state], [r], [logits.clone()])[0]
+    (taken,) = update.taken
+    assert (taken.token_id, taken.logprob, taken.draw) == (
+        expected.token_ids[0], expected.logprobs[0], expected.draws[0])
+    assert taken.forced is None and update.rollback == 0
     assert expected.token_ids[0] in torch.topk(logits[0], 5).indices.tolist()
+    assert strategy.plan(update.state) == Plan((taken.token_id,), (0,))
+    assert update.processed is not None and update.processed.shape == (1, vocab)
+
+
+def test_autoregressive_strategy_consults_its_forced_token_source() -> None:
+    """A forced prefix overrides the selection (logprob 0, an event only when it differs);
+    a spent reasoning budget forces the end-of-thinking marker."""
+    strategy = AutoregressiveStrategy([], GreedySelector())
+    vocab = 10
+    logits = torch.zeros(1, vocab)
+    logits[0, 4] = 5.0                                              # argmax is 4
+    forcing = Forcing(prefix=(4, 7))
+    state = strategy.start(row({}, step=1), forcing)
+    first = strategy.update([state], [row({"logprobs": True}, step=1)], [logits.clone()])[0]
+    assert first.taken[0].token_id == 4 and first.taken[0].forced is None
+    second = strategy.update([first.state], [row({"logprobs": True}, step=2)],
+                             [logits.clone()])[0]
+    assert second.taken[0].token_id == 7
+    assert second.taken[0].logprob is not None and second.taken[0].logprob.logprob == 0.0
+    assert second.taken[0].forced == ("token.forced", {
+        "step": 2, "selected": 4, "forced": 7, "why": "prefix"})
+    think = Forcing.for_request((), 2, (8, 9), prompt_ids=[1, 8])  # the prompt opened <think>
+    state = strategy.start(row({}, step=1), think)
+    taken = []
+    for step in range(1, 5):
+        update = strategy.update([state], [row({}, step=step)], [logits.clone()])[0]
+        state = update.state
+        taken.append((update.taken[0].token_id, update.taken[0].forced is not None))
+    assert taken == [(4, False), (4, False), (9, True), (4, False)]
+
+

@@ -218,10 +218,11 @@ def test_missing_and_broken_files_name_the_file(tmp_path: Path) -> None:
         HFTokenizer.from_files(tiny, config_file=tmp_path / "bad.json")
 
 
-def test_word_level_tokenizer_has_no_token_bytes(tmp_path: Path) -> None:
+def test_word_level_token_bytes_are_what_a_decode_adds(tmp_path: Path) -> None:
     tok = HFTokenizer.from_files(tiny_folder(tmp_path) / "tokenizer.json")
     assert tok.encode_text("hi <eos> there", special=True) == [1, 3, 2]
     assert tok.encode_text("hi <eos>") == [1, 0, 0, 0]  # "<", "eos", ">" are unknown words
     assert tok.vocab_size == 5 and tok.eos_token_ids == frozenset() and not tok.byte_level
-    with pytest.raises(TokenizerError, match="byte-level"):
-        tok.token_bytes(1)
+    # a word-level decode joins words with spaces: after other output, "there" adds " there"
+    assert tok.decode([1, 2]) == "hi there" and tok.token_bytes(2) == b" there"
+    assert tok.token_bytes(3) == b"<eos>"  # an added token: its own text

@@ -24,7 +24,7 @@ from backends.torch.backend import TorchBackend
 from backends.torch.config import ModelSpec
 from backends.torch.moe import RoutingSpec, moe_forward
 from pipeline.errors import ArtifactError, CapacityError, SlotError
-from pipeline.protocols import Backend, PrefillChunk
+from pipeline.protocols import Attention, Backend, ModelCall, PrefillChunk
 
 transformers = pytest.importorskip("transformers")
 
@@ -201,6 +201,103 @@ def test_chunk_and_new_prompt_in_one_call(checkpoints: dict[str, Any]) -> None:
     z = backend.prefill([PrefillChunk(a, pa[7:], 7, True), PrefillChunk(b, pb, 0, True)])
     assert (z[0] - _ref_last_logits(ref, pa)).abs().max().item() <= 1e-4
     assert (z[1] - _ref_last_logits(ref, pb)).abs().max().item() <= 1e-4
+
+
+# --- Backend.forward: one call shape for chunks, decode, verification, blocks -------------
+
+
+def _ref_logits(model: Any, ids: Sequence[int], mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """transformers' logits ``[L, V]`` at every position of ``ids``."""
+    with torch.no_grad():
+        kwargs = {} if mask is None else {"attention_mask": mask}
+        logits: torch.Tensor = model(torch.tensor([list(ids)]), **kwargs).logits[0]
+    return logits.float()
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-sliding-linear-rope"])
+def test_one_forward_mixes_chunks_decode_and_verification(arch: str,
+                                                          checkpoints: dict[str, Any]) -> None:
+    """A decode token with three drafts (logits at all four), a later prompt chunk and a
+    new prompt in one forward: every wanted row equals transformers' logits at that position."""
+    folder, ref = checkpoints[arch]
+    backend = TorchBackend.from_dir(folder, num_slots=3, max_context=64)
+    a, b, c = backend.allocate(), backend.allocate(), backend.allocate()
+    pa, pb, pc = _prompt(9, 1), _prompt(12, 2), _prompt(5, 3)
+    backend.forward([ModelCall(a, pa, 0, (8,)), ModelCall(b, pb[:7], 0, ())])
+    verify = _prompt(4, 4)
+    z = backend.forward([ModelCall(a, verify, 9, (0, 1, 2, 3)),
+                         ModelCall(b, pb[7:], 7, (4,)), ModelCall(c, pc, 0, (2, 4))])
+    assert z.shape == (4 + 1 + 2, VOCAB)
+    want_a = _ref_logits(ref, pa + verify)[9:13]
+    assert (z[:4] - want_a).abs().max().item() <= 1e-4
+    assert (z[4] - _ref_logits(ref, pb)[-1]).abs().max().item() <= 1e-4
+    assert (z[5:] - _ref_logits(ref, pc)[[2, 4]]).abs().max().item() <= 1e-4
+    assert [backend.cache_length(s) for s in (a, b, c)] == [13, 12, 5]
+
+
+def test_truncate_rolls_back_rejected_drafts(checkpoints: dict[str, Any]) -> None:
+    """Verify four drafts, keep two, continue: as if the rejected ones never ran."""
+    folder, ref = checkpoints["qwen3-moe"]
+    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=64)
+    slot = backend.allocate()
+    prompt, drafts = _prompt(10, 5), _prompt(4, 6)
+    backend.forward([ModelCall(slot, prompt, 0, (9,)), ])
+    backend.forward([ModelCall(slot, drafts, 10, (0, 1, 2, 3))])
+    backend.truncate(slot, 12)
+    assert backend.cache_length(slot) == 12
+    assert backend.cache_layout(slot).key_lengths == (12, 12)
+    nxt = (7,)
+    z = backend.forward([ModelCall(slot, nxt, 12, (0,))])[0]
+    assert (z - _ref_logits(ref, prompt + drafts[:2] + nxt)[-1]).abs().max().item() <= 1e-4
+    with pytest.raises(SlotError, match="truncate"):
+        backend.truncate(slot, 14)
+
+
+def test_a_call_that_does_not_write_leaves_the_cache_as_it_was(checkpoints: dict[str, Any]) -> None:
+    folder, ref = checkpoints["llama"]
+    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=64)
+    slot = backend.allocate()
+    prompt = _prompt(8, 7)
+    backend.forward([ModelCall(slot, prompt, 0, ())])
+    peek = backend.forward([ModelCall(slot, (3, 4), 8, (1,), write=False)])[0]
+    assert backend.cache_length(slot) == 8
+    assert (peek - _ref_logits(ref, prompt + (3, 4))[-1]).abs().max().item() <= 1e-4
+    z = backend.forward([ModelCall(slot, (5,), 8, (0,))])[0]
+    assert (z - _ref_logits(ref, prompt + (5,))[-1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_block_attention_matches_transformers_with_the_same_mask(
+        arch: str, checkpoints: dict[str, Any]) -> None:
+    """A bidirectional block over a causal prefix, against transformers given the same
+    attention pattern as an explicit 4-D mask (0 = attend, -inf = not)."""
+    folder, ref = checkpoints[arch]
+    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=64)
+    slot = backend.allocate()
+    prefix, block = _prompt(6, 8), _prompt(5, 9)
+    backend.forward([ModelCall(slot, prefix, 0, ())])
+    z = backend.forward([ModelCall(slot, block, 6, tuple(range(5)), Attention.BLOCK,
+                                   write=False)])
+    n = 11
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    allowed[6:, 6:] = True
+    mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+    want = _ref_logits(ref, prefix + block, mask)[6:]
+    assert (z - want).abs().max().item() <= 1e-4
+    causal = _ref_logits(ref, prefix + block)[6:]
+    assert (z[:4] - causal[:4]).abs().max().item() > 1e-2  # the block really saw ahead
+    assert backend.cache_length(slot) == 6
+
+
+def test_forward_rejects_bad_output_offsets(checkpoints: dict[str, Any]) -> None:
+    folder, _ = checkpoints["llama"]
+    backend = TorchBackend.from_dir(folder, num_slots=1, max_context=64)
+    slot = backend.allocate()
+    for outputs in [(3,), (1, 0), (0, 0)]:
+        with pytest.raises(SlotError, match="output offsets"):
+            backend.forward([ModelCall(slot, (1, 2, 3), 0, outputs)])
+        assert backend.cache_length(slot) == 0
 
 
 # --- the MoE function against a naive per-token reference ---------------------------------

@@ -77,8 +77,9 @@ def test_messages_and_requests() -> None:
 
 def test_public_names_are_pinned() -> None:
     assert sorted(pipeline.__all__) == sorted([
-        "Backend", "Batch", "BuildContext", "Completion", "Component", "Delta", "Detokenizer",
-        "EngineConfig", "Event", "FinishReason", "GenerationConfig", "LogitProcessor", "Message",
+        "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component",
+        "Delta", "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig",
+        "LogitProcessor", "Message",
         "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
         "RequestHandle", "RequestState", "Row", "RuntimeLimits", "Scores", "Selection",
         "Selector", "Stopper", "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer",

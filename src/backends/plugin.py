@@ -1,20 +1,24 @@
 """Registers the built-in model backends through the ``pipeline_components`` hook.
 
-Factories import lazily; options come from ``build(..., options={...})``: ``num_slots``,
-``max_context``, ``dtype``, ``device``, ``pack`` (oneDNN-packed float32 weights on CPU,
-default true), and ``moe`` — the routed-experts function of MoE
-layers: ``"torch"`` (default, the reference), ``"triton"`` (fused Triton kernels; on a CPU
-only under ``TRITON_INTERPRET=1``, float32/float16), or a callable with
-``moe_forward``'s signature. ``moe_configs`` adds folders of tuned Triton launch tables.
+Factories import lazily and read the build's :class:`~pipeline.options.BackendOptions`
+(``build(..., options=...)``): ``num_slots``, ``max_context``, ``kv_cache_bytes``, ``dtype``,
+``device``, ``pack`` (oneDNN-packed float32 weights on CPU, default true), ``quantized``
+(GGUF files only) and ``moe`` — the routed-experts function of MoE layers: ``"torch"``
+(default, the reference), ``"triton"`` (fused Triton kernels; on a CPU only under
+``TRITON_INTERPRET=1``, float32/float16), or a callable with ``moe_forward``'s signature.
+``moe_configs`` adds folders of tuned Triton launch tables. The built-in backends take no
+``extra`` options.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ArtifactError, BackendError, InvalidValueError
 from pipeline.hookspecs import hookimpl
+from pipeline.options import BackendOptions
 from pipeline.registry import BuildContext, Component
 
 
@@ -24,19 +28,30 @@ def _torch(ctx: BuildContext) -> Any:
     if ctx.model_dir is None:
         raise ArtifactError("the torch backend needs a model folder")
     opts = ctx.options
+    refuse_extra(opts, "torch")
+    if opts.quantized:
+        raise InvalidValueError("quantized", True, "applies to GGUF files only; this model is "
+                                "a Hugging Face folder of safetensors weights")
     backend = TorchBackend.from_dir(
-        ctx.model_dir, num_slots=int(opts.get("num_slots", 8)),
-        max_context=opts.get("max_context"), dtype=opts.get("dtype"),
-        device=opts.get("device", "cpu"), pack=bool(opts.get("pack", True)),
-        moe=moe_function(opts.get("moe", "torch"), opts.get("moe_configs", ())))
-    if opts.get("moe") == "triton":  # refuse at build time, not at the first request
+        ctx.model_dir, num_slots=opts.num_slots, max_context=opts.max_context,
+        kv_cache_bytes=opts.kv_cache_bytes, dtype=opts.torch_dtype, device=opts.device,
+        pack=opts.pack, moe=moe_function(opts.moe, opts.moe_configs))
+    if opts.moe == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 
         check_device(backend.model.weights.embed.device, backend.model.dtype)
     return backend
 
 
-def moe_function(choice: Any, folders: Any) -> Any:
+def refuse_extra(opts: BackendOptions, backend: str) -> None:
+    """A built-in backend has no settings beyond the named fields: refuse ``extra`` ones
+    rather than ignore a setting the caller believes took effect."""
+    if opts.extra:
+        raise InvalidValueError("extra", dict(opts.extra), f"the {backend} backend takes no "
+                                "extra options (they are for third-party backends)")
+
+
+def moe_function(choice: Any, folders: Sequence[Path]) -> Any:
     """The routed-experts function for the ``moe`` option (see the module docstring)."""
     if callable(choice):
         return choice
@@ -50,7 +65,7 @@ def moe_function(choice: Any, folders: Any) -> Any:
         except ImportError as exc:
             raise BackendError(f"moe='triton' needs the triton package ({exc}); install "
                                "the 'triton' extra") from exc
-        return TritonMoe([Path(f) for f in folders])
+        return TritonMoe(list(folders))
     raise InvalidValueError("moe", choice, "must be 'torch', 'triton' or a callable")
 
 

@@ -1,8 +1,9 @@
 """``pipeline``: language-model generation as an explicit, inspectable pipeline.
 
-The public face: :func:`build` composes a :class:`Pipeline` from stages, the value types of
-each data product, the stage Protocols, and :data:`hookimpl` for plugins. Everything else is
-importable from its module (``pipeline.events``, ``pipeline.testing``, ``pipeline.errors``).
+The public face: :func:`build` composes a :class:`Pipeline` from stages (with
+:class:`BackendOptions` for the model backend), the value types of each data product, the
+stage Protocols, and :data:`hookimpl` for plugins. Everything else is importable from its
+module (``pipeline.events``, ``pipeline.testing``, ``pipeline.errors``).
 """
 
 from pipeline.builder import build
@@ -10,6 +11,7 @@ from pipeline.engine import EngineConfig
 from pipeline.events import Event
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.hookspecs import hookimpl
+from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline
 from pipeline.protocols import (
     Backend, Batch, Detokenizer, LogitProcessor, PrefillChunk, Renderer, Row, Scores, Selection,
@@ -24,8 +26,9 @@ from pipeline.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "Batch", "BuildContext", "Completion", "Component", "Delta", "Detokenizer",
-    "EngineConfig", "Event", "FinishReason", "GenerationConfig", "LogitProcessor", "Message",
+    "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component", "Delta",
+    "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig", "LogitProcessor",
+    "Message",
     "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request", "RequestHandle",
     "RequestState", "Row", "RuntimeLimits", "Scores", "Selection", "Selector", "Stopper",
     "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall", "ToolSpec",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, TypeVar, cast
 
 import attrs
 
@@ -19,6 +19,7 @@ from pipeline.events import EventSink
 from pipeline.models import (
     DEFAULT_MODEL, TINY_MODEL_DIR, ResolvedModel, is_gguf_file, resolve_model,
 )
+from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline, Stages
 from pipeline.protocols import (
     Backend, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
@@ -32,11 +33,17 @@ DEFAULT_PROCESSORS = (
     "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
     "typical_p",
 )
+"""The built-in processors of the default chain, in order (``stages.process.DEFAULT_ORDER``)."""
+ADDED_PROCESSORS_BEFORE = "temperature"
+"""Where ``build(processors=[...])`` inserts its processors: after every mask, bias and
+penalty, before temperature and truncation (see :func:`build`)."""
 DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
+"""The built-in stoppers, in order; ``build(stoppers=[...])`` adds after them."""
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
+T = TypeVar("T")
 
 
 def build(
@@ -45,15 +52,17 @@ def build(
     tokenizer: str | Tokenizer | None = None,
     renderer: str | Renderer | None = None,
     processors: Sequence[str | LogitProcessor] | None = None,
+    replace_processors: bool = False,
     selector: str | Selector = "sample",
     detokenizer: str | Detokenizer[Any] = "incremental",
     stoppers: Sequence[str | Stopper[Any]] | None = None,
+    replace_stoppers: bool = False,
     strategy: str = "autoregressive",
     plugins: Sequence[object] = (),
     sinks: Sequence[EventSink] = (),
     engine: EngineConfig | None = None,
     defaults: GenerationConfig | None = None,
-    options: Mapping[str, Any] | None = None,
+    options: BackendOptions | Mapping[str, Any] | None = None,
 ) -> Pipeline:
     """Build a pipeline for ``model`` or from explicit stages.
 
@@ -64,8 +73,12 @@ def build(
     A folder that holds only tokenizer files gives a pipeline that renders, tokenizes and
     counts tokens without a model. Every stage argument takes a registered name or an
     instance; ``plugins`` adds plugin objects beside those of the ``pipeline`` entry points.
+    ``options`` configures the model backend (device, dtype, slots, ...): a
+    :class:`~pipeline.options.BackendOptions` or a mapping of its fields (an unknown key is an
+    :class:`~pipeline.errors.UnknownFieldError` naming the closest one); a device this
+    machine does not have is refused here, before anything loads.
 
-    The default processor chain runs in this order (a request may override it with
+    The processor chain runs in this order (a request may reorder it with
     ``GenerationConfig.processor_order``; the trace records the order used):
 
     1. ``allowed_tokens`` — everything outside ``allowed_token_ids`` is removed
@@ -75,38 +88,60 @@ def build(
     5. ``repetition_penalty`` — over prompt and output tokens (divide positive, multiply negative)
     6. ``presence_penalty`` — over output tokens, once per distinct token
     7. ``frequency_penalty`` — over output tokens, per occurrence
-    8. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
-    9. ``top_k`` — keep the k most likely
-    10. ``top_p`` — keep the smallest set with mass >= p
-    11. ``min_p`` — keep tokens with probability >= min_p × the top probability
-    12. ``typical_p`` — locally typical sampling
+    8. the ``processors`` you pass, in the order given
+    9. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
+    10. ``top_k`` — keep the k most likely
+    11. ``top_p`` — keep the smallest set with mass >= p
+    12. ``min_p`` — keep tokens with probability >= min_p × the top probability
+    13. ``typical_p`` — locally typical sampling
 
     Masks and biases come first so that penalties and truncation see the allowed vocabulary;
     temperature comes before truncation, as in vLLM, SGLang and transformers, so ``top_p``
-    acts on the distribution that is sampled. Selection follows (``selector``), then the
-    stoppers in order (default ``eos``, ``max_tokens``, ``stop_strings``, ``deadline``).
+    acts on the distribution that is sampled. Your processors (step 8) join the default chain
+    rather than replace it, so the request's temperature, top-k, top-p and penalties keep
+    working. They run on logits with every mask, bias and penalty applied, at the logits'
+    own scale (a bias of +5 means what ``logit_bias`` of +5 means, whatever the
+    temperature), and before temperature and truncation, so truncation keeps only tokens
+    your processor allows and sampling draws from exactly what truncation kept: a processor
+    that masks or boosts tokens is obeyed by ``top_k=1`` and by greedy decoding alike. A name
+    that is already in the chain is an error.
+
+    ``replace_processors=True`` makes ``processors`` the whole chain instead, in the order
+    given (names of built-ins and instances mixed; an empty list leaves the logits as the
+    model gave them). Built-ins you leave out then do nothing, whatever a request asks.
+
+    Selection follows (``selector``), then the stoppers, in order: ``eos``, ``max_tokens``,
+    ``stop_strings``, ``deadline``, then the ``stoppers`` you pass (so a request's
+    ``max_tokens``, stop strings and deadline keep working beside yours); when two end the
+    run at the same token, the earlier one's reason is reported. ``replace_stoppers=True``
+    makes ``stoppers`` the whole list.
     """
     registry = Registry(plugins)
+    backend_options = BackendOptions.coerce(options)
+    backend_options.check_device()
     if model is None and backend is None and tokenizer is None:
         model = DEFAULT_MODEL
     found = resolve_model(model) if model is not None else ResolvedModel()
     model_dir, model_file = found.directory, found.file
     if model_file is not None and not is_gguf_file(model_file):
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
-    context = BuildContext(model_dir=model_dir, options=dict(options or {}),
-                           model_file=model_file)
+    context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file)
     tok = _tokenizer(registry, context, tokenizer)
     context = attrs.evolve(context, tokenizer=tok)
     procs = [_resolve(registry, "processor", p, context)
-             for p in (DEFAULT_PROCESSORS if processors is None else processors)]
+             for p in _chain_of("processors", DEFAULT_PROCESSORS, processors, replace_processors,
+                               before=ADDED_PROCESSORS_BEFORE)]
+    _unique("processors", [p.name for p in procs], replace_processors)
     sel: Selector = _resolve(registry, "selector", selector, context)
     make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
+    stops = tuple(_resolve(registry, "stopper", s, context)
+                  for s in _chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
+    _unique("stoppers", [s.name for s in stops], replace_stoppers)
     stages = Stages(
         renderer=_renderer(registry, context, renderer),
         tokenizer=tok,
         detokenizer=_resolve(registry, "detokenizer", detokenizer, context) if tok else None,
-        stoppers=tuple(_resolve(registry, "stopper", s, context)
-                       for s in (DEFAULT_STOPPERS if stoppers is None else stoppers)),
+        stoppers=stops,
         processor_names=tuple(p.name for p in procs),
         selector=sel.name,
         stream_transport=cast(Transport[Iterator[Delta]],
@@ -129,6 +164,35 @@ def build(
     where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
                     description={"model": str(where) if where else None})
+
+
+def _chain_of(what: str, defaults: Sequence[str], given: Sequence[T] | None, replace: bool, *,
+             before: str | None = None) -> list[str | T]:
+    """The stages of a chain: ``given`` alone when ``replace``, else the ``defaults`` with
+    ``given`` (None: nothing) inserted before the default named ``before`` (None: at the end)."""
+    if given is None:
+        if replace:
+            raise InvalidValueError(f"replace_{what}", True, f"needs {what}=[...] to replace "
+                                    "the default chain with")
+        return list(defaults)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise InvalidValueError(what, given, "must be a list of names or instances")
+    if replace:
+        return list(given)
+    at = defaults.index(before) if before is not None else len(defaults)
+    return [*defaults[:at], *given, *defaults[at:]]
+
+
+def _unique(what: str, names: Sequence[str], replace: bool) -> None:
+    """Every name once: a repeat is a mistake, and adding a built-in the default chain already
+    has usually means a list written to replace the chain (so say how)."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if not repeated:
+        return
+    hint = "" if replace else (
+        f"; {what}= adds to the default chain, which already has it (pass "
+        f"replace_{what}=True to give the whole chain)")
+    raise InvalidValueError(what, repeated, f"each name may appear once{hint}")
 
 
 def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:

@@ -94,9 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
             context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
             reasoning_budget_tokens=args.reasoning_budget, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
-            restart_delay_s=args.restart_delay,
+            restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype)
+        config.backend_options().check_device()
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +160,11 @@ def _add_serve(sub: Any) -> None:
                        help="requests that may wait for those threads before a 429")
     serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                        help="wait before a stopped engine is replaced by a fresh one")
-    serve.add_argument("--device", default="cpu", help="torch device of the models (cpu, cuda)")
+    serve.add_argument("--keep-traces", type=int, default=100, metavar="N",
+                       help="keep the last N requests' traces in memory for GET "
+                            "/traces/{request_id} (0: none)")
+    serve.add_argument("--device", default="cpu",
+                       help="torch device of the models (cpu, cuda, cuda:N, mps)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
     serve.add_argument("--insecure", action="store_true",

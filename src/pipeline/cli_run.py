@@ -3,7 +3,8 @@
 Owns the command's options (the sampling fields people use, in the spellings of
 ``llama-cli`` and ``mlx_lm.generate``) and its output: the text as it streams, or with
 ``--json`` one JSON object (text, finish reason, usage, timings, request id) on stdout;
-``--trace FILE`` keeps the request's JSONL trace. The prompt is the argument, or standard
+``--trace FILE`` keeps the request's JSONL trace; ``--device`` and ``--dtype`` become the
+build's :class:`~pipeline.options.BackendOptions` (checked before the model loads). The prompt is the argument, or standard
 input when the argument is ``-`` or absent.
 
 Example::
@@ -44,6 +45,9 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--system", default=None, help="a system message before the prompt")
     for flag, field, kind, text in _SAMPLING:
         run.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    run.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:N, mps)")
+    run.add_argument("--dtype", default=None,
+                     help="compute dtype (float32, bfloat16, float16; default: the model's)")
     run.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="stop before this text (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -72,10 +76,12 @@ def _params(args: argparse.Namespace) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> int:
     from pipeline.builder import build
     from pipeline.events import JsonlSink
+    from pipeline.options import BackendOptions
 
+    options = BackendOptions(num_slots=1, device=args.device, dtype=args.dtype)
     messages = _messages(args)
     sinks = [JsonlSink(args.trace)] if args.trace is not None else []
-    with build(args.model, sinks=sinks, options={"num_slots": 1}) as pipe:
+    with build(args.model, sinks=sinks, options=options) as pipe:
         handle = pipe.submit(messages, **_params(args))
         try:
             for delta in handle.deltas():

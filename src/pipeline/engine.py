@@ -7,11 +7,13 @@ Owns the scheduler and the step loop. Each step it
 3. plans the step under ``token_budget``: one decode token for every decoding request first
    (a long prompt never starves decoding), then prefill chunks of at most ``max_prefill_chunk``
    tokens for prefilling requests in admission order with what is left,
-4. calls ``backend.prefill`` and ``backend.decode`` for that plan,
+4. makes one batched ``backend.forward`` for that plan: every decode token and every prefill
+   chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
+   decode token and at a prompt's last chunk's last token),
 5. for every request with fresh logits z_t: processor chain → selector (overridden by a
    ``forced_prefix`` or a spent reasoning budget, see ``Job.taken``) → stoppers →
    detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
-   next step's ``decode`` writes into the cache (cache length m + t) — the DESIGN §4 order.
+   next step's forward writes into the cache (cache length m + t) — the DESIGN §4 order.
 
 Request-level work before the queue (render, tokenize, validation) happens in
 :class:`~pipeline.pipe.Pipeline` on the caller's thread.
@@ -47,7 +49,8 @@ from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.job import Job
 from pipeline.protocols import (
-    Backend, Batch, CacheInspector, CacheLayout, PrefillChunk, Row, Selection, Strategy,
+    Backend, CacheInspector, CacheLayout, ModelCall, PrefillChunk, Row, Strategy, Update,
+    split_outputs,
 )
 from pipeline.recording import host_rows, logits_record, processed_record, same_bits
 from pipeline.types import FinishReason
@@ -253,9 +256,9 @@ class Engine:
         plan = self._plan()
         if not plan.decode and not plan.prefill:
             return
-        ready = self._run_prefill(plan.prefill) + self._run_decode(plan.decode)
+        ready = self._forward(plan)
         if ready:
-            self._select(ready)
+            self._update(ready)
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
         """Run ``fn`` for ``job``; if it raises, fail that job alone. True when it ran."""
@@ -291,11 +294,27 @@ class Engine:
             with self._cv:
                 self._active.append(job)
             job.slot = slot  # held from now on: a failed start releases it
-            self._guarded(job, "starting prefill", lambda: job.start_prefill(slot))
+            self._guarded(job, "starting", lambda: self._start(job, slot))
+
+    def _start(self, job: Job, slot: int) -> None:
+        """Prefill begins; the job's strategy (by its processor order) starts its loop state."""
+        job.start_prefill(slot)
+        strategy = self.strategy(job.processor_order)
+        job.strategy, job.decode_state = strategy, strategy.start(job.row(), job.forcing())
 
     def _plan(self) -> _Plan:
-        decode = [j for j in self._active if j.state is RequestState.DECODING]
-        budget = self.config.token_budget - len(decode)
+        """Every decoding job's strategy plans its call first; prefill chunks, in admission
+        order, share what is left of the token budget."""
+        decode = []
+        budget = self.config.token_budget
+        for job in [j for j in self._active if j.state is RequestState.DECODING]:
+            def plan() -> None:
+                assert job.strategy is not None
+                job.plan = job.strategy.plan(job.decode_state)
+            if self._guarded(job, "planning", plan):
+                assert job.plan is not None
+                decode.append(job)
+                budget -= len(job.plan.token_ids)
         prefill: list[tuple[Job, PrefillChunk]] = []
         for job in list(self._active):
             if budget <= 0:
@@ -308,23 +327,37 @@ class Engine:
                     budget -= len(chunk[0].token_ids)
         return _Plan(decode, prefill)
 
-    def _run_prefill(self, work: list[tuple[Job, PrefillChunk]]) -> list[tuple[Job, torch.Tensor]]:
-        chunks = dict(work)
-        done = self._call([j for j, _ in work],
-                          lambda jobs: self.backend.prefill([chunks[j] for j in jobs]))
-        ready = [(job, logits) for job, logits in done if chunks[job].last]
-        records = dict(zip((j for j, _ in ready), self._logits_records(ready)))
-        kept = {job for job, _ in done if self._guarded(job, "recording prefill", lambda: (
-            job.prefilled(chunks[job], self._cache(job), records.get(job))))}
-        return [(job, logits) for job, logits in ready if job in kept]
-
-    def _run_decode(self, jobs: list[Job]) -> list[tuple[Job, torch.Tensor]]:
-        done = self._call(jobs, lambda js: self.backend.decode(
-            [j.slot_id for j in js], [j.pending_token for j in js]))
-        records = self._logits_records(done)
-        return [(job, logits) for (job, logits), record in zip(done, records)
-                if self._guarded(job, "recording decode",
-                                 lambda: job.decoded(self._cache(job), record))]
+    def _forward(self, plan: _Plan) -> list[tuple[Job, torch.Tensor]]:
+        """One batched model call for the step's planned calls and prefill chunks; records
+        each job's progress and returns the jobs with fresh logits (decoding jobs, and jobs
+        whose last prompt chunk ran) with their rows ``[len(outputs), V]``."""
+        calls: dict[Job, ModelCall] = {}
+        for job in plan.decode:
+            p = job.plan
+            assert p is not None
+            calls[job] = ModelCall(job.slot_id, p.token_ids, job.cache_len, p.outputs,
+                                   p.attention, p.write)
+        chunks = dict(plan.prefill)
+        for job, chunk in plan.prefill:
+            calls[job] = ModelCall.chunk(chunk)
+        done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
+                          calls)
+        fresh = [(job, rows[0]) for job, rows in done if len(rows)]
+        records = dict(zip((j for j, _ in fresh), self._logits_records(fresh)))
+        ready = []
+        for job, rows in done:
+            if job in chunks:
+                chunk = chunks[job]
+                ran = self._guarded(job, "recording prefill", lambda: job.prefilled(
+                    chunk, self._cache(job), records.get(job)))
+            else:
+                ran = self._guarded(job, "recording decode", lambda: job.decoded(
+                    self._cache(job), records[job]))
+            if ran and len(rows):
+                if self.decodable_vocab is not None and self.decodable_vocab < rows.shape[1]:
+                    rows[:, self.decodable_vocab:] = float("-inf")  # padding ids: never chosen
+                ready.append((job, rows))
+        return ready
 
     def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
         """The slot's cache length, and its per-layer lengths when the backend reports them."""
@@ -339,9 +372,9 @@ class Engine:
         rows = host_rows(torch.stack([logits for _, logits in done]))  # [B, V]
         return logits_record(rows, [job.full for job, _ in done])
 
-    def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor]
-              ) -> list[tuple[Job, torch.Tensor]]:
-        """Run a backend call over ``jobs``; pair each job with its logits row.
+    def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor],
+              calls: dict[Job, ModelCall]) -> list[tuple[Job, torch.Tensor]]:
+        """Run a backend call over ``jobs``; pair each job with its rows of the logits.
 
         A :class:`SlotError` fails the named slots' jobs and the call is retried for the
         others (whose caches the contract says are intact); any other exception fails all.
@@ -360,54 +393,70 @@ class Engine:
                 for job in jobs:
                     self._fail(job, f"backend error: {exc!r}")
                 return []
-            return [(job, logits[i]) for i, job in enumerate(jobs)]
+            mine = [calls[j] for j in jobs]
+            wanted = sum(len(c.outputs) for c in mine)
+            if logits.shape[0] != wanted:
+                for job in jobs:
+                    self._fail(job, f"backend error: {logits.shape[0]} logits rows for "
+                                    f"{wanted} wanted outputs")
+                return []
+            return list(zip(jobs, split_outputs(mine, logits)))
         return []
 
-    def _select(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
-        """Process, select and advance every job with fresh logits, grouped by chain order."""
-        groups: dict[tuple[str, ...] | None, list[tuple[Job, torch.Tensor]]] = {}
-        for job, row in ready:
-            groups.setdefault(job.processor_order, []).append((job, row))
-        for order, items in groups.items():
-            strategy = self.strategy(order)
+    def _update(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
+        """Hand each strategy its sequences' logits; commit what it took, roll back what it
+        dropped. One batched ``update`` per strategy (per processor order)."""
+        groups: dict[int, list[tuple[Job, torch.Tensor]]] = {}
+        for job, rows in ready:
+            groups.setdefault(id(job.strategy), []).append((job, rows))
+        for items in groups.values():
+            strategy = items[0][0].strategy
+            assert strategy is not None
             states = {job: job.row() for job, _ in items}  # one Row per job per step
             orders: dict[Job, tuple[str, ...] | None] = {}
             kept = []
-            for job, logits_row in items:
+            for job, rows in items:
                 def configure() -> None:
                     orders[job] = self._configure(job, states[job], strategy)
                 if self._guarded(job, "configuring selection", configure):
-                    kept.append((job, logits_row))
+                    kept.append((job, rows))
             items = kept
             if not items:
                 continue
-            batch = Batch(tuple(states[j] for j, _ in items), self.backend.vocab_size)
-            logits = torch.stack([r for _, r in items]).float()  # [B, V]
-            if self.decodable_vocab is not None and self.decodable_vocab < logits.shape[1]:
-                logits[:, self.decodable_vocab:] = float("-inf")  # padding ids: never chosen
             try:
-                choice = strategy.update(logits, batch)
+                updates = list(strategy.update([j.decode_state for j, _ in items],
+                                               [states[j] for j, _ in items],
+                                               [rows for _, rows in items]))
             except Exception as exc:
                 for job, _ in items:
                     self._fail(job, f"selection failed: {exc!r}")
                 continue
-            bad = self._bad_selection(choice, len(items))
+            bad = self._bad_updates(updates, len(items))
             if bad is not None:
                 for job, _ in items:
                     self._fail(job, f"selection failed: {bad}")
                 continue
-            processed = self._processed_records(choice, items)
-            for i, (job, _) in enumerate(items):
-                draw = choice.draws[i] if choice.draws else None
-                try:
-                    token, logprob = job.taken(choice.token_ids[i], choice.logprobs[i])
-                    reason = job.advance(token, logprob, self.backend.max_context,
-                                         processed[i], draw, orders[job])
-                except Exception as exc:  # this request's state is broken, not the others'
-                    self._fail(job, f"taking token failed: {exc!r}")
-                    continue
+            processed = self._processed_records(updates, items)
+            for (job, _), update, records in zip(items, updates, processed):
+                self._commit(job, update, records, orders[job])
+
+    def _commit(self, job: Job, update: Update[Any], records: list[dict[str, Any] | None],
+                order: tuple[str, ...] | None) -> None:
+        """Take the update's tokens in order (stopping at the first that ends the request),
+        then roll the cache back if the strategy dropped fed positions."""
+        try:
+            job.decode_state = update.state
+            for k, taken in enumerate(update.taken):
+                reason = job.take(taken, self.backend.max_context, records[k],
+                                  order if k == 0 else None)
                 if reason is not None:
                     self._release(job)
+                    return
+            if update.rollback:
+                self.backend.truncate(job.slot_id, job.cache_len - update.rollback)
+                job.rolled_back(update.rollback, self.backend.cache_length(job.slot_id))
+        except Exception as exc:  # this request's state is broken, not the others'
+            self._fail(job, f"taking token failed: {exc!r}")
 
     @staticmethod
     def _configure(job: Job, state: Row, strategy: Strategy) -> tuple[str, ...] | None:
@@ -419,28 +468,47 @@ class Engine:
             job.configured(strategy, order or ())
         return order
 
-    def _bad_selection(self, choice: Selection, rows: int) -> str | None:
-        """Why ``choice`` is not one token id of the vocabulary per row (None when it is)."""
-        ids = choice.token_ids
-        if len(ids) != rows or len(choice.logprobs) != rows:
-            return f"the selector returned {len(ids)} tokens for {rows} rows"
+    def _bad_updates(self, updates: list[Update[Any]], rows: int) -> str | None:
+        """Why ``updates`` is not one update per sequence committing token ids of the
+        vocabulary (None when it is)."""
+        if len(updates) != rows:
+            return f"the strategy returned {len(updates)} updates for {rows} sequences"
         vocab = self.backend.vocab_size
-        for token in ids:
-            if type(token) is not int or not 0 <= token < vocab:
-                return f"the selector returned {token!r}, not a token id below {vocab}"
+        for update in updates:
+            for taken in update.taken:
+                token = taken.token_id
+                if type(token) is not int or not 0 <= token < vocab:
+                    return f"the selector returned {token!r}, not a token id below {vocab}"
+            if update.rollback < 0:
+                return f"the strategy asked to roll back {update.rollback} positions"
         return None
 
-    def _processed_records(self, choice: Selection, items: list[tuple[Job, torch.Tensor]]
-                           ) -> list[dict[str, Any] | None]:
-        """Digest (and top-k for ``full`` jobs) of each row's processed distribution."""
-        if choice.scores is None:  # a selector that does not report what it chose from
-            return [None] * len(items)
-        rows = host_rows(choice.scores.to_dense(self.backend.vocab_size))  # [B, V]
-        # A row no processor changed is its raw logits: reuse that digest (an equality test
-        # costs a fraction of a sha256 pass).
-        known = [job.raw_digest if job.raw_digest and same_bits(rows[i], raw) else None
-                 for i, (job, raw) in enumerate(items)]
-        return list(processed_record(rows, [job.full for job, _ in items], known))
+    def _processed_records(self, updates: list[Update[Any]],
+                           items: list[tuple[Job, torch.Tensor]]
+                           ) -> list[list[dict[str, Any] | None]]:
+        """Per update, per taken token: digest (and top-k for ``full`` jobs) of the processed
+        distribution it was chosen from."""
+        out: list[list[dict[str, Any] | None]] = [[None] * len(u.taken) for u in updates]
+        having = [(i, u) for i, u in enumerate(updates) if u.processed is not None and u.taken]
+        if not having:
+            return out
+        rows = host_rows(torch.cat([u.processed for _, u in having
+                                    if u.processed is not None]))             # [sum taken, V]
+        full, known, where = [], [], []
+        at = 0
+        for i, update in having:
+            job, raw = items[i]
+            for k in range(len(update.taken)):
+                full.append(job.full)
+                # A row no processor changed is its raw logits: reuse that digest (an
+                # equality test costs a fraction of a sha256 pass).
+                known.append(job.raw_digest if k == 0 and job.raw_digest
+                             and same_bits(rows[at], raw[0]) else None)
+                where.append((i, k))
+                at += 1
+        for (i, k), record in zip(where, processed_record(rows, full, known)):
+            out[i][k] = record
+        return out
 
     # --- endings ---------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     └── ServingError                           the HTTP gateway refused a request
         ├── AuthenticationError                  missing or wrong API key
         ├── ModelNotFoundError                   no served model has that name
+        ├── TraceNotFoundError                   no kept trace for that request id (and key)
         ├── OverloadedError                      concurrency and queue are full
         ├── ModelLoadingError                    the model is still loading (or restarting)
         ├── PayloadTooLargeError                 the request body exceeds the size limit
@@ -61,6 +62,13 @@ def _bounded_repr(limit: int) -> reprlib.Repr:
     return shape
 
 
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice most like ``word`` (a likely misspelling of it), or None when none is close:
+    what "did you mean ...?" hints suggest."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 class PipelineError(Exception):
     """Root of every exception the library raises on purpose."""
 
@@ -87,10 +95,8 @@ class UnknownFieldError(ValidationError):
         self.field = field
         self.allowed = tuple(sorted(allowed))
         # compare the last path component ("messages[0].contnet" -> "contnet")
-        leaf = field.rsplit(".", 1)[-1]
-        close = difflib.get_close_matches(leaf, [a.rsplit(".", 1)[-1] for a in self.allowed],
-                                          n=1, cutoff=0.6)
-        self.suggestion = close[0] if close else None
+        self.suggestion = closest(field.rsplit(".", 1)[-1],
+                                  [a.rsplit(".", 1)[-1] for a in self.allowed])
         hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
         super().__init__(
             f"{type_name} has no field {field!r}{hint}; known fields: {', '.join(self.allowed)}"
@@ -180,9 +186,9 @@ class BackendError(PipelineError):
 class SlotError(BackendError):
     """A backend failure confined to ``slots``; other rows of the same call are unharmed.
 
-    A backend raises this from ``prefill``/``decode`` when it knows which slots are at fault and
-    that the other rows' caches were left as they were. Any other exception fails every request
-    in the call.
+    A backend raises this from ``forward`` (or ``truncate``) when it knows which slots are at
+    fault and that the other rows' caches were left as they were. Any other exception fails
+    every request in the call.
     """
 
     def __init__(self, slots: Sequence[int], cause: BaseException | str) -> None:
@@ -246,6 +252,18 @@ class ModelNotFoundError(ServingError, LookupError):
         self.served = tuple(sorted(served))
         super().__init__(f"model {model!r} is not served here; served models: "
                          f"{', '.join(self.served) or '(none)'}")
+
+
+class TraceNotFoundError(ServingError, LookupError):
+    """The server keeps no trace of ``request_id`` for this caller: unknown, evicted, still
+    running, or made with another API key (deliberately indistinguishable)."""
+
+    def __init__(self, request_id: str, kept: int) -> None:
+        self.request_id = request_id
+        self.kept = kept
+        why = (f"traces are kept for the last {kept} finished requests, each for the API key "
+               "that made it" if kept else "this server keeps no traces (keep_traces is 0)")
+        super().__init__(f"no trace of request {brief(request_id)}: {why}")
 
 
 class OverloadedError(ServingError):

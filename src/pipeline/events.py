@@ -130,7 +130,7 @@ class JsonlSink:
 
     def emit(self, event: Event) -> None:
         """Write ``event`` as a line."""
-        line = json.dumps(event.to_json(), ensure_ascii=False, default=str)
+        line = event_line(event)
         with self._lock:
             self._file.write(line + "\n")
 
@@ -139,6 +139,12 @@ class JsonlSink:
         with self._lock:
             if not self._file.closed:
                 self._file.close()
+
+
+def event_line(event: Event) -> str:
+    """``event`` as one line of a JSONL trace (no newline): what :class:`JsonlSink` writes and
+    :func:`read_jsonl` reads."""
+    return json.dumps(event.to_json(), ensure_ascii=False, default=str)
 
 
 def read_jsonl(path: str | Path) -> list[Event]:

@@ -1,8 +1,9 @@
 """One request's decode-side life inside the engine: its state machine and its events.
 
 Owns :class:`Job`, the engine-thread-only record of a request in flight: slot, prefill
-progress, selected tokens, pending token, detokenizer and stopper states, emitted text, and the
-tracer that numbers its events. Every transition emits the DESIGN §7 event for it, so the trace
+progress, cache length, its strategy and that strategy's loop state (DESIGN §6: the strategy
+owns it), committed tokens, detokenizer and stopper states, emitted text, and the tracer that
+numbers its events. The text side sees committed tokens only (:meth:`Job.advance`). Every transition emits the DESIGN §7 event for it, so the trace
 of a finished job holds the minimal timeline in causal order. Only the engine calls these
 methods, from its own thread.
 """
@@ -10,6 +11,7 @@ methods, from its own thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -17,8 +19,10 @@ import attrs
 from pipeline.events import Tracer, digest_ids, digest_text
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.protocols import (
-    CacheLayout, Detokenizer, PrefillChunk, Row, StopContext, Stopper, StopVerdict, Strategy,
+    CacheLayout, Detokenizer, Plan, PrefillChunk, Row, StopContext, Stopper, StopVerdict,
+    Strategy, Taken,
 )
+from pipeline.forcing import Forcing
 from pipeline.types import (
     Completion, Delta, FinishReason, Recording, Request, Timings, TokenizedPrompt, TokenLogprob,
     Usage,
@@ -44,6 +48,8 @@ class JobSpec:
     last_event: int | None = None
     think_markers: tuple[int, int] | None = None
     """Ids of the template's begin- and end-of-thinking markers, when a reasoning budget is set."""
+    token_bytes: Callable[[int], bytes] | None = None
+    """The tokenizer's bytes of a token id, which logprob records are labelled with."""
 
 
 class Job:
@@ -59,8 +65,14 @@ class Job:
         self.slot: int | None = None
         self.prompt_ids = spec.prompt.input_ids
         self.done_prefill = 0
+        self.cache_len = 0
+        """Positions of the slot's cache this job has written (the next call starts here)."""
+        self.strategy: Strategy | None = None
+        self.decode_state: Any = None
+        """The strategy's loop state for this request (set at :meth:`start_decoding`)."""
+        self.plan: Plan | None = None
+        """What the current step feeds the model, once planned."""
         self.output_ids: list[int] = []
-        self.pending: int | None = None
         self.logprobs: list[TokenLogprob] = []
         self.text: list[str] = []
         self.seq = 0
@@ -78,7 +90,6 @@ class Job:
         self._full = spec.request.recording is Recording.FULL
         self._order: tuple[str, ...] = ()
         self.raw_digest: str | None = None  # of the latest raw logits z_t
-        self.thinking = self._thinking_at_start()
 
     # --- small views -------------------------------------------------------------------------
 
@@ -94,18 +105,17 @@ class Job:
         return self.slot
 
     @property
-    def pending_token(self) -> int:
-        """y_t, selected last step and not yet written into the cache."""
-        assert self.pending is not None, "job has no pending token"
-        return self.pending
-
-    @property
     def processor_order(self) -> tuple[str, ...] | None:
         """The request's processor-order override, if any."""
         return self.config.processor_order
 
+    def forcing(self) -> Forcing:
+        """A fresh forced-token source for this request (required prefix, reasoning budget)."""
+        return Forcing.for_request(self.config.forced_prefix, self.config.reasoning_budget_tokens,
+                                   self.spec.think_markers, self.prompt_ids)
+
     def row(self) -> Row:
-        """This job's decode state as processors and selectors see it."""
+        """This job's committed decode state as processors and selectors see it."""
         return Row(self.request.request_id, self.config, self.prompt_ids, self.output_ids,
                    len(self.output_ids) + 1, self.spec.seed, self.spec.eos_token_ids)
 
@@ -151,6 +161,7 @@ class Job:
         """The backend wrote ``chunk``; ``cache`` is the slot's cache length now (and its
         per-layer lengths, when reported); ``logits`` records z_1 after the last chunk."""
         self.done_prefill += len(chunk.token_ids)
+        self.cache_len = self.done_prefill
         cache_len, layout = cache
         payload: dict[str, Any] = {"slot": self.slot_id, "start": chunk.start,
                                    "tokens": len(chunk.token_ids), "cache_len": cache_len}
@@ -171,66 +182,39 @@ class Job:
         self._emit("engine", "selection.configured", {
             "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
 
-    # --- forced tokens: a required prefix, the reasoning budget ---------------------------
-
-    def _thinking_at_start(self) -> int | None:
-        """0 when the prompt's generation prefix opened a think block (e.g. ``<think>\\n``)."""
-        if self.spec.think_markers is None:
-            return None
-        begin, end = self.spec.think_markers
-        for token in reversed(self.prompt_ids[-8:]):
-            if token == end:
-                return None
-            if token == begin:
-                return 0
-        return None
-
-    def _track_thinking(self, token: int) -> None:
-        assert self.spec.think_markers is not None
-        begin, end = self.spec.think_markers
-        if token == begin:
-            self.thinking = 0
-        elif token == end:
-            self.thinking = None
-        elif self.thinking is not None:
-            self.thinking += 1
-
-    def taken(self, token: int, logprob: TokenLogprob | None
-              ) -> tuple[int, TokenLogprob | None]:
-        """The token to take at this step: the selector's; or the next id of the config's
-        ``forced_prefix``; or the end-of-thinking marker when the reasoning budget is spent.
-        A forced token is a point mass, so its logprob is 0."""
-        step = len(self.output_ids) + 1
-        prefix = self.config.forced_prefix
-        if step <= len(prefix):
-            forced = prefix[step - 1]
-            if forced != token:
-                self._emit("engine", "token.forced", {
-                    "step": step, "selected": token, "forced": forced, "why": "prefix"})
-            return forced, (TokenLogprob(forced, 0.0) if logprob is not None else None)
-        budget = self.config.reasoning_budget_tokens
-        if budget is None or self.thinking is None or self.thinking < budget:
-            return token, logprob
-        assert self.spec.think_markers is not None
-        end = self.spec.think_markers[1]
-        self._emit("engine", "reasoning.budget_reached", {
-            "step": len(self.output_ids) + 1, "thinking_tokens": self.thinking,
-            "budget": budget, "selected": token, "forced": end})
-        return end, (TokenLogprob(end, 0.0) if logprob is not None else None)
-
     # --- decode ------------------------------------------------------------------------------
 
     def decoded(self, cache: tuple[int, CacheLayout | None], logits: dict[str, Any]) -> None:
-        """The backend wrote the pending token y_t; the cache now covers m + t positions and
-        ``logits`` records z_{t+1}."""
+        """The backend ran this step's plan; the cache now covers its tokens too and
+        ``logits`` records the first wanted output (z_{t+1} for one fed token y_t)."""
+        assert self.plan is not None, "decoded without a plan"
+        fed = self.plan.token_ids
+        if self.plan.write:
+            self.cache_len += len(fed)
         cache_len, layout = cache
-        payload: dict[str, Any] = {"step": len(self.output_ids), "token_id": self.pending,
+        payload: dict[str, Any] = {"step": len(self.output_ids), "token_id": fed[0],
                                    "cache_len": cache_len, "logits": logits}
+        if len(fed) > 1:
+            payload["token_ids"] = list(fed)
         self.raw_digest = logits.get("digest")
         if layout is not None:
             payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
         self._emit("backend", "decode.completed", payload)
-        self.pending = None
+        self.plan = None
+
+    def rolled_back(self, positions: int, cache_len: int) -> None:
+        """The strategy dropped ``positions`` fed positions again (rejected drafts)."""
+        self.cache_len -= positions
+        self._emit("engine", "cache.rollback", {"positions": positions, "cache_len": cache_len})
+
+    def take(self, taken: Taken, max_context: int, processed: dict[str, Any] | None = None,
+             order: tuple[str, ...] | None = None) -> FinishReason | None:
+        """Commit one token the strategy took, recording a forced override first."""
+        if taken.forced is not None:
+            event_type, payload = taken.forced
+            self._emit("engine", event_type, payload)
+        return self.advance(taken.token_id, taken.logprob, max_context, processed, taken.draw,
+                            order)
 
     def advance(self, token: int, logprob: TokenLogprob | None, max_context: int,
                 processed: dict[str, Any] | None = None, draw: float | None = None,
@@ -258,9 +242,9 @@ class Job:
             self.first_token_ns = time.monotonic_ns()
         self.output_ids.append(token)
         self.unsent_ids.append(token)
-        if self.spec.think_markers is not None:
-            self._track_thinking(token)
         if logprob is not None:
+            if self.spec.token_bytes is not None:
+                logprob = logprob.with_text(self.spec.token_bytes)
             self.logprobs.append(logprob)
             self.unsent_logprobs.append(logprob)
         verdict = self._check_token(token, step, max_context)
@@ -276,7 +260,6 @@ class Job:
         if verdict is not None:
             self._end(verdict.reason, verdict.detail)
             return verdict.reason
-        self.pending = token
         return None
 
     def _check_token(self, token: int, step: int, max_context: int) -> StopVerdict | None:

@@ -241,7 +241,9 @@ class Pipeline:
         if request.prompt is not None:
             return Rendered.plain(request.prompt, RAW_PROMPT_DIGEST, "raw")
         if self.stages.renderer is None:
-            raise ArtifactError("this pipeline has no renderer for chat messages")
+            raise ArtifactError("this pipeline has no renderer for chat messages: build it from "
+                                "a model folder with a chat template, pass renderer=, or give a "
+                                "raw prompt as Request(prompt=...)")
         kwargs = dict(request.template_kwargs)
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
         return self.stages.renderer.render(request.messages, tools=request.tool_catalog, **kwargs)
@@ -276,7 +278,7 @@ class Pipeline:
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
         spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
-                       self.stages.stoppers, accepted_ns, last, think)
+                       self.stages.stoppers, accepted_ns, last, think, tokenizer.token_bytes)
         return request, spec
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:

@@ -12,8 +12,9 @@ per-request state (detokenizer, stoppers) receive their state and return the new
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import torch
@@ -25,6 +26,7 @@ from pipeline.types import (
 
 if TYPE_CHECKING:
     from pipeline.engine import RequestHandle
+    from pipeline.forcing import Forcing
 
 S = TypeVar("S")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -92,6 +94,13 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (whole-sequence decode; the detokenizer streams it)."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes token ``token_id`` adds to the text when it follows other output
+        (a byte-level token may hold part of a UTF-8 character; a word-start token its
+        leading space; a special token its own text). Logprobs show tokens with these.
+        Raises :class:`~pipeline.errors.InvalidValueError` for an id with no token."""
         ...
 
 
@@ -312,38 +321,6 @@ class Selector(Protocol):
         ...
 
 
-@runtime_checkable
-class Strategy(Protocol):
-    """A generation strategy: the update rule between model calls (DESIGN §10).
-
-    Every strategy runs as init state -> repeated model call -> update rule -> termination,
-    with the same renderer, tokenizer, detokenizer, stoppers, RNG and trace. The engine owns
-    the loop and the model calls; ``update`` turns one model call's logits into the tokens the
-    step commits. Autoregressive decoding commits ``block_size == 1`` token per row per step.
-    A masked-diffusion strategy will receive ``[B, L, V]`` logits for a block of ``L``
-    positions and commit some of them per step; continuous diffusion and flow integrate over
-    embeddings and commit a whole block when they round to tokens. ``order`` names the
-    processors in the order the strategy applies them, for the trace.
-
-    Example::
-
-        ar = AutoregressiveStrategy(chain, selector)
-        step = ar.update(logits, batch)          # logits [B, V]
-        next_tokens = step.token_ids             # one per row
-    """
-
-    name: str
-    block_size: int
-
-    def order(self, row: Row) -> tuple[str, ...]:
-        """Names of the processors applied to ``row``, in application order."""
-        ...
-
-    def update(self, logits: torch.Tensor, batch: Batch) -> Selection:
-        """Commit tokens for each row from the model call's logits."""
-        ...
-
-
 # --- model --------------------------------------------------------------------------------
 
 
@@ -352,7 +329,8 @@ class PrefillChunk:
     """Prompt tokens ``token_ids`` for ``slot`` at positions ``start .. start+len-1``.
 
     ``start`` equals the slot's cache length before the call; the chunk is the last of its
-    prompt when ``last`` is true (only then are its logits used).
+    prompt when ``last`` is true (only then are its logits used). A convenience of the torch
+    and scripted backends' ``prefill``; the engine speaks :class:`ModelCall`.
     """
 
     slot: int
@@ -361,27 +339,82 @@ class PrefillChunk:
     last: bool
 
 
+class Attention(enum.Enum):
+    """How a call's new tokens attend (DESIGN §6, second edition).
+
+    ``CAUSAL``: each new token sees the cached prefix and the new tokens before it.
+    ``BLOCK``: each new token sees the cached prefix and *every* new token of its call
+    (bidirectional within the block over a causal prefix), as masked diffusion needs.
+    """
+
+    CAUSAL = "causal"
+    BLOCK = "block"
+
+
+@attrs.frozen
+class ModelCall:
+    """One sequence's part of a :meth:`Backend.forward`.
+
+    ``token_ids`` go at positions ``start .. start+len-1``; ``start`` must equal the slot's
+    cache length before the call. ``outputs`` are the offsets into ``token_ids`` whose logits
+    are wanted, ascending (a prefill chunk that is not its prompt's last wants none; a decode
+    token wants ``(0,)``; verifying k drafts after a pending token wants ``range(k + 1)``).
+    With ``write`` false the call reads the cache but leaves the slot's length as it was (its
+    keys and values are never read again).
+
+    Example::
+
+        ModelCall(slot, (y_t,), start=m + t - 1, outputs=(0,))        # a decode step
+        ModelCall(slot, tuple(chunk), start=0, outputs=())             # a non-final chunk
+    """
+
+    slot: int
+    token_ids: tuple[int, ...]
+    start: int
+    outputs: tuple[int, ...]
+    attention: Attention = Attention.CAUSAL
+    write: bool = True
+
+    @classmethod
+    def chunk(cls, chunk: PrefillChunk) -> ModelCall:
+        """The call for a prefill chunk: logits at its last token when it ends its prompt."""
+        return cls(chunk.slot, chunk.token_ids, chunk.start,
+                   (len(chunk.token_ids) - 1,) if chunk.last else ())
+
+
+def split_outputs(calls: Sequence[ModelCall], logits: torch.Tensor) -> list[torch.Tensor]:
+    """Each call's rows of a forward's ``[N, V]`` logits (``[len(outputs), V]`` each)."""
+    out, at = [], 0
+    for call in calls:
+        n = len(call.outputs)
+        out.append(logits[at:at + n])
+        at += n
+    return out
+
+
 @runtime_checkable
 class Backend(Protocol):
-    """A model that keeps a KV cache per slot and computes next-token logits.
+    """A model that keeps a KV cache per slot and computes logits (DESIGN §4, §6).
 
-    Lifecycle: ``allocate`` a slot per request, then ``prefill`` its prompt (possibly in
-    several chunks, across several calls), then ``decode`` one token per step, then
-    ``release``. Step order (DESIGN §4): after prefill of an m-token prompt the slot's cache
-    length is m; ``decode(slots, y_t)`` writes y_t into the cache (length m+t) and returns
-    z_{t+1}. Every layer's keys and values cover the same positions.
+    Lifecycle: ``allocate`` a slot per request; ``forward`` batches of :class:`ModelCall`
+    (prompt chunks, decode tokens, draft verification, denoising passes of a block: all one
+    shape, one batched call per engine step); ``truncate`` a slot to roll back positions it
+    no longer wants (rejected drafts); ``release``. Step order (DESIGN §4): after the prompt
+    of m tokens the slot's cache length is m; a call writing y_t makes it m+t and its logits
+    are z_{t+1}. Every layer's keys and values cover the same positions.
 
-    ``prefill`` returns float32 logits ``[len(chunks), V]`` at the last token of each chunk;
-    ``decode`` returns ``[len(slots), V]``. Calls come from one thread (the engine's). On
-    failure raise :class:`~pipeline.errors.SlotError` naming the slots at fault when the other
-    rows' caches are intact; any other exception fails every request in the call.
-    :class:`~pipeline.errors.CapacityError` from ``allocate`` means "no free slot".
+    ``forward`` returns float32 logits ``[N, V]``: the wanted outputs of every call, in call
+    order then offset order (:func:`split_outputs` slices them). Calls come from one thread
+    (the engine's). On failure raise :class:`~pipeline.errors.SlotError` naming the slots at
+    fault when the other rows' caches are intact; any other exception fails every request in
+    the call. :class:`~pipeline.errors.CapacityError` from ``allocate`` means "no free slot".
 
     Example::
 
         slot = backend.allocate()
-        z1 = backend.prefill([PrefillChunk(slot, ids, 0, True)])[0]    # cache length m
-        z2 = backend.decode([slot], [int(z1.argmax())])[0]             # cache length m+1
+        z1 = backend.forward([ModelCall(slot, ids, 0, (len(ids) - 1,))])[0]   # cache m
+        y1 = int(z1.argmax())
+        z2 = backend.forward([ModelCall(slot, (y1,), len(ids), (0,))])[0]     # cache m+1
         backend.release(slot)
     """
 
@@ -402,12 +435,108 @@ class Backend(Protocol):
         """Positions the slot's cache covers now."""
         ...
 
-    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
-        """Append each chunk to its slot's cache; logits ``[len(chunks), V]``."""
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        """Run every call as one batch; logits ``[N, V]`` at the wanted outputs."""
         ...
 
-    def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
-        """Append one token per slot; logits ``[len(slots), V]``."""
+    def truncate(self, slot: int, length: int) -> None:
+        """Shrink ``slot``'s cache to its first ``length`` positions (never grows it)."""
+        ...
+
+
+# --- strategies (DESIGN §6 second edition, §10) --------------------------------------------
+
+
+@attrs.frozen
+class Plan:
+    """What a strategy asks of the model for one sequence this step.
+
+    ``token_ids`` are fed after the sequence's cache (at positions ``cache_len ..``);
+    ``outputs`` are the offsets into them whose logits the strategy wants back; see
+    :class:`ModelCall` for ``attention`` and ``write``. Autoregressive decoding plans
+    ``Plan((y_t,), (0,))``; verifying k drafts plans ``Plan((y_t, d_1..d_k), range(k + 1))``.
+    """
+
+    token_ids: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attention: Attention = Attention.CAUSAL
+    write: bool = True
+
+
+@attrs.frozen
+class Taken:
+    """One committed token, with what the trace records about how it was chosen.
+
+    ``draw`` is the uniform number the selector consumed (None for argmax); ``forced`` is the
+    event a forced-token source recorded when it overrode the selection
+    (``(event_type, payload)``, see :class:`pipeline.forcing.Forcing`).
+    """
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+    draw: float | None = None
+    forced: tuple[str, dict[str, Any]] | None = None
+
+
+@attrs.frozen
+class Update(Generic[S]):
+    """A strategy's verdict for one sequence after a model call.
+
+    ``taken`` are the tokens committed this step, in order (possibly none: a denoising
+    step that commits nothing yet); ``rollback`` is how many of the positions the plan fed
+    the cache must drop again (rejected drafts); ``processed`` holds, per taken token, the
+    dense processed logits it was chosen from (``[len(taken), V]``, for the trace; None if
+    the strategy does not report them).
+    """
+
+    state: S
+    taken: tuple[Taken, ...]
+    rollback: int = 0
+    processed: torch.Tensor | None = attrs.field(default=None, eq=False)
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A generation strategy: it owns each request's loop state (DESIGN §6, §10).
+
+    Every strategy runs as ``start`` (after the prompt is in the cache) -> repeatedly
+    ``plan`` a model call -> the engine batches every sequence's call into one
+    :meth:`Backend.forward` -> ``update`` with the logits it asked for -> commit tokens,
+    until a stopper ends the request. The engine owns scheduling, KV memory and the trace;
+    the text stages (detokenizer, stoppers, transport) see only the tokens a strategy
+    commits. The first ``update`` receives the prompt's last logits z_1 (no plan).
+
+    ``update`` is batched: it gets the states, the :class:`Row` of each sequence (its
+    committed tokens; ``step`` is the index of the next token) and each sequence's logits
+    ``[len(plan.outputs), V]``, and returns one :class:`Update` per sequence. States are
+    owned by the strategy; the engine stores them and hands them back. ``order`` names the
+    processors a row's logits go through, for the trace.
+
+    Example::
+
+        ar = AutoregressiveStrategy(chain, selector)
+        state = ar.start(row, Forcing.none())
+        update = ar.update([state], [row], [z1])[0]     # update.taken[0].token_id == y_1
+        ar.plan(update.state)                           # Plan((y_1,), (0,))
+    """
+
+    name: str
+
+    def order(self, row: Row) -> tuple[str, ...]:
+        """Names of the processors applied to ``row``, in application order."""
+        ...
+
+    def start(self, row: Row, forcing: Forcing) -> Any:
+        """The loop state of a sequence whose prompt is in the cache."""
+        ...
+
+    def plan(self, state: Any) -> Plan:
+        """The model call this sequence needs next."""
+        ...
+
+    def update(self, states: Sequence[Any], rows: Sequence[Row],
+               logits: Sequence[torch.Tensor]) -> Sequence[Update[Any]]:
+        """Commit tokens for each sequence from the logits its plan asked for."""
         ...
 
 

@@ -11,7 +11,7 @@ resolves ``(kind, name)`` to a factory. Errors: a plugin that fails to load or a
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,6 +20,7 @@ import pluggy
 
 from pipeline import hookspecs
 from pipeline.errors import InvalidValueError, PluginLoadError, UnknownNameError
+from pipeline.options import BackendOptions
 
 if TYPE_CHECKING:
     from pipeline.protocols import Tokenizer
@@ -32,13 +33,14 @@ ENTRY_POINT_GROUP = "pipeline"
 @attrs.frozen
 class BuildContext:
     """What a factory may use: the model/tokenizer folder, or the single model file (a GGUF
-    file), the tokenizer once built, per-build options (``build(..., options={...})``), and
-    ``shared``, a memo the factories of one build may share (e.g. a model file opened once
-    for its tokenizer, template and weights)."""
+    file), the tokenizer once built, the build's backend options (``build(...,
+    options=...)``, a :class:`~pipeline.options.BackendOptions`; a third-party backend reads
+    its own settings from ``options.extra``), and ``shared``, a memo the factories of one
+    build may share (e.g. a model file opened once for its tokenizer, template and weights)."""
 
     model_dir: Path | None = None
     tokenizer: Tokenizer | None = None
-    options: Mapping[str, Any] = attrs.field(factory=dict)
+    options: BackendOptions = attrs.field(factory=BackendOptions)
     model_file: Path | None = None
     shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
 

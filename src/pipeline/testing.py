@@ -33,7 +33,7 @@ from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from pipeline.events import digest_text
 from pipeline.handle import RequestHandle
 from pipeline.protocols import (
-    Batch, CacheLayout, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
+    Batch, CacheLayout, ModelCall, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
 )
 from pipeline.types import (
     Delta, FinishReason, Message, Rendered, Request, Span, SpanKind, TokenizedPrompt, ToolSpec,
@@ -70,7 +70,7 @@ class ScriptedBackend:
 
     ``fail(tokens)`` returning true makes the call raise :class:`SlotError` for that slot
     (other rows unharmed). ``delay_s`` sleeps per call, to give cancellation a window.
-    ``calls`` logs every call as ``(kind, [(slot, n_tokens), ...])``. It reports ``layers``
+    ``calls`` logs every forward as ``("forward", [(slot, n_tokens), ...])``. It reports ``layers``
     fake layers' key/value lengths (:class:`~pipeline.protocols.CacheInspector`).
     """
 
@@ -118,29 +118,42 @@ class ScriptedBackend:
         with self._lock:
             return len(self._cache)
 
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        """Append each writing call's tokens; logits ``[N, V]`` at the wanted outputs."""
+        self.calls.append(("forward", [(c.slot, len(c.token_ids)) for c in calls]))
+        for c in calls:
+            if c.start != len(self._cache[c.slot]):
+                raise AssertionError(f"call starts at {c.start}, cache has "
+                                     f"{len(self._cache[c.slot])}")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        bad = [c.slot for c in calls
+               if self._fail and self._fail([*self._cache[c.slot], *c.token_ids])]
+        if bad:
+            raise SlotError(bad, "scripted failure")
+        rows = []
+        for c in calls:
+            seq = [*self._cache[c.slot], *c.token_ids]
+            rows += [self._fn(seq[:c.start + o + 1]).float() for o in c.outputs]
+            if c.write:
+                self._cache[c.slot] = seq
+        if not rows:
+            return torch.empty((0, self.vocab_size))
+        return torch.stack(rows)                                                # [N, V]
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep ``slot``'s first ``length`` tokens."""
+        del self._cache[slot][length:]
+
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Append chunks; logits at each chunk's last token ``[len(chunks), V]``."""
-        self.calls.append(("prefill", [(c.slot, len(c.token_ids)) for c in chunks]))
-        for c in chunks:
-            if c.start != len(self._cache[c.slot]):
-                raise AssertionError(f"chunk starts at {c.start}, cache has "
-                                     f"{len(self._cache[c.slot])}")
-        return self._run([(c.slot, c.token_ids) for c in chunks])
+        return self.forward([ModelCall(c.slot, c.token_ids, c.start, (len(c.token_ids) - 1,))
+                             for c in chunks])
 
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
         """Append one token per slot; logits ``[len(slots), V]``."""
-        self.calls.append(("decode", [(s, 1) for s in slots]))
-        return self._run([(s, (t,)) for s, t in zip(slots, token_ids)])
-
-    def _run(self, rows: list[tuple[int, Sequence[int]]]) -> torch.Tensor:
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        bad = [s for s, ids in rows if self._fail and self._fail([*self._cache[s], *ids])]
-        if bad:
-            raise SlotError(bad, "scripted failure")
-        for slot, ids in rows:
-            self._cache[slot].extend(ids)
-        return torch.stack([self._fn(self._cache[s]).float() for s, _ in rows])  # [B, V]
+        return self.forward([ModelCall(s, (t,), len(self._cache[s]), (0,))
+                             for s, t in zip(slots, token_ids)])
 
 
 class ByteTokenizer:
@@ -178,6 +191,12 @@ class ByteTokenizer:
                 ids.append(256 + hit)
                 at += len(self.SPECIALS[hit])
         return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte itself; a special token's text."""
+        if not 0 <= token_id < self.VOCAB:
+            raise InvalidValueError("token_id", token_id, f"outside 0..{self.VOCAB - 1}")
+        return bytes([token_id]) if token_id < 256 else self.SPECIALS[token_id - 256].encode()
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """UTF-8 text of the byte tokens (invalid bytes become U+FFFD)."""

@@ -613,14 +613,46 @@ class FinishReason(enum.Enum):
         return str(self.value)
 
 
+def token_text(data: bytes) -> str:
+    """A token's bytes as text, as OpenAI's logprobs show a token: UTF-8, with each byte that
+    is not part of a whole character (a byte-level token may end or begin inside one)
+    written as a ``\\xNN`` escape, so ``b"\\xe4\\xb8"`` is the 8 characters ``\\xe4\\xb8``."""
+    return data.decode("utf-8", errors="backslashreplace")
+
+
+def _alternatives(value: Any) -> tuple[TokenLogprob, ...]:
+    """Top alternatives as records; ``(token_id, logprob)`` pairs are accepted too."""
+    if not isinstance(value, (list, tuple)):
+        raise InvalidValueError("top", value, "must be a list of alternatives")
+    return tuple(v if isinstance(v, TokenLogprob) else TokenLogprob(*v) for v in value)
+
+
 @attrs.frozen
 class TokenLogprob:
-    """Log-probability of a chosen token under the processed distribution, with the top
-    alternatives (``top`` is ordered, most likely first)."""
+    """Log-probability of a token under the processed distribution it was selected from.
+
+    ``top`` are the most likely alternatives at that step, most likely first, each a
+    ``TokenLogprob`` of its own (with no alternatives). ``token_bytes`` are the exact bytes
+    the token stands for and ``text`` those bytes as text (:func:`token_text`: a token that
+    ends inside a UTF-8 character shows the partial bytes as ``\\xNN`` escapes, while
+    ``token_bytes`` keeps them exact). The pipeline fills both from its tokenizer on every
+    record it returns; they are None only on a record straight from a selector.
+    """
 
     token_id: int
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[TokenLogprob, ...] = attrs.field(default=(), converter=_alternatives)
+    text: str | None = None
+    token_bytes: bytes | None = None
+
+    def with_text(self, token_bytes: Callable[[int], bytes]) -> TokenLogprob:
+        """This record and its alternatives with ``token_bytes`` and ``text`` filled in from
+        ``token_bytes(token_id)`` (a tokenizer's
+        :meth:`~pipeline.protocols.Tokenizer.token_bytes`)."""
+        data = token_bytes(self.token_id)
+        return TokenLogprob(self.token_id, self.logprob,
+                            tuple(t.with_text(token_bytes) for t in self.top),
+                            token_text(data), data)
 
 
 @attrs.frozen

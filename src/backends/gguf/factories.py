@@ -3,10 +3,10 @@ opening of the file per build.
 
 Owns the factories that :mod:`backends.plugin` registers as ``tokenizer``, ``renderer`` and
 ``backend`` named ``"gguf"``, which :func:`pipeline.build` picks for a model that is a GGUF
-file. Options (``build(..., options=...)``): ``num_slots``, ``max_context``, ``dtype``
-(compute dtype, default float32), ``device``, ``pack``, ``moe`` as for the torch backend,
-and ``quantized``: keep quantized matrices in their GGML encoding and multiply chunk by chunk
-(less memory, slower; default False: dequantize at load).
+file. It reads the build's :class:`~pipeline.options.BackendOptions`: ``dtype`` is the
+compute dtype (default float32), and ``quantized`` keeps quantized matrices in their GGML
+encoding and multiplies chunk by chunk (less memory, slower; default False: dequantize at
+load).
 
 The torch backend preallocates every slot's key/value cache for the whole window, so without
 a ``max_context`` the window is cut to what ``kv_cache_bytes`` (default 1 GiB) holds for
@@ -59,28 +59,17 @@ def gguf_backend(ctx: BuildContext) -> Any:
     """The torch backend over the file's weights (dequantized to ``dtype`` at load, or kept
     quantized with ``quantized``)."""
     from backends.gguf.load import load_weights
-    from backends.plugin import moe_function
-    from backends.torch.backend import TorchBackend, torch_dtype
+    from backends.plugin import moe_function, refuse_extra
+    from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.model import Transformer
 
     f, opts = opened(ctx), ctx.options
+    refuse_extra(opts, "gguf")
     spec = ModelSpec.from_hf_config(hf_config(f))
-    dtype = opts.get("dtype") or torch.float32
-    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-    loaded = load_weights(f, spec, dtype=dtype, device=opts.get("device", "cpu"),
-                          quantized=bool(opts.get("quantized", False)))
-    model = Transformer(spec, loaded.weights,
-                        moe=moe_function(opts.get("moe", "torch"), opts.get("moe_configs", ())),
-                        pack=bool(opts.get("pack", True)), own_products=loaded.products)
-    slots = int(opts.get("num_slots", 8))
-    window = opts.get("max_context") or fitting_context(
-        spec, slots, model.dtype, int(opts.get("kv_cache_bytes", KV_CACHE_BYTES)))
-    return TorchBackend(model, f.snapshot, num_slots=slots, max_context=window)
-
-
-def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int) -> int:
-    """The longest window (a multiple of 256, at most the model's) whose keys and values for
-    ``slots`` slots fit in ``budget`` bytes."""
-    per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
-    fits = budget // (slots * per_position) // 256 * 256
-    return max(256, min(spec.max_position_embeddings, fits))
+    loaded = load_weights(f, spec, dtype=opts.torch_dtype or torch.float32, device=opts.device,
+                          quantized=opts.quantized)
+    model = Transformer(spec, loaded.weights, moe=moe_function(opts.moe, opts.moe_configs),
+                        pack=opts.pack, own_products=loaded.products)
+    budget = KV_CACHE_BYTES if opts.kv_cache_bytes is None else opts.kv_cache_bytes
+    window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget)
+    return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window)

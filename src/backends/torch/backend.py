@@ -2,12 +2,15 @@
 
 It owns a :class:`~backends.torch.model.Transformer` and a preallocated per-slot
 :class:`~backends.torch.model.KVCache` (``num_slots x max_context`` positions per layer).
-``prefill`` runs all chunks of a call as one ragged batch, ``decode`` runs one token per
-slot as another; both return float32 logits. Every argument is checked before the model runs:
-a chunk that does not start at its slot's cache length, an unallocated or repeated slot, a
-token id outside the vocabulary, or a sequence that would outgrow ``max_context`` raises
+``forward`` runs every :class:`~pipeline.protocols.ModelCall` of an engine step (prompt
+chunks, decode tokens, draft verification, bidirectional blocks) as one ragged batch and
+returns float32 logits at the wanted outputs; ``prefill`` and ``decode`` are conveniences over
+it. Every argument is checked before the model runs: a call that does not start at its slot's
+cache length, an unallocated or repeated slot, a token id outside the vocabulary, an output
+offset outside the call, or a sequence that would outgrow ``max_context`` raises
 :class:`~pipeline.errors.SlotError` naming those slots, and no cache changes. Slot lengths
-change only after the forward succeeded, so any failure leaves every cache as it was.
+change only after the forward succeeded, so any failure leaves every cache as it was;
+``truncate`` shrinks a length (rejected drafts).
 
 Example::
 
@@ -26,11 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.torch.config import ModelSpec
 from backends.torch.loader import load_checkpoint
 from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
 from backends.torch.moe import moe_forward
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
-from pipeline.protocols import CacheLayout, PrefillChunk
+from pipeline.options import check_device
+from pipeline.protocols import Attention, CacheLayout, ModelCall, PrefillChunk
 
 if TYPE_CHECKING:
     from pipeline.protocols import Backend, CacheInspector
@@ -64,20 +69,27 @@ class TorchBackend:
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
                  dtype: torch.dtype | str | None = None,
                  device: torch.device | str = "cpu",
-                 moe: MoeFunction = moe_forward, pack: bool = True) -> TorchBackend:
+                 moe: MoeFunction = moe_forward, pack: bool = True,
+                 kv_cache_bytes: int | None = None) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the cache is
-        preallocated, so pick less for big models); ``dtype`` defaults to the checkpoint's;
-        ``moe`` computes MoE layers' routed experts; ``pack`` gives float32 CPU weights
-        oneDNN-packed copies (:mod:`backends.torch.packed`; twice the weight memory). Raises
+        preallocated, so pick less for big models), or with ``kv_cache_bytes`` to the window
+        whose keys and values fit in that many bytes (:func:`fitting_context`); ``dtype``
+        defaults to the checkpoint's; ``moe`` computes MoE layers' routed experts; ``pack``
+        gives float32 CPU weights oneDNN-packed copies (:mod:`backends.torch.packed`; twice
+        the weight memory). Raises :class:`~pipeline.errors.InvalidValueError` for a device
+        this machine lacks (before reading anything) and
         :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
+        check_device(device)
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
-        return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack), ckpt.snapshot,
-                   num_slots=num_slots, max_context=max_context)
+        model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack)
+        if max_context is None and kv_cache_bytes is not None:
+            max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes)
+        return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context)
 
     def allocate(self) -> int:
         """The lowest free slot, with an empty cache; :class:`CapacityError` when none is."""
@@ -106,6 +118,31 @@ class TorchBackend:
         return CacheLayout(tuple(e[slot] for e in self.cache.key_extent),
                            tuple(e[slot] for e in self.cache.value_extent))
 
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep ``slot``'s first ``length`` positions (``0 <= length <=`` its length)."""
+        self._check_allocated([slot])
+        if not 0 <= length <= self.cache.lengths[slot]:
+            raise SlotError([slot], f"cannot truncate a cache of {self.cache.lengths[slot]} "
+                                    f"positions to {length}")
+        self.cache.truncate(slot, length)
+
+    @torch.inference_mode()
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        """Run ``calls`` as one batch; logits ``[N, V]`` at their wanted outputs."""
+        if not calls:
+            return torch.empty((0, self.vocab_size))
+        seqs = [(c.slot, c.start, c.token_ids) for c in calls]
+        self._check(seqs)
+        bad = [c.slot for c in calls
+               if any(not 0 <= o < len(c.token_ids) for o in c.outputs)
+               or list(c.outputs) != sorted(set(c.outputs))]
+        if bad:
+            raise SlotError(bad, "output offsets must be ascending and inside the call")
+        if not any(c.outputs for c in calls):  # nothing wanted: still write the caches
+            self._run(seqs, [(len(c.token_ids) - 1,) for c in calls], calls)
+            return torch.empty((0, self.vocab_size))
+        return self._run(seqs, [c.outputs for c in calls], calls)
+
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Append each chunk to its slot; logits ``[len(chunks), V]`` at each chunk's last token."""
@@ -128,10 +165,15 @@ class TorchBackend:
         self._check(seqs)
         return self._run(seqs)
 
-    def _run(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
-        batch = RaggedBatch.build(seqs, device=self.cache.device)
+    def _run(self, seqs: Sequence[tuple[int, int, Sequence[int]]],
+             outputs: Sequence[Sequence[int]] | None = None,
+             calls: Sequence[ModelCall] | None = None) -> torch.Tensor:
+        batch = RaggedBatch.build(
+            seqs, device=self.cache.device, outputs=outputs,
+            blocks=None if calls is None else [c.attention is Attention.BLOCK for c in calls],
+            writes=None if calls is None else [c.write for c in calls])
         self.cache.discard()
-        logits = self.model.forward(self.cache, batch)                        # [B, V]
+        logits = self.model.forward(self.cache, batch)                        # [N, V]
         self.cache.commit(batch)
         return logits.cpu()
 
@@ -162,6 +204,14 @@ class TorchBackend:
             (f"sequence would exceed max_context={self.max_context}",
              [s for s, start, ids in seqs if start + len(ids) > self.max_context]),
         ]
+
+
+def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int) -> int:
+    """The longest window (a multiple of 256, at least 256, at most the model's) whose keys
+    and values for ``slots`` slots fit in ``budget`` bytes."""
+    per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    fits = budget // (slots * per_position) // 256 * 256
+    return max(256, min(spec.max_position_embeddings, fits))
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -106,16 +106,27 @@ class KVCache:
         return self.k[layer][slot:slot + 1, :, :end], self.v[layer][slot:slot + 1, :, :end]
 
     def commit(self, batch: RaggedBatch) -> None:
-        """Extend each sequence's slot length by the tokens the batch wrote."""
+        """Extend each writing sequence's slot length by the tokens the batch wrote."""
+        kept = {slot for slot, write in zip(batch.slots, batch.writes) if write}
         for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
-            self.lengths[slot] = start + n
+            if slot in kept:
+                self.lengths[slot] = start + n
         for layer, slot, end in self._written:
-            self.key_extent[layer][slot] = self.value_extent[layer][slot] = end
+            if slot in kept:
+                self.key_extent[layer][slot] = self.value_extent[layer][slot] = end
         self._written.clear()
 
     def discard(self) -> None:
         """Forget the writes of a call that failed (their positions stay beyond the lengths)."""
         self._written.clear()
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep ``slot``'s first ``length`` positions (at most its current length)."""
+        length = min(length, self.lengths[slot])
+        self.lengths[slot] = length
+        for layer in range(len(self.k)):
+            self.key_extent[layer][slot] = min(self.key_extent[layer][slot], length)
+            self.value_extent[layer][slot] = min(self.value_extent[layer][slot], length)
 
     def reset(self, slot: int) -> None:
         """Empty ``slot`` (stale values stay but are never read)."""
@@ -128,24 +139,35 @@ class KVCache:
 class RaggedBatch:
     """B sequences' new tokens, concatenated.
 
-    ``token_ids``/``positions`` are ``[T]``; ``last`` (each sequence's last token in ``[T]``)
-    is ``[B]``; ``slots``, ``starts``, ``lengths`` and ``offsets`` (each sequence's first
-    token in ``[T]``) are per-sequence Python ints, which the attention loop slices with.
-    Build with :meth:`build`.
+    ``token_ids``/``positions`` are ``[T]``; ``outputs`` (the rows of ``[T]`` whose logits are
+    wanted, sequence by sequence) is ``[N]``; ``slots``, ``starts``, ``lengths`` and
+    ``offsets`` (each sequence's first token in ``[T]``) are per-sequence Python ints, which
+    the attention loop slices with; ``blocks[b]`` makes sequence b's new tokens attend to
+    each other bidirectionally; ``writes[b]`` false leaves its slot's length unchanged at
+    :meth:`KVCache.commit`. Build with :meth:`build`.
     """
 
     token_ids: torch.Tensor
     positions: torch.Tensor
-    last: torch.Tensor
+    outputs: torch.Tensor
     slots: tuple[int, ...]
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
     offsets: tuple[int, ...]
+    blocks: tuple[bool, ...]
+    writes: tuple[bool, ...]
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, Sequence[int]]], *,
-              device: torch.device | str = "cpu") -> RaggedBatch:
-        """From ``(slot, start, token_ids)`` per sequence (each with at least one token)."""
+              device: torch.device | str = "cpu",
+              outputs: Sequence[Sequence[int]] | None = None,
+              blocks: Sequence[bool] | None = None,
+              writes: Sequence[bool] | None = None) -> RaggedBatch:
+        """From ``(slot, start, token_ids)`` per sequence (each with at least one token).
+
+        ``outputs[b]`` are the offsets into sequence b's tokens whose logits are wanted
+        (default: its last token); ``blocks``/``writes`` default to causal and writing.
+        """
         lengths = [len(ids) for _, _, ids in seqs]
         if not seqs or min(lengths) < 1:
             raise ValueError("every sequence of a batch needs at least one token")
@@ -154,12 +176,16 @@ class RaggedBatch:
             offsets.append(offsets[-1] + n)
         positions = [p for (_, start, _), n in zip(seqs, lengths) for p in range(start, start + n)]
         ids = [t for _, _, seq in seqs for t in seq]
+        wanted = ([[n - 1] for n in lengths] if outputs is None else outputs)
+        rows = [o + i for o, want in zip(offsets, wanted) for i in want]
+        b = len(seqs)
         return cls(token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
                    positions=torch.tensor(positions, dtype=torch.int64, device=device),
-                   last=torch.tensor([o + n - 1 for o, n in zip(offsets, lengths)],
-                                     dtype=torch.int64, device=device),
+                   outputs=torch.tensor(rows, dtype=torch.int64, device=device),
                    slots=tuple(s for s, _, _ in seqs), starts=tuple(s for _, s, _ in seqs),
-                   lengths=tuple(lengths), offsets=tuple(offsets))
+                   lengths=tuple(lengths), offsets=tuple(offsets),
+                   blocks=tuple(blocks) if blocks is not None else (False,) * b,
+                   writes=tuple(writes) if writes is not None else (True,) * b)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -209,13 +235,13 @@ class Transformer:
         return self.weights.embed.dtype
 
     def forward(self, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
-        """Logits ``[B, V]`` float32 at each sequence's last new token; writes K/V to ``cache``."""
+        """Logits ``[N, V]`` float32 at the batch's wanted ``outputs``; writes K/V to ``cache``."""
         h = F.embedding(batch.token_ids, self.weights.embed)                    # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)
-        h = rms_norm(h[batch.last], self.weights.norm, self.spec.rms_norm_eps)  # [B, H]
-        return self.linears(h, self.weights.lm_head).float()                   # [B, V]
+        h = rms_norm(h[batch.outputs], self.weights.norm, self.spec.rms_norm_eps)  # [N, H]
+        return self.linears(h, self.weights.lm_head).float()                   # [N, V]
 
     def _layer(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
@@ -239,9 +265,10 @@ class Transformer:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = s.sliding_windows[i]
         outs = []
-        for slot, start, n, at in zip(batch.slots, batch.starts, batch.lengths, batch.offsets):
+        for slot, start, n, at, block in zip(batch.slots, batch.starts, batch.lengths,
+                                             batch.offsets, batch.blocks):
             keys, values = cache.write(i, slot, start, k[at:at + n], v[at:at + n])
-            outs.append(attend(q[at:at + n], keys, values, start, window))     # [n, Hq, D]
+            outs.append(attend(q[at:at + n], keys, values, start, window, block))  # [n, Hq, D]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)                    # [T, Hq, D]
         return lin(out.reshape(t, -1), w.o, w.o_bias)                          # [T, H]
 
@@ -264,27 +291,30 @@ class Transformer:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-           window: int | None) -> torch.Tensor:
+           window: int | None, block: bool = False) -> torch.Tensor:
     """One sequence's attention: queries ``q [n, Hq, D]`` at positions ``start..start+n-1``
     over ``keys``/``values [1, Hkv, start+n, D]``; returns ``[n, Hq, D]``.
 
     GQA: query head h reads kv head ``h // (Hq/Hkv)``. A query at position p sees keys at
-    positions ``p - window < k <= p`` (no lower bound without a ``window``).
+    positions ``p - window < k <= p`` (no lower bound without a ``window``). With ``block``
+    every query also sees the keys of all ``n`` new positions (bidirectional in the block).
     """
     n, hq, d = q.shape
     hkv, lk = keys.shape[1], keys.shape[2]
     windowed = window is not None and lk > window
-    if n == 1 and not windowed:
+    if n == 1 and not windowed:  # one query: causal and block attention coincide
         # One query: fold the heads that share a kv head onto it, [1, Hkv, Hq/Hkv, D].
         out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), keys, values)
         return out.view(1, hq, d)
     qh = q.transpose(0, 1)[None]                                               # [1, Hq, n, D]
-    if start == 0 and not windowed:
+    if start == 0 and not windowed and not block:
         out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+    elif block and not windowed:  # everything written so far: no mask at all
+        out = F.scaled_dot_product_attention(qh, keys, values, enable_gqa=True)
     else:
         q_pos = torch.arange(start, start + n, device=q.device)[:, None]       # [n, 1]
         k_pos = torch.arange(lk, device=q.device)[None, :]                     # [1, Lk]
-        mask = k_pos <= q_pos
+        mask = k_pos <= (torch.full_like(q_pos, start + n - 1) if block else q_pos)  # [n, Lk]
         if window is not None:
             mask &= k_pos > q_pos - window
         out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)

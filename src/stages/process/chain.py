@@ -17,7 +17,8 @@ Owns :class:`ProcessorChain`, the default order :data:`DEFAULT_ORDER`, the name-
 12. ``typical_p`` — locally typical sampling
 
 Masks and biases come first so penalties and truncation see the allowed vocabulary;
-temperature precedes truncation (as in vLLM, SGLang and transformers).
+temperature precedes truncation (as in vLLM, SGLang and transformers). A user's processors
+(``pipeline.build(processors=[...])``) run between 7 and 8: see ``build``'s docstring.
 """
 
 from __future__ import annotations

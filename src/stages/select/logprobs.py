@@ -19,12 +19,12 @@ from pipeline.types import TokenLogprob
 def _one(logp: torch.Tensor, tokens: torch.Tensor | None, column: int, n: int) -> TokenLogprob:
     """The logprob record of one row: ``logp [N]``, ``tokens [N]`` (None: dense)."""
     token = column if tokens is None else int(tokens[column])
-    top: list[tuple[int, float]] = []
+    top: list[TokenLogprob] = []
     if n > 0:
         values, columns = torch.topk(logp, min(n, logp.shape[0]))
         for value, col in zip(values.tolist(), columns.tolist()):
             if value != -math.inf:
-                top.append((col if tokens is None else int(tokens[col]), value))
+                top.append(TokenLogprob(col if tokens is None else int(tokens[col]), value))
     return TokenLogprob(token, float(logp[column]), tuple(top))
 
 

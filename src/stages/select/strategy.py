@@ -1,17 +1,34 @@
-"""``autoregressive``: the one-token-per-step strategy (DESIGN §10).
+"""``autoregressive``: the one-token-per-step strategy (DESIGN §6, §10).
 
-Owns :class:`AutoregressiveStrategy`: the update rule ``selector(chain(logits))`` that turns
-one model call's ``[B, V]`` logits into one committed token per row.
+Owns :class:`AutoregressiveStrategy` and its per-request loop state :class:`ARState`. Its
+plan is "the pending token, logits at its position"; its update rule is
+``selector(chain(logits))`` over the whole batch's ``[B, V]`` logits at once, then the
+request's forced-token source (:class:`~pipeline.forcing.Forcing`) may override the choice;
+it commits one token per sequence per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
-from pipeline.protocols import Batch, LogitProcessor, Row, Scores, Selection, Selector
+from pipeline.forcing import Forcing
+from pipeline.protocols import (
+    Batch, LogitProcessor, Plan, Row, Scores, Selector, Taken, Update,
+)
+from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
+
+
+@attrs.define
+class ARState:
+    """One sequence's autoregressive loop state: the committed token the cache does not
+    hold yet (None before the first update), and the forced-token source."""
+
+    pending: int | None
+    forcing: Forcing
 
 
 class AutoregressiveStrategy:
@@ -22,12 +39,12 @@ class AutoregressiveStrategy:
     Example::
 
         ar = AutoregressiveStrategy(ProcessorChain(procs), SamplingSelector())
-        step = ar.update(logits, batch)          # logits [B, V]
-        step.token_ids                           # one per row
+        state = ar.start(row, Forcing.none())
+        update = ar.update([state], [row], [z1])[0]      # one committed token
+        ar.plan(update.state)                            # Plan((y_1,), (0,))
     """
 
     name: str = "autoregressive"
-    block_size: int = 1
 
     def __init__(self, chain: ProcessorChain | Sequence[LogitProcessor],
                  selector: Selector) -> None:
@@ -38,6 +55,34 @@ class AutoregressiveStrategy:
         """Names of the processors applied to ``row``, in application order."""
         return self.chain.order_for(row)
 
-    def update(self, logits: torch.Tensor, batch: Batch) -> Selection:
-        """Select from ``logits [B, V]`` (float32; processors may modify it in place)."""
-        return self.selector(self.chain(Scores(logits), batch), batch)
+    def start(self, row: Row, forcing: Forcing) -> ARState:
+        """Nothing pending yet: the first update takes the prompt's last logits."""
+        return ARState(None, forcing)
+
+    def plan(self, state: ARState) -> Plan:
+        """Feed the pending token; logits at its position."""
+        if state.pending is None:
+            raise ValueError("nothing to feed: the sequence has no committed token yet")
+        return Plan((state.pending,), (0,))
+
+    def update(self, states: Sequence[ARState], rows: Sequence[Row],
+               logits: Sequence[torch.Tensor]) -> list[Update[ARState]]:
+        """Select one token per sequence from its one logits row (``[1, V]`` each)."""
+        z = torch.cat(list(logits)).float()                                   # [B, V]
+        batch = Batch(tuple(rows), z.shape[1])
+        choice = self.selector(self.chain(Scores(z), batch), batch)
+        processed = None if choice.scores is None else choice.scores.to_dense(z.shape[1])
+        out = []
+        for i, (state, row) in enumerate(zip(states, rows)):
+            token, logprob = choice.token_ids[i], choice.logprobs[i]
+            forced = state.forcing.force(row.step, token)
+            if forced is not None:
+                token = forced.token_id
+                logprob = TokenLogprob(token, 0.0) if logprob is not None else None
+            state.forcing.observe(token)
+            state.pending = token
+            draw = choice.draws[i] if choice.draws else None
+            taken = Taken(token, logprob, draw, None if forced is None else forced.event)
+            out.append(Update(state, (taken,), 0,
+                              None if processed is None else processed[i:i + 1]))
+        return out

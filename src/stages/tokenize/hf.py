@@ -22,7 +22,8 @@ whenever the caller's text spells no special token:
    does), so SentencePiece tokenizers add no word-start marker at a run border.
 
 No post-processor runs (``add_special_tokens=False``). Decoding is the library's whole-sequence
-decode; :meth:`HFTokenizer.token_bytes` gives a byte-level BPE token's exact bytes.
+decode; :meth:`HFTokenizer.token_bytes` gives the exact bytes one token adds to a text (what
+logprobs show).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from pipeline.types import Rendered, SpanKind, TokenizedPrompt
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
 """tokenizer_config keys naming special tokens (strings or ``{"content": ...}``)."""
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A SentencePiece byte-fallback token, standing for one byte."""
 
 Run = tuple[str, list[tuple[str, SpanKind]], bool]
 """A run of spans: its text, its pieces, and whether it is a content-only run."""
@@ -134,7 +138,9 @@ class HFTokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(config, eos_token_ids))
         vocab = self.raw.get_vocab(with_added_tokens=True)
         self.vocab_size: int = max(vocab.values(), default=-1) + 1
-        self.byte_level = self._is_byte_level()
+        decoders = self._decoder_types()
+        self.byte_level = "ByteLevel" in decoders
+        self._byte_fallback = "ByteFallback" in decoders
         self._byte_decoder = byte_decoder() if self.byte_level else {}
         self._newline: list[int] = self.raw.encode("\n", add_special_tokens=False).ids
         settings = json.dumps({"config": config, "eos": sorted(self.eos_token_ids)},
@@ -196,11 +202,12 @@ class HFTokenizer:
             ids.add(self._token_id(text, "eos_token"))
         return ids
 
-    def _is_byte_level(self) -> bool:
+    def _decoder_types(self) -> set[str]:
+        """The types of the decoder's steps (of each step of a ``Sequence``)."""
         decoder = json.loads(self.raw.decoder.__getstate__()) if self.raw.decoder else {}
         parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" \
             else [decoder]
-        return any(isinstance(p, Mapping) and p.get("type") == "ByteLevel" for p in parts)
+        return {str(p.get("type")) for p in parts if isinstance(p, Mapping)}
 
     def _plain_tokenizer(self) -> Any:
         """The second instance, parsing no special tokens; built once, under a lock."""
@@ -288,18 +295,26 @@ class HFTokenizer:
         return str(self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes token ``token_id`` stands for (added tokens: their UTF-8 text).
+        """The exact bytes token ``token_id`` adds to the text when it follows other output.
 
-        Raises TokenizerError unless the tokenizer is byte-level BPE (``byte_level``), and
+        Byte-level BPE: the token's bytes through GPT-2's alphabet (possibly part of a UTF-8
+        character). Added tokens: their UTF-8 text. A byte-fallback token (``<0xE6>``): that
+        byte. Any other token: what it adds to a decode after itself, ``decode([t, t])``
+        minus ``decode([t])``, so a SentencePiece word-start token (``"▁hi"``) keeps the
+        leading space a decoder strips only at the start of a text. Raises
         InvalidValueError for an id with no token."""
-        if not self.byte_level:
-            raise TokenizerError(f"{self._source} is not byte-level; token bytes are unknown")
         if token_id in self._added:
             return self._added[token_id].encode("utf-8")
-        token = self.raw.id_to_token(token_id) if token_id >= 0 else None
+        token = self.raw.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
         if token is None:
             raise InvalidValueError("token_id", token_id, "no token has this id")
-        try:
-            return bytes(self._byte_decoder[c] for c in token)
-        except KeyError as exc:
-            raise TokenizerError(f"token {token_id} ({token!r}) is not byte-level") from exc
+        if self.byte_level:
+            try:
+                return bytes(self._byte_decoder[c] for c in token)
+            except KeyError as exc:
+                raise TokenizerError(f"token {token_id} ({token!r}) is not byte-level") from exc
+        if self._byte_fallback and (byte := _BYTE_TOKEN.fullmatch(token)):
+            return bytes([int(byte.group(1), 16)])
+        one = self.decode([token_id], skip_special_tokens=False)
+        two = self.decode([token_id, token_id], skip_special_tokens=False)
+        return (two[len(one):] if two.startswith(one) else one).encode("utf-8")

@@ -12,6 +12,10 @@ cancels the body iterator; its ``finally`` cancels the handle, and the engine fr
 its next step); a non-streaming one is watched for ``http.disconnect`` the same way. A client
 whose body never fully arrives (it left, or a read deadline of :mod:`transports.http.timeouts`
 cut it off) is counted as 499, nginx's "client closed request", not as a server error.
+
+Every generation response carries its request id in ``x-request-id``; ``GET /traces/{id}``
+returns that request's trace as JSONL to the key that made it (:mod:`transports.http.traces`).
+``GET /`` is the web chat page (:mod:`transports.http.page`), which needs no key to load.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from transports.http.inbox import batches
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
+from transports.http.page import MEDIA_TYPE as HTML, ChatPage
+from transports.http.traces import MEDIA_TYPE as JSONL
 from transports.http.work import Checkpoint, Workers, disconnected
 from transports.sse import SSEEvent, encode, encode_comment
 
@@ -72,6 +78,7 @@ class Server:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.page = ChatPage.load()
         c = gateway.config
         self.defaults = ServerDefaults(c.default_max_tokens, c.reasoning_budget_tokens)
         self.limits = c.limits
@@ -81,12 +88,13 @@ class Server:
 
     def endpoint(self, name: str, dialect: Dialect,
                  body: Callable[[HTTPRequest], Awaitable[Response]]) -> Handler:
-        """Wrap ``body`` with the key check, the error mapping and request counting."""
+        """Wrap ``body`` with the key check (the keys' fingerprints go to ``http.state.keys``),
+        the error mapping and request counting."""
 
         async def handler(http: HTTPRequest) -> Response:
             try:
-                self.gateway.authenticate(http.headers.getlist("authorization"),
-                                          http.headers.getlist("x-api-key"))
+                http.state.keys = self.gateway.authenticate(
+                    http.headers.getlist("authorization"), http.headers.getlist("x-api-key"))
                 response = await body(http)
             except ClientDisconnect:
                 # nobody is left to answer, and it is no fault of ours: no 500, no traceback
@@ -151,6 +159,7 @@ class Server:
                 **traceparent(http.headers.get("traceparent"))}
         request = attrs.evolve(parsed.request, client_metadata=meta)
         loop = asyncio.get_running_loop()
+        owners: frozenset[str] = http.state.keys
 
         def start(checkpoint: Checkpoint) -> tuple[Flight, int, bool]:
             tokenizer = served.pipe.stages.tokenizer
@@ -163,18 +172,19 @@ class Server:
             checkpoint()
             prompt = served.pipe.count_tokens(fitted.request) if counted else 0
             checkpoint()
-            flight = self.gateway.submit(served, fitted.request, endpoint, loop)
+            flight = self.gateway.submit(served, fitted.request, endpoint, loop, owners)
             return flight, prompt, fitted.thinking
 
         flight, prompt_tokens, thinking = await self.work.run(
             http, start, orphan=lambda started: started[0].handle.cancel())
         parsed = attrs.evolve(parsed, request=request, thinking=thinking)
+        request_id = {"x-request-id": request.request_id}
         if parsed.stream:
             # The generator's own ``finally`` cancels when the client leaves; the background
             # task cancels too when the stream never started (a disconnect seen first).
             return StreamingResponse(self._stream(flight, parsed, dialect, prompt_tokens),
                                      media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"},
+                                     headers={"cache-control": "no-cache", **request_id},
                                      background=BackgroundTask(flight.handle.cancel))
         completion = await self._wait(http, flight)
         if completion.error is not None:
@@ -182,10 +192,12 @@ class Server:
         splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
         parts = splitter.feed(completion.text) + splitter.finish()
         if dialect is Dialect.ANTHROPIC:
-            return JSONResponse(anthropic_api.message_body(parsed, completion, parts))
+            return JSONResponse(anthropic_api.message_body(parsed, completion, parts),
+                                headers=request_id)
         tokenizer = served.pipe.stages.tokenizer
         assert tokenizer is not None
-        return JSONResponse(openai_api.chat_completion(parsed, completion, parts, tokenizer))
+        return JSONResponse(openai_api.chat_completion(parsed, completion, parts, tokenizer),
+                            headers=request_id)
 
     async def _wait(self, http: HTTPRequest, flight: Flight) -> Completion:
         """The completion; a client that disconnects first cancels the request."""
@@ -354,6 +366,21 @@ class Server:
         """``GET /metrics`` in the Prometheus text format."""
         return Response(self.gateway.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def trace(self, http: HTTPRequest) -> Response:
+        """``GET /traces/{request_id}``: a finished request's trace as JSONL, for a key that
+        made it (404 for any other, as for an unknown or evicted id)."""
+        request_id = http.path_params["request_id"]
+        keys: frozenset[str] = http.state.keys
+        body = await self.work.run(http, lambda _: self.gateway.traces.jsonl(request_id, keys))
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in request_id)
+        return Response(body, media_type=JSONL, headers={
+            "content-disposition": f'attachment; filename="{name}.jsonl"',
+            "cache-control": "no-store"})
+
+    async def chat_page(self, http: HTTPRequest) -> Response:
+        """``GET /`` (and ``HEAD /``): the web chat page (no key needed)."""
+        return Response(self.page.body, media_type=HTML, headers=self.page.headers)
+
     async def openapi(self, http: HTTPRequest) -> Response:
         """``GET /openapi.json``: this server's OpenAPI document (no key needed)."""
         return JSONResponse(openapi_document(list(self.gateway.models)))
@@ -376,6 +403,8 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/openapi.json", s.openapi, methods=["GET"]),
+        Route("/traces/{request_id}", s.endpoint("traces", oa, s.trace), methods=["GET"]),
+        Route("/", s.chat_page, methods=["GET"]),  # Starlette adds HEAD to a GET route
     ]
 
     @contextlib.asynccontextmanager

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
+from pipeline.options import BackendOptions, device_name, dtype_name
 from transports.http.limits import Limits
 from transports.http.timeouts import Timeouts
 
@@ -55,10 +56,13 @@ class ServerConfig:
     ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`);
     ``timeouts`` how long its headers and body may take to arrive (408 and close).
     ``device`` and ``dtype`` are the models' torch device and compute dtype (None: each
-    model's own).
+    model's own), checked as :class:`~pipeline.options.BackendOptions` checks them;
+    :meth:`backend_options` is the value the models are built with.
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
     error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
+    The traces of the last ``keep_traces`` finished requests are kept in memory for
+    ``GET /traces/{request_id}`` (:mod:`transports.http.traces`; 0 keeps none).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -76,11 +80,20 @@ class ServerConfig:
     ping_interval_s: float = 5.0
     limits: Limits = attrs.field(factory=Limits)
     timeouts: Timeouts = attrs.field(factory=Timeouts)
-    device: str = "cpu"
-    dtype: str | None = None
+    device: str = attrs.field(default="cpu", converter=device_name)
+    dtype: str | None = attrs.field(default=None, converter=dtype_name)
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
+    keep_traces: int = attrs.field(default=100, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        self.backend_options()  # every backend field valid together, before any model loads
+
+    def backend_options(self) -> BackendOptions:
+        """The options every served model is built with (slots, window, device, dtype)."""
+        return BackendOptions(num_slots=self.num_slots, max_context=self.max_context,
+                              device=self.device, dtype=self.dtype)
 
     @restart_delay_s.validator
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:

@@ -19,6 +19,7 @@ TemplateError                  400     invalid_request_error       invalid_reque
  (the chat template refused this conversation, e.g. its ``raise_exception`` on role order)
 AuthenticationError            401     authentication_error        authentication_error
 ModelNotFoundError             404     invalid_request_error       not_found_error
+TraceNotFoundError             404     invalid_request_error       not_found_error
 OverloadedError                429/529 rate_limit_exceeded (429)   overloaded_error (529)
 ModelLoadingError, EngineClosed 503    service_unavailable         api_error
 PayloadTooLargeError           413     invalid_request_error       request_too_large
@@ -40,7 +41,8 @@ import attrs
 from pipeline.errors import (
     AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
     LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
-    PayloadTooLargeError, TemplateError, UnknownFieldError, UnknownNameError, ValidationError,
+    PayloadTooLargeError, TemplateError, TraceNotFoundError, UnknownFieldError, UnknownNameError,
+    ValidationError,
 )
 
 
@@ -98,6 +100,9 @@ def classify(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, ModelNotFoundError):
         return ErrorInfo(404, "invalid_request_error", "not_found_error", str(exc), "model",
                          "model_not_found", {"served_models": list(exc.served)})
+    if isinstance(exc, TraceNotFoundError):
+        return ErrorInfo(404, "invalid_request_error", "not_found_error", str(exc),
+                         "request_id", "trace_not_found")
     if isinstance(exc, OverloadedError):
         return ErrorInfo(429, "rate_limit_exceeded", "overloaded_error", str(exc),
                          code="overloaded")

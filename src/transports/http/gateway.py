@@ -5,14 +5,16 @@ state (503 while loading), routing by name (404 listing the served names), windo
 (a fast upper bound first, the exact count only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
 :class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
-committed durably, its admission place given back, its metrics counted), and supervision:
+committed durably, its admission place given back, its metrics counted, its trace kept for
+the keys that made it), and supervision:
 when a model's engine loop stops after an internal error, the model answers 503 (its queued
 requests already failed) and a fresh engine replaces it ``restart_delay_s`` later.
 
 Keys: ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` are both accepted. When a request
 sends both (or repeats one), every value must be a valid key: a wrong one is a 401 naming its
 header, never ignored because another is right. An ``Authorization`` header of another scheme
-is a 401.
+is a 401. :meth:`Gateway.authenticate` returns the fingerprints of the keys a request sent;
+a request's trace is readable with those keys only (:mod:`transports.http.traces`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
 from transports.http.metrics import Metrics
 from transports.http.output import opens_thinking
+from transports.http.traces import TraceStore, key_fingerprint
 from transports.http.usage import UsageRecord, UsageStore
 
 Builder = Callable[[Path | None, ServerConfig], Pipeline]
@@ -47,13 +50,8 @@ log = logging.getLogger("pipeline.http")
 
 
 def default_builder(folder: Path | None, config: ServerConfig) -> Pipeline:
-    """``build()`` for a model (None: the default model) with the server's slot count."""
-    options: dict[str, object] = {"num_slots": config.num_slots, "device": config.device}
-    if config.dtype is not None:
-        options["dtype"] = config.dtype
-    if config.max_context is not None:
-        options["max_context"] = config.max_context
-    return build(folder, options=options)
+    """``build()`` for a model (None: the default model) with the server's backend options."""
+    return build(folder, options=config.backend_options())
 
 
 def token_upper_bound(text: str) -> int:
@@ -163,6 +161,7 @@ class Gateway:
         self.models = {name: ServedModel(name, folder) for name, folder in config.models.items()}
         self.metrics = Metrics(self.pipelines, tuple(self.models))
         self.usage = UsageStore(config.data_dir)
+        self.traces = TraceStore(config.keep_traces)
         self._loaders: list[threading.Thread] = []
         self._closed = threading.Event()
         self._lifecycle = threading.Lock()  # orders engine restarts against close()
@@ -254,11 +253,12 @@ class Gateway:
     # --- keys --------------------------------------------------------------------------------
 
     def authenticate(self, authorization: str | Sequence[str] | None,
-                     api_key: str | Sequence[str] | None) -> None:
-        """Accept the request's keys or raise. Each header may be given once or repeated
-        (a sequence of its values): every value sent must be a valid key."""
+                     api_key: str | Sequence[str] | None) -> frozenset[str]:
+        """Accept the request's keys or raise; returns their fingerprints (empty when the
+        server has no keys). Each header may be given once or repeated (a sequence of its
+        values): every value sent must be a valid key."""
         if not self.config.api_keys:
-            return
+            return frozenset()
         sent: list[tuple[str, str]] = []
         for value in _values(authorization):
             scheme, _, token = value.strip().partition(" ")
@@ -273,6 +273,7 @@ class Gateway:
         for header, given in sent:  # both must be valid when both are sent
             if not self._valid(given):
                 raise AuthenticationError(f"invalid API key in the {header} header")
+        return frozenset(key_fingerprint(key) for _, key in sent if key)
 
     def _valid(self, given: str) -> bool:
         match = False
@@ -328,8 +329,9 @@ class Gateway:
     # --- admission and the end of a request ------------------------------------------------
 
     def submit(self, served: ServedModel, request: Request, endpoint: str,
-               loop: asyncio.AbstractEventLoop) -> Flight:
-        """Admit and start ``request`` (call off the event loop: it renders and tokenizes)."""
+               loop: asyncio.AbstractEventLoop, owners: frozenset[str] = frozenset()) -> Flight:
+        """Admit and start ``request`` (call off the event loop: it renders and tokenizes);
+        its trace will be readable with the keys whose fingerprints are ``owners``."""
         limit = self.config.num_slots + self.config.max_queue
         with served.lock:
             if served.inflight >= limit:
@@ -343,7 +345,8 @@ class Gateway:
             raise
         done: asyncio.Future[Completion] = loop.create_future()
         flight = self.flights[request.request_id] = Flight(handle, served, request, done)
-        handle.add_done_callback(lambda c: self._finished(served, endpoint, c, loop, done))
+        handle.add_done_callback(
+            lambda c: self._finished(served, endpoint, c, loop, done, owners))
         return flight
 
     def _leave(self, served: ServedModel) -> None:
@@ -351,10 +354,13 @@ class Gateway:
             served.inflight -= 1
 
     def _finished(self, served: ServedModel, endpoint: str, completion: Completion,
-                  loop: asyncio.AbstractEventLoop, done: asyncio.Future[Completion]) -> None:
-        """On the engine thread: free the admission place, count, and record durably."""
+                  loop: asyncio.AbstractEventLoop, done: asyncio.Future[Completion],
+                  owners: frozenset[str]) -> None:
+        """On the engine thread: free the admission place, count, keep the trace (before the
+        response can end), and record durably."""
         self._leave(served)
         self.flights.pop(completion.request_id, None)
+        self.traces.add(completion.request_id, owners, completion.trace)
         self.metrics.finished(served.name, completion.usage.prompt_tokens,
                               completion.usage.completion_tokens, completion.timings.first_token_s)
 
@@ -378,3 +384,4 @@ class Gateway:
             if served.pipeline is not None:
                 served.pipeline.close()
         self.usage.close()
+        self.traces.close()

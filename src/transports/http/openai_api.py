@@ -19,7 +19,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.protocols import Tokenizer
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, TokenLogprob, ToolCall,
-    ToolSpec,
+    ToolSpec, token_text,
 )
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
 from transports.http.fields import Obj, check
@@ -213,15 +213,24 @@ def finish_reason(completion: Completion, tool_calls: bool) -> str:
 
 
 def _token(tokenizer: Tokenizer, token_id: int) -> dict[str, Any]:
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return {"token": text, "bytes": list(text.encode("utf-8"))}
+    """``{"token", "bytes"}`` of one token: its exact bytes, and as text with a partial UTF-8
+    character's bytes as ``\\xNN`` escapes (as OpenAI writes them)."""
+    data = tokenizer.token_bytes(token_id)
+    return {"token": token_text(data), "bytes": list(data)}
+
+
+def _entry(tokenizer: Tokenizer, lp: TokenLogprob) -> dict[str, Any]:
+    if lp.text is not None and lp.token_bytes is not None:
+        token: dict[str, Any] = {"token": lp.text, "bytes": list(lp.token_bytes)}
+    else:
+        token = _token(tokenizer, lp.token_id)
+    return {**token, "logprob": lp.logprob}
 
 
 def logprobs_body(tokenizer: Tokenizer, items: Sequence[TokenLogprob]) -> dict[str, Any]:
     """``{"content": [...]}`` with each token's text, bytes, logprob and top alternatives."""
     return {"content": [
-        {**_token(tokenizer, lp.token_id), "logprob": lp.logprob,
-         "top_logprobs": [{**_token(tokenizer, t), "logprob": v} for t, v in lp.top]}
+        {**_entry(tokenizer, lp), "top_logprobs": [_entry(tokenizer, t) for t in lp.top]}
         for lp in items]}
 
 

@@ -30,6 +30,7 @@ MAX_COUNT = 1 << 30
 MAX_STOPS = 16
 JSON = "application/json"
 SSE = "text/event-stream"
+JSONL = "application/x-ndjson"
 # The component names of the two error shapes.
 OPENAI, ANTHROPIC = "OpenAIError", "AnthropicError"
 
@@ -409,7 +410,8 @@ _STATUS_TEXT = {
     400: "malformed JSON, a wrong type, a value out of range, an unknown field, or a prompt "
          "over the window (`param` names the field)",
     401: "missing or wrong API key",
-    404: "the model is not served (`served_models` lists the served names)",
+    404: "the model is not served (`served_models` lists the served names), or no trace "
+         "of that request is kept for this key",
     408: "the request took too long",
     413: "the request body is too large",
     429: "every slot and the queue are full",
@@ -446,6 +448,9 @@ def _generation(summary: str, body: str, answer: str, event: str, shape: str,
                 overloaded: int) -> Schema:
     # Before OpenAPI 3.2 (itemSchema), an event stream's `schema` describes each event.
     ok = {"description": "the answer; an SSE event stream when `stream` is true",
+          "headers": {"x-request-id": {
+              "description": "the request's id: `GET /traces/{request_id}` returns its trace",
+              "schema": STRING}},
           "content": {JSON: {"schema": _ref(answer)}, SSE: {"schema": _ref(event)}}}
     return {"post": {
         "summary": summary, "parameters": [TRACEPARENT], "requestBody": _body(body),
@@ -489,6 +494,20 @@ def _paths() -> Schema:
         "/openapi.json": _open_get("this document", {
             "200": _json({"type": "object", "required": ["openapi", "info", "paths"]},
                          "the OpenAPI document")}),
+        "/traces/{request_id}": {"get": {
+            "summary": "a finished request's event trace, as JSONL (`pipeline trace` reads it)",
+            "description": "The traces of the last `keep_traces` finished requests are kept, "
+                           "each readable only with an API key the request was made with; "
+                           "for any other key, and for an unknown or evicted id, a 404. The "
+                           "id is a generation response's `id` and `x-request-id` header.",
+            "parameters": [{"name": "request_id", "in": "path", "required": True,
+                            "schema": STRING}],
+            "responses": {"200": {"description": "one JSON event per line",
+                                  "content": {JSONL: {"schema": STRING}}},
+                          **_errors(OPENAI, (*LISTING, 404))}}},
+        "/": _open_get("the web chat page", {
+            "200": {"description": "a self-contained HTML page",
+                    "content": {"text/html": {"schema": STRING}}}}),
     }
 
 

@@ -1,0 +1,244 @@
+"""Backend options: how a model is loaded and run, as one validated value.
+
+Owns :class:`BackendOptions` (device, compute dtype, slots, window, key/value-cache budget,
+weight packing, the MoE kernel, quantized GGUF weights, and options for third-party
+backends) and :func:`check_device`, which refuses a device this machine lacks with an error
+that says what to use instead. ``build(options=...)``, ``pipeline run`` and ``pipeline
+serve`` all go through this one value, so a value is checked the same way wherever it
+comes from. The value itself does not depend on the machine (it may be written on one
+machine for another); only :func:`check_device` asks the machine, and ``build()`` calls it
+before anything loads.
+
+Example::
+
+    opts = BackendOptions(device="cuda:1", dtype="bfloat16", num_slots=4)
+    build("Qwen3-0.6B/", options=opts)
+    build("Qwen3-0.6B/", options={"dtype": "bfloat16"})     # the same, from a mapping
+    build("tiny", options={"dtpye": "float32"})   # UnknownFieldError: did you mean 'dtype'?
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Never
+
+import attrs
+import torch
+
+from pipeline.errors import InvalidValueError, UnknownFieldError, closest
+
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+"""Device types the torch backend runs on."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""Compute dtypes the torch backend runs in."""
+MOE_KERNELS = ("torch", "triton")
+"""Named routed-expert functions (a callable with ``moe_forward``'s signature works too)."""
+MAX_SLOTS = 4096
+"""Most concurrent sequences one backend may preallocate caches for."""
+
+MoeChoice = str | Callable[..., Any]
+
+
+def device_name(value: Any) -> str:
+    """A device name as torch spells it (``"cuda"``, ``"cuda:1"``), or InvalidValueError."""
+    if isinstance(value, torch.device):
+        device = value
+    elif isinstance(value, str):
+        try:
+            device = torch.device(value)
+        except (RuntimeError, ValueError):
+            raise InvalidValueError("device", value, "not a torch device: use 'cpu', 'cuda', "
+                                    "'cuda:N' or 'mps'") from None
+        if device.index is not None and str(device.index) != value.rpartition(":")[2]:
+            # torch keeps the index in 8 bits: "cuda:999" would silently be "cuda:-25"
+            raise InvalidValueError("device", value, "the device index is out of range")
+    else:
+        raise InvalidValueError("device", value, "must be a device name such as 'cpu' or 'cuda'")
+    if device.type not in DEVICE_TYPES:
+        raise InvalidValueError("device", value, f"device type {device.type!r} is not "
+                                "supported: use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    return str(device)
+
+
+def dtype_name(value: Any) -> str | None:
+    """A dtype name from :data:`DTYPES` (a ``torch.dtype`` becomes its name), or None."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if not isinstance(name, str) or name not in DTYPES:
+        hint = closest(name, DTYPES) if isinstance(name, str) else None
+        guess = f" (did you mean {hint!r}?)" if hint else ""
+        raise InvalidValueError("dtype", value, f"must be one of {', '.join(DTYPES)}{guess}")
+    return name
+
+
+def _moe(value: Any) -> MoeChoice:
+    if callable(value):
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, str) and value in MOE_KERNELS:
+        return value
+    hint = closest(value, MOE_KERNELS) if isinstance(value, str) else None
+    guess = f" (did you mean {hint!r}?)" if hint else ""
+    raise InvalidValueError("moe", value, f"must be 'torch', 'triton' or a callable with "
+                            f"moe_forward's signature{guess}")
+
+
+def _paths(value: Any) -> tuple[Path, ...]:
+    if isinstance(value, (str, Path)):
+        return (Path(value),)
+    if not isinstance(value, Iterable):
+        raise InvalidValueError("moe_configs", value, "must be a list of folders")
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, (str, Path)):
+            raise InvalidValueError("moe_configs", item, "each entry must be a folder path")
+    return tuple(Path(p) for p in out)
+
+
+def _extra(value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return MappingProxyType({})
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidValueError("extra", value, "must be a mapping of option names to values")
+    return MappingProxyType(dict(value))
+
+
+def _count(lo: int, hi: int | None = None) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """An attrs validator: None is allowed by the caller's ``optional``; else an int in range."""
+
+    def validate(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
+        if not ok or (hi is not None and value > hi):
+            bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise InvalidValueError(attribute.name, value, f"must be an integer {bound}")
+
+    return validate
+
+
+def _flag(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidValueError(attribute.name, value, "must be True or False")
+
+
+@attrs.frozen(init=False)
+class BackendOptions:
+    """How the model backend loads and runs a model; every field is checked when it is built.
+
+    - ``device``: ``"cpu"`` (default), ``"cuda"``, ``"cuda:N"`` or ``"mps"`` (parsed by
+      ``torch.device``; whether this machine has it is checked by ``build()``);
+    - ``dtype``: compute dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"`` (a
+      ``torch.dtype`` is taken too); None: the checkpoint's own (float32 for GGUF files);
+    - ``num_slots``: sequences that can run at once (each gets a preallocated key/value
+      cache), 1..4096, default 8;
+    - ``max_context``: the window in tokens (None: the model's own, or for GGUF files what
+      ``kv_cache_bytes`` holds);
+    - ``kv_cache_bytes``: when ``max_context`` is not given, cut the window to what this
+      many bytes of keys and values hold for ``num_slots`` slots (GGUF files: 1 GiB unless
+      given; Hugging Face folders: only when given);
+    - ``pack``: oneDNN-packed copies of float32 CPU weights (faster, twice the memory),
+      default True;
+    - ``quantized``: keep a GGUF file's quantized matrices in their encoding (less memory,
+      slower); GGUF files only;
+    - ``moe``: the routed-experts function of MoE layers, ``"torch"`` (the reference),
+      ``"triton"`` (fused kernels) or a callable with ``moe_forward``'s signature;
+      ``moe_configs``: folders of tuned Triton launch tables;
+    - ``extra``: options for a third-party backend, passed to it as given (the built-in
+      backends refuse any).
+
+    An unknown name, as a keyword or a mapping key, is an
+    :class:`~pipeline.errors.UnknownFieldError` suggesting the closest field; a bad value an
+    :class:`~pipeline.errors.InvalidValueError` naming the field.
+    """
+
+    device: str = attrs.field(converter=device_name)
+    dtype: str | None = attrs.field(converter=dtype_name)
+    num_slots: int = attrs.field(validator=_count(1, MAX_SLOTS))
+    max_context: int | None = attrs.field(validator=attrs.validators.optional(_count(1)))
+    kv_cache_bytes: int | None = attrs.field(validator=attrs.validators.optional(_count(1)))
+    pack: bool = attrs.field(validator=_flag)
+    quantized: bool = attrs.field(validator=_flag)
+    moe: MoeChoice = attrs.field(converter=_moe, eq=False)
+    moe_configs: tuple[Path, ...] = attrs.field(converter=_paths)
+    extra: Mapping[str, Any] = attrs.field(converter=_extra, eq=False)
+
+    def __init__(self, *, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype | None = None, num_slots: int = 8,
+                 max_context: int | None = None, kv_cache_bytes: int | None = None,
+                 pack: bool = True, quantized: bool = False, moe: MoeChoice = "torch",
+                 moe_configs: Iterable[str | Path] = (), extra: Mapping[str, Any] | None = None,
+                 **unknown: Never) -> None:
+        if unknown:
+            raise UnknownFieldError("BackendOptions", sorted(unknown)[0], field_names())
+        self.__attrs_init__(
+            device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
+            kv_cache_bytes=kv_cache_bytes, pack=pack, quantized=quantized, moe=moe,
+            moe_configs=moe_configs, extra=extra)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BackendOptions:
+        """Build from a mapping of field names; an unknown key is an error naming the closest."""
+        if not isinstance(data, Mapping):
+            raise InvalidValueError("options", data, "must be a mapping of option names")
+        for key in data:
+            if not isinstance(key, str) or key not in field_names():
+                raise UnknownFieldError("BackendOptions", str(key), field_names())
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls, value: BackendOptions | Mapping[str, Any] | None) -> BackendOptions:
+        """What ``build(options=...)`` accepts: None (the defaults), a value, or a mapping."""
+        if value is None:
+            return cls()
+        if isinstance(value, BackendOptions):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        raise InvalidValueError("options", value,
+                                "must be a BackendOptions or a mapping of its fields")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a ``torch.dtype`` (None: the checkpoint's own)."""
+        return None if self.dtype is None else getattr(torch, self.dtype)
+
+    def check_device(self) -> None:
+        """Raise :class:`~pipeline.errors.InvalidValueError` unless this machine has
+        ``device`` (see :func:`check_device`)."""
+        check_device(self.device)
+
+
+def field_names() -> tuple[str, ...]:
+    """The fields of :class:`BackendOptions`, in declaration order."""
+    return tuple(a.name for a in attrs.fields(BackendOptions))
+
+
+def check_device(device: str | torch.device) -> None:
+    """Raise :class:`~pipeline.errors.InvalidValueError` unless this machine can run on
+    ``device``, saying why not (torch built without CUDA, no visible device, an index past
+    the devices there are, no MPS) and what to use instead."""
+    name = device_name(device)
+    dev = torch.device(name)
+    why = None
+    if dev.type == "cuda":
+        why = _cuda_problem(dev)
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        why = ("MPS is not available on this machine (it needs Apple silicon and a torch "
+               "built with MPS)")
+    if why is not None:
+        raise InvalidValueError("device", name, f"{why}; use device='cpu'")
+
+
+def _cuda_problem(dev: torch.device) -> str | None:
+    if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
+        return (f"CUDA is not available on this machine: this torch ({torch.__version__}) "
+                "was built without CUDA")
+    if not torch.cuda.is_available():
+        return ("CUDA is not available on this machine: torch finds no CUDA device (check "
+                "the driver and CUDA_VISIBLE_DEVICES)")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        return (f"this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0..cuda:{count - 1})")
+    return None
