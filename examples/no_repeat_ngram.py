@@ -7,8 +7,9 @@ for a decoder-only model). It owns :class:`NoRepeatNGram` and the ``pipeline_com
 hook that registers it under the name ``no_repeat_ngram`` (with n = 3). A pipeline gets it in
 one of three ways:
 
-- as a plugin object: ``build("tiny", plugins=[no_repeat_ngram], processors=[..., "no_repeat_ngram"])``;
-- as an instance, with any n: ``build("tiny", processors=[..., NoRepeatNGram(2)])``;
+- as a plugin object: ``build("tiny", plugins=[no_repeat_ngram], processors=["no_repeat_ngram"])``
+  (``processors=`` adds to the default chain);
+- as an instance, with any n: ``build("tiny", processors=[NoRepeatNGram(2)])``;
 - installed with an entry point in the ``pipeline`` group (``docs/plugins.md``): then every
   ``build()`` can name it and ``pipeline plugins`` lists it.
 
@@ -103,12 +104,10 @@ def main() -> None:
     import sys
 
     from pipeline import build
-    from stages.process import DEFAULT_ORDER
 
     question = "What is a list comprehension?"
-    chain = [*DEFAULT_ORDER[:4], "no_repeat_ngram", *DEFAULT_ORDER[4:]]  # after the masks
     with build("tiny") as plain, build("tiny", plugins=[sys.modules[__name__]],
-                                       processors=chain) as guarded:
+                                       processors=["no_repeat_ngram"]) as guarded:
         for label, pipe in (("without", plain), ("with", guarded)):
             print(f"{label}: {pipe.generate(question, max_tokens=40, temperature=0).text!r}")
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-CHAIN = [*DEFAULT_ORDER[:4], "no_repeat_ngram", *DEFAULT_ORDER[4:]]
+CHAIN = [*DEFAULT_ORDER[:4], "no_repeat_ngram", *DEFAULT_ORDER[4:]]  # a whole chain
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +92,12 @@ def test_bad_n_is_refused_when_built(example: ModuleType) -> None:
 
 def test_in_a_pipeline_by_name_no_ngram_repeats(example: ModuleType) -> None:
     question = "What is a list comprehension?"
-    with build("tiny", plugins=[example], processors=CHAIN) as pipe:
+    with build("tiny", plugins=[example], processors=["no_repeat_ngram"]) as pipe:
         done = pipe.generate(question, max_tokens=40, temperature=0)
         prompt = pipe.tokenize(question).input_ids
     assert not _repeats([*prompt, *done.token_ids], 3)
+    with build("tiny", plugins=[example], processors=CHAIN, replace_processors=True) as whole:
+        assert whole.generate(question, max_tokens=40, temperature=0).text == done.text
     configured = next(e for e in done.trace if e.event_type == "selection.configured")
     assert "no_repeat_ngram" in configured.payload["processors"]
     with build("tiny") as plain:  # the tiny model does repeat itself greedily
@@ -118,7 +120,7 @@ def test_installed_through_an_entry_point(tmp_path: Path) -> None:
                for line in listed.splitlines())
     script = textwrap.dedent(f"""
         from pipeline import build
-        with build("tiny", processors={CHAIN!r}) as pipe:
+        with build("tiny", processors=["no_repeat_ngram"]) as pipe:
             print(pipe.generate("hi", max_tokens=3, temperature=0).usage.completion_tokens)
     """)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
