@@ -4,9 +4,11 @@ Owns the scheduler and the step loop. Each step it
 
 1. settles cancellations and expired queue waits (any state; slots are freed at once),
 2. admits queued requests to free slots (FIFO),
-3. plans the step under ``token_budget``: one decode token for every decoding request first
-   (a long prompt never starves decoding), then prefill chunks of at most ``max_prefill_chunk``
-   tokens for prefilling requests in admission order with what is left,
+3. plans the step under ``token_budget``: every decoding request's strategy plans its call
+   first (a long prompt never starves decoding), then prefill chunks of at most
+   ``max_prefill_chunk`` tokens for prefilling requests in admission order with what is left
+   and, while requests decode, no more than the pacer allows so the step stays within
+   ``step_latency_ratio`` of a decode-only step (:mod:`pipeline.pacing`),
 4. makes one batched ``backend.forward`` for that plan: every decode token and every prefill
    chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
    decode token and at a prompt's last chunk's last token),
@@ -48,6 +50,7 @@ from pipeline.errors import (
 from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.job import Job
+from pipeline.pacing import Pacer
 from pipeline.protocols import (
     Backend, CacheInspector, CacheLayout, ModelCall, PrefillChunk, Row, Strategy, Update,
     split_outputs,
@@ -61,12 +64,22 @@ log = logging.getLogger("pipeline.engine")
 
 @attrs.frozen
 class EngineConfig:
-    """Scheduling knobs. ``token_budget`` must exceed the backend's slot count so prefill
-    always makes progress beside a full decode batch."""
+    """Scheduling knobs. ``token_budget`` (tokens per step) and ``max_prefill_chunk``
+    (tokens of one prompt per step) are hard caps; ``token_budget`` must exceed the
+    backend's slot count so prefill always makes progress beside a full decode batch.
+    ``step_latency_ratio`` bounds latency: a step that prefills beside decoding requests is
+    sized to take about that multiple of a decode-only step (:mod:`pipeline.pacing`);
+    None turns pacing off (token caps only)."""
 
     token_budget: int = attrs.field(default=512)
     max_prefill_chunk: int = attrs.field(default=512)
     idle_wait_s: float = 0.5
+    step_latency_ratio: float | None = attrs.field(default=1.5)
+
+    @step_latency_ratio.validator
+    def _ratio(self, _: attrs.Attribute[float | None], value: float | None) -> None:
+        if value is not None and not (1.0 < value <= 1e6):
+            raise InvalidValueError("step_latency_ratio", value, "must be > 1 (or None)")
 
     @token_budget.validator
     def _budget(self, _: attrs.Attribute[int], value: int) -> None:
@@ -109,6 +122,8 @@ class Engine:
             raise InvalidValueError("token_budget", self.config.token_budget,
                                     f"must exceed the backend's {backend.num_slots} slots")
         self._strategies = strategies
+        ratio = self.config.step_latency_ratio
+        self._pacer = Pacer(ratio) if ratio is not None else None
         # Checked once: a runtime Protocol isinstance is too slow for the per-token path.
         self._inspector = backend if isinstance(backend, CacheInspector) else None
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
@@ -204,7 +219,10 @@ class Engine:
                 self._cancel_all()
                 continue
             try:
-                self._step()
+                started = time.perf_counter()
+                shape = self._step()
+                if shape is not None and self._pacer is not None:
+                    self._pacer.observe(time.perf_counter() - started, *shape)
             except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
                 self._recover(exc)
             self._idle_wait()
@@ -250,15 +268,17 @@ class Engine:
         for job in jobs:
             self._finish(job, FinishReason.CANCELLED, "engine closed")
 
-    def _step(self) -> None:
+    def _step(self) -> tuple[int, int] | None:
+        """One step; returns its shape (decoding sequences, prefilled tokens) for pacing."""
         self._settle()
         self._admit()
         plan = self._plan()
         if not plan.decode and not plan.prefill:
-            return
+            return None
         ready = self._forward(plan)
         if ready:
             self._update(ready)
+        return len(plan.decode), sum(len(c.token_ids) for _, c in plan.prefill)
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
         """Run ``fn`` for ``job``; if it raises, fail that job alone. True when it ran."""
@@ -315,6 +335,9 @@ class Engine:
                 assert job.plan is not None
                 decode.append(job)
                 budget -= len(job.plan.token_ids)
+        allowance = self._pacer.allowance(bool(decode)) if self._pacer is not None else None
+        if allowance is not None:
+            budget = min(budget, allowance)
         prefill: list[tuple[Job, PrefillChunk]] = []
         for job in list(self._active):
             if budget <= 0:
