@@ -38,6 +38,8 @@ CONFIGS: dict[str, EngineConfig] = {
     "tokens-only-4096": EngineConfig(token_budget=4200, max_prefill_chunk=4096,
                                      step_latency_ratio=None),
 }
+OPTIONS = {"num_slots": 5, "kv_cache_bytes": 2 << 30}
+"""Five slots (four decoding, one long prompt) with room for a 4,096-token prompt each."""
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 
 
@@ -66,7 +68,7 @@ def _long_prompt(pipe: Any, tokens: int) -> str:
 
 
 def one_run(config: EngineConfig, long_text: str | None, decode_tokens: int) -> dict[str, Any]:
-    with build(engine=config) as pipe:
+    with build(engine=config, options=OPTIONS) as pipe:
         pipe.generate("warm up", max_tokens=4, temperature=0)
         handles = [pipe.submit(f"{QUESTION} ({i})", max_tokens=decode_tokens, temperature=0,
                                ignore_eos=True) for i in range(4)]
@@ -107,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "fairness.json")
     args = parser.parse_args()
-    with build() as pipe:
+    with build(options=OPTIONS) as pipe:
         long_text = _long_prompt(pipe, args.prompt_tokens)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.configs}
     for r in range(args.rounds):
