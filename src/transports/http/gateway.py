@@ -36,6 +36,7 @@ from pipeline.errors import (
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, Request
+from transports.http.choices import Choices, total_usage
 from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
 from transports.http.metrics import Metrics
@@ -72,6 +73,11 @@ def _values(header: str | Sequence[str] | None) -> list[str]:
     if header is None:
         return []
     return [header] if isinstance(header, str) else list(header)
+
+
+def _prompt_field(request: Request) -> str:
+    """The body field a too-long prompt came from."""
+    return "messages" if request.messages else "prompt"
 
 
 class ModelState(enum.Enum):
@@ -293,7 +299,8 @@ class Gateway:
         """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
 
         ``room = window - slack - prompt_tokens``. When the character-class bound plus
-        ``max_tokens`` fits, the prompt is not counted here at all. A prompt with more
+        ``max_tokens`` fits, the prompt is not counted here at all (a token-id prompt is
+        counted by its length). A prompt with more
         characters than ``window`` tokens of the longest token could cover is refused before
         tokenizing. ``checkpoint`` is called between the render and the count.
         """
@@ -301,6 +308,9 @@ class Gateway:
         window = self.window(served)
         request = attrs.evolve(request, runtime_limits=attrs.evolve(
             request.runtime_limits, max_context_tokens=window))
+        if request.prompt_ids is not None:  # counted already: its length
+            return self._fit_count(request, len(request.prompt_ids), window, False,
+                                   max_tokens_given)
         if request.prompt is not None:
             text = request.prompt
         else:
@@ -311,12 +321,19 @@ class Gateway:
             return Fitted(request, thinking)
         at_least = math.ceil(len(text) / served.token_chars)
         if at_least > window - 1:
-            raise ContextWindowError("messages", at_least, window - 1, lower_bound=True)
+            raise ContextWindowError(_prompt_field(request), at_least, window - 1,
+                                     lower_bound=True)
         if checkpoint is not None:
             checkpoint()
-        prompt_tokens = pipe.count_tokens(request)
+        return self._fit_count(request, pipe.count_tokens(request), window, thinking,
+                               max_tokens_given)
+
+    def _fit_count(self, request: Request, prompt_tokens: int, window: int, thinking: bool,
+                   max_tokens_given: bool) -> Fitted:
+        """:meth:`fit` once the prompt's exact length is known."""
+        config = request.generation_config
         if prompt_tokens > window - 1:
-            raise ContextWindowError("messages", prompt_tokens, window - 1)
+            raise ContextWindowError(_prompt_field(request), prompt_tokens, window - 1)
         room = window - prompt_tokens
         if config.max_tokens <= room:
             return Fitted(request, thinking)
@@ -327,40 +344,63 @@ class Gateway:
 
     # --- admission and the end of a request ------------------------------------------------
 
-    def submit(self, served: ServedModel, request: Request, endpoint: str,
-               loop: asyncio.AbstractEventLoop) -> Flight:
-        """Admit and start ``request`` (call off the event loop: it renders and tokenizes)."""
-        limit = self.config.num_slots + self.config.max_queue
+    def submit(self, served: ServedModel, requests: Sequence[Request], endpoint: str,
+               loop: asyncio.AbstractEventLoop, *, record_id: str, n: int = 1
+               ) -> list[Flight]:
+        """Admit and start ``requests``, the choices of one HTTP request (``n`` per prompt),
+        all or none, one after the other without waiting, so the engine batches them. Call
+        off the event loop: submitting renders and tokenizes. Their usage is one record,
+        ``record_id`` (:func:`~transports.http.choices.total_usage`); every flight's ``done``
+        resolves once it is durable."""
+        count, limit = len(requests), self.config.num_slots + self.config.max_queue
         with served.lock:
-            if served.inflight >= limit:
+            if served.inflight + count > limit:
                 raise OverloadedError(f"model {served.name!r} is at capacity ({limit} requests "
                                       "running or queued); retry later")
-            served.inflight += 1
+            served.inflight += count
+        flights: list[Flight] = []
+        choices = Choices(count, lambda done: self._record(served, endpoint, record_id, n,
+                                                           done, loop, flights))
         try:
-            handle = served.pipe.submit(request)
+            for index, request in enumerate(requests):
+                handle = served.pipe.submit(request)
+                flight = Flight(handle, served, request, loop.create_future())
+                flights.append(flight)
+                self.flights[request.request_id] = flight
+                handle.add_done_callback(
+                    lambda c, i=index: self._finished(served, c, choices, i))  # type: ignore[misc]
         except BaseException:
-            self._leave(served)
+            for _ in range(count - len(flights)):
+                self._leave(served)
+            for started in flights:
+                started.handle.cancel()
+            choices.started(len(flights))
             raise
-        done: asyncio.Future[Completion] = loop.create_future()
-        flight = self.flights[request.request_id] = Flight(handle, served, request, done)
-        handle.add_done_callback(lambda c: self._finished(served, endpoint, c, loop, done))
-        return flight
+        return flights
 
     def _leave(self, served: ServedModel) -> None:
         with served.lock:
             served.inflight -= 1
 
-    def _finished(self, served: ServedModel, endpoint: str, completion: Completion,
-                  loop: asyncio.AbstractEventLoop, done: asyncio.Future[Completion]) -> None:
-        """On the engine thread: free the admission place, count, and record durably."""
+    def _finished(self, served: ServedModel, completion: Completion, choices: Choices,
+                  index: int) -> None:
+        """On the engine thread: free the admission place and count; the last choice to
+        finish writes the request's usage record."""
         self._leave(served)
         self.flights.pop(completion.request_id, None)
         self.metrics.finished(served.name, completion.usage.prompt_tokens,
                               completion.usage.completion_tokens, completion.timings.first_token_s)
+        choices.add(index, completion)
+
+    def _record(self, served: ServedModel, endpoint: str, record_id: str, n: int,
+                completions: list[Completion], loop: asyncio.AbstractEventLoop,
+                flights: list[Flight]) -> None:
+        """Record the request's usage durably, then resolve each flight's ``done``."""
 
         def resolve() -> None:
-            if not done.done():
-                done.set_result(completion)
+            for flight, completion in zip(flights, completions):
+                if not flight.done.done():
+                    flight.done.set_result(completion)
 
         def durable() -> None:
             try:
@@ -368,7 +408,9 @@ class Gateway:
             except RuntimeError:  # the loop is gone: nobody waits any more
                 pass
 
-        self.usage.append(UsageRecord.of(completion, served.name, endpoint), durable)
+        record = UsageRecord.of_choices(record_id, completions, total_usage(completions, n),
+                                        served.name, endpoint)
+        self.usage.append(record, durable)
 
     def close(self) -> None:
         """Stop every engine (cancelling what runs), then flush the usage store."""
