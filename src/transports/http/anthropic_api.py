@@ -178,7 +178,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     if metadata is not None:
         user = metadata.get("user_id", "string")
         metadata.done()
-    anthropic_fields(body, counting=counting)
+    anthropic_fields(body)
     body.done()
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",

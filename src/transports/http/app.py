@@ -343,7 +343,7 @@ class Server:
 
     async def openapi(self, http: HTTPRequest) -> Response:
         """``GET /openapi.json``: this server's OpenAPI document (no key needed)."""
-        return JSONResponse(openapi_document(list(self.gateway.models)))
+        return JSONResponse(openapi_document(list(self.gateway.models), self.limits.max_n))
 
 
 def create_app(gateway: Gateway) -> Starlette:

@@ -1,4 +1,5 @@
-"""What the dialects share: the parsed request, server defaults, message content as text, the traceparent check.
+"""What the dialects share: the parsed request, server defaults, message content as text,
+the traceparent check.
 
 Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.types.Request`
 plus how to answer it), :class:`RawPrompts` (a completions request's prompts),

@@ -76,7 +76,9 @@ def openai_chat_ignored(body: Obj) -> str | None:
         if not isinstance(content, str):
             for i, part in enumerate(check("prediction.content", content, "array")):
                 text = Obj(part, f"prediction.content[{i}]")
-                one_of(text, "type", ("text",))
+                if text.need("type", "string") != "text":
+                    raise InvalidValueError(text.at("type"), text.value["type"],
+                                            "must be 'text'")
                 text.need("text", "string")
                 text.done()
         prediction.done()
@@ -133,10 +135,10 @@ _BETA_IGNORED = {"billing_policy": "object", "fallbacks": "array",
 _SERVER_TOOLS = "only custom (client) tools exist here, no server tools"
 
 
-def anthropic_fields(body: Obj, *, counting: bool) -> None:
+def anthropic_fields(body: Obj) -> None:
     """Anthropic fields with no meaning here (type-checked, ignored) and ones asking for
-    what is not here (refused), of ``/v1/messages`` or, when ``counting``, of
-    ``/v1/messages/count_tokens``."""
+    what is not here (refused), of ``/v1/messages`` and ``/v1/messages/count_tokens`` alike
+    (a count takes a Messages body without ``max_tokens``, ``stream`` and ``metadata``)."""
     _cache_control(body)
     output = body.obj("output_config")
     if output is not None:
@@ -148,8 +150,6 @@ def anthropic_fields(body: Obj, *, counting: bool) -> None:
     one_of(body, "speed", ("standard", "fast"))
     body.get("user_profile_id", "string")
     body.get("workspace_id", "string")
-    if counting:
-        return
     one_of(body, "service_tier", ("auto", "standard_only"))
     body.get("inference_geo", "string")
     diagnostics = body.obj("diagnostics")
