@@ -130,8 +130,11 @@ _BETA_REFUSED = {
     "compaction": "no server-side compaction",
     "thread": "no server-held conversations",
 }
-_BETA_IGNORED = {"billing_policy": "object", "fallbacks": "array",
-                 "fallback_credit_token": "string"}
+# billing and model fallbacks (a substitute model when the requested one declines: ours
+# never does): their JSON types, checked, then ignored
+_BETA_IGNORED: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "billing_policy": (("object",), None), "fallbacks": (("array",), "default"),
+    "fallback_credit_token": (("string", "object"), None)}
 _SERVER_TOOLS = "only custom (client) tools exist here, no server tools"
 
 
@@ -160,8 +163,25 @@ def anthropic_fields(body: Obj) -> None:
     for name, why in _BETA_REFUSED.items():
         if body.has(name):
             raise unsupported(name, body.value[name], why)
-    for name, kind in _BETA_IGNORED.items():
-        body.get(name, kind)
+    for name, (kinds, literal) in _BETA_IGNORED.items():
+        _loosely(body, name, kinds, literal)
+
+
+def _loosely(body: Obj, name: str, kinds: tuple[str, ...], literal: str | None) -> None:
+    """A field that must be of one of the JSON ``kinds``, or the string ``literal``."""
+    value = body.value.get(name)
+    body.has(name)
+    if value is None or (literal is not None and value == literal):
+        return
+    for kind in kinds:
+        try:
+            check(name, value, kind)
+            return
+        except InvalidValueError:
+            continue
+    allowed = [f"{'an' if k[0] in 'aeiou' else 'a'} {k}" for k in kinds]
+    allowed += [repr(literal)] if literal is not None else []
+    raise InvalidValueError(name, value, f"must be {' or '.join(allowed)}")
 
 
 def _cache_control(body: Obj) -> None:

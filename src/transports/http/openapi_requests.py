@@ -306,8 +306,9 @@ def _count_fields() -> tuple[Schema, Schema]:
             "context_management": refused("no server-side context editing"),
             "compaction": refused("no server-side compaction"),
             "thread": refused("no server-held conversations"),
-            "billing_policy": OBJECT, "fallbacks": {"type": "array"},
-            "fallback_credit_token": STRING}
+            "billing_policy": OBJECT,
+            "fallbacks": {"oneOf": [{"type": "array"}, {"const": "default"}]},
+            "fallback_credit_token": {"type": ["string", "object"]}}
     optional = {
         "system": {"oneOf": [STRING, array(ref("AnthropicTextPart"))]},
         "tools": array(ref("AnthropicTool")), "tool_choice": ref("AnthropicToolChoice"),
