@@ -319,14 +319,19 @@ class Gateway:
         thinking = opens_thinking(text)
         if token_upper_bound(text) + config.max_tokens <= window:
             return Fitted(request, thinking)
-        at_least = math.ceil(len(text) / served.token_chars)
-        if at_least > window - 1:
-            raise ContextWindowError(_prompt_field(request), at_least, window - 1,
-                                     lower_bound=True)
+        self.refuse_longer(served, text, _prompt_field(request))
         if checkpoint is not None:
             checkpoint()
         return self._fit_count(request, pipe.count_tokens(request), window, thinking,
                                max_tokens_given)
+
+    def refuse_longer(self, served: ServedModel, text: str, field: str) -> None:
+        """Refuse ``text`` without tokenizing it when it has more characters than the window's
+        tokens could cover even at the vocabulary's longest token."""
+        window = self.window(served)
+        at_least = math.ceil(len(text) / served.token_chars)
+        if at_least > window - 1:
+            raise ContextWindowError(field, at_least, window - 1, lower_bound=True)
 
     def _fit_count(self, request: Request, prompt_tokens: int, window: int, thinking: bool,
                    max_tokens_given: bool) -> Fitted:

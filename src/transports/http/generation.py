@@ -59,9 +59,11 @@ def _detokenizer(served: ServedModel) -> Detokenizer[Any]:
     return detokenizer
 
 
-def _inputs(served: ServedModel, parsed: Parsed, checkpoint: Checkpoint) -> list[Request]:
+def _inputs(gateway: Gateway, served: ServedModel, parsed: Parsed,
+            checkpoint: Checkpoint) -> list[Request]:
     """One request per prompt, ready to fit: chat's with its forced tool-call opening, a
-    completions request's with each prompt as ids."""
+    completions request's with each prompt as ids (a text far too long for the window is
+    refused before it is tokenized)."""
     tokenizer = _tokenizer(served)
     if parsed.raw is None:
         return [force_tool_call(parsed.request, parsed.forced_tool, tokenizer)]
@@ -69,6 +71,8 @@ def _inputs(served: ServedModel, parsed: Parsed, checkpoint: Checkpoint) -> list
     out = []
     for p, prompt in enumerate(prompts):
         path = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+        if isinstance(prompt, str):
+            gateway.refuse_longer(served, prompt, path)
         ids = completions_api.prompt_ids(tokenizer, prompt, path)
         out.append(attrs.evolve(parsed.request, prompt=None, prompt_ids=ids))
         checkpoint()
@@ -79,7 +83,7 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
           endpoint: str, loop: asyncio.AbstractEventLoop, checkpoint: Checkpoint) -> Started:
     """Prepare and submit the request's choices (call on the work pool)."""
     fitted = []
-    for request in _inputs(served, parsed, checkpoint):
+    for request in _inputs(gateway, served, parsed, checkpoint):
         fitted.append(gateway.fit(served, request, max_tokens_given=parsed.max_tokens_given,
                                   checkpoint=checkpoint))
         checkpoint()
