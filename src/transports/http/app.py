@@ -3,13 +3,14 @@
 Owns :func:`create_app` (a Starlette app over a :class:`~transports.http.gateway.Gateway`) and
 the flow every generation takes: key → body (at most ``max_body_bytes``, else 413) → JSON
 checked at the door (depth, Unicode, size limits) and dialect parse → model →
-``traceparent`` → window fit and admission → stream or wait. Everything after reading the
-body that costs in proportion to the input runs on the bounded pool of
-:mod:`transports.http.work` and stops when the client leaves. Errors anywhere before the
+``traceparent`` → the request's choices prepared, fitted and admitted together
+(:mod:`transports.http.generation`) → stream (their deltas interleaved by choice) or wait for
+all of them. Everything after reading the body that costs in proportion to the input runs on
+the bounded pool of :mod:`transports.http.work` and stops when the client leaves. Errors anywhere before the
 first byte become the dialect's error response through :mod:`transports.http.errors`, the
 only place that maps them. A streaming client that disconnects cancels its request (Starlette
-cancels the body iterator; its ``finally`` cancels the handle, and the engine frees the slot at
-its next step); a non-streaming one is watched for ``http.disconnect`` the same way. A client
+cancels the body iterator; its ``finally`` cancels every choice's handle, and the engine frees
+the slots at its next step); a non-streaming one is watched for ``http.disconnect`` the same way. A client
 whose body never fully arrives (it left, or a read deadline of :mod:`transports.http.timeouts`
 cut it off) is counted as 499, nginx's "client closed request", not as a server error.
 """

@@ -67,8 +67,8 @@ class Parsed:
     n: int = 1
     """Choices per prompt (:mod:`transports.http.choices` has the seed rule)."""
     raw: RawPrompts | None = None
-    """The raw prompts of a completions request (``request`` is then their template: its
-    messages are a placeholder, replaced by each prompt's ids)."""
+    """The raw prompts of a completions request (``request`` is then the first prompt's;
+    each prompt's own request replaces its prompt with the prompt's ids)."""
 
 
 def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokenizer) -> Request:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hmac
 import logging
 import math
@@ -372,8 +373,8 @@ class Gateway:
                 flight = Flight(handle, served, request, loop.create_future())
                 flights.append(flight)
                 self.flights[request.request_id] = flight
-                handle.add_done_callback(
-                    lambda c, i=index: self._finished(served, c, choices, i))  # type: ignore[misc]
+                handle.add_done_callback(functools.partial(self._finished, served,
+                                                           choices=choices, index=index))
         except BaseException:
             for _ in range(count - len(flights)):
                 self._leave(served)

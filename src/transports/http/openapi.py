@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from transports.http.openapi_requests import (
-    BOOLEAN, COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, request_schemas,
+    COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, request_schemas,
     response_object as out,
 )
 
