@@ -20,7 +20,7 @@ from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
 )
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
-from transports.http.documented import anthropic_fields, anthropic_tool, one_of
+from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, ToolCallPart
 from transports.sse import SSEEvent, encode
@@ -58,7 +58,9 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(at, block))
         else:
-            raise InvalidValueError(f"{at}.type", kind, f"unsupported in a {role} message")
+            allowed = ("text, thinking and tool_use" if role == "assistant"
+                       else "text and tool_result")
+            raise unsupported(f"{at}.type", kind, f"a {role} message takes {allowed} blocks")
         block.done()
     text = "".join(texts)
     if role == "assistant":

@@ -121,7 +121,7 @@ def text_content(path: str, value: Any, text_type: str) -> str | None:
         kind = part.need("type", "string")
         if kind != text_type:
             raise InvalidValueError(f"{path}[{i}].type", kind,
-                                    f"only '{text_type}' parts are supported here")
+                                    f"is not supported here: only '{text_type}' parts")
         pieces.append(part.need("text", "string"))
         part.get("cache_control", "object")
         part.done()
