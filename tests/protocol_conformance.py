@@ -11,6 +11,7 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
+from pipeline.protocols import DocumentEncoder
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from transports import AsyncioTransport, InProcessTransport
@@ -21,6 +22,7 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
         render.HFChatTemplateRenderer.from_template("{{ messages[0].content }}"),
         render.PlainRenderer(), testing.ChatMLRenderer()]
     tokenizers: list[Tokenizer] = [tok, testing.ByteTokenizer()]
+    documents: DocumentEncoder = tok
     detokenizers: list[Detokenizer[Any]] = [
         detokenize.IncrementalDetokenizer(tok), testing.ByteDetokenizer()]
     processors: list[LogitProcessor] = [
@@ -38,5 +40,5 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     real: Backend = torch_backend
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
-    del renderers, tokenizers, detokenizers, selectors, strategy, stoppers, backend, real, sync
+    del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend, real, sync
     del asyncs

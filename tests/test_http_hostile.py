@@ -252,6 +252,26 @@ def test_prompt_characters_are_bounded_before_tokenizing(server: Any) -> None:
     assert "at least" in error(r)["message"]
 
 
+def test_raw_completion_prompts_are_bounded(server: Any) -> None:
+    """A token-id prompt of nearly two million ids, a batch of long texts, and a request for
+    more choices than --max-n: each refused with the numbers, none tokenized in vain."""
+    client, gateway = server
+    ids = b'{"model": "default", "prompt": [' + b",".join([b"5"] * 1_900_000) + b"]}"
+    r = send(client, "/v1/completions", ids)
+    assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded"
+    assert error(r)["prompt_tokens"] == 1_900_000 and error(r)["param"] == "prompt"
+    served = gateway.model("default")
+    long = "z" * (512 * served.token_chars * 2)
+    started = time.monotonic()
+    r = send(client, "/v1/completions", {"model": "default", "prompt": ["hi", long] * 4})
+    assert r.status_code == 400 and error(r)["param"] == "prompt[1]"
+    assert "at least" in error(r)["message"] and time.monotonic() - started < NORMAL_BOUND_S
+    r = send(client, "/v1/completions", {"model": "default", "prompt": ["a"] * 8, "n": 3})
+    assert r.status_code == 400 and error(r)["limit"] == "max_n" and error(r)["value"] == 24
+    r = send(client, "/v1/chat/completions", chat(n=10**9))
+    assert r.status_code == 400 and error(r)["limit"] == "max_n"
+
+
 # --- numbers --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields", [

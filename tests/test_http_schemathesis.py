@@ -232,6 +232,15 @@ SCRIPTED = [
                       "thinking": {"type": "enabled", "budget_tokens": 3}}),
     ("/v1/messages", {"model": "default", "messages": ASK, "max_tokens": 4, "stream": True,
                       "stop_sequences": ["e"]}),
+    ("/v1/chat/completions", {"model": "tools", "messages": ASK, "max_tokens": 40, "n": 2,
+                              "stream": True, "tools": [{"type": "function",
+                                                         "function": WEATHER}]}),
+    ("/v1/completions", {"model": "default", "prompt": ["Once", [1, 2, 3]], "n": 2,
+                         "max_tokens": 4, "logprobs": 2}),
+    ("/v1/completions", {"model": "default", "prompt": "Once", "max_tokens": 4, "n": 2,
+                         "stream": True, "logprobs": 2, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"model": "default", "prompt": [1, 2, 3], "max_tokens": 4,
+                         "stream": True, "echo": True}),
 ]
 
 

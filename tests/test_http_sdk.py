@@ -159,8 +159,9 @@ def test_sdk_error_types(oai: openai.OpenAI, claude: anthropic.Anthropic, base_u
     with pytest.raises(openai.BadRequestError) as bad_request:
         oai.chat.completions.create(model="default", messages=QUESTION, temperature=7)  # type: ignore[arg-type]
     assert bad_request.value.body["param"] == "temperature"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        oai.chat.completions.create(model="default", messages=QUESTION, n=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="max_n") as too_many:
+        oai.chat.completions.create(model="default", messages=QUESTION, n=17)  # type: ignore[arg-type]
+    assert too_many.value.body["limit"] == "max_n" and too_many.value.body["maximum"] == 16  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError, match="top_k"):
         claude.messages.create(model="default", messages=QUESTION, max_tokens=2,  # type: ignore[arg-type]
                                extra_body={"top_k": -1})  # type: ignore[arg-type]

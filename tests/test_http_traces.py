@@ -1,4 +1,4 @@
-"""``GET /traces/{request_id}``: a finished request's trace as JSONL, for the key that made it.
+"""``GET /traces/{request_id}``: a finished request's traces as JSONL, for the key that made it.
 
 Oracles: the invariant checker of :mod:`pipeline.trace` (a trace fetched over HTTP must pass
 it), what the client itself received (the streamed text's digest and the usage the SDK
@@ -16,11 +16,12 @@ import httpx
 import openai
 import pytest
 
+from pipeline import cli
 from pipeline.builder import build
 from pipeline.errors import InvalidValueError, TraceNotFoundError
 from pipeline.events import MINIMAL_TIMELINE, Event, JsonlSink, digest_text, read_jsonl
 from pipeline.pipe import Pipeline
-from pipeline.trace import check
+from pipeline.trace import Trace, check, load_all
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig
 from transports.http.traces import TraceStore, encode, key_fingerprint
@@ -121,6 +122,87 @@ def test_a_cancelled_streams_trace_records_the_cancellation(base_url: str) -> No
     assert [e.payload["reason"] for e in finished] == ["cancelled"]
 
 
+def traces_of(body: bytes, tmp_path: Path) -> list[Trace]:
+    """A fetched JSONL body as ``pipeline trace`` reads a file: its traces by trace id."""
+    path = tmp_path / "fetched.jsonl"
+    path.write_bytes(body)
+    return load_all(path)
+
+
+def test_every_choice_of_a_request_is_traced_under_its_id(
+        base_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY_A, max_retries=0)
+    raw = oai.chat.completions.with_raw_response.create(
+        model="default", messages=QUESTION, max_tokens=6, temperature=0.9, seed=3, n=3)
+    request_id = raw.headers["x-request-id"]
+    answer = raw.parse()
+    assert answer.id == request_id and answer.usage is not None
+    whole = fetch(base_url, request_id, KEY_A)
+    assert whole.status_code == 200
+    traces = traces_of(whole.content, tmp_path)
+    choice_ids = [f"{request_id}-{k}" for k in range(3)]
+    assert [t.trace_id for t in traces] == choice_ids  # one after the other, in choice order
+    for k, (trace, choice) in enumerate(zip(traces, answer.choices, strict=True)):
+        assert check(trace).ok
+        assert trace.payload("request.normalized")["seed"] == 3 + k  # the seed rule
+        finished = trace.payload("generation.finished")
+        assert finished["text_digest"] == digest_text(choice.message.content or "")
+        alone = fetch(base_url, choice_ids[k], KEY_A)
+        assert alone.status_code == 200 and events_of(alone.text) == list(trace.events)
+    assert sum(t.payload("generation.finished")["completion_tokens"] for t in traces) == \
+        answer.usage.completion_tokens
+    for refused in (request_id, choice_ids[1]):
+        assert fetch(base_url, refused, KEY_B).status_code == 404
+    # the file as docs/serving.md says `pipeline trace` reads it
+    path = str(tmp_path / "fetched.jsonl")
+    assert cli.main(["trace", "check", path]) == 0
+    capsys.readouterr()
+    assert cli.main(["trace", "diff", path, path, "--json", "--trace-id-a", choice_ids[0],
+                     "--trace-id-b", choice_ids[1]]) == 1  # seeds 3 and 4: they differ
+    assert json.loads(capsys.readouterr().out)["divergence"] is not None
+
+
+def test_text_completions_are_traced_for_their_key(base_url: str, tmp_path: Path) -> None:
+    oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY_B, max_retries=0)
+    single = oai.completions.with_raw_response.create(
+        model="default", prompt="Once upon a time", max_tokens=5, temperature=0)
+    request_id = single.headers["x-request-id"]
+    body = single.parse()
+    assert body.id == request_id
+    events = events_of(fetch(base_url, request_id, KEY_B).text)
+    assert {e.trace_id for e in events} == {request_id} and check(events).ok
+    finished = next(e for e in events if e.event_type == "generation.finished")
+    assert finished.payload["text_digest"] == digest_text(body.choices[0].text)
+    assert fetch(base_url, request_id, KEY_A).status_code == 404
+
+    prompts = ["Once upon a time", "The sky is"]
+    raw = oai.completions.with_raw_response.create(
+        model="default", prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=5,
+        stream=True, stream_options={"include_usage": True})
+    request_id = raw.headers["x-request-id"]
+    texts = ["", "", "", ""]
+    chunks = list(raw.parse())
+    for chunk in chunks:
+        assert chunk.id == request_id
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    usage = chunks[-1].usage
+    assert usage is not None
+    traces = traces_of(fetch(base_url, request_id, KEY_B).content, tmp_path)
+    assert [t.trace_id for t in traces] == [f"{request_id}-{k}" for k in range(4)]
+    for trace, text in zip(traces, texts, strict=True):
+        assert check(trace).ok
+        assert trace.payload("generation.finished")["text_digest"] == digest_text(text)
+    assert sum(t.payload("generation.finished")["completion_tokens"] for t in traces) == \
+        usage.completion_tokens
+    with build("tiny") as pipe:  # each prompt counted once: the first choice of every two
+        assert [traces[k].payload("input.tokenized")["tokens"] for k in (0, 2)] == [
+            len(pipe.stages.tokenizer.encode_document(p))  # type: ignore[union-attr]
+            for p in prompts]
+    assert usage.prompt_tokens == sum(
+        traces[k].payload("input.tokenized")["tokens"] for k in (0, 2))
+
+
 def test_without_keys_anyone_reads_traces_and_keep_traces_0_keeps_none(tmp_path: Path) -> None:
     for keep, expected in ((5, 200), (0, 404)):
         cfg = config(tmp_path / str(keep), keep_traces=keep)
@@ -156,6 +238,30 @@ def test_the_store_packs_traces_without_changing_them(tmp_path: Path) -> None:
         by_sink = [e for e in read_jsonl(tmp_path / "sink.jsonl")
                    if e.trace_id == completion.request_id]
         assert events_of(after.decode()) == by_sink
+
+
+def test_the_store_keeps_a_requests_choices_as_one_request() -> None:
+    with build("tiny") as pipe:
+        done = [pipe.generate(QUESTION, max_tokens=n, temperature=0) for n in (2, 3, 4, 5, 6)]
+    store = TraceStore(2)
+    owner = frozenset({key_fingerprint(KEY_A)})
+    choices = done[:3]
+    store.add_choices("cmpl-x", owner, [(c.request_id, c.trace) for c in choices])
+    store.add(done[3].request_id, owner, done[3].trace)  # two requests: both kept
+    for _ in ("as events", "packed"):
+        assert store.jsonl("cmpl-x", owner) == b"".join(encode(c.trace) for c in choices)
+        for c in choices:
+            assert store.jsonl(c.request_id, owner) == encode(c.trace)
+            with pytest.raises(TraceNotFoundError):
+                store.jsonl(c.request_id, frozenset({key_fingerprint(KEY_B)}))
+        store.close()  # the compactor has packed every pending trace
+    assert len(store) == 2
+    store.add(done[4].request_id, owner, done[4].trace)  # the oldest request goes, whole
+    assert len(store) == 2
+    for gone in ("cmpl-x", *(c.request_id for c in choices)):
+        with pytest.raises(TraceNotFoundError):
+            store.jsonl(gone, owner)
+    assert store.jsonl(done[4].request_id, owner) == encode(done[4].trace)
 
 
 def test_pipeline_serve_takes_keep_traces(monkeypatch: pytest.MonkeyPatch,

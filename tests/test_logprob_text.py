@@ -1,5 +1,6 @@
 """Logprob records carry each token's exact bytes and its text (as OpenAI shows tokens), in
-the library's results and in the OpenAI dialect's ``logprobs`` (streamed and not).
+the library's results and in the OpenAI dialect's ``logprobs`` (chat's, streamed and not, and
+the legacy object of ``/v1/completions``, which spells tokens as chat does).
 
 Oracles: the ``tokenizers`` library's id-to-token mapping read through transformers' own
 copy of GPT-2's byte table (the exact bytes), ``tokenizers``' decode of the single id (the
@@ -204,3 +205,26 @@ def test_openai_streamed_logprobs_equal_the_whole_answers(oai: openai.OpenAI) ->
         "utf-8", errors="replace") == whole_answer.choices[0].message.content
     for item in content:
         _check_items([item, *item.top_logprobs])
+
+
+def test_legacy_completion_logprobs_show_tokens_as_chat_does(oai: openai.OpenAI) -> None:
+    e4, e5 = partial_ids(2)
+    bias = {str(e4): 100, str(e5): 90}
+    legacy = oai.completions.create(model="default", prompt="hi", max_tokens=3, temperature=0,
+                                    logprobs=2, logit_bias=bias)
+    lp = legacy.choices[0].logprobs
+    assert lp is not None and lp.tokens == ["\\xe4"] * 3
+    assert [list(top) for top in lp.top_logprobs or []] == [["\\xe4", "\\xe5"]] * 3
+    chat = oai.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2, logit_bias=bias)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert lp.tokens == [c.token for c in content]
+    # a text prompt's own answer: every token (and alternative) spelt as the oracle spells it
+    free = oai.completions.create(model="default", prompt="Say 日本 and 世界.", max_tokens=10,
+                                  temperature=0, logprobs=3).choices[0].logprobs
+    assert free is not None and free.tokens and free.top_logprobs
+    for token, top in zip(free.tokens, free.top_logprobs, strict=True):
+        for text in (token, *top):
+            data = unescape(text)
+            check_record(ID_OF_BYTES[data], text, data)

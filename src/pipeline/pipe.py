@@ -34,6 +34,7 @@ from pipeline.types import (
 
 Prompt = str | Sequence[Message | Mapping[str, Any]] | Request
 RAW_PROMPT_DIGEST = digest_text("raw-prompt:v1")
+RAW_IDS_DIGEST = digest_text("raw-prompt-ids:v1")
 
 
 def environment_id() -> str:
@@ -116,7 +117,8 @@ class Pipeline:
         fields = self._kwargs_field(prompt, template_kwargs)
         if tools is not None:
             fields["tool_catalog"] = tools
-        return self._tokenizer.encode(self._render(Request.coerce(prompt, **fields)))
+        request = Request.coerce(prompt, **fields)
+        return self._encode(request, self._render(request))
 
     def count_tokens(self, prompt: Prompt | Rendered, *,
                      tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
@@ -240,6 +242,9 @@ class Pipeline:
     def _render(self, request: Request, add_generation_prompt: bool = True) -> Rendered:
         if request.prompt is not None:
             return Rendered.plain(request.prompt, RAW_PROMPT_DIGEST, "raw")
+        if request.prompt_ids is not None:  # the ids' text, for the trace; never re-encoded
+            text = self._tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
+            return Rendered.plain(text, RAW_IDS_DIGEST, "raw")
         if self.stages.renderer is None:
             raise ArtifactError("this pipeline has no renderer for chat messages: build it from "
                                 "a model folder with a chat template, pass renderer=, or give a "
@@ -247,6 +252,14 @@ class Pipeline:
         kwargs = dict(request.template_kwargs)
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
         return self.stages.renderer.render(request.messages, tools=request.tool_catalog, **kwargs)
+
+    def _encode(self, request: Request, rendered: Rendered) -> TokenizedPrompt:
+        """The prompt's ids: ``rendered`` tokenized, or a token-id prompt as it is."""
+        tokenizer = self._tokenizer
+        if request.prompt_ids is not None:
+            return TokenizedPrompt(request.prompt_ids, tokenizer.digest,
+                                   digest_text(rendered.text))
+        return tokenizer.encode(rendered)
 
     def _prepare(self, request: Request, tracer: Tracer, accepted_ns: int, parent: int
                  ) -> tuple[Request, JobSpec]:
@@ -265,7 +278,7 @@ class Pipeline:
             "rendered_digest": digest_text(rendered.text), "chars": len(rendered.text),
             "control_spans": sum(1 for s in rendered.spans if s.kind.value == "control"),
             **({"text": rendered.text} if request.recording is Recording.FULL else {})}, parent)
-        prompt = tokenizer.encode(rendered)
+        prompt = self._encode(request, rendered)
         self._check_window(prompt, request.runtime_limits.max_context_tokens)
         last = tracer.emit("tokenizer", "input.tokenized", {
             "tokens": len(prompt), "ids_digest": digest_ids(prompt.input_ids),
@@ -288,7 +301,7 @@ class Pipeline:
         return {
             "request_id": request.request_id, "schema_version": request.schema_version,
             "messages_digest": digest_json([m.to_template() for m in request.messages]),
-            "prompt_digest": digest_text(request.prompt) if request.prompt is not None else None,
+            "prompt_digest": self._prompt_digest(request),
             "tools_digest": digest_json([t.to_template() for t in request.tool_catalog]),
             "template_kwargs": dict(request.template_kwargs),
             "model_snapshot": request.model_snapshot,
@@ -301,12 +314,24 @@ class Pipeline:
             **trace_context(request),
         }
 
+    @staticmethod
+    def _prompt_digest(request: Request) -> str | None:
+        """The digest of a raw prompt: its text, or its ids (None for messages)."""
+        if request.prompt_ids is not None:
+            return digest_ids(request.prompt_ids)
+        return digest_text(request.prompt) if request.prompt is not None else None
+
     def _validate(self, request: Request) -> None:
         config = request.generation_config
         # token-id fields may name any id the model has (its vocabulary may be padded beyond
         # the tokenizer's; padding ids are never selected, see Engine.decodable_vocab)
         vocab = (self.engine.backend.vocab_size if self.engine is not None
                  else self._tokenizer.vocab_size)
+        known = min(vocab, self._tokenizer.vocab_size)  # a prompt id must have a token
+        for at, token in enumerate(request.prompt_ids or ()):
+            if token >= known:
+                raise InvalidValueError(f"prompt_ids[{at}]", token,
+                                        f"outside the vocabulary (size {known})")
         for token in sorted(config.token_ids_used()):
             if token >= vocab:
                 field = "logit_bias" if token in config.logit_bias else "token ids"

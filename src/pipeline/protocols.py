@@ -105,6 +105,28 @@ class Tokenizer(Protocol):
 
 
 @runtime_checkable
+class DocumentEncoder(Protocol):
+    """Optional tokenizer capability: encode text as a document of its own, the way the
+    tokenizer alone encodes it (transformers' ``tokenizer(text)``).
+
+    Special-token strings in the text are parsed, and the ids the tokenizer's own rule puts
+    before a sequence (a BOS, where the tokenizer asks for one) come first; nothing is put
+    after it, since a prompt is a document still being written. Raw-text completion prompts
+    use it; a tokenizer without it leaves them as ``encode_text(text, special=True)``.
+    Thread-safe, like the tokenizer.
+
+    Example::
+
+        ids = tok.encode_document("<|im_start|>user\nhi")   # [BOS?] + ids, specials parsed
+    """
+
+    def encode_document(self, text: str) -> list[int]:
+        """Ids of ``text`` as a document: the leading ids the tokenizer adds, then the text
+        with special-token strings parsed."""
+        ...
+
+
+@runtime_checkable
 class Detokenizer(Protocol[S]):
     """Incremental detokenization with explicit state.
 

@@ -465,12 +465,20 @@ def _limits(value: Any) -> RuntimeLimits:
 
 @attrs.frozen
 class Request:
-    """A normalized request: structured messages (or a raw ``prompt``) plus everything that
-    decides its output. The pipeline fills ``model_snapshot``, ``template_version`` and
-    ``tokenizer_version`` with content digests when it accepts the request."""
+    """A normalized request: structured messages (or a raw ``prompt``, or raw ``prompt_ids``)
+    plus everything that decides its output. The pipeline fills ``model_snapshot``,
+    ``template_version`` and ``tokenizer_version`` with content digests when it accepts the
+    request.
+
+    Exactly one of the three prompt forms is given. ``messages`` go through the chat template;
+    ``prompt`` is text taken as it is, all content (no template, special-token strings not
+    parsed, nothing added); ``prompt_ids`` are the model's input ids themselves (not
+    re-tokenized; each below the model's vocabulary size)."""
 
     messages: tuple[Message, ...] = attrs.field(default=(), converter=_messages)
     prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_tuple_of_ints))
     request_id: str = attrs.field(factory=_new_request_id)
     generation_config: GenerationConfig = attrs.field(
         factory=GenerationConfig, converter=_config)
@@ -487,9 +495,15 @@ class Request:
     schema_version: int = SCHEMA_VERSION
 
     def __attrs_post_init__(self) -> None:
-        has_messages, has_prompt = bool(self.messages), self.prompt is not None
-        _check(has_messages != has_prompt, "messages", self.messages,
-               "give exactly one of messages (chat) or prompt (raw text)")
+        given = [bool(self.messages), self.prompt is not None, self.prompt_ids is not None]
+        _check(given.count(True) == 1, "messages", self.messages,
+               "give exactly one of messages (chat), prompt (raw text) or prompt_ids (token ids)")
+        _check(self.prompt_ids is None or isinstance(self.prompt_ids, tuple), "prompt_ids",
+               self.prompt_ids, "must be a list of token ids")
+        _check(self.prompt_ids != (), "prompt_ids", self.prompt_ids, "the prompt is empty")
+        for token in self.prompt_ids or ():
+            _check(_integer(token) and token >= 0, "prompt_ids", token,
+                   "token ids are non-negative integers")
         _check(self.prompt is None or isinstance(self.prompt, str), "prompt", self.prompt,
                "must be a string")
         check_text("prompt", self.prompt)

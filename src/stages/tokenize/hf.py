@@ -143,6 +143,8 @@ class HFTokenizer:
         self._byte_fallback = "ByteFallback" in decoders
         self._byte_decoder = byte_decoder() if self.byte_level else {}
         self._newline: list[int] = self.raw.encode("\n", add_special_tokens=False).ids
+        self.leading_ids: tuple[int, ...] = self._leading_ids()
+        """The ids tokenizer.json's post-processor puts before a sequence (a BOS, or none)."""
         settings = json.dumps({"config": config, "eos": sorted(self.eos_token_ids)},
                               sort_keys=True, default=str).encode()
         self.digest = digest_bytes(tokenizer_json + b"\0" + settings)
@@ -235,6 +237,20 @@ class HFTokenizer:
     def encode_text(self, text: str, *, special: bool = False) -> list[int]:
         """Ids of ``text`` alone; special-token strings are parsed only if ``special``."""
         return self._encode(text, special=special, first=True)
+
+    def encode_document(self, text: str) -> list[int]:
+        """Ids of ``text`` as a document (:class:`~pipeline.protocols.DocumentEncoder`): the
+        ids tokenizer.json's post-processor puts before a sequence (its BOS, if any), then
+        the text with special-token strings parsed. Its EOS, if it adds one, is left off."""
+        return [*self.leading_ids, *self._encode(text, special=True, first=True)]
+
+    def _leading_ids(self) -> tuple[int, ...]:
+        """The ids the post-processor puts before a sequence, found by encoding a probe."""
+        bare = self.raw.encode("a", add_special_tokens=False).ids
+        full = self.raw.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(full) - len(bare) + 1)
+                   if full[i:i + len(bare)] == bare), 0)
+        return tuple(full[:at])
 
     def _runs(self, rendered: Rendered) -> list[Run]:
         runs: list[Run] = []

@@ -20,6 +20,7 @@ from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
 )
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
+from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, ToolCallPart
 from transports.sse import SSEEvent, encode
@@ -57,7 +58,9 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(at, block))
         else:
-            raise InvalidValueError(f"{at}.type", kind, f"unsupported in a {role} message")
+            allowed = ("text, thinking and tool_use" if role == "assistant"
+                       else "text and tool_result")
+            raise unsupported(f"{at}.type", kind, f"a {role} message takes {allowed} blocks")
         block.done()
     text = "".join(texts)
     if role == "assistant":
@@ -91,12 +94,9 @@ def _tools(body: Obj) -> tuple[list[ToolSpec], str | None]:
     tools = []
     for path, raw in body.items("tools"):
         o = Obj(raw, path)
-        kind = o.get("type", "string", "custom")
-        if kind != "custom":
-            raise InvalidValueError(f"{path}.type", kind, "only custom (client) tools exist here")
+        anthropic_tool(o)
         tools.append(ToolSpec(o.need("name", "string"), o.get("description", "string", ""),
                               o.need("input_schema", "object")))
-        o.get("cache_control", "object")
         o.done()
     choice = body.obj("tool_choice")
     if choice is None:
@@ -134,36 +134,37 @@ def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
     stops = [check(p, s, "string") for p, s in body.items("stop_sequences")]
     if stops:
         fields["stop"] = stops
-    thinking = body.obj("thinking")
-    if thinking is not None:
-        kind = thinking.need("type", "string")
-        fields["_enable_thinking"] = kind != "disabled"
-        if kind == "enabled":
-            fields["reasoning_budget_tokens"] = thinking.num("budget_tokens", 0, 1 << 30,
-                                                             integer=True)
-        elif kind not in ("disabled", "adaptive"):
-            raise InvalidValueError("thinking.type", kind, "must be enabled or disabled")
-        thinking.done()
+    enable, budget = _thinking(body)
+    if budget is not None:
+        fields["reasoning_budget_tokens"] = budget
     max_tokens = None if counting else body.num("max_tokens", 1, 1 << 30, integer=True)
     if not counting and max_tokens is None:
         raise InvalidValueError("max_tokens", None, "is required")
-    enable = fields.pop("_enable_thinking", None)
     return config_from(fields, max_tokens, defaults), enable
 
 
-def _ignored(body: Obj) -> None:
-    """Documented fields with no meaning here, type-checked and ignored: ``cache_control``
-    (a prompt-caching hint; this server has no prompt cache yet) and ``service_tier``."""
-    hint = body.obj("cache_control")
-    if hint is not None:
-        kind = hint.need("type", "string")
-        if kind != "ephemeral":
-            raise InvalidValueError("cache_control.type", kind, "must be 'ephemeral'")
-        hint.get("ttl", "string")
-        hint.done()
-    tier = body.get("service_tier", "string")
-    if tier not in (None, "auto", "standard_only"):
-        raise InvalidValueError("service_tier", tier, "must be 'auto' or 'standard_only'")
+_THINKING = ("enabled", "disabled", "adaptive", "between_tools")
+
+
+def _thinking(body: Obj) -> tuple[bool | None, int | None]:
+    """``thinking`` as the template's ``enable_thinking`` (None: not given) and the reasoning
+    budget (``budget_tokens`` of ``enabled``). ``adaptive`` and ``between_tools`` think
+    without a budget; ``display`` is accepted and ignored (thinking is always shown)."""
+    thinking = body.obj("thinking")
+    if thinking is None:
+        return None, None
+    kind = one_of(thinking, "type", _THINKING)
+    if kind is None:
+        raise InvalidValueError("thinking.type", None, "is required")
+    budget = None
+    if kind == "enabled":
+        budget = thinking.num("budget_tokens", 0, 1 << 30, integer=True)
+        if budget is None:
+            raise InvalidValueError("thinking.budget_tokens", None, "is required")
+    if kind != "disabled":
+        one_of(thinking, "display", ("summarized", "omitted"))
+    thinking.done()
+    return kind != "disabled", budget
 
 
 def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False) -> Parsed:
@@ -179,7 +180,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     if metadata is not None:
         user = metadata.get("user_id", "string")
         metadata.done()
-    _ignored(body)
+    anthropic_fields(body)
     body.done()
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",
@@ -233,7 +234,7 @@ def message_body(parsed: Parsed, completion: Completion, parts: Sequence[Part]) 
     """The non-stream response body."""
     blocks = [_block(p) for p in _merged(parts)]
     reason, sequence = stop_reason(completion, any(b["type"] == "tool_use" for b in blocks))
-    return {"id": completion.request_id, "type": "message", "role": "assistant",
+    return {"id": parsed.request.request_id, "type": "message", "role": "assistant",
             "model": parsed.model, "content": blocks, "stop_reason": reason,
             "stop_sequence": sequence, "usage": {
                 "input_tokens": completion.usage.prompt_tokens,
@@ -278,8 +279,9 @@ class MessageStream:
         self._open = kind
         return out + _event("content_block_start", {"index": self._index, "content_block": block})
 
-    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
-        """Block events for the parts one engine delta produced."""
+    def delta(self, index: int, parts: Sequence[Part], delta: Delta) -> bytes:
+        """Block events for the parts one engine delta produced (a message has one choice:
+        ``index`` is 0)."""
         out: list[bytes] = []
         for part in parts:
             if isinstance(part, ToolCallPart):
@@ -299,8 +301,9 @@ class MessageStream:
             out.append(_event("content_block_delta", {"index": self._index, "delta": body}))
         return b"".join(out)
 
-    def end(self, completion: Completion) -> bytes:
+    def end(self, completions: Sequence[Completion]) -> bytes:
         """Close the open block, then ``message_delta`` and ``message_stop``."""
+        (completion,) = completions
         reason, sequence = stop_reason(completion, self._tool_calls)
         return self._close() + _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},

@@ -3,19 +3,23 @@
 Owns :func:`create_app` (a Starlette app over a :class:`~transports.http.gateway.Gateway`) and
 the flow every generation takes: key → body (at most ``max_body_bytes``, else 413) → JSON
 checked at the door (depth, Unicode, size limits) and dialect parse → model →
-``traceparent`` → window fit and admission → stream or wait. Everything after reading the
-body that costs in proportion to the input runs on the bounded pool of
-:mod:`transports.http.work` and stops when the client leaves. Errors anywhere before the
-first byte become the dialect's error response through :mod:`transports.http.errors`, the
-only place that maps them. A streaming client that disconnects cancels its request (Starlette
-cancels the body iterator; its ``finally`` cancels the handle, and the engine frees the slot at
-its next step); a non-streaming one is watched for ``http.disconnect`` the same way. A client
-whose body never fully arrives (it left, or a read deadline of :mod:`transports.http.timeouts`
-cut it off) is counted as 499, nginx's "client closed request", not as a server error.
+``traceparent`` → the request's choices prepared, fitted and admitted together
+(:mod:`transports.http.generation`) → stream (their deltas interleaved by choice) or wait for
+all of them. Everything after reading the body that costs in proportion to the input runs on
+the bounded pool of :mod:`transports.http.work` and stops when the client leaves. Errors
+anywhere before the first byte become the dialect's error response through
+:mod:`transports.http.errors`, the only place that maps them. A streaming client that
+disconnects cancels its request (Starlette cancels the body iterator; its ``finally`` cancels
+every choice's handle, and the engine frees the slots at its next step); a non-streaming one
+is watched for ``http.disconnect`` the same way. A client whose body never fully arrives (it
+left, or a read deadline of :mod:`transports.http.timeouts` cut it off) is counted as 499,
+nginx's "client closed request", not as a server error.
 
-Every generation response carries its request id in ``x-request-id``; ``GET /traces/{id}``
-returns that request's trace as JSONL to the key that made it (:mod:`transports.http.traces`).
-``GET /`` is the web chat page (:mod:`transports.http.page`), which needs no key to load.
+Every generation response carries its request id (the body's ``id``) in ``x-request-id``;
+``GET /traces/{id}`` returns that request's trace as JSONL to a key that made it, every
+choice's trace when it asked for several, and ``GET /traces/{id}-{k}`` choice ``k``'s alone
+(:mod:`transports.http.traces`). ``GET /`` is the web chat page
+(:mod:`transports.http.page`), which needs no key to load.
 """
 
 from __future__ import annotations
@@ -40,14 +44,13 @@ from pipeline.errors import (
     PipelineError,
 )
 from pipeline.types import Completion
-from transports.http import anthropic_api, openai_api
-from transports.http.common import (
-    Parsed, ServerDefaults, StreamEncoder, force_tool_call, traceparent,
-)
+from transports.http import anthropic_api, completions_api, generation, openai_api
+from transports.http.choices import merged
+from transports.http.common import Parsed, ServerDefaults, traceparent
 from transports.http.errors import Dialect, classify, error_body, route_error, status_for
 from transports.http.fields import Obj, check, parse_json
-from transports.http.gateway import Flight, Gateway, ModelState, ServedModel
-from transports.http.inbox import batches
+from transports.http.gateway import Gateway, ModelState, ServedModel
+from transports.http.generation import Started
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
@@ -152,99 +155,87 @@ class Server:
             http, lambda body: anthropic_api.parse_messages(body, self.defaults))
         return await self._generate(http, parsed, Dialect.ANTHROPIC, "messages")
 
+    async def completions(self, http: HTTPRequest) -> Response:
+        """``POST /v1/completions``."""
+        parsed = await self._parsed(
+            http, lambda body: completions_api.parse_completions(body, self.defaults))
+        return await self._generate(http, parsed, Dialect.OPENAI, "completions")
+
     async def _generate(self, http: HTTPRequest, parsed: Parsed, dialect: Dialect,
                         endpoint: str) -> Response:
         served = self._served(http, parsed)
         meta = {**parsed.request.client_metadata,
                 **traceparent(http.headers.get("traceparent"))}
-        request = attrs.evolve(parsed.request, client_metadata=meta)
+        parsed = attrs.evolve(parsed, request=attrs.evolve(parsed.request, client_metadata=meta))
         loop = asyncio.get_running_loop()
         owners: frozenset[str] = http.state.keys
-
-        def start(checkpoint: Checkpoint) -> tuple[Flight, int, bool]:
-            tokenizer = served.pipe.stages.tokenizer
-            assert tokenizer is not None
-            forced = force_tool_call(request, parsed.forced_tool, tokenizer)
-            fitted = self.gateway.fit(served, forced, max_tokens_given=parsed.max_tokens_given,
-                                      checkpoint=checkpoint)
-            # message_start reports the prompt's size before any token exists
-            counted = parsed.stream and dialect is Dialect.ANTHROPIC
-            checkpoint()
-            prompt = served.pipe.count_tokens(fitted.request) if counted else 0
-            checkpoint()
-            flight = self.gateway.submit(served, fitted.request, endpoint, loop, owners)
-            return flight, prompt, fitted.thinking
-
-        flight, prompt_tokens, thinking = await self.work.run(
-            http, start, orphan=lambda started: started[0].handle.cancel())
-        parsed = attrs.evolve(parsed, request=request, thinking=thinking)
-        request_id = {"x-request-id": request.request_id}
+        started = await self.work.run(
+            http, lambda checkpoint: generation.start(self.gateway, served, parsed, dialect,
+                                                      endpoint, loop, checkpoint, owners),
+            orphan=Started.cancel)
+        parsed = attrs.evolve(parsed, thinking=started.thinking)
+        # the request's id: its response's ``id``, its usage row and its traces' key
+        request_id = {"x-request-id": parsed.request.request_id}
         if parsed.stream:
             # The generator's own ``finally`` cancels when the client leaves; the background
             # task cancels too when the stream never started (a disconnect seen first).
-            return StreamingResponse(self._stream(flight, parsed, dialect, prompt_tokens),
+            return StreamingResponse(self._stream(served, started, parsed, dialect),
                                      media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", **request_id},
-                                     background=BackgroundTask(flight.handle.cancel))
-        completion = await self._wait(http, flight)
-        if completion.error is not None:
-            raise _failed(completion)
-        splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
-        parts = splitter.feed(completion.text) + splitter.finish()
-        if dialect is Dialect.ANTHROPIC:
-            return JSONResponse(anthropic_api.message_body(parsed, completion, parts),
-                                headers=request_id)
-        tokenizer = served.pipe.stages.tokenizer
-        assert tokenizer is not None
-        return JSONResponse(openai_api.chat_completion(parsed, completion, parts, tokenizer),
+                                     background=BackgroundTask(started.cancel))
+        completions = await self._wait(http, started)
+        failed = next((c for c in completions if c.error is not None), None)
+        if failed is not None:
+            raise _failed(failed)
+        return JSONResponse(generation.answer(served, parsed, dialect, started, completions),
                             headers=request_id)
 
-    async def _wait(self, http: HTTPRequest, flight: Flight) -> Completion:
-        """The completion; a client that disconnects first cancels the request."""
+    async def _wait(self, http: HTTPRequest, started: Started) -> list[Completion]:
+        """Every choice's completion; a client that disconnects first cancels them."""
         watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected(http))
-        waiting: set[asyncio.Future[Any]] = {flight.done, watcher}
+        done = asyncio.gather(*(f.done for f in started.flights))
         try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not flight.done.done():
-                flight.handle.cancel()
+            if not done.done():
+                started.cancel()
             watcher.cancel()
-        return await flight.done
+        return list(await done)
 
-    async def _stream(self, flight: Flight, parsed: Parsed, dialect: Dialect,
-                      prompt_tokens: int) -> AsyncIterator[bytes]:
-        pipe = flight.model.pipe
-        tokenizer = pipe.stages.tokenizer
-        assert tokenizer is not None
-        splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
-        encoder: StreamEncoder
-        if dialect is Dialect.ANTHROPIC:
-            encoder = anthropic_api.MessageStream(parsed, parsed.request.request_id,
-                                                  prompt_tokens)
-        else:
-            encoder = openai_api.ChatStream(parsed, parsed.request.request_id, tokenizer)
-        yield encoder.start()
-        histogram = self.gateway.metrics.inter_token.labels(flight.model.name)
-        last = None
-        async for delta in batches(flight.handle, self.gateway.config.ping_interval_s):
-            if delta is None:  # idle (queued): keep the connection alive
+    async def _stream(self, served: ServedModel, started: Started, parsed: Parsed,
+                      dialect: Dialect) -> AsyncIterator[bytes]:
+        encoder = generation.encoder(served, parsed, dialect, started)
+        splitters = [OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
+                     for _ in started.flights]
+        opening = encoder.start()
+        if opening:
+            yield opening
+        histogram = self.gateway.metrics.inter_token.labels(served.name)
+        last: dict[int, float] = {}
+        handles = [f.handle for f in started.flights]
+        async for item in merged(handles, self.gateway.config.ping_interval_s):
+            if item is None:  # idle (queued): keep the connection alive
                 yield anthropic_api.PING if dialect is Dialect.ANTHROPIC else KEEP_ALIVE
                 continue
+            index, delta = item
             now = time.perf_counter()
-            if last is not None:
-                histogram.observe(now - last)
-            last = now
-            parts: list[Part] = splitter.feed(delta.text)
-            if delta.final:
-                parts += splitter.finish()
-            chunk = encoder.delta(parts, delta)
+            if index in last:
+                histogram.observe(now - last[index])
+            last[index] = now
+            parts: list[Part] = []
+            if parsed.raw is None:  # a raw completion is text as it came
+                parts = splitters[index].feed(delta.text)
+                if delta.final:
+                    parts += splitters[index].finish()
+            chunk = encoder.delta(index, parts, delta)
             if chunk:
                 yield chunk
-        completion = await flight.done
-        if completion.error is not None:
-            yield self._stream_error(_failed(completion), dialect)
+        completions = await asyncio.gather(*(f.done for f in started.flights))
+        failed = next((c for c in completions if c.error is not None), None)
+        if failed is not None:
+            yield self._stream_error(_failed(failed), dialect)
             return
-        yield encoder.end(completion)
+        yield encoder.end(completions)
 
     @staticmethod
     def _stream_error(exc: BaseException, dialect: Dialect) -> bytes:
@@ -383,7 +374,7 @@ class Server:
 
     async def openapi(self, http: HTTPRequest) -> Response:
         """``GET /openapi.json``: this server's OpenAPI document (no key needed)."""
-        return JSONResponse(openapi_document(list(self.gateway.models)))
+        return JSONResponse(openapi_document(list(self.gateway.models), self.limits.max_n))
 
 
 def create_app(gateway: Gateway) -> Starlette:
@@ -392,6 +383,8 @@ def create_app(gateway: Gateway) -> Starlette:
     oa, an = Dialect.OPENAI, Dialect.ANTHROPIC
     routes = [
         Route("/v1/chat/completions", s.endpoint("chat.completions", oa, s.chat),
+              methods=["POST"]),
+        Route("/v1/completions", s.endpoint("completions", oa, s.completions),
               methods=["POST"]),
         Route("/v1/messages", s.endpoint("messages", an, s.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", s.endpoint("count_tokens", an, s.count_tokens),

@@ -1,8 +1,11 @@
-"""What both dialects share: the parsed request, server defaults, message content as text, the traceparent check.
+"""What the dialects share: the parsed request, server defaults, message content as text,
+the traceparent check.
 
 Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.types.Request`
-plus how to answer it), :class:`ServerDefaults` (the server-side defaults a body may leave
-out), :func:`config_from` and :func:`text_content`.
+plus how to answer it), :class:`RawPrompts` (a completions request's prompts),
+:class:`ServerDefaults` (the server-side defaults a body may leave out),
+:class:`StreamEncoder` (a dialect's streamed answer), :func:`config_from`,
+:func:`text_content` and :func:`traceparent`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,21 @@ class ServerDefaults:
     reasoning_budget_tokens: int | None = None
 
 
+RawPrompt = str | tuple[int, ...]
+"""A completions prompt: text (tokenized as a document of its own), or token ids."""
+
+
+@attrs.frozen
+class RawPrompts:
+    """The prompts of a ``/v1/completions`` request (one generation each, times ``n``), and
+    the parts of its answer chat has not: ``echo`` (the prompt before each choice's text) and
+    ``logprobs`` (the legacy count of alternatives per token; None: no logprobs)."""
+
+    prompts: tuple[RawPrompt, ...]
+    echo: bool = False
+    logprobs: int | None = None
+
+
 @attrs.frozen
 class Parsed:
     """A request body, understood: the served model's name, the internal request, and the
@@ -46,6 +64,11 @@ class Parsed:
     """The prompt left a ``<think>`` block open: the output starts as reasoning."""
     forced_tool: str | None = None
     """A tool call is required: ``""`` for any tool, else the tool's name."""
+    n: int = 1
+    """Choices per prompt (:mod:`transports.http.choices` has the seed rule)."""
+    raw: RawPrompts | None = None
+    """The raw prompts of a completions request (``request`` is then the first prompt's;
+    each prompt's own request replaces its prompt with the prompt's ids)."""
 
 
 def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokenizer) -> Request:
@@ -60,17 +83,18 @@ def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokeni
 
 class StreamEncoder(Protocol):
     """A dialect's streamed answer as SSE bytes: ``start`` once, ``delta`` for each engine
-    delta (with the parts the output splitter made of it), ``end`` with the completion."""
+    delta of choice ``index`` (with the parts the output splitter made of it; a choice's
+    final delta may close that choice), ``end`` once with every choice's completion."""
 
     def start(self) -> bytes:
         """The opening events."""
         ...
 
-    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
-        """Events for one delta (may be empty)."""
+    def delta(self, index: int, parts: Sequence[Part], delta: Delta) -> bytes:
+        """Events for one delta of choice ``index`` (may be empty)."""
         ...
 
-    def end(self, completion: Completion) -> bytes:
+    def end(self, completions: Sequence[Completion]) -> bytes:
         """The closing events."""
         ...
 
@@ -97,7 +121,7 @@ def text_content(path: str, value: Any, text_type: str) -> str | None:
         kind = part.need("type", "string")
         if kind != text_type:
             raise InvalidValueError(f"{path}[{i}].type", kind,
-                                    f"only '{text_type}' parts are supported here")
+                                    f"is not supported here: only '{text_type}' parts")
         pieces.append(part.need("text", "string"))
         part.get("cache_control", "object")
         part.done()

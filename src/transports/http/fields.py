@@ -138,7 +138,8 @@ class Obj:
         self.path = path
         self._read: set[str] = set()
 
-    def _at(self, name: str) -> str:
+    def at(self, name: str) -> str:
+        """The JSON path of field ``name`` of this object."""
         return f"{self.path}.{name}" if self.path and self.path != "body" else name
 
     def has(self, name: str) -> bool:
@@ -152,13 +153,13 @@ class Obj:
         value = self.value.get(name, _MISSING)
         if value is _MISSING or value is None:
             return default
-        return check(self._at(name), value, kind)
+        return check(self.at(name), value, kind)
 
     def need(self, name: str, kind: str) -> Any:
         """A required field."""
         value = self.get(name, kind, _MISSING)
         if value is _MISSING:
-            raise InvalidValueError(self._at(name), None, "is required")
+            raise InvalidValueError(self.at(name), None, "is required")
         return value
 
     def num(self, name: str, lo: float, hi: float, default: Any = None, *,
@@ -166,23 +167,23 @@ class Obj:
         """A number (an integer if ``integer``) within ``[lo, hi]``."""
         value = self.get(name, "integer" if integer else "number", default)
         if value is not None and value is not default and not lo <= value <= hi:
-            raise InvalidValueError(self._at(name), value, f"must be in [{lo}, {hi}]")
+            raise InvalidValueError(self.at(name), value, f"must be in [{lo}, {hi}]")
         return value
 
     def obj(self, name: str) -> Obj | None:
         """A nested object, or None when absent."""
         value = self.get(name, "object")
-        return None if value is None else Obj(value, self._at(name))
+        return None if value is None else Obj(value, self.at(name))
 
     def items(self, name: str, *, required: bool = False) -> Iterator[tuple[str, Any]]:
         """``(path, item)`` for each element of an array field."""
         value = self.need(name, "array") if required else self.get(name, "array", [])
         for i, item in enumerate(value):
-            yield f"{self._at(name)}[{i}]", item
+            yield f"{self.at(name)}[{i}]", item
 
     def done(self) -> None:
         """Every key must have been read: an unknown field is a 400 naming it."""
         for key in self.value:
             if key not in self._read:
-                raise UnknownFieldError("the request body", self._at(key),
-                                        (self._at(k) for k in self._read))
+                raise UnknownFieldError("the request body", self.at(key),
+                                        (self.at(k) for k in self._read))

@@ -5,8 +5,8 @@ state (503 while loading), routing by name (404 listing the served names), windo
 (a fast upper bound first, the exact count only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
 :class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
-committed durably, its admission place given back, its metrics counted, its trace kept for
-the keys that made it), and supervision:
+committed durably, its admission place given back, its metrics counted, its choices' traces
+kept for the keys that made it), and supervision:
 when a model's engine loop stops after an internal error, the model answers 503 (its queued
 requests already failed) and a fresh engine replaces it ``restart_delay_s`` later.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hmac
 import logging
 import math
@@ -38,6 +39,7 @@ from pipeline.errors import (
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, Request
+from transports.http.choices import Choices, total_usage
 from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
 from transports.http.metrics import Metrics
@@ -70,6 +72,11 @@ def _values(header: str | Sequence[str] | None) -> list[str]:
     if header is None:
         return []
     return [header] if isinstance(header, str) else list(header)
+
+
+def _prompt_field(request: Request) -> str:
+    """The body field a too-long prompt came from."""
+    return "messages" if request.messages else "prompt"
 
 
 class ModelState(enum.Enum):
@@ -294,7 +301,8 @@ class Gateway:
         """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
 
         ``room = window - slack - prompt_tokens``. When the character-class bound plus
-        ``max_tokens`` fits, the prompt is not counted here at all. A prompt with more
+        ``max_tokens`` fits, the prompt is not counted here at all (a token-id prompt is
+        counted by its length). A prompt with more
         characters than ``window`` tokens of the longest token could cover is refused before
         tokenizing. ``checkpoint`` is called between the render and the count.
         """
@@ -302,6 +310,9 @@ class Gateway:
         window = self.window(served)
         request = attrs.evolve(request, runtime_limits=attrs.evolve(
             request.runtime_limits, max_context_tokens=window))
+        if request.prompt_ids is not None:  # counted already: its length
+            return self._fit_count(request, len(request.prompt_ids), window, False,
+                                   max_tokens_given)
         if request.prompt is not None:
             text = request.prompt
         else:
@@ -310,14 +321,26 @@ class Gateway:
         thinking = opens_thinking(text)
         if token_upper_bound(text) + config.max_tokens <= window:
             return Fitted(request, thinking)
-        at_least = math.ceil(len(text) / served.token_chars)
-        if at_least > window - 1:
-            raise ContextWindowError("messages", at_least, window - 1, lower_bound=True)
+        self.refuse_longer(served, text, _prompt_field(request))
         if checkpoint is not None:
             checkpoint()
-        prompt_tokens = pipe.count_tokens(request)
+        return self._fit_count(request, pipe.count_tokens(request), window, thinking,
+                               max_tokens_given)
+
+    def refuse_longer(self, served: ServedModel, text: str, field: str) -> None:
+        """Refuse ``text`` without tokenizing it when it has more characters than the window's
+        tokens could cover even at the vocabulary's longest token."""
+        window = self.window(served)
+        at_least = math.ceil(len(text) / served.token_chars)
+        if at_least > window - 1:
+            raise ContextWindowError(field, at_least, window - 1, lower_bound=True)
+
+    def _fit_count(self, request: Request, prompt_tokens: int, window: int, thinking: bool,
+                   max_tokens_given: bool) -> Fitted:
+        """:meth:`fit` once the prompt's exact length is known."""
+        config = request.generation_config
         if prompt_tokens > window - 1:
-            raise ContextWindowError("messages", prompt_tokens, window - 1)
+            raise ContextWindowError(_prompt_field(request), prompt_tokens, window - 1)
         room = window - prompt_tokens
         if config.max_tokens <= room:
             return Fitted(request, thinking)
@@ -328,45 +351,68 @@ class Gateway:
 
     # --- admission and the end of a request ------------------------------------------------
 
-    def submit(self, served: ServedModel, request: Request, endpoint: str,
-               loop: asyncio.AbstractEventLoop, owners: frozenset[str] = frozenset()) -> Flight:
-        """Admit and start ``request`` (call off the event loop: it renders and tokenizes);
-        its trace will be readable with the keys whose fingerprints are ``owners``."""
-        limit = self.config.num_slots + self.config.max_queue
+    def submit(self, served: ServedModel, requests: Sequence[Request], endpoint: str,
+               loop: asyncio.AbstractEventLoop, *, record_id: str, n: int = 1,
+               owners: frozenset[str] = frozenset()) -> list[Flight]:
+        """Admit and start ``requests``, the choices of one HTTP request (``n`` per prompt),
+        all or none, one after the other without waiting, so the engine batches them. Call
+        off the event loop: submitting renders and tokenizes. Their usage is one record,
+        ``record_id`` (:func:`~transports.http.choices.total_usage`), and their traces are
+        kept together under it, readable with the keys whose fingerprints are ``owners``
+        (:meth:`~transports.http.traces.TraceStore.add_choices`); every flight's ``done``
+        resolves once the record is durable and the traces are kept."""
+        count, limit = len(requests), self.config.num_slots + self.config.max_queue
         with served.lock:
-            if served.inflight >= limit:
+            if served.inflight + count > limit:
                 raise OverloadedError(f"model {served.name!r} is at capacity ({limit} requests "
                                       "running or queued); retry later")
-            served.inflight += 1
+            served.inflight += count
+        flights: list[Flight] = []
+        choices = Choices(count, lambda done: self._record(served, endpoint, record_id, n,
+                                                           done, loop, flights, owners))
         try:
-            handle = served.pipe.submit(request)
+            for index, request in enumerate(requests):
+                handle = served.pipe.submit(request)
+                flight = Flight(handle, served, request, loop.create_future())
+                flights.append(flight)
+                self.flights[request.request_id] = flight
+                handle.add_done_callback(functools.partial(self._finished, served,
+                                                           choices=choices, index=index))
         except BaseException:
-            self._leave(served)
+            for _ in range(count - len(flights)):
+                self._leave(served)
+            for started in flights:
+                started.handle.cancel()
+            choices.started(len(flights))
             raise
-        done: asyncio.Future[Completion] = loop.create_future()
-        flight = self.flights[request.request_id] = Flight(handle, served, request, done)
-        handle.add_done_callback(
-            lambda c: self._finished(served, endpoint, c, loop, done, owners))
-        return flight
+        return flights
 
     def _leave(self, served: ServedModel) -> None:
         with served.lock:
             served.inflight -= 1
 
-    def _finished(self, served: ServedModel, endpoint: str, completion: Completion,
-                  loop: asyncio.AbstractEventLoop, done: asyncio.Future[Completion],
-                  owners: frozenset[str]) -> None:
-        """On the engine thread: free the admission place, count, keep the trace (before the
-        response can end), and record durably."""
+    def _finished(self, served: ServedModel, completion: Completion, choices: Choices,
+                  index: int) -> None:
+        """On the engine thread: free the admission place and count; the last choice to
+        finish keeps the request's traces and writes its usage record."""
         self._leave(served)
         self.flights.pop(completion.request_id, None)
-        self.traces.add(completion.request_id, owners, completion.trace)
         self.metrics.finished(served.name, completion.usage.prompt_tokens,
                               completion.usage.completion_tokens, completion.timings.first_token_s)
+        choices.add(index, completion)
+
+    def _record(self, served: ServedModel, endpoint: str, record_id: str, n: int,
+                completions: list[Completion], loop: asyncio.AbstractEventLoop,
+                flights: list[Flight], owners: frozenset[str]) -> None:
+        """Keep the choices' traces (before any response can end), record the request's usage
+        durably, then resolve each flight's ``done``."""
+        self.traces.add_choices(record_id, owners,
+                                [(c.request_id, c.trace) for c in completions])
 
         def resolve() -> None:
-            if not done.done():
-                done.set_result(completion)
+            for flight, completion in zip(flights, completions):
+                if not flight.done.done():
+                    flight.done.set_result(completion)
 
         def durable() -> None:
             try:
@@ -374,7 +420,9 @@ class Gateway:
             except RuntimeError:  # the loop is gone: nobody waits any more
                 pass
 
-        self.usage.append(UsageRecord.of(completion, served.name, endpoint), durable)
+        record = UsageRecord.of_choices(record_id, completions, total_usage(completions, n),
+                                        served.name, endpoint)
+        self.usage.append(record, durable)
 
     def close(self) -> None:
         """Stop every engine (cancelling what runs), then flush the usage store."""

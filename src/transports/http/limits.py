@@ -21,6 +21,9 @@ setting                     default      what it bounds (error)
 ``max_prompt_chars``        1,000,000    characters of all text (keys included) in
                                          ``messages``, ``system``, ``prompt`` and ``tools``,
                                          before tokenization (400)
+``max_n``                   16           choices one request asks for: ``n``, times the
+                                         prompts of a batched ``/v1/completions`` request
+                                         (400; each choice is a generation of its own)
 ==========================  ===========  ===================================================
 
 Every refusal is a :class:`~pipeline.errors.LimitExceededError` (or
@@ -70,6 +73,8 @@ class Limits:
     max_tool_schema_bytes: int = _limit(64 * 1024, "bytes of one tool's compact JSON definition")
     max_prompt_chars: int = _limit(1_000_000, "characters of prompt text, before tokenizing")
     max_logit_bias: int = _limit(2048, "logit_bias entries in one request")
+    max_n: int = _limit(16, "choices in one request (n, times the prompts of a batched "
+                            "completions request)")
 
     def check(self, body: Any) -> None:
         """Raise for the first limit ``body`` (parsed JSON of any endpoint) exceeds. Fields
@@ -90,6 +95,21 @@ class Limits:
         if chars > self.max_prompt_chars:
             raise LimitExceededError("messages", "max_prompt_chars", chars,
                                      self.max_prompt_chars, "characters of prompt text")
+        self._choices(body)
+
+    def _choices(self, body: dict[str, Any]) -> None:
+        """``n`` times the prompts (a list of texts or of id lists counts each prompt).
+        Wrong types are left for the parser."""
+        n, prompt = body.get("n"), body.get("prompt")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        prompts = 1
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list))
+                                                       for p in prompt):
+            prompts = len(prompt)  # a batch; a list of ids is one prompt
+        if n * prompts > self.max_n:
+            field = "n" if prompts == 1 else "prompt"
+            raise LimitExceededError(field, "max_n", n * prompts, self.max_n,
+                                     "choices (n, times the prompts)")
 
     @staticmethod
     def _count(body: dict[str, Any], name: str, maximum: int, setting: str, what: str) -> None:

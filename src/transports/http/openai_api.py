@@ -1,10 +1,13 @@
 """The OpenAI dialect: ``POST /v1/chat/completions`` bodies in, completions and chunks out.
 
 Owns :func:`parse_chat` (a request body → :class:`~transports.http.common.Parsed`, every field
-type- and range-checked, unknown fields refused), :func:`chat_completion` (the non-stream
-body) and :class:`ChatStream` (the ``chat.completion.chunk`` sequence, ``data: [DONE]`` last).
-Tool calls found in the output become ``tool_calls`` (streamed as deltas: id and name first,
-then the arguments) and ``finish_reason: "tool_calls"``.
+type- and range-checked, unknown fields refused, documented ones without meaning here left to
+:mod:`~transports.http.documented`), :func:`chat_completion` (the non-stream body, one choice
+per generation) and :class:`ChatStream` (the ``chat.completion.chunk`` sequence, choices
+interleaved by ``index``, ``data: [DONE]`` last). Tool calls found in the output become
+``tool_calls`` (streamed as deltas: id and name first, then the arguments) and
+``finish_reason: "tool_calls"``. The usage object, the word for a finish reason and
+``stream_options`` are shared with :mod:`~transports.http.completions_api`.
 """
 
 from __future__ import annotations
@@ -19,16 +22,18 @@ from pipeline.errors import InvalidValueError
 from pipeline.protocols import Tokenizer
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, TokenLogprob, ToolCall,
-    ToolSpec, token_text,
+    ToolSpec, Usage, token_text,
 )
+from transports.http.choices import total_usage
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
+from transports.http.documented import openai_chat_ignored, openai_chat_refused, openai_ignored
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, ToolCallPart
 from transports.sse import SSEEvent, encode
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI field → GenerationConfig field, with (lo, hi, integer) checks done here.
-_NUMBERS = {
+_NUMBERS: dict[str, tuple[str, float, float, bool]] = {
     "temperature": ("temperature", 0.0, 2.0, False),
     "top_p": ("top_p", 0.0, 1.0, False),
     "presence_penalty": ("presence_penalty", -2.0, 2.0, False),
@@ -43,25 +48,9 @@ _NUMBERS = {
 }
 
 
-_TIERS = ("auto", "default", "flex", "scale", "priority")
-
-
-def _ignored(body: Obj) -> None:
-    """Documented fields with no meaning here, type-checked and ignored: ``service_tier``,
-    ``store``, ``metadata`` (at most 16 string values), ``prompt_cache_key`` and
-    ``safety_identifier``."""
-    tier = body.get("service_tier", "string")
-    if tier is not None and tier not in _TIERS:
-        raise InvalidValueError("service_tier", tier, f"must be one of {', '.join(_TIERS)}")
-    body.get("store", "boolean")
-    metadata = body.get("metadata", "object")
-    if metadata is not None:
-        if len(metadata) > 16:
-            raise InvalidValueError("metadata", len(metadata), "at most 16 entries")
-        for key, value in metadata.items():
-            check(f"metadata.{key}", value, "string")
-    body.get("prompt_cache_key", "string")
-    body.get("safety_identifier", "string")
+TEXT_NUMBERS = {k: v for k, v in _NUMBERS.items()
+                if k not in ("top_logprobs", "reasoning_budget_tokens")}
+"""The numeric fields ``/v1/completions`` shares with chat (its logprobs are a count)."""
 
 
 def _tool_call(path: str, raw: Any) -> ToolCall:
@@ -144,18 +133,15 @@ def _tool_choice(body: Obj, tools: list[ToolSpec]) -> tuple[list[ToolSpec], str 
     return picked, name
 
 
-def _config(body: Obj, defaults: ServerDefaults) -> tuple[GenerationConfig, bool]:
+def sampling(body: Obj, numbers: dict[str, tuple[str, float, float, bool]] | None = None
+             ) -> dict[str, Any]:
+    """The sampling fields both OpenAI endpoints share, as GenerationConfig fields: the
+    ``numbers`` (default: chat's), ``seed``, ``stop`` and ``logit_bias``."""
     fields: dict[str, Any] = {}
-    for name, (target, lo, hi, integer) in _NUMBERS.items():
+    for name, (target, lo, hi, integer) in (numbers or _NUMBERS).items():
         value = body.num(name, lo, hi, integer=integer)
         if value is not None:
             fields[target] = value
-    tokens = body.num("max_completion_tokens", 1, 1 << 30, integer=True)
-    legacy = body.num("max_tokens", 1, 1 << 30, integer=True)
-    given = tokens if tokens is not None else legacy
-    n = body.num("n", 1, 1 << 30, integer=True)
-    if n not in (None, 1):
-        raise InvalidValueError("n", n, "only n=1 is supported")
     seed = body.get("seed", "integer")
     if seed is not None:
         fields["seed"] = seed % (1 << 63)  # OpenAI allows negative seeds; map them in range
@@ -167,9 +153,35 @@ def _config(body: Obj, defaults: ServerDefaults) -> tuple[GenerationConfig, bool
     bias = body.get("logit_bias", "object")
     if bias is not None:
         fields["logit_bias"] = {k: check(f"logit_bias.{k}", v, "number") for k, v in bias.items()}
+    return fields
+
+
+def _config(body: Obj, defaults: ServerDefaults) -> tuple[GenerationConfig, bool]:
+    fields = sampling(body)
+    tokens = body.num("max_completion_tokens", 1, 1 << 30, integer=True)
+    legacy = body.num("max_tokens", 1, 1 << 30, integer=True)
+    given = tokens if tokens is not None else legacy
     if body.get("logprobs", "boolean"):
         fields["logprobs"] = True
     return config_from(fields, given, defaults), given is not None
+
+
+def choice_count(body: Obj) -> int:
+    """``n``: how many choices (the server's ``max_n`` bounds it at the door)."""
+    return body.num("n", 1, 1 << 30, 1, integer=True)  # type: ignore[no-any-return]
+
+
+def stream_options(body: Obj, stream: bool) -> bool:
+    """``stream_options`` (only with ``stream``): whether to send the usage chunk."""
+    options = body.obj("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidValueError("stream_options", options.value, "only allowed with stream=true")
+    include_usage = options.get("include_usage", "boolean", False)
+    options.get("include_obfuscation", "boolean")  # padding against side channels: none here
+    options.done()
+    return include_usage  # type: ignore[no-any-return]
 
 
 def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
@@ -182,29 +194,28 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     tools, forced = _tool_choice(body, _tools(body))
     body.get("parallel_tool_calls", "boolean")
     config, given = _config(body, defaults)
+    n = choice_count(body)
     stream = body.get("stream", "boolean", False)
-    options = body.obj("stream_options")
-    include_usage = False
-    if options is not None and not stream:
-        raise InvalidValueError("stream_options", options.value, "only allowed with stream=true")
-    if options is not None:
-        include_usage = options.get("include_usage", "boolean", False)
-        options.done()
+    include_usage = stream_options(body, stream)
     user = body.get("user", "string")
-    _ignored(body)
+    openai_ignored(body)
+    effort = openai_chat_ignored(body)
+    openai_chat_refused(body)
     body.done()
+    thinking = {} if effort is None else {"enable_thinking": effort != "none"}
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                      client_metadata={"user": user} if user else {})
-    return Parsed(model, request, stream, given, bool(tools), include_usage, forced_tool=forced)
+                      client_metadata={"user": user} if user else {},
+                      template_kwargs=thinking)
+    return Parsed(model, request, stream, given, bool(tools), include_usage, forced_tool=forced,
+                  n=n)
 
 
 # --- responses -----------------------------------------------------------------------------
 
 
-def finish_reason(completion: Completion, tool_calls: bool) -> str:
-    """OpenAI's word for why it ended (``tool_calls`` when the answer called tools)."""
-    reason = completion.finish_reason
+def finish_word(reason: FinishReason, tool_calls: bool) -> str:
+    """OpenAI's word for why a choice ended (``tool_calls`` when it called tools)."""
     if tool_calls and reason in (FinishReason.EOS, FinishReason.STOP_TOKEN):
         return "tool_calls"
     if reason is FinishReason.DEADLINE:
@@ -212,19 +223,19 @@ def finish_reason(completion: Completion, tool_calls: bool) -> str:
     return "error" if reason is FinishReason.ERROR else reason.openai
 
 
-def _token(tokenizer: Tokenizer, token_id: int) -> dict[str, Any]:
-    """``{"token", "bytes"}`` of one token: its exact bytes, and as text with a partial UTF-8
-    character's bytes as ``\\xNN`` escapes (as OpenAI writes them)."""
-    data = tokenizer.token_bytes(token_id)
-    return {"token": token_text(data), "bytes": list(data)}
+def token_of(tokenizer: Tokenizer, lp: TokenLogprob) -> tuple[str, bytes]:
+    """A logprob record's token as text and exact bytes: the record's own, else from the
+    tokenizer (the text shows a partial UTF-8 character's bytes as ``\\xNN`` escapes, as
+    OpenAI writes them). Both OpenAI endpoints show tokens this way."""
+    if lp.text is not None and lp.token_bytes is not None:
+        return lp.text, lp.token_bytes
+    data = tokenizer.token_bytes(lp.token_id)
+    return token_text(data), data
 
 
 def _entry(tokenizer: Tokenizer, lp: TokenLogprob) -> dict[str, Any]:
-    if lp.text is not None and lp.token_bytes is not None:
-        token: dict[str, Any] = {"token": lp.text, "bytes": list(lp.token_bytes)}
-    else:
-        token = _token(tokenizer, lp.token_id)
-    return {**token, "logprob": lp.logprob}
+    text, data = token_of(tokenizer, lp)
+    return {"token": text, "bytes": list(data), "logprob": lp.logprob}
 
 
 def logprobs_body(tokenizer: Tokenizer, items: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -239,17 +250,15 @@ def _calls_json(calls: Sequence[ToolCallPart]) -> list[dict[str, Any]]:
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def usage_body(completion: Completion) -> dict[str, Any]:
+def usage_body(usage: Usage) -> dict[str, Any]:
     """The ``usage`` object."""
-    u = completion.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def chat_completion(parsed: Parsed, completion: Completion, parts: Sequence[Part],
-                    tokenizer: Tokenizer) -> dict[str, Any]:
-    """The non-stream response body."""
+def _choice(index: int, completion: Completion, parts: Sequence[Part],
+            tokenizer: Tokenizer) -> dict[str, Any]:
     text = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "text")
     thinking = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "thinking")
     calls = [p for p in parts if isinstance(p, ToolCallPart)]
@@ -260,62 +269,78 @@ def chat_completion(parsed: Parsed, completion: Completion, parts: Sequence[Part
         message["tool_calls"] = _calls_json(calls)
     logprobs = (logprobs_body(tokenizer, completion.logprobs)
                 if completion.logprobs is not None else None)
-    return {"id": completion.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": parsed.model, "choices": [{
-                "index": 0, "message": message, "logprobs": logprobs,
-                "finish_reason": finish_reason(completion, bool(calls))}],
-            "usage": usage_body(completion)}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_word(completion.finish_reason, bool(calls))}
+
+
+def chat_completion(parsed: Parsed, completions: Sequence[Completion],
+                    parts: Sequence[Sequence[Part]], usage: Usage,
+                    tokenizer: Tokenizer) -> dict[str, Any]:
+    """The non-stream response body: one choice per completion, with its parts."""
+    return {"id": parsed.request.request_id, "object": "chat.completion",
+            "created": int(time.time()), "model": parsed.model,
+            "choices": [_choice(i, c, p, tokenizer)
+                        for i, (c, p) in enumerate(zip(completions, parts, strict=True))],
+            "usage": usage_body(usage)}
 
 
 class ChatStream:
-    """The ``chat.completion.chunk`` events of one streamed answer, as SSE bytes."""
+    """The ``chat.completion.chunk`` events of one streamed answer, as SSE bytes: each
+    choice's chunks carry its ``index``, its finish chunk follows its last delta, and the
+    usage chunk (if asked) and ``[DONE]`` close the stream."""
 
     def __init__(self, parsed: Parsed, request_id: str, tokenizer: Tokenizer) -> None:
         self.parsed = parsed
         self._head = {"id": request_id, "object": "chat.completion.chunk",
                       "created": int(time.time()), "model": parsed.model}
         self._tokenizer = tokenizer
-        self._calls = 0
+        self._calls = [0] * parsed.n
 
-    def _chunk(self, delta: dict[str, Any], logprobs: Any = None,
+    def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any = None,
                finish: str | None = None) -> bytes:
         body: dict[str, Any] = {**self._head, "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if self.parsed.include_usage:
             body["usage"] = None
         return encode(SSEEvent(json.dumps(body, ensure_ascii=False)))
 
     def start(self) -> bytes:
-        """The first chunk: the assistant role."""
-        return self._chunk({"role": "assistant", "content": ""})
+        """The first chunk of every choice: the assistant role."""
+        return b"".join(self._chunk(i, {"role": "assistant", "content": ""})
+                        for i in range(self.parsed.n))
 
-    def delta(self, parts: Sequence[Part], delta: Delta) -> bytes:
-        """Chunks for the parts one engine delta produced (its logprobs ride on the first)."""
+    def delta(self, index: int, parts: Sequence[Part], delta: Delta) -> bytes:
+        """Chunks for the parts one engine delta of choice ``index`` produced (its logprobs
+        ride on the first), and the choice's finish chunk after its final delta."""
         out: list[bytes] = []
         logprobs = (logprobs_body(self._tokenizer, delta.logprobs)
                     if self.parsed.request.generation_config.logprobs and delta.logprobs
                     else None)
         for part in parts:
             if isinstance(part, ToolCallPart):
-                self._calls += 1
-                out.append(self._chunk({"tool_calls": [{
+                self._calls[index] += 1
+                out.append(self._chunk(index, {"tool_calls": [{
                     "index": part.index, "id": part.id, "type": "function",
                     "function": {"name": part.name, "arguments": ""}}]}))
-                out.append(self._chunk({"tool_calls": [{
+                out.append(self._chunk(index, {"tool_calls": [{
                     "index": part.index, "function": {"arguments": part.arguments}}]}))
             else:
                 key = "content" if part.kind == "text" else "reasoning_content"
-                out.append(self._chunk({key: part.text}, logprobs))
+                out.append(self._chunk(index, {key: part.text}, logprobs))
                 logprobs = None
         if logprobs is not None:
-            out.append(self._chunk({"content": ""}, logprobs))
+            out.append(self._chunk(index, {"content": ""}, logprobs))
+        reason = delta.finish_reason
+        if reason is not None and reason is not FinishReason.ERROR:  # a failure ends the stream
+            out.append(self._chunk(index, {}, finish=finish_word(reason, self._calls[index] > 0)))
         return b"".join(out)
 
-    def end(self, completion: Completion) -> bytes:
-        """The finishing chunk, the usage chunk if asked, and ``[DONE]``."""
-        out = [self._chunk({}, finish=finish_reason(completion, self._calls > 0))]
+    def end(self, completions: Sequence[Completion]) -> bytes:
+        """The usage chunk if asked (each prompt once, completions summed), and ``[DONE]``."""
+        out = []
         if self.parsed.include_usage:
-            body = {**self._head, "choices": [], "usage": usage_body(completion)}
+            usage = total_usage(completions, self.parsed.n)
+            body = {**self._head, "choices": [], "usage": usage_body(usage)}
             out.append(encode(SSEEvent(json.dumps(body))))
         out.append(encode(SSEEvent("[DONE]")))
         return b"".join(out)

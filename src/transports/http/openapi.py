@@ -1,11 +1,10 @@
 """The server's own OpenAPI 3.1 document, served at ``GET /openapi.json``.
 
 Owns :func:`openapi_document`: every route :func:`~transports.http.app.create_app` registers,
-with the request bodies the dialect parsers (:mod:`~transports.http.openai_api`,
-:mod:`~transports.http.anthropic_api`, the token endpoints in :mod:`~transports.http.app`)
-accept — types, required fields, enums and numeric ranges as the parsers and
+with the request bodies the dialect parsers accept (:mod:`~transports.http.openapi_requests`:
+types, required fields, enums and numeric ranges as the parsers and
 :class:`~pipeline.types.GenerationConfig` check them, unknown fields refused
-(``additionalProperties: false``), ``null`` allowed wherever a parser reads it as absent — and
+(``additionalProperties: false``), ``null`` allowed wherever a parser reads it as absent) and
 the responses: 200 (JSON, or ``text/event-stream`` when ``stream`` is true) and each error
 status in the dialect's body shape from :mod:`~transports.http.errors`.
 
@@ -22,251 +21,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-Schema = dict[str, Any]
+from transports.http.openapi_requests import (
+    COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, request_schemas,
+    response_object as out,
+)
 
-# The parsers' upper bound on every token count and top_k (Obj.num(..., 1 << 30)).
-MAX_COUNT = 1 << 30
-# GenerationConfig: at most 16 stop strings, none empty.
-MAX_STOPS = 16
 JSON = "application/json"
 SSE = "text/event-stream"
 JSONL = "application/x-ndjson"
 # The component names of the two error shapes.
 OPENAI, ANTHROPIC = "OpenAIError", "AnthropicError"
-
-
-# --- schema building blocks ------------------------------------------------------------------
-
-
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _nullable(schema: Schema) -> Schema:
-    """An optional field's schema: every parser reads ``null`` as "absent"."""
-    kind = schema.get("type")
-    if kind == "null":
-        return schema
-    if isinstance(kind, str) and "const" not in schema and "enum" not in schema:
-        return {**schema, "type": [kind, "null"]}
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _object(required: Schema, optional: Schema | None = None, *,
-            description: str | None = None) -> Schema:
-    """A request object: ``required`` keys must be present and non-null, ``optional`` ones may
-    be null or absent, and any other key is a 400 (``Obj.done``)."""
-    properties = {**required, **{k: _nullable(v) for k, v in (optional or {}).items()}}
-    schema: Schema = {"type": "object", "properties": properties,
-                      "additionalProperties": False}
-    if required:
-        schema["required"] = list(required)
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def _out(required: Schema, optional: Schema | None = None) -> Schema:
-    """A response object: open to new keys, so clients must ignore the ones they do not know."""
-    return {"type": "object", "properties": {**required, **(optional or {})},
-            "required": list(required)}
-
-
-def _int(lo: int, hi: int = MAX_COUNT, description: str | None = None) -> Schema:
-    schema: Schema = {"type": "integer", "minimum": lo, "maximum": hi}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def _num(lo: float, hi: float, *, lo_open: bool = False) -> Schema:
-    low = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
-    return {"type": "number", **low, "maximum": hi}
-
-
-def _array(items: Schema, **limits: int) -> Schema:
-    return {"type": "array", "items": items, **limits}
-
-
-STRING: Schema = {"type": "string"}
-BOOLEAN: Schema = {"type": "boolean"}
-OBJECT: Schema = {"type": "object"}
-COUNT: Schema = {"type": "integer", "minimum": 0}
-TOOL_NAME: Schema = {"type": "string", "minLength": 1}  # ToolSpec refuses an empty name
-STOP_STRINGS = _array({"type": "string", "minLength": 1}, maxItems=MAX_STOPS)
-
-
-# --- the OpenAI dialect's request ------------------------------------------------------------
-
-
-def _openai_parts() -> dict[str, Schema]:
-    """Message content, tool calls and tools of ``POST /v1/chat/completions``."""
-    return {
-        "OpenAITextPart": _object({"type": {"const": "text"}, "text": STRING},
-                                  {"cache_control": OBJECT}),
-        "OpenAIContent": {"oneOf": [STRING, _array(_ref("OpenAITextPart"))],
-                          "description": "a string, or text parts joined in order"},
-        "OpenAIToolCall": _object(
-            {"function": _object({"name": STRING}, {"arguments": STRING})},
-            {"type": {"const": "function"}, "id": STRING}),
-        "OpenAITool": _object({"type": {"const": "function"}, "function": _object(
-            {"name": TOOL_NAME},
-            {"description": STRING, "parameters": OBJECT, "strict": BOOLEAN})}),
-        "OpenAIToolChoice": {"oneOf": [
-            {"type": "string", "enum": ["none", "auto", "required"]},
-            _object({"type": {"const": "function"}, "function": _object({"name": STRING})},
-                    description="must name a tool in `tools`")],
-            "description": "`required` needs at least one tool in `tools`"},
-    }
-
-
-def _openai_message() -> Schema:
-    """One chat message: the role decides what else it needs (``_message`` in openai_api)."""
-    no_calls = {"type": "array", "maxItems": 0, "description": "only assistant messages call tools"}
-    shared = {"name": STRING, "reasoning_content": STRING}
-    plain = _object({"role": {"type": "string", "enum": ["system", "developer", "user"]},
-                     "content": _ref("OpenAIContent")},
-                    {**shared, "tool_call_id": STRING, "tool_calls": no_calls})
-    tool = _object({"role": {"const": "tool"}, "content": _ref("OpenAIContent"),
-                    "tool_call_id": STRING}, {**shared, "tool_calls": no_calls})
-    assistant = _object({"role": {"const": "assistant"}},
-                        {**shared, "content": _ref("OpenAIContent"), "tool_call_id": STRING,
-                         "tool_calls": _array(_ref("OpenAIToolCall"))},
-                        description="needs `content` or at least one tool call")
-    assistant["anyOf"] = [
-        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array",
-                                                                   "minItems": 1}}}]
-    return {"oneOf": [plain, tool, assistant]}
-
-
-def _sampling_openai() -> Schema:
-    """The sampling fields and their ranges (``_NUMBERS`` in openai_api, then GenerationConfig)."""
-    return {
-        "temperature": _num(0, 2), "top_p": _num(0, 1, lo_open=True),
-        "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
-        "top_logprobs": _int(0, 20, "above 0 needs `logprobs: true`"),
-        "top_k": _int(0, description="0: off (an extension)"),
-        "min_p": _num(0, 1), "repetition_penalty": _num(0, 100, lo_open=True),
-        "min_tokens": _int(0, description="at most the effective max_tokens (an extension)"),
-        "reasoning_budget_tokens": _int(0, description="caps a <think> block (an extension)"),
-        "seed": {"type": "integer", "description": "any integer; taken modulo 2**63"},
-        "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                       "additionalProperties": _num(-100, 100),
-                       "description": "token id (below the vocabulary size) -> bias"},
-        "logprobs": BOOLEAN,
-    }
-
-
-def _chat_request() -> Schema:
-    limits = _int(1, description="clamped to the room left in the window unless the server "
-                                 "runs with --no-clamp; the server default when absent")
-    return _object(
-        {"model": _ref("Model"), "messages": _array(_ref("OpenAIMessage"), minItems=1)},
-        {**_sampling_openai(), "max_tokens": limits, "max_completion_tokens": limits,
-         "n": _int(1, 1, "only n=1 is supported"),
-         "stop": {"oneOf": [{"type": "string", "minLength": 1}, STOP_STRINGS]},
-         "tools": _array(_ref("OpenAITool")), "tool_choice": _ref("OpenAIToolChoice"),
-         "parallel_tool_calls": BOOLEAN, "stream": BOOLEAN,
-         "stream_options": _object({}, {"include_usage": BOOLEAN},
-                                   description="only with `stream: true`"),
-         "user": STRING})
-
-
-# --- the Anthropic dialect's request ---------------------------------------------------------
-
-
-def _anthropic_blocks() -> dict[str, Schema]:
-    """Content blocks of ``POST /v1/messages`` by role (``_blocks`` in anthropic_api)."""
-    cache = {"cache_control": OBJECT}
-    text_part = _object({"type": {"const": "text"}, "text": STRING}, cache)
-    return {
-        "AnthropicTextPart": text_part,
-        "AnthropicTextBlock": _object({"type": {"const": "text"}, "text": STRING},
-                                      {**cache, "citations": {"type": "array"}}),
-        "AnthropicThinkingBlock": _object({"type": {"const": "thinking"}, "thinking": STRING},
-                                          {**cache, "signature": STRING}),
-        "AnthropicToolUseBlock": _object(
-            {"type": {"const": "tool_use"}, "id": STRING, "name": STRING, "input": OBJECT},
-            {**cache, "caller": OBJECT}),
-        "AnthropicToolResultBlock": _object(
-            {"type": {"const": "tool_result"}, "tool_use_id": STRING},
-            {**cache, "is_error": BOOLEAN,
-             "content": {"oneOf": [STRING, _array(_ref("AnthropicTextPart"))]}}),
-        "AnthropicUserMessage": _object({"role": {"const": "user"}, "content": {"oneOf": [
-            STRING, _array({"oneOf": [_ref("AnthropicTextBlock"),
-                                      _ref("AnthropicToolResultBlock")]})]}}),
-        "AnthropicAssistantMessage": _object({"role": {"const": "assistant"}, "content": {
-            "oneOf": [STRING, _array({"oneOf": [
-                _ref("AnthropicTextBlock"), _ref("AnthropicThinkingBlock"),
-                _ref("AnthropicToolUseBlock")]})]}}),
-    }
-
-
-def _anthropic_tools() -> dict[str, Schema]:
-    return {
-        "AnthropicTool": _object({"name": TOOL_NAME, "input_schema": OBJECT},
-                                 {"type": {"const": "custom"}, "description": STRING,
-                                  "cache_control": OBJECT}),
-        "AnthropicToolChoice": {"oneOf": [
-            _object({"type": {"type": "string", "enum": ["auto", "any", "none"]}},
-                    {"name": STRING, "disable_parallel_tool_use": BOOLEAN},
-                    description="`any` needs at least one tool in `tools`"),
-            _object({"type": {"const": "tool"}, "name": STRING},
-                    {"disable_parallel_tool_use": BOOLEAN},
-                    description="must name a tool in `tools`")]},
-        "AnthropicThinking": {"oneOf": [
-            _object({"type": {"const": "enabled"}},
-                    {"budget_tokens": _int(0, description="the reasoning budget")}),
-            _object({"type": {"type": "string", "enum": ["disabled", "adaptive"]}})]},
-    }
-
-
-def _count_fields() -> tuple[Schema, Schema]:
-    """What ``/v1/messages`` and ``/v1/messages/count_tokens`` share: required, optional."""
-    required = {"model": _ref("Model"), "messages": _array(
-        {"oneOf": [_ref("AnthropicUserMessage"), _ref("AnthropicAssistantMessage")]},
-        minItems=1)}
-    optional = {
-        "system": {"oneOf": [STRING, _array(_ref("AnthropicTextPart"))]},
-        "tools": _array(_ref("AnthropicTool")), "tool_choice": _ref("AnthropicToolChoice"),
-        "temperature": _num(0, 1), "top_p": _num(0, 1, lo_open=True),
-        "top_k": _int(0, description="0: off"),
-        "seed": {"type": "integer", "description": "an extension; taken modulo 2**63"},
-        "stop_sequences": STOP_STRINGS, "thinking": _ref("AnthropicThinking"),
-    }
-    return required, optional
-
-
-def _messages_request() -> Schema:
-    required, optional = _count_fields()
-    return _object({**required, "max_tokens": _int(1, description=(
-        "clamped to the room left in the window unless the server runs with --no-clamp"))},
-        {**optional, "stream": BOOLEAN, "metadata": _object({}, {"user_id": STRING})})
-
-
-def _count_request() -> Schema:
-    required, optional = _count_fields()
-    return _object(required, optional, description="a Messages body without `max_tokens`, "
-                                                   "`stream` and `metadata`")
-
-
-# --- the token endpoints ---------------------------------------------------------------------
-
-
-def _tokenize_request() -> Schema:
-    chat = _object({"model": _ref("Model"), "messages": _array(_ref("OpenAIMessage"),
-                                                               minItems=1)},
-                   {"add_generation_prompt": {**BOOLEAN, "default": True}},
-                   description="messages through the chat template")
-    text = _object({"model": _ref("Model"), "prompt": STRING}, {"messages": {"type": "null"}},
-                   description="plain text, no template")
-    return {"oneOf": [chat, text]}
-
-
-def _detokenize_request() -> Schema:
-    token = {**COUNT, "description": "below the model's vocabulary size (a 400 otherwise)"}
-    return _object({"model": _ref("Model"), "tokens": _array(token)})
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -284,40 +48,67 @@ def _stream_event(event: Schema, data: Schema) -> Schema:
             "properties": {"event": event, "data": data}}
 
 
+FINISH: Schema = {"type": "string", "enum": ["stop", "length", "tool_calls", "cancelled",
+                                              "error"]}
+HEAD: Schema = {"id": STRING, "created": COUNT, "model": STRING}
+
+
+def _usage() -> Schema:
+    return out({"prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
+                "prompt_tokens_details": out({"cached_tokens": COUNT})})
+
+
 def _openai_responses() -> dict[str, Schema]:
     """``chat.completion``, and the ``chat.completion.chunk`` events of a stream."""
-    token = _out({"token": STRING, "bytes": _array(_int(0, 255)), "logprob": {"type": "number"}})
-    logprobs = _out({"content": _array({**token, "properties": {
-        **token["properties"], "top_logprobs": _array(token)}})})
-    function = _out({"name": STRING, "arguments": STRING})
-    call = _out({"id": STRING, "type": {"const": "function"}, "function": function})
-    message = _out({"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}},
-                   {"reasoning_content": STRING, "tool_calls": _array(call)})
-    finish = {"type": "string", "enum": ["stop", "length", "tool_calls", "cancelled", "error"]}
-    choice = _out({"index": COUNT, "message": message, "logprobs": _nullable(logprobs),
-                   "finish_reason": finish})
-    usage = _out({"prompt_tokens": COUNT, "completion_tokens": COUNT, "total_tokens": COUNT,
-                  "prompt_tokens_details": _out({"cached_tokens": COUNT})})
-    head = {"id": STRING, "created": COUNT, "model": STRING}
+    token = out({"token": STRING, "bytes": array(integer(0, 255)),
+                 "logprob": {"type": "number"}})
+    logprobs = out({"content": array({**token, "properties": {
+        **token["properties"], "top_logprobs": array(token)}})})
+    function = out({"name": STRING, "arguments": STRING})
+    call = out({"id": STRING, "type": {"const": "function"}, "function": function})
+    message = out({"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}},
+                  {"reasoning_content": STRING, "tool_calls": array(call)})
+    choice = out({"index": COUNT, "message": message, "logprobs": nullable(logprobs),
+                  "finish_reason": FINISH})
     # a streamed call: id, type and name first, then the arguments, each part optional
-    delta_call = _out({"index": COUNT}, {"id": STRING, "type": {"const": "function"},
-                                         "function": {"type": "object", "properties":
-                                                      function["properties"]}})
-    delta = _out({}, {"role": {"const": "assistant"}, "content": STRING,
-                      "reasoning_content": STRING, "tool_calls": _array(delta_call)})
-    chunk_choice = _out({"index": COUNT, "delta": delta, "logprobs": _nullable(logprobs),
-                         "finish_reason": _nullable(finish)})
+    delta_call = out({"index": COUNT}, {"id": STRING, "type": {"const": "function"},
+                                        "function": {"type": "object", "properties":
+                                                     function["properties"]}})
+    delta = out({}, {"role": {"const": "assistant"}, "content": STRING,
+                     "reasoning_content": STRING, "tool_calls": array(delta_call)})
+    chunk_choice = out({"index": COUNT, "delta": delta, "logprobs": nullable(logprobs),
+                        "finish_reason": nullable(FINISH)})
     return {
-        "ChatCompletion": _out({**head, "object": {"const": "chat.completion"},
-                                "choices": _array(choice, minItems=1, maxItems=1),
-                                "usage": usage}),
+        "ChatCompletion": out({**HEAD, "object": {"const": "chat.completion"},
+                               "choices": array(choice, minItems=1), "usage": _usage()}),
         # the usage chunk (stream_options.include_usage) has no choices
-        "ChatCompletionChunk": _out({**head, "object": {"const": "chat.completion.chunk"},
-                                     "choices": _array(chunk_choice, maxItems=1)},
-                                    {"usage": _nullable(usage)}),
+        "ChatCompletionChunk": out({**HEAD, "object": {"const": "chat.completion.chunk"},
+                                    "choices": array(chunk_choice, maxItems=1)},
+                                   {"usage": nullable(_usage())}),
         "ChatStreamEvent": _stream_event({"const": "message"}, {"anyOf": [
             {"const": "[DONE]"},
-            _json_text({"anyOf": [_ref("ChatCompletionChunk"), _ref(OPENAI)]})]}),
+            _json_text({"anyOf": [ref("ChatCompletionChunk"), ref(OPENAI)]})]}),
+    }
+
+
+def _completion_responses() -> dict[str, Schema]:
+    """``text_completion``, whole and as the chunks of a stream."""
+    logprobs = out({"tokens": array(STRING), "token_logprobs": array({"type": "number"}),
+                    "top_logprobs": array({"type": "object",
+                                           "additionalProperties": {"type": "number"}}),
+                    "text_offset": array(COUNT)})
+    choice = out({"text": STRING, "index": COUNT, "logprobs": nullable(logprobs),
+                  "finish_reason": FINISH})
+    chunk_choice = out({**choice["properties"], "finish_reason": nullable(FINISH)})
+    return {
+        "TextCompletion": out({**HEAD, "object": {"const": "text_completion"},
+                               "choices": array(choice, minItems=1), "usage": _usage()}),
+        "TextCompletionChunk": out({**HEAD, "object": {"const": "text_completion"},
+                                    "choices": array(chunk_choice, maxItems=1)},
+                                   {"usage": nullable(_usage())}),
+        "TextStreamEvent": _stream_event({"const": "message"}, {"anyOf": [
+            {"const": "[DONE]"},
+            _json_text({"anyOf": [ref("TextCompletionChunk"), ref(OPENAI)]})]}),
     }
 
 
@@ -329,23 +120,23 @@ def _anthropic_events() -> list[Schema]:
     """The ``data`` of each Messages stream event, by its ``type`` (which is the event name)."""
 
     def event(kind: str, **fields: Schema) -> Schema:
-        return _out({"type": {"const": kind}, **fields})
+        return out({"type": {"const": kind}, **fields})
 
-    start = _out({"id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
+    start = out({"id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
                   "content": {"type": "array", "maxItems": 0}, "model": STRING,
                   "stop_reason": {"type": "null"}, "stop_sequence": {"type": "null"},
-                  "usage": _out({"input_tokens": COUNT, "output_tokens": COUNT})})
+                  "usage": out({"input_tokens": COUNT, "output_tokens": COUNT})})
     delta = {"oneOf": [event("text_delta", text=STRING),
                        event("thinking_delta", thinking=STRING),
                        event("input_json_delta", partial_json=STRING)]}
-    stop = _out({"stop_reason": STOP_REASON, "stop_sequence": {"type": ["string", "null"]}})
+    stop = out({"stop_reason": STOP_REASON, "stop_sequence": {"type": ["string", "null"]}})
     return [
         event("message_start", message=start),
-        event("content_block_start", index=COUNT, content_block=_ref("AnthropicResponseBlock")),
+        event("content_block_start", index=COUNT, content_block=ref("AnthropicResponseBlock")),
         event("content_block_delta", index=COUNT, delta=delta),
         event("content_block_stop", index=COUNT),
-        event("message_delta", delta=stop, usage=_out({"output_tokens": COUNT})),
-        event("message_stop"), event("ping"), _ref(ANTHROPIC),
+        event("message_delta", delta=stop, usage=out({"output_tokens": COUNT})),
+        event("message_stop"), event("ping"), ref(ANTHROPIC),
     ]
 
 
@@ -353,35 +144,35 @@ def _anthropic_responses() -> dict[str, Schema]:
     """The Messages answer, its stream's events, and the token count."""
     names = ["message_start", "content_block_start", "content_block_delta",
              "content_block_stop", "message_delta", "message_stop", "ping", "error"]
-    usage = _out({"input_tokens": COUNT, "output_tokens": COUNT,
+    usage = out({"input_tokens": COUNT, "output_tokens": COUNT,
                   "cache_read_input_tokens": COUNT})
     return {
         "AnthropicResponseBlock": {"oneOf": [
-            _out({"type": {"const": "text"}, "text": STRING}),
-            _out({"type": {"const": "thinking"}, "thinking": STRING, "signature": STRING}),
-            _out({"type": {"const": "tool_use"}, "id": STRING, "name": STRING,
+            out({"type": {"const": "text"}, "text": STRING}),
+            out({"type": {"const": "thinking"}, "thinking": STRING, "signature": STRING}),
+            out({"type": {"const": "tool_use"}, "id": STRING, "name": STRING,
                   "input": OBJECT})]},
-        "Message": _out({
+        "Message": out({
             "id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
-            "model": STRING, "content": _array(_ref("AnthropicResponseBlock")),
+            "model": STRING, "content": array(ref("AnthropicResponseBlock")),
             "stop_reason": STOP_REASON, "stop_sequence": {"type": ["string", "null"]},
             "usage": usage}),
         "MessageStreamEvent": _stream_event({"type": "string", "enum": names},
                                             _json_text({"oneOf": _anthropic_events()})),
-        "InputTokens": _out({"input_tokens": COUNT}),
+        "InputTokens": out({"input_tokens": COUNT}),
     }
 
 
 def _other_responses() -> dict[str, Schema]:
     state = {"type": "string", "enum": ["loading", "ready", "failed", "restarting"]}
-    model = _out({"id": STRING, "object": {"const": "model"}, "created": COUNT,
+    model = out({"id": STRING, "object": {"const": "model"}, "created": COUNT,
                   "owned_by": STRING, "state": state})
     return {
         "ModelObject": model,
-        "Tokens": _out({"tokens": _array(COUNT), "count": COUNT, "max_model_len": COUNT}),
-        "Text": _out({"prompt": STRING}),
-        "ModelList": _out({"object": {"const": "list"}, "data": _array(model)}),
-        "Health": _out({"status": {"type": "string",
+        "Tokens": out({"tokens": array(COUNT), "count": COUNT, "max_model_len": COUNT}),
+        "Text": out({"prompt": STRING}),
+        "ModelList": out({"object": {"const": "list"}, "data": array(model)}),
+        "Health": out({"status": {"type": "string",
                                    "enum": ["ok", "loading", "engine_stopped"]},
                         "models": {"type": "object", "additionalProperties": state}},
                        {"engine_failures": {"type": "object",
@@ -394,10 +185,10 @@ def _error_schemas() -> dict[str, Schema]:
     """The two error shapes of ``errors.error_body``; extras (``served_models``,
     ``prompt_tokens``, ``limit``, ``requested``) ride alongside."""
     return {
-        "OpenAIError": _out({"error": _out({
+        "OpenAIError": out({"error": out({
             "message": STRING, "type": STRING, "param": {"type": ["string", "null"]},
             "code": {"type": ["string", "null"]}})}),
-        "AnthropicError": _out({"type": {"const": "error"}, "error": _out(
+        "AnthropicError": out({"type": {"const": "error"}, "error": out(
             {"type": STRING, "message": STRING}, {"param": STRING})}),
     }
 
@@ -429,11 +220,11 @@ def _json(schema: Schema, description: str) -> Schema:
 
 
 def _errors(shape: str, statuses: Sequence[int]) -> Schema:
-    return {str(s): _json(_ref(shape), _STATUS_TEXT[s]) for s in statuses}
+    return {str(s): _json(ref(shape), _STATUS_TEXT[s]) for s in statuses}
 
 
 def _body(schema: str) -> Schema:
-    return {"required": True, "content": {JSON: {"schema": _ref(schema)}}}
+    return {"required": True, "content": {JSON: {"schema": ref(schema)}}}
 
 
 TRACEPARENT: Schema = {
@@ -449,9 +240,11 @@ def _generation(summary: str, body: str, answer: str, event: str, shape: str,
     # Before OpenAPI 3.2 (itemSchema), an event stream's `schema` describes each event.
     ok = {"description": "the answer; an SSE event stream when `stream` is true",
           "headers": {"x-request-id": {
-              "description": "the request's id: `GET /traces/{request_id}` returns its trace",
+              "description": "the request's id, the body's `id`: `GET /traces/{request_id}` "
+                             "returns its trace (every choice's when it asked for several; "
+                             "choice k's alone at `GET /traces/{request_id}-{k}`)",
               "schema": STRING}},
-          "content": {JSON: {"schema": _ref(answer)}, SSE: {"schema": _ref(event)}}}
+          "content": {JSON: {"schema": ref(answer)}, SSE: {"schema": ref(event)}}}
     return {"post": {
         "summary": summary, "parameters": [TRACEPARENT], "requestBody": _body(body),
         "responses": {"200": ok, **_errors(shape, (*GENERATION, overloaded))}}}
@@ -459,7 +252,7 @@ def _generation(summary: str, body: str, answer: str, event: str, shape: str,
 
 def _post(summary: str, body: str, answer: str, shape: str) -> Schema:
     return {"post": {"summary": summary, "requestBody": _body(body), "responses": {
-        "200": _json(_ref(answer), "the answer"), **_errors(shape, GENERATION)}}}
+        "200": _json(ref(answer), "the answer"), **_errors(shape, GENERATION)}}}
 
 
 def _open_get(summary: str, responses: Schema) -> Schema:
@@ -473,6 +266,9 @@ def _paths() -> Schema:
     return {
         "/v1/chat/completions": _generation("OpenAI chat completions", "ChatCompletionRequest",
                                             "ChatCompletion", "ChatStreamEvent", OPENAI, 429),
+        "/v1/completions": _generation("OpenAI (legacy) text completions: raw prompts, no chat "
+                                       "template", "CompletionRequest", "TextCompletion",
+                                       "TextStreamEvent", OPENAI, 429),
         "/v1/messages": _generation("Anthropic Messages", "MessagesRequest", "Message",
                                     "MessageStreamEvent", ANTHROPIC, 529),
         "/v1/messages/count_tokens": _post("the prompt's exact token count",
@@ -481,15 +277,15 @@ def _paths() -> Schema:
                            OPENAI),
         "/detokenize": _post("token ids to text", "DetokenizeRequest", "Text", OPENAI),
         "/v1/models": {"get": {"summary": "the served models and their state", "responses": {
-            "200": _json(_ref("ModelList"), "the served models"), **_errors(OPENAI, LISTING)}}},
+            "200": _json(ref("ModelList"), "the served models"), **_errors(OPENAI, LISTING)}}},
         "/v1/models/{model}": {"get": {
             "summary": "one served model", "parameters": [{
                 "name": "model", "in": "path", "required": True, "schema": STRING}],
-            "responses": {"200": _json(_ref("ModelObject"), "the model"),
+            "responses": {"200": _json(ref("ModelObject"), "the model"),
                           **_errors(OPENAI, (*LISTING, 404))}}},
         "/health": _open_get("readiness", {
-            "200": _json(_ref("Health"), "every model is loaded"),
-            "503": _json(_ref("Health"), "some model is loading or failed")}),
+            "200": _json(ref("Health"), "every model is loaded"),
+            "503": _json(ref("Health"), "some model is loading or failed")}),
         "/metrics": _open_get("Prometheus metrics", {"200": text}),
         "/openapi.json": _open_get("this document", {
             "200": _json({"type": "object", "required": ["openapi", "info", "paths"]},
@@ -499,7 +295,11 @@ def _paths() -> Schema:
             "description": "The traces of the last `keep_traces` finished requests are kept, "
                            "each readable only with an API key the request was made with; "
                            "for any other key, and for an unknown or evicted id, a 404. The "
-                           "id is a generation response's `id` and `x-request-id` header.",
+                           "id is a generation response's `id` and `x-request-id` header. "
+                           "A request of several choices (`n`, or a batch of completions "
+                           "prompts) answers with every choice's trace, one after the other "
+                           "in choice order, each under its own trace id `{request_id}-{k}`, "
+                           "which also reads choice k's trace alone.",
             "parameters": [{"name": "request_id", "in": "path", "required": True,
                             "schema": STRING}],
             "responses": {"200": {"description": "one JSON event per line",
@@ -511,34 +311,32 @@ def _paths() -> Schema:
     }
 
 
-def _schemas(served_models: Sequence[str]) -> Schema:
+def _schemas(served_models: Sequence[str], max_n: int) -> Schema:
     model = {"type": "string", "enum": list(served_models),
              "description": "a served model's name; any other name is answered 404 "
                             "(`model_not_found`, with `served_models`)"}
     return {
-        "Model": model, **_openai_parts(), "OpenAIMessage": _openai_message(),
-        "ChatCompletionRequest": _chat_request(), **_anthropic_blocks(), **_anthropic_tools(),
-        "MessagesRequest": _messages_request(), "CountTokensRequest": _count_request(),
-        "TokenizeRequest": _tokenize_request(), "DetokenizeRequest": _detokenize_request(),
-        **_openai_responses(), **_anthropic_responses(), **_other_responses(),
+        "Model": model, **request_schemas(max_n), **_openai_responses(),
+        **_completion_responses(), **_anthropic_responses(), **_other_responses(),
         **_error_schemas(),
     }
 
 
-def openapi_document(served_models: Sequence[str]) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of a server serving ``served_models`` (their names)."""
+def openapi_document(served_models: Sequence[str], max_n: int = 16) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of a server serving ``served_models`` (their names) with the
+    ``max_n`` limit on choices."""
     return {
         "openapi": "3.1.0",
         "info": {"title": "pipeline", "version": "1",
                  "description": "OpenAI and Anthropic dialects over one inspectable pipeline. "
                                 "A null optional field is the same as an absent one. An "
                                 "integer field takes a JSON integer: 1.0 or 1e3 is a 400."},
-        # Either header carries the key; /health, /metrics and this document need none.
+        # Either header carries the key; /health, /metrics, / and this document need none.
         "security": [{"bearer": []}, {"apiKey": []}],
         "paths": _paths(),
         "components": {
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
-            "schemas": _schemas(served_models)},
+            "schemas": _schemas(served_models, max_n)},
     }

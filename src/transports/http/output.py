@@ -5,7 +5,8 @@ The chat templates mark reasoning with ``<think>…</think>`` and tool calls wit
 ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``; the splitter finds these markers
 across delta boundaries (holding back a partial marker), and turns each completed tool call
 into a :class:`ToolCallPart`. A tool call whose body is not a JSON object with a string
-``name`` stays visible as text, so nothing the model wrote is lost. Both dialects, streaming
+``name`` stays visible as text, so nothing the model wrote is lost. The newlines that open and
+close a thinking block, and those right after it, are layout, not content: they are dropped. Both dialects, streaming
 and not, go through this one parser, so streamed and non-streamed answers agree.
 """
 
@@ -117,6 +118,9 @@ class OutputSplitter:
         self._tool_body: list[str] = []
         self._calls = 0
         self._after_tool = ""  # whitespace after a tool call, held until real text follows
+        self._think_start = thinking  # newlines opening a thinking block are dropped
+        self._think_newlines = ""  # newlines in a thinking block, held until more follows
+        self._after_think = False  # newlines right after a thinking block are dropped
         self.tool_calls: list[ToolCallPart] = []
 
     def feed(self, text: str) -> list[Part]:
@@ -161,9 +165,9 @@ class OutputSplitter:
 
     def _switch(self, marker: str, parts: list[Part]) -> None:
         if marker == THINK_OPEN:
-            self._mode = "thinking"
+            self._mode, self._think_start, self._think_newlines = "thinking", True, ""
         elif marker == THINK_CLOSE:
-            self._mode = "text"
+            self._mode, self._think_newlines, self._after_think = "text", "", True
         elif marker == TOOL_OPEN:
             self._mode, self._tool_body, self._after_tool = "tool", [], ""
         else:
@@ -187,11 +191,30 @@ class OutputSplitter:
         if self._mode == "tool":
             self._tool_body.append(text)
         elif self._mode == "thinking":
-            parts.append(TextPart("thinking", text))
+            self._thinking(text, parts)
         else:
             self._text(text, parts)
 
+    def _thinking(self, text: str, parts: list[Part]) -> None:
+        """Reasoning without the newlines that open and close its block (Qwen3's template
+        writes ``<think>\n...\n</think>\n\n``; its model card strips them the same way)."""
+        if self._think_start:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            self._think_start = False
+        body = self._think_newlines + text
+        kept = body.rstrip("\n")
+        self._think_newlines = body[len(kept):]
+        if kept:
+            parts.append(TextPart("thinking", kept))
+
     def _text(self, text: str, parts: list[Part]) -> None:
+        if self._after_think:
+            text = text.lstrip("\n")
+            if not text:
+                return
+            self._after_think = False
         if self._after_tool:
             held = self._after_tool.lstrip("\0") + text
             if not held.strip():

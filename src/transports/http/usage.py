@@ -5,6 +5,10 @@ directory, in WAL mode with ``synchronous=FULL``: a record is on disk when its t
 commits, so a server killed with SIGKILL keeps every record it had committed. One writer thread
 owns the connection and commits records in batches; ``append`` takes a callback that runs once
 the record is durable, and the HTTP handlers wait for it before sending a response's last byte.
+
+A request that asks for several choices (``n``, or a batched completions prompt) is one row
+under the response's id, with the usage its response reports (each prompt once, the
+completions summed) and its choices' finish reasons joined by commas.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 
-from pipeline.types import Completion
+from pipeline.types import Completion, Usage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -52,10 +56,22 @@ class UsageRecord:
     @classmethod
     def of(cls, completion: Completion, model: str, endpoint: str) -> UsageRecord:
         """The record of a completion served as ``model`` on ``endpoint``."""
-        u, t = completion.usage, completion.timings
-        return cls(completion.request_id, model, endpoint, u.prompt_tokens,
-                   u.completion_tokens, u.cached_tokens, completion.finish_reason.value,
-                   completion.error, t.queued_s, t.first_token_s, t.total_s, time.time())
+        return cls.of_choices(completion.request_id, [completion], completion.usage, model,
+                              endpoint)
+
+    @classmethod
+    def of_choices(cls, request_id: str, completions: Sequence[Completion], usage: Usage,
+                   model: str, endpoint: str) -> UsageRecord:
+        """One request's record over the completions of its choices: ``usage`` as the
+        response reports it; ``finish_reason`` the choices' reasons joined by commas, in
+        choice order; the first error; the longest wait and total, the first first token."""
+        firsts = [c.timings.first_token_s for c in completions
+                  if c.timings.first_token_s is not None]
+        return cls(request_id, model, endpoint, usage.prompt_tokens, usage.completion_tokens,
+                   usage.cached_tokens, ",".join(c.finish_reason.value for c in completions),
+                   next((c.error for c in completions if c.error is not None), None),
+                   max(c.timings.queued_s for c in completions), min(firsts, default=None),
+                   max(c.timings.total_s for c in completions), time.time())
 
 
 Durable = Callable[[], None]

@@ -1,0 +1,225 @@
+"""Documented request fields that change nothing here, or that ask for what is not here.
+
+Owns the two rules for fields of the OpenAI and Anthropic APIs that the dialect parsers do
+not turn into generation: a field with no meaning on this server (a billing tier, a cache
+hint, an effort or verbosity hint, a region, an id) is type-checked and ignored; a field that
+would change the answer in a way this server cannot honour (structured output, audio, web
+search, moderation, server-side tools and state) is refused with a 400 that says it is not
+supported, so nothing is silently dropped. Only names no API documents are unknown fields
+(:meth:`~transports.http.fields.Obj.done`, with its "did you mean" hint).
+
+:func:`openai_ignored`, :func:`openai_chat_refused` and :func:`anthropic_fields` read the
+fields from an :class:`~transports.http.fields.Obj`; docs/serving.md lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.errors import InvalidValueError
+from transports.http.fields import Obj, check
+
+_OPENAI_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+
+
+def unsupported(field: str, value: Any, what: str) -> InvalidValueError:
+    """The 400 for a documented field asking for something this server does not do."""
+    return InvalidValueError(field, value, f"is not supported here: {what}")
+
+
+def one_of(body: Obj, name: str, choices: tuple[str, ...]) -> str | None:
+    """A string field that must be one of ``choices`` (or absent)."""
+    value = body.get(name, "string")
+    if value is not None and value not in choices:
+        raise InvalidValueError(body.at(name), value, f"must be one of {', '.join(choices)}")
+    return value  # type: ignore[no-any-return]
+
+
+# --- OpenAI --------------------------------------------------------------------------------
+
+
+def openai_ignored(body: Obj) -> None:
+    """Fields of both OpenAI endpoints with no meaning here, type-checked and ignored:
+    ``service_tier``, ``store``, ``metadata`` (at most 16 string values),
+    ``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options`` and
+    ``safety_identifier``. (Chat-only ones are read by :func:`openai_chat_ignored`.)"""
+    one_of(body, "service_tier", _OPENAI_TIERS)
+    body.get("store", "boolean")
+    metadata = body.get("metadata", "object")
+    if metadata is not None:
+        if len(metadata) > 16:
+            raise InvalidValueError("metadata", len(metadata), "at most 16 entries")
+        for key, value in metadata.items():
+            check(f"metadata.{key}", value, "string")
+    body.get("prompt_cache_key", "string")
+    body.get("safety_identifier", "string")
+    one_of(body, "prompt_cache_retention", ("in_memory", "24h"))
+    options = body.obj("prompt_cache_options")
+    if options is not None:
+        one_of(options, "mode", ("implicit", "explicit"))
+        one_of(options, "ttl", ("30m",))
+        options.done()
+
+
+def openai_chat_ignored(body: Obj) -> str | None:
+    """Chat hints with no control here, type-checked and ignored (``verbosity``,
+    ``prediction``); returns ``reasoning_effort``, which :mod:`~transports.http.openai_api`
+    turns into the template's ``enable_thinking``."""
+    one_of(body, "verbosity", ("low", "medium", "high"))
+    prediction = body.obj("prediction")
+    if prediction is not None:  # a latency hint: the answer does not depend on it
+        if prediction.need("type", "string") != "content":
+            raise InvalidValueError("prediction.type", prediction.value["type"],
+                                    "must be 'content'")
+        content = prediction.value.get("content")
+        prediction.has("content")
+        if not isinstance(content, str):
+            for i, part in enumerate(check("prediction.content", content, "array")):
+                text = Obj(part, f"prediction.content[{i}]")
+                if text.need("type", "string") != "text":
+                    raise InvalidValueError(text.at("type"), text.value["type"],
+                                            "must be 'text'")
+                text.need("text", "string")
+                text.done()
+        prediction.done()
+    return one_of(body, "reasoning_effort",
+                  ("none", "minimal", "low", "medium", "high", "xhigh", "max"))
+
+
+def openai_chat_refused(body: Obj) -> None:
+    """Chat fields asking for what this server does not do: a 400 each when given (a
+    ``text`` ``response_format`` and ``modalities: ["text"]`` are what it does anyway)."""
+    if body.has("audio"):
+        raise unsupported("audio", body.value["audio"], "audio output")
+    modalities = body.get("modalities", "array")
+    for i, kind in enumerate(modalities or ()):
+        if check(f"modalities[{i}]", kind, "string") != "text":
+            raise unsupported(f"modalities[{i}]", kind, "only text comes out")
+    for name in ("functions", "function_call"):
+        if body.has(name):
+            raise unsupported(name, body.value[name],
+                              "it is deprecated; send 'tools' and 'tool_choice'")
+    if body.has("moderation"):
+        raise unsupported("moderation", body.value["moderation"], "no moderation model")
+    if body.has("web_search_options"):
+        raise unsupported("web_search_options", body.value["web_search_options"],
+                          "no web search")
+    response_format(body)
+
+
+def response_format(body: Obj) -> None:
+    """``response_format``: ``{"type": "text"}`` is accepted; JSON formats are refused (no
+    constrained decoding yet)."""
+    fmt = body.obj("response_format")
+    if fmt is None:
+        return
+    kind = one_of(fmt, "type", ("text", "json_object", "json_schema"))
+    if kind is None:
+        raise InvalidValueError("response_format.type", None, "is required")
+    if kind != "text":
+        raise unsupported("response_format.type", kind,
+                          "the output cannot be constrained to JSON yet")
+    fmt.done()
+
+
+# --- Anthropic -----------------------------------------------------------------------------
+
+_BETA_REFUSED = {
+    "mcp_servers": "no MCP connector",
+    "context_management": "no server-side context editing",
+    "compaction": "no server-side compaction",
+    "thread": "no server-held conversations",
+}
+# billing and model fallbacks (a substitute model when the requested one declines: ours
+# never does): their JSON types, checked, then ignored
+_BETA_IGNORED: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "billing_policy": (("object",), None), "fallbacks": (("array",), "default"),
+    "fallback_credit_token": (("string", "object"), None)}
+_SERVER_TOOLS = "only custom (client) tools exist here, no server tools"
+
+
+def anthropic_fields(body: Obj) -> None:
+    """Anthropic fields with no meaning here (type-checked, ignored) and ones asking for
+    what is not here (refused), of ``/v1/messages`` and ``/v1/messages/count_tokens`` alike
+    (a count takes a Messages body without ``max_tokens``, ``stream`` and ``metadata``)."""
+    _cache_control(body)
+    output = body.obj("output_config")
+    if output is not None:
+        one_of(output, "effort", ("low", "medium", "high", "xhigh", "max"))
+        if output.has("format"):
+            raise unsupported("output_config.format", output.value["format"],
+                              "the output cannot be constrained to a JSON schema yet")
+        output.done()
+    one_of(body, "speed", ("standard", "fast"))
+    body.get("user_profile_id", "string")
+    body.get("workspace_id", "string")
+    one_of(body, "service_tier", ("auto", "standard_only"))
+    body.get("inference_geo", "string")
+    diagnostics = body.obj("diagnostics")
+    if diagnostics is not None:
+        diagnostics.get("previous_message_id", "string")
+        diagnostics.done()
+    _container(body)
+    for name, why in _BETA_REFUSED.items():
+        if body.has(name):
+            raise unsupported(name, body.value[name], why)
+    for name, (kinds, literal) in _BETA_IGNORED.items():
+        _loosely(body, name, kinds, literal)
+
+
+def _loosely(body: Obj, name: str, kinds: tuple[str, ...], literal: str | None) -> None:
+    """A field that must be of one of the JSON ``kinds``, or the string ``literal``."""
+    value = body.value.get(name)
+    body.has(name)
+    if value is None or (literal is not None and value == literal):
+        return
+    for kind in kinds:
+        try:
+            check(name, value, kind)
+            return
+        except InvalidValueError:
+            continue
+    allowed = [f"{'an' if k[0] in 'aeiou' else 'a'} {k}" for k in kinds]
+    allowed += [repr(literal)] if literal is not None else []
+    raise InvalidValueError(name, value, f"must be {' or '.join(allowed)}")
+
+
+def _cache_control(body: Obj) -> None:
+    """``cache_control``: a prompt-caching hint (``{"type": "ephemeral", "ttl"?}``)."""
+    hint = body.obj("cache_control")
+    if hint is not None:
+        kind = hint.need("type", "string")
+        if kind != "ephemeral":
+            raise InvalidValueError(hint.at("type"), kind, "must be 'ephemeral'")
+        one_of(hint, "ttl", ("5m", "1h"))
+        hint.done()
+
+
+def _container(body: Obj) -> None:
+    """``container``: an id (or ``{id, skills}``) of a code-execution container, which only
+    server tools use; none run here."""
+    value = body.value.get("container")
+    body.has("container")
+    if value is None or isinstance(value, str):
+        return
+    container = Obj(value, "container")
+    container.get("id", "string")
+    for path, skill in container.items("skills"):
+        check(path, skill, "object")
+    container.done()
+
+
+def anthropic_tool(tool: Obj) -> None:
+    """A custom tool's fields with no meaning here (type-checked, ignored); a server tool
+    (any other ``type``) is refused."""
+    kind = tool.get("type", "string", "custom")
+    if kind != "custom":
+        raise unsupported(tool.at("type"), kind, _SERVER_TOOLS)
+    _cache_control(tool)
+    for path, caller in tool.items("allowed_callers"):
+        check(path, caller, "string")
+    tool.get("defer_loading", "boolean")
+    tool.get("eager_input_streaming", "boolean")
+    tool.get("strict", "boolean")
+    for path, example in tool.items("input_examples"):
+        check(path, example, "object")
