@@ -55,7 +55,8 @@ def recording_off() -> Iterator[None]:
     """Swap the engine's logits-recording hooks for ones that record nothing."""
     logits, processed = Engine.__dict__["_logits_records"], Engine.__dict__["_processed_records"]
     Engine._logits_records = staticmethod(lambda done: [{} for _ in done])  # type: ignore
-    Engine._processed_records = lambda self, choice, items: [None] * len(items)  # type: ignore
+    Engine._processed_records = lambda self, updates, items: [  # type: ignore
+        [None] * len(u.taken) for u in updates]
     try:
         yield
     finally:

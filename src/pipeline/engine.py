@@ -55,7 +55,7 @@ from pipeline.protocols import (
     Backend, CacheInspector, CacheLayout, ModelCall, PrefillChunk, Row, Strategy, Update,
     split_outputs,
 )
-from pipeline.recording import host_rows, logits_record, processed_record, same_bits
+from pipeline.recording import logits_record, processed_record, record_rows, same_bits
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
@@ -392,7 +392,7 @@ class Engine:
         """Digest (and, for ``full`` jobs, top-k) of each job's fresh raw logits z_t."""
         if not done:
             return []
-        rows = host_rows(torch.stack([logits for _, logits in done]))  # [B, V]
+        rows = record_rows(torch.stack([logits for _, logits in done]))  # [B, V], in place
         return logits_record(rows, [job.full for job, _ in done])
 
     def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor],
@@ -515,7 +515,7 @@ class Engine:
         having = [(i, u) for i, u in enumerate(updates) if u.processed is not None and u.taken]
         if not having:
             return out
-        rows = host_rows(torch.cat([u.processed for _, u in having
+        rows = record_rows(torch.cat([u.processed for _, u in having
                                     if u.processed is not None]))             # [sum taken, V]
         full, known, where = [], [], []
         at = 0

@@ -175,7 +175,7 @@ class TorchBackend:
         self.cache.discard()
         logits = self.model.forward(self.cache, batch)                        # [N, V]
         self.cache.commit(batch)
-        return logits.cpu()
+        return logits  # stays on the model's device: selection and digests run there
 
     def _check_allocated(self, slots: Sequence[int]) -> None:
         bad = [s for s in slots if s not in self._allocated]
