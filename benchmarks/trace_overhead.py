@@ -138,12 +138,14 @@ def digest_cost_us(vocab: int, iters: int = 2000) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def measure(rounds: int, tokens: int) -> dict[str, Any]:
+def measure(rounds: int, tokens: int, model: str = "tiny") -> dict[str, Any]:
     """Run every batch size and configuration; returns the results as JSON-ready data."""
     with tempfile.TemporaryDirectory() as tmp:
         sink = JsonlSink(Path(tmp) / "trace.jsonl")
-        pipes = {name: build("tiny", sinks=[sink] if name == "digest+jsonl" else [])
+        pipes = {name: build(model, sinks=[sink] if name == "digest+jsonl" else [])
                  for name in CONFIGS}
+        engine = pipes["off"].engine
+        vocab = engine.backend.vocab_size if engine is not None else 0
         try:
             for name in CONFIGS:  # warm up every pipeline once
                 decode_rate(pipes[name], 1, 8, "digest")
@@ -154,7 +156,6 @@ def measure(rounds: int, tokens: int) -> dict[str, Any]:
         finally:
             for pipe in pipes.values():
                 pipe.close()
-    vocab = 6144
     return {"results": results, "digest_us_per_row": digest_cost_us(vocab), "vocab": vocab,
             "rounds": rounds, "tokens": tokens, "torch_threads": torch.get_num_threads(),
             "machine": platform.platform(), "torch": torch.__version__}
@@ -176,8 +177,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--model", default="tiny",
+                        help="what build() takes: tiny (V=6,144), smollm2 (V=49,152), ...")
     args = parser.parse_args()
-    data = measure(args.rounds, args.tokens)
+    data = measure(args.rounds, args.tokens, args.model)
     print("| batch | configuration | time in recording | decode tok/s (wall) | ratio "
           "| tok per CPU-s | ratio |")
     print("|---|---|---|---|---|---|---|")
