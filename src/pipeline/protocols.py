@@ -440,6 +440,44 @@ class CacheInspector(Protocol):
         ...
 
 
+@attrs.frozen
+class ModelInfo:
+    """What a loaded model is, for logs and listings (``pipeline serve``, ``pipeline chat``).
+
+    ``architecture`` is the checkpoint's class name (``Qwen3ForCausalLM``); ``parameters``
+    counts every weight once (a tied output head is the embedding); ``dtype`` and ``device``
+    are the weights' (``bfloat16``, ``cpu``). ``weight_bytes`` is the memory the weights hold,
+    quantized ones at their encoded size; ``packed_bytes`` the extra copies laid out for
+    faster products; ``cache_bytes`` the preallocated key/value cache of every slot.
+    """
+
+    architecture: str
+    parameters: int
+    dtype: str
+    device: str
+    weight_bytes: int
+    packed_bytes: int = 0
+    cache_bytes: int = 0
+
+
+@runtime_checkable
+class ModelDescriber(Protocol):
+    """Optional backend capability: say what model it runs (:class:`ModelInfo`).
+
+    Called from any thread after the backend is built; the answer does not change while the
+    backend lives. :meth:`Pipeline.model_info <pipeline.pipe.Pipeline.model_info>` returns
+    ``None`` for a backend without it.
+
+    Example::
+
+        info = backend.model_info()    # ModelInfo('LlamaForCausalLM', 134515008, ...)
+    """
+
+    def model_info(self) -> ModelInfo:
+        """The model's architecture, size, dtype, device and memory."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol[Out_co]):
     """Delivers a request's deltas to a consumer, in order, and ends after the final one.
