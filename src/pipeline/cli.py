@@ -81,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
     from pipeline.errors import PipelineError
-    from transports.http import ServerConfig, load_api_keys, parse_models, serve
+    from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
     from transports.http.limits import Limits
     from transports.http.timeouts import Timeouts
 
@@ -104,9 +104,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pipeline serve: refusing to serve {args.host} without API keys: set "
               f"${args.api_key_env} or --api-key-file, or pass --insecure", file=sys.stderr)
         return 2
+    logs.configure(args.log_level.upper())
     if not keys:
-        print(f"WARNING: no API keys are configured: anyone who can reach "
-              f"{args.host}:{args.port} can use this server", file=sys.stderr, flush=True)
+        logs.log.warning("no API keys are configured: anyone who can reach %s can use this "
+                         "server", args.host)
     serve(config, args.host, args.port)
     return 0
 
@@ -162,6 +163,10 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--device", default="cpu", help="torch device of the models (cpu, cuda)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"),
+                       help="least severe log line written to standard error; info has the "
+                            "models, the address and one line per request (default info)")
     serve.add_argument("--insecure", action="store_true",
                        help="serve a non-loopback address without API keys")
     serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",

@@ -6,7 +6,8 @@ from the exception tree to statuses and bodies), ``fields`` (body validation), `
 (thinking and tool-call splitting), ``usage`` (SQLite WAL store), ``metrics`` (Prometheus),
 ``config``, ``server`` (uvicorn), ``timeouts`` (deadlines for a request's headers and body),
 ``limits`` (what one request may ask for), ``work`` (the bounded request-side pool),
-``openapi`` (the server's own OpenAPI document).
+``openapi`` (the server's own OpenAPI document), ``logs`` (what the server logs: models,
+address, one access line per request).
 """
 
 from transports.http.app import create_app

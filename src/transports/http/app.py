@@ -29,6 +29,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from pipeline.errors import (
@@ -44,13 +45,14 @@ from transports.http.errors import Dialect, classify, error_body, route_error, s
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ModelState, ServedModel
 from transports.http.inbox import batches
+from transports.http.logs import AccessLog, record_flight
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
 from transports.http.work import Checkpoint, Workers, disconnected
 from transports.sse import SSEEvent, encode, encode_comment
 
-log = logging.getLogger("pipeline.http")
+log = logging.getLogger("pipeline.serve")
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
 KEEP_ALIVE = encode_comment("keep-alive")
 CLIENT_CLOSED = 499
@@ -168,6 +170,7 @@ class Server:
 
         flight, prompt_tokens, thinking = await self.work.run(
             http, start, orphan=lambda started: started[0].handle.cancel())
+        record_flight(http, flight)
         parsed = attrs.evolve(parsed, request=request, thinking=thinking)
         if parsed.stream:
             # The generator's own ``finally`` cancels when the client leaves; the background
@@ -384,7 +387,7 @@ def create_app(gateway: Gateway) -> Starlette:
         s.work.close()
         await asyncio.to_thread(gateway.close)
 
-    return Starlette(routes=routes, lifespan=lifespan,
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(AccessLog)],
                      exception_handlers={404: _no_route, 405: _no_route})
 
 

@@ -1,0 +1,217 @@
+"""What the HTTP server writes to its log (DESIGN §14): the ``pipeline.serve`` loggers.
+
+Owns the server's lines and their wording: where it listens, each model's load (what it is,
+its memory, how long it took) or failure, and the access log, one line per HTTP request
+written by :class:`AccessLog`, an ASGI middleware around the whole app, when the response
+has ended (for a stream: after its last event, with the real token counts). :func:`configure`
+sends these loggers (and uvicorn's warnings and errors) to standard error in one format; the
+library itself never configures logging, so an application embedding the server decides.
+
+Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.access``
+(requests, at INFO). The lines::
+
+    2025-01-31 12:00:00.123 INFO pipeline.serve: loading model 'tiny' (tiny) on cpu
+    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 384.0 MiB, window 4096 tokens, 8 slots
+    2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000
+    2025-01-31 12:00:03.002 INFO pipeline.serve.access: POST /v1/chat/completions 200 412.3ms model=tiny prompt_tokens=17 completion_tokens=32 finish=length request_id=chatcmpl-6c1f... client=127.0.0.1:50412
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TextIO
+
+from starlette.requests import Request as HTTPRequest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.errors import PipelineError
+from pipeline.protocols import ModelInfo
+from pipeline.types import Completion
+
+if TYPE_CHECKING:
+    from transports.http.gateway import Flight
+
+log = logging.getLogger("pipeline.serve")
+access_log = logging.getLogger("pipeline.serve.access")
+FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+CLIENT_CLOSED = 499
+"""The status logged for a client that left before its response started (nginx's "client
+closed request"); a stream it leaves keeps the 200 it was sent."""
+USAGE_WAIT_S = 10.0
+"""How long the access line waits for the usage of a generation the client left (its cancel
+takes effect at the engine's next step)."""
+
+
+def configure(level: int | str = logging.INFO, stream: TextIO | None = None) -> None:
+    """Write the ``pipeline`` loggers at ``level`` and uvicorn's warnings and errors to
+    ``stream`` (standard error), one line per record in :data:`FORMAT`. Call once, from the
+    application (``pipeline serve`` does)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+    for name, at in (("pipeline", level), ("uvicorn", logging.WARNING)):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(at)
+        logger.propagate = False
+
+
+# --- wording ------------------------------------------------------------------------------
+
+
+def human_bytes(n: int) -> str:
+    """``12697728`` → ``12.1 MiB`` (binary units, one decimal)."""
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def human_count(n: int) -> str:
+    """``6348864`` → ``6.35M``; ``134515008`` → ``135M``; ``7615616512`` → ``7.62B``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.3g}{suffix}"
+    return str(n)
+
+
+def describe(info: ModelInfo) -> str:
+    """What a model is and the memory it holds, as the load line says it."""
+    weights = f"weights {human_bytes(info.weight_bytes)} ({info.weight_bytes} bytes)"
+    if info.packed_bytes:
+        weights += f" + {human_bytes(info.packed_bytes)} packed copies"
+    cache = f", KV cache {human_bytes(info.cache_bytes)}" if info.cache_bytes else ""
+    return (f"{info.architecture}, {human_count(info.parameters)} parameters "
+            f"({info.parameters}), {info.dtype} on {info.device}, {weights}{cache}")
+
+
+def reason(exc: BaseException) -> str:
+    """Why something failed, on one line: our own errors say it themselves; anything else
+    names its type."""
+    text = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def model_loading(name: str, source: str, device: str) -> None:
+    """A model starts loading."""
+    log.info("loading model %r (%s) on %s", name, source, device)
+
+
+def model_loaded(name: str, info: ModelInfo | None, seconds: float, window: int,
+                 slots: int) -> None:
+    """A model is ready to serve."""
+    what = describe(info) if info is not None else "the backend does not describe its model"
+    log.info("model %r ready in %.2f s: %s, window %d tokens, %d slots", name, seconds, what,
+             window, slots)
+
+
+def model_failed(name: str, exc: BaseException) -> None:
+    """A model could not be loaded: one ERROR line, no traceback for our own errors."""
+    log.error("model %r failed to load: %s", name, reason(exc))
+
+
+def listening(url: str, models: Iterable[str]) -> None:
+    """The server accepts connections."""
+    log.info("listening on %s (models: %s)", url, ", ".join(models))
+
+
+def url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# --- the access log -----------------------------------------------------------------------
+
+
+def record_flight(http: HTTPRequest, flight: Flight) -> None:
+    """Tell the access log which generation ``http`` started (its id and usage go in the
+    request's line)."""
+    http.state.flight = flight
+
+
+def clean(text: str, limit: int = 200) -> str:
+    """Client-chosen text made safe for one log line: no spaces or control characters,
+    at most ``limit`` characters."""
+    text = repr(text[:limit])[1:-1].replace(" ", "%20")
+    return text
+
+
+class AccessLog:
+    """ASGI middleware: one ``pipeline.serve.access`` line per HTTP request, once its
+    response has ended.
+
+    The line: method, path, status, latency in ms, then ``model=``, ``prompt_tokens=``,
+    ``completion_tokens=`` and ``finish=`` for a request that started a generation (its
+    completion's real counts, also for a stream or a client that left), ``request_id=``
+    (the generation's id, ``-`` when there was none) and ``client=``. A client that left
+    before its response started is logged as 499 whatever the app answered to nobody; an
+    exception that escapes the app as the 500 Starlette answers with.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status: list[int] = []
+
+        async def receiving() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not status:
+                status.append(CLIENT_CLOSED)  # whatever the app answers now reaches nobody
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receiving, sending)
+        except BaseException:
+            # no waiting on this path (the task may be cancelled): counts known by now only
+            await self._line(scope, status[0] if status else 500, start, wait=False)
+            raise
+        await self._line(scope, status[0] if status else 0, start, wait=True)
+
+    async def _line(self, scope: Scope, status: int, start: float, *, wait: bool) -> None:
+        elapsed = time.perf_counter() - start
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        state: Mapping[str, Any] = scope.get("state") or {}
+        flight = state.get("flight")
+        fields = []
+        if state.get("model"):
+            fields.append(f"model={clean(str(state['model']), 80)}")
+        request_id = "-"
+        if flight is not None:
+            request_id = flight.request.request_id
+            completion = (await _usage(flight.done) if wait else
+                          flight.done.result() if flight.done.done() else None)
+            if completion is not None:
+                fields += [f"prompt_tokens={completion.usage.prompt_tokens}",
+                           f"completion_tokens={completion.usage.completion_tokens}",
+                           f"finish={completion.finish_reason.value}"]
+        client = scope.get("client")
+        fields += [f"request_id={request_id}",
+                   f"client={client[0]}:{client[1]}" if client else "client=-"]
+        access_log.info("%s %s %s %.1fms %s", scope["method"], clean(scope["path"]),
+                        status or "-", elapsed * 1e3, " ".join(fields))
+
+
+async def _usage(done: asyncio.Future[Completion]) -> Completion | None:
+    """The completion once its usage is recorded; ``None`` if that takes too long."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), USAGE_WAIT_S)
+    except asyncio.TimeoutError:
+        return None

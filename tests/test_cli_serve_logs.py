@@ -1,0 +1,210 @@
+"""``pipeline serve``'s log as an operator reads it: the real command in a subprocess on a free
+port with the tiny model, its standard error read line by line.
+
+Oracles: transformers' own parameter count of the same checkpoint, the checkpoint's config
+(architecture, dtype), the OpenAI SDK's view of each response (id and usage), and the HTTP
+status each request got. Every line must be in the one log format (no uvicorn lines of its
+own) and there must be exactly one access line per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
+
+import httpx
+import pytest
+
+from pipeline.models import TINY_MODEL_DIR
+
+RUN = [sys.executable, "-m", "pipeline", "serve", "--host", "127.0.0.1", "--port", "0"]
+KEY = "sk-test-logs"
+LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR) "
+                  r"(pipeline\.serve(?:\.access)?|uvicorn\.\w+): (.*)$")
+ACCESS = re.compile(r"^(GET|POST) (\S+) (\d{3}) (\d+\.\d)ms((?: \w+=\S+)*)$")
+LISTEN = re.compile(r"listening on (http://127\.0\.0\.1:(\d+)) \(models: (.*)\)$")
+
+
+class Log:
+    """A server's standard error, read on a thread, line by line."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match[str]:
+        """The first line (seen or to come) that ``pattern`` matches in its message."""
+        deadline = time.monotonic() + timeout
+        for line in self.lines:
+            found = re.search(pattern, line)
+            if found:
+                return found
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no log line matched {pattern!r}:\n" + "\n".join(self.lines)
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            assert line is not None, f"the server ended; no line matched {pattern!r}:\n" + \
+                "\n".join(self.lines)
+            self.lines.append(line)
+            found = re.search(pattern, line)
+            if found:
+                return found
+
+    def drain(self, quiet_s: float = 1.0) -> None:
+        """Take every line that arrives until ``quiet_s`` pass without one."""
+        while True:
+            try:
+                line = self._queue.get(timeout=quiet_s)
+            except queue.Empty:
+                return
+            if line is None:
+                return
+            self.lines.append(line)
+
+    def access(self) -> list[tuple[str, str, int, dict[str, str]]]:
+        """(method, path, status, fields) of each access line so far."""
+        out = []
+        for line in self.lines:
+            parsed = LINE.match(line)
+            assert parsed, f"a line outside the log format: {line!r}"
+            if parsed.group(2) == "pipeline.serve.access":
+                found = ACCESS.match(parsed.group(3))
+                assert found, f"a malformed access line: {line!r}"
+                fields = dict(f.split("=", 1) for f in found.group(5).split())
+                out.append((found.group(1), found.group(2), int(found.group(3)), fields))
+        return out
+
+
+@contextmanager
+def serving(*models: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, Log]]:
+    args = [a for m in models for a in ("--model", m)]
+    server = subprocess.Popen(RUN + args, stderr=subprocess.PIPE, text=True,
+                              env=env or {**os.environ, "PIPELINE_API_KEYS": KEY})
+    assert server.stderr is not None
+    log = Log(server.stderr)
+    try:
+        url = log.wait_for(LISTEN.pattern).group(1)
+        yield url, log
+    finally:
+        server.terminate()  # this test's own child, by its handle
+        server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tiny_parameters() -> int:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(TINY_MODEL_DIR))
+    return int(model.num_parameters())
+
+
+def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int) -> None:
+    openai = pytest.importorskip("openai")
+    config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    with serving("tiny") as (url, log):
+        ready = log.wait_for(r"model 'tiny' ready in (\d+\.\d\d) s: (.*)$")
+        what = ready.group(2)
+        assert float(ready.group(1)) > 0
+        assert what.startswith(f"{config['architectures'][0]}, ")
+        assert f"({tiny_parameters}), " in what
+        assert f"{config['dtype']} on cpu" in what
+        weights = re.search(r"weights (\d+\.\d) MiB \((\d+) bytes\)", what)
+        assert weights and int(weights.group(2)) == 2 * tiny_parameters  # bfloat16
+        assert abs(float(weights.group(1)) - 2 * tiny_parameters / 2**20) < 0.06
+        assert "window 4096 tokens, 8 slots" in what
+        log.wait_for(r"loading model 'tiny' \(tiny\) on cpu")
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        auth = {"authorization": f"Bearer {KEY}"}
+        messages = [{"role": "user", "content": "Say something."}]
+        plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=7,
+                                               temperature=0)
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        assert plain.usage is not None and usage is not None
+        with httpx.stream("POST", url + "/v1/chat/completions", headers=auth, json={
+                "model": "tiny", "messages": messages, "max_tokens": 3000, "min_tokens": 2900,
+                "stream": True}, timeout=60) as left:
+            seen = [line for line, _ in zip(left.iter_lines(), range(6)) if line]
+        with pytest.raises(httpx.TimeoutException):  # leaves before its answer is ready
+            httpx.post(url + "/v1/chat/completions", headers=auth, timeout=0.5, json={
+                "model": "tiny", "messages": messages, "max_tokens": 3000, "min_tokens": 2900})
+        missing = httpx.get(url + "/v1/no-such-thing", headers=auth)
+        refused = httpx.post(url + "/v1/chat/completions", json={"model": "tiny"},
+                             headers={"authorization": "Bearer wrong"})
+        assert (missing.status_code, refused.status_code) == (404, 401)
+        log.wait_for(r"GET /v1/no-such-thing 404")
+        log.wait_for(r"POST /v1/chat/completions 401")
+        log.drain()
+    lines = log.access()
+    assert [(m, p, s) for m, p, s, _ in lines] == [
+        ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 200),
+        ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 499),
+        ("GET", "/v1/no-such-thing", 404), ("POST", "/v1/chat/completions", 401)]
+    for (_, _, _, fields), response, counts in ((lines[0], plain, plain.usage),
+                                                (lines[1], chunks[0], usage)):
+        assert fields["model"] == "tiny" and fields["request_id"] == response.id
+        assert int(fields["prompt_tokens"]) == counts.prompt_tokens
+        assert int(fields["completion_tokens"]) == counts.completion_tokens
+        assert fields["client"].startswith("127.0.0.1:")
+    assert int(lines[0][3]["completion_tokens"]) == 7 and lines[0][3]["finish"] == "length"
+    assert int(lines[1][3]["completion_tokens"]) == 9
+    for _, _, _, fields in lines[2:4]:  # a stream the client left, then a wait it left
+        assert fields["finish"] == "cancelled" and fields["request_id"].startswith("chatcmpl-")
+        assert int(fields["prompt_tokens"]) == plain.usage.prompt_tokens
+        assert 0 < int(fields["completion_tokens"]) < 2900
+    assert int(lines[2][3]["completion_tokens"]) >= len(seen) - 1  # the role chunk has none
+    for _, _, _, fields in lines[4:]:
+        assert fields["request_id"] == "-" and "prompt_tokens" not in fields
+
+
+def test_a_model_that_fails_is_logged_and_the_others_serve() -> None:
+    with serving("tiny", "broken=/no/such/model") as (url, log):
+        failed = log.wait_for(r"ERROR pipeline\.serve: model 'broken' failed to load: (.*)$")
+        assert "no such folder or file" in failed.group(1)
+        log.wait_for(r"model 'tiny' ready in")
+        headers = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "tiny", "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hi"}]}
+        ok = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        down = httpx.post(url + "/v1/chat/completions", json={**body, "model": "broken"},
+                          headers=headers, timeout=60)
+        assert ok.status_code == 200 and down.status_code == 503
+        assert "no such folder or file" in down.json()["error"]["message"]
+        log.wait_for(r"POST /v1/chat/completions 503")
+        log.drain()
+    # logged once, at once; the 503 a request for it gets is logged as a 5xx besides
+    assert sum(" ERROR pipeline.serve: model 'broken' failed" in line for line in log.lines) == 1
+    assert "Traceback" not in "\n".join(log.lines)
+
+
+def test_no_model_left_exits_with_one_line() -> None:
+    done = subprocess.run(RUN + ["--model", "a=/no/such/model", "--model", "b=/nor/this"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PIPELINE_API_KEYS": KEY})
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert lines[-1].startswith("pipeline serve: no model could be loaded ('a': ")
+    assert "'b': " in lines[-1] and "no such folder or file" in lines[-1]
+    assert all(LINE.match(line) for line in lines[:-1])
+    assert sum(" ERROR pipeline.serve: model " in line for line in lines) == 2
