@@ -1,4 +1,5 @@
-"""The ``pipeline`` command: ``run``, ``count``, ``demo``, ``plugins``, ``trace``, ``serve``.
+"""The ``pipeline`` command: ``run``, ``chat``, ``count``, ``demo``, ``plugins``, ``trace``,
+``serve``.
 
 Owns argument parsing and printing only; every command calls the library's public API. Every
 error a user can cause is one line on standard error that says what to do, with a non-zero
@@ -17,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from pipeline.cli_chat import add_parser as add_chat_parser
 from pipeline.cli_run import add_parser as add_run_parser
 from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
@@ -185,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
+    add_chat_parser(sub)
     sub.add_parser("plugins", help="list registered components").set_defaults(run=_plugins)
     count = sub.add_parser("count", help="count the tokens of a user message exactly "
                                          "(through the chat template; --raw: the text alone)")

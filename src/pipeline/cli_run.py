@@ -1,7 +1,8 @@
 """The ``pipeline run`` command: one prompt, the answer streamed to the terminal (DESIGN §14).
 
 Owns the command's options (the sampling fields people use, in the spellings of
-``llama-cli`` and ``mlx_lm.generate``) and its output: the text as it streams, or with
+``llama-cli`` and ``mlx_lm.generate``; ``pipeline chat`` takes the same through
+:func:`add_sampling` and :func:`sampling_params`) and its output: the text as it streams, or with
 ``--json`` one JSON object (text, finish reason, usage, timings, request id) on stdout;
 ``--trace FILE`` keeps the request's JSONL trace. The prompt is the argument, or standard
 input when the argument is ``-`` or absent.
@@ -30,6 +31,7 @@ _SAMPLING = (  # flag, GenerationConfig field, type, help
     ("--repetition-penalty", "repetition_penalty", float, "divide repeated tokens' logits"),
     ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
     ("--max-tokens", "max_tokens", int, "most tokens to generate (default 256)"),
+    ("--min-tokens", "min_tokens", int, "fewest tokens before EOS or a stop string may end"),
 )
 
 
@@ -42,14 +44,30 @@ def add_parser(sub: Any) -> None:
                      help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
                           "(default: SmolLM2-135M-Instruct)")
     run.add_argument("--system", default=None, help="a system message before the prompt")
-    for flag, field, kind, text in _SAMPLING:
-        run.add_argument(flag, dest=field, type=kind, default=None, help=text)
-    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="stop before this text (repeatable)")
+    add_sampling(run)
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--trace", type=Path, default=None, metavar="FILE",
                      help="write the request's trace as JSONL to FILE")
     run.set_defaults(run=_run)
+
+
+def add_sampling(parser: Any) -> None:
+    """The sampling flags (``--temperature`` ... ``--max-tokens``) and ``--stop``."""
+    for flag, field, kind, text in _SAMPLING:
+        parser.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="stop before this text (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~pipeline.types.GenerationConfig` fields the flags set (``max_tokens``
+    256 unless given)."""
+    params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
+                              if getattr(args, field) is not None}
+    params.setdefault("max_tokens", 256)
+    if args.stop:
+        params["stop"] = args.stop
+    return params
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -60,15 +78,6 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
     return messages + [{"role": "user", "content": prompt}]
 
 
-def _params(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
-                              if getattr(args, field) is not None}
-    params.setdefault("max_tokens", 256)
-    if args.stop:
-        params["stop"] = args.stop
-    return params
-
-
 def _run(args: argparse.Namespace) -> int:
     from pipeline.builder import build
     from pipeline.events import JsonlSink
@@ -76,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     messages = _messages(args)
     sinks = [JsonlSink(args.trace)] if args.trace is not None else []
     with build(args.model, sinks=sinks, options={"num_slots": 1}) as pipe:
-        handle = pipe.submit(messages, **_params(args))
+        handle = pipe.submit(messages, **sampling_params(args))
         try:
             for delta in handle.deltas():
                 if not args.json:
