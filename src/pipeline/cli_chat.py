@@ -39,6 +39,7 @@ from typing import Any
 
 from pipeline.cli_run import add_sampling, sampling_params
 from pipeline.errors import PipelineError
+from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, FinishReason, GenerationConfig, from_mapping
 
@@ -266,45 +267,55 @@ class Session:
                     f"the conversation is {size} tokens and the model's window {self.window}: "
                     "it no longer fits; /reset starts over (or send less)")
                 return
-            shown, stopped, completion = self._stream(messages)
+            shown, completion = self._stream(messages)
         except PipelineError as exc:
             self.terminal.note(f"pipeline chat: {exc}")
             return
+        stopped = completion.finish_reason is FinishReason.CANCELLED
         if stopped and not shown:
             self.terminal.note("[stopped before the answer began; dropped]")
             return
         self.conversation.turns += [question, {"role": "assistant", "content": shown}]
         if stopped:
             self.terminal.note("[stopped]")
-        elif completion is not None and self._filled(completion.finish_reason,
-                                                      completion.usage.total_tokens):
+        elif self._filled(completion.finish_reason, completion.usage.total_tokens):
             self.terminal.note(f"[the answer filled the model's window of {self.window} "
                                "tokens: /reset starts over]")
 
-    def _stream(self, messages: list[Message]) -> tuple[str, bool, Completion | None]:
-        """Stream an answer; Ctrl-C cancels it. (text shown, stopped, completion or None)"""
+    def _stream(self, messages: list[Message]) -> tuple[str, Completion]:
+        """Stream an answer: the text shown and the completion.
+
+        Ctrl-C meanwhile cancels the request instead of raising: the engine ends it at its
+        next step with a final delta, so the loop below ends the ordinary way and what was
+        shown is exactly what was appended (an exception could land between the two).
+        """
         shown: list[str] = []
-        handle = None
-        try:
-            handle = self.pipe.submit(messages, **self.params)
-            for delta in handle.deltas():
-                self.terminal.write(delta.text)
-                shown.append(delta.text)
-        except KeyboardInterrupt:
+        handle: RequestHandle | None = None
+        stopping = False
+
+        def interrupt(signum: int, frame: Any) -> None:
+            nonlocal stopping
+            stopping = True
             if handle is not None:
                 handle.cancel()
-                handle.result()  # the engine has let go of it: the slot is free again
-            self._end_answer(shown)
-            return "".join(shown), True, None
+
+        previous = signal.signal(signal.SIGINT, interrupt)
+        try:
+            handle = self.pipe.submit(messages, **self.params)
+            if stopping:  # Ctrl-C while the prompt was prepared
+                handle.cancel()
+            for delta in handle.deltas():
+                shown.append(delta.text)
+                self.terminal.write(delta.text)
+            completion = handle.result()
         except BaseException:
             if handle is not None:
                 handle.cancel()
             raise
-        self._end_answer(shown)
-        return "".join(shown), False, handle.result()
-
-    def _end_answer(self, shown: list[str]) -> None:
+        finally:
+            signal.signal(signal.SIGINT, previous)
         self.terminal.write("\n\n" if self.terminal.interactive and shown else "\n")
+        return "".join(shown), completion
 
     def _filled(self, reason: FinishReason, total_tokens: int) -> bool:
         return reason is FinishReason.LENGTH and total_tokens >= self.window
