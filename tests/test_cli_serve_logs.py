@@ -208,3 +208,14 @@ def test_no_model_left_exits_with_one_line() -> None:
     assert "'b': " in lines[-1] and "no such folder or file" in lines[-1]
     assert all(LINE.match(line) for line in lines[:-1])
     assert sum(" ERROR pipeline.serve: model " in line for line in lines) == 2
+
+
+@pytest.mark.parametrize("n, size, count", [
+    (0, "0 B", "0"), (999, "999 B", "999"), (1023, "1023 B", "1.02K"), (1024, "1.0 KiB", "1.02K"),
+    (12697728, "12.1 MiB", "12.7M"), (134515008, "128.3 MiB", "135M"),
+    (7615616512, "7.1 GiB", "7.62B"), (3 * 2**40, "3.0 TiB", "3.3T"),
+])
+def test_sizes_read_as_people_write_them(n: int, size: str, count: str) -> None:
+    from pipeline.protocols import human_bytes, human_count
+
+    assert (human_bytes(n), human_count(n)) == (size, count)

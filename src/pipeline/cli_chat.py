@@ -50,7 +50,7 @@ HELP = """\
 /reset         forget the conversation (the system prompt stays)
 /system TEXT   set or replace the system prompt; /system alone shows it
 /save FILE     write the conversation as JSON: a list of {"role", "content"} messages
-/help          this list
+/help          this list (also /?)
 /exit          end the session (also /quit, /bye, Ctrl-D)
 //TEXT         send a message that starts with /
 Ctrl-C stops an answer (what it said so far stays); at an empty prompt, twice ends."""
@@ -167,7 +167,7 @@ class Terminal:
         if not self.interactive:
             return
         info = pipe.model_info()
-        what = f"{info.architecture}, {info.parameters / 1e6:.1f}M parameters, " if info else ""
+        what = f"{info.summary()}, " if info else ""
         self.note(f"pipeline chat: {model} ({what}window {window} tokens). "
                   "/help for commands, Ctrl-D to end.")
 

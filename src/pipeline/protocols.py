@@ -459,6 +459,31 @@ class ModelInfo:
     packed_bytes: int = 0
     cache_bytes: int = 0
 
+    def summary(self) -> str:
+        """``Qwen3MoeForCausalLM, 6.35M parameters, bfloat16 on cpu``."""
+        return (f"{self.architecture}, {human_count(self.parameters)} parameters, "
+                f"{self.dtype} on {self.device}")
+
+
+def human_count(n: int) -> str:
+    """``6348864`` → ``6.35M``; ``134515008`` → ``135M``; ``7615616512`` → ``7.62B``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    """``12697728`` → ``12.1 MiB`` (binary units, one decimal; below 1 KiB: ``512 B``)."""
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
 
 @runtime_checkable
 class ModelDescriber(Protocol):

@@ -45,7 +45,7 @@ from transports.http.errors import Dialect, classify, error_body, route_error, s
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Flight, Gateway, ModelState, ServedModel
 from transports.http.inbox import batches
-from transports.http.logs import AccessLog, record_flight
+from transports.http.logs import CLIENT_CLOSED, AccessLog, record_flight
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
@@ -55,7 +55,6 @@ from transports.sse import SSEEvent, encode, encode_comment
 log = logging.getLogger("pipeline.serve")
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
 KEEP_ALIVE = encode_comment("keep-alive")
-CLIENT_CLOSED = 499
 
 
 def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:

@@ -11,8 +11,8 @@ Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.acc
 (requests, at INFO). The lines::
 
     2025-01-31 12:00:00.123 INFO pipeline.serve: loading model 'tiny' (tiny) on cpu
-    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 384.0 MiB, window 4096 tokens, 8 slots
-    2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000
+    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots
+    2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000 (models: tiny)
     2025-01-31 12:00:03.002 INFO pipeline.serve.access: POST /v1/chat/completions 200 412.3ms model=tiny prompt_tokens=17 completion_tokens=32 finish=length request_id=chatcmpl-6c1f... client=127.0.0.1:50412
 """
 
@@ -29,7 +29,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.errors import PipelineError
-from pipeline.protocols import ModelInfo
+from pipeline.protocols import ModelInfo, human_bytes, human_count
 from pipeline.types import Completion
 
 if TYPE_CHECKING:
@@ -40,8 +40,9 @@ access_log = logging.getLogger("pipeline.serve.access")
 FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 CLIENT_CLOSED = 499
-"""The status logged for a client that left before its response started (nginx's "client
-closed request"); a stream it leaves keeps the 200 it was sent."""
+"""nginx's "client closed request": the status of a request whose client left before its
+response started (the app answers it so, and the access log writes it whatever the app
+answered to nobody); a stream the client leaves keeps the 200 it was sent."""
 USAGE_WAIT_S = 10.0
 """How long the access line waits for the usage of a generation the client left (its cancel
 takes effect at the engine's next step)."""
@@ -61,25 +62,6 @@ def configure(level: int | str = logging.INFO, stream: TextIO | None = None) -> 
 
 
 # --- wording ------------------------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    """``12697728`` → ``12.1 MiB`` (binary units, one decimal)."""
-    size, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            break
-        size /= 1024
-    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-
-
-def human_count(n: int) -> str:
-    """``6348864`` → ``6.35M``; ``134515008`` → ``135M``; ``7615616512`` → ``7.62B``."""
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.3g}{suffix}"
-    return str(n)
 
 
 def describe(info: ModelInfo) -> str:
