@@ -166,7 +166,7 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
     serve.add_argument("--log-level", default="info",
-                       choices=("debug", "info", "warning", "error"),
+                       choices=("info", "warning", "error"),
                        help="least severe log line written to standard error; info has the "
                             "models, the address and one line per request (default info)")
     serve.add_argument("--insecure", action="store_true",
