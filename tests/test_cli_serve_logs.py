@@ -154,27 +154,32 @@ def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int) -> 
         assert (missing.status_code, refused.status_code) == (404, 401)
         log.wait_for(r"GET /v1/no-such-thing 404")
         log.wait_for(r"POST /v1/chat/completions 401")
+        log.wait_for(r"POST /v1/chat/completions 499")  # written once its usage is known
         log.drain()
-    lines = log.access()
-    assert [(m, p, s) for m, p, s, _ in lines] == [
+    lines = log.access()  # in the order responses ended, not the order requests came
+    assert sorted((m, p, s) for m, p, s, _ in lines) == sorted([
         ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 200),
         ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 499),
-        ("GET", "/v1/no-such-thing", 404), ("POST", "/v1/chat/completions", 401)]
-    for (_, _, _, fields), response, counts in ((lines[0], plain, plain.usage),
-                                                (lines[1], chunks[0], usage)):
-        assert fields["model"] == "tiny" and fields["request_id"] == response.id
+        ("GET", "/v1/no-such-thing", 404), ("POST", "/v1/chat/completions", 401)])
+    by_id = {fields["request_id"]: (status, fields) for _, _, status, fields in lines}
+    for response, counts, n in ((plain, plain.usage, 7), (chunks[0], usage, 9)):
+        status, fields = by_id[response.id]
+        assert status == 200 and fields["model"] == "tiny" and fields["finish"] == "length"
         assert int(fields["prompt_tokens"]) == counts.prompt_tokens
-        assert int(fields["completion_tokens"]) == counts.completion_tokens
+        assert int(fields["completion_tokens"]) == counts.completion_tokens == n
         assert fields["client"].startswith("127.0.0.1:")
-    assert int(lines[0][3]["completion_tokens"]) == 7 and lines[0][3]["finish"] == "length"
-    assert int(lines[1][3]["completion_tokens"]) == 9
-    for _, _, _, fields in lines[2:4]:  # a stream the client left, then a wait it left
-        assert fields["finish"] == "cancelled" and fields["request_id"].startswith("chatcmpl-")
+    stream_id = json.loads(seen[0].removeprefix("data: "))["id"]
+    status, fields = by_id[stream_id]  # the stream the client left
+    assert status == 200 and int(fields["completion_tokens"]) >= len(seen) - 1  # role chunk
+    cancelled = [(s, f) for _, _, s, f in lines if f.get("finish") == "cancelled"]
+    assert sorted(s for s, _ in cancelled) == [200, 499]  # then the wait it left
+    for _, fields in cancelled:
+        assert fields["request_id"].startswith("chatcmpl-")
         assert int(fields["prompt_tokens"]) == plain.usage.prompt_tokens
         assert 0 < int(fields["completion_tokens"]) < 2900
-    assert int(lines[2][3]["completion_tokens"]) >= len(seen) - 1  # the role chunk has none
-    for _, _, _, fields in lines[4:]:
-        assert fields["request_id"] == "-" and "prompt_tokens" not in fields
+    unanswered = [f for _, _, s, f in lines if s in (404, 401)]
+    assert len(unanswered) == 2
+    assert all(f["request_id"] == "-" and "prompt_tokens" not in f for f in unanswered)
 
 
 def test_a_model_that_fails_is_logged_and_the_others_serve() -> None:

@@ -1,7 +1,7 @@
 """The gateway duties between an HTTP request and a pipeline (DESIGN §12).
 
 Owns :class:`Gateway`: API-key checks (constant time), the served models and their loading
-state (503 while loading), routing by name (404 listing the served names), window arithmetic
+state (503 while loading; each load and each failure logged as it happens), routing by name (404 listing the served names), window arithmetic
 (a fast upper bound first, the exact count only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
 :class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record

@@ -84,6 +84,8 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     # ordinary way to stop, and a server that never started exits with uvicorn's status
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    if server.started:
+        logs.log.info("stopped")
     failed = gateway.failed
     if failed and len(failed) == len(gateway.models):
         why = "; ".join(f"{name!r}: {error}" for name, error in failed.items())
