@@ -87,13 +87,22 @@ def test_turns_keep_the_history_and_the_commands_work(tmp_path: Path, tiny: Pipe
     assert "conversation cleared (the system prompt stays)" in notes
 
 
-def test_help_and_bad_flags() -> None:
+def test_help_and_bad_flags(tmp_path: Path) -> None:
+    import shutil
+
+    from pipeline.models import TINY_MODEL_DIR
+
     done = _chat(["/help"])
     assert done.returncode == 0 and "/save FILE" in done.stdout and "/reset" in done.stdout
-    bad = subprocess.run(CHAT + ["--temperature", "-1"], input="hi\n", capture_output=True,
-                         text=True, timeout=120)
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1 and "temperature" in bad.stderr
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_MODEL_DIR / name, tmp_path / name)
+    for args, says in ((["--temperature", "-1"], "temperature"),
+                       (["--max-context", "0"], "max_context"),
+                       (["--model", str(tmp_path)], "no weights")):
+        bad = subprocess.run(CHAT + args, input="hi\n", capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr
 
 
 def test_a_conversation_that_outgrows_the_window_says_so(tmp_path: Path) -> None:

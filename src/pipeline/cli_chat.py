@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cli_run import add_sampling, sampling_params
-from pipeline.errors import PipelineError
+from pipeline.errors import ArtifactError, PipelineError
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, FinishReason, GenerationConfig, from_mapping
@@ -177,7 +177,9 @@ class Session:
 
     def __init__(self, pipe: Pipeline, conversation: Conversation, params: dict[str, Any],
                  terminal: Terminal) -> None:
-        assert pipe.engine is not None, "chat needs a model backend"
+        if pipe.engine is None:
+            raise ArtifactError("this model folder has no weights (only a tokenizer): chat "
+                                "needs a model that generates")
         self.pipe = pipe
         self.conversation = conversation
         self.params = params
@@ -205,7 +207,7 @@ class Session:
             try:
                 if not self.handle(line):
                     return 0
-            except KeyboardInterrupt:  # before an answer began streaming: nothing to keep
+            except KeyboardInterrupt:  # in a command, or while a prompt was counted
                 self.terminal.write("\n")
                 self.terminal.note("[stopped]")
 
