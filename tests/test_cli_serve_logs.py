@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO
 
 import httpx
@@ -94,10 +95,10 @@ class Log:
 
 
 @contextmanager
-def serving(*models: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, Log]]:
-    args = [a for m in models for a in ("--model", m)]
+def serving(data_dir: Path, *models: str) -> Iterator[tuple[str, Log]]:
+    args = [a for m in models for a in ("--model", m)] + ["--data-dir", str(data_dir)]
     server = subprocess.Popen(RUN + args, stderr=subprocess.PIPE, text=True,
-                              env=env or {**os.environ, "PIPELINE_API_KEYS": KEY})
+                              env={**os.environ, "PIPELINE_API_KEYS": KEY})
     assert server.stderr is not None
     log = Log(server.stderr)
     try:
@@ -115,10 +116,11 @@ def tiny_parameters() -> int:
     return int(model.num_parameters())
 
 
-def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int) -> None:
+def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int,
+                                                        tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
     config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
-    with serving("tiny") as (url, log):
+    with serving(tmp_path, "tiny") as (url, log):
         ready = log.wait_for(r"model 'tiny' ready in (\d+\.\d\d) s: (.*)$")
         what = ready.group(2)
         assert float(ready.group(1)) > 0
@@ -182,8 +184,8 @@ def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int) -> 
     assert all(f["request_id"] == "-" and "prompt_tokens" not in f for f in unanswered)
 
 
-def test_a_model_that_fails_is_logged_and_the_others_serve() -> None:
-    with serving("tiny", "broken=/no/such/model") as (url, log):
+def test_a_model_that_fails_is_logged_and_the_others_serve(tmp_path: Path) -> None:
+    with serving(tmp_path, "tiny", "broken=/no/such/model") as (url, log):
         failed = log.wait_for(r"ERROR pipeline\.serve: model 'broken' failed to load: (.*)$")
         assert "no such folder or file" in failed.group(1)
         log.wait_for(r"model 'tiny' ready in")
@@ -202,8 +204,9 @@ def test_a_model_that_fails_is_logged_and_the_others_serve() -> None:
     assert "Traceback" not in "\n".join(log.lines)
 
 
-def test_no_model_left_exits_with_one_line() -> None:
-    done = subprocess.run(RUN + ["--model", "a=/no/such/model", "--model", "b=/nor/this"],
+def test_no_model_left_exits_with_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(RUN + ["--model", "a=/no/such/model", "--model", "b=/nor/this",
+                                 "--data-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PIPELINE_API_KEYS": KEY})
     assert done.returncode == 1
