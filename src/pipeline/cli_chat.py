@@ -58,7 +58,11 @@ Ctrl-C stops an answer (what it said so far stays); at an empty prompt, twice en
 
 def add_parser(sub: Any) -> None:
     """The ``chat`` subcommand."""
-    chat = sub.add_parser("chat", help="hold a conversation at the terminal (/help inside)")
+    chat = sub.add_parser("chat", help="hold a conversation at the terminal (/help inside)",
+                          description="Each line typed is a turn: the whole conversation "
+                                      "goes to the model and the answer streams. The "
+                                      "session's commands are listed below the options.",
+                          epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("--model", default=None,
                       help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
                            "(default: SmolLM2-135M-Instruct)")
