@@ -246,6 +246,8 @@ def test_access_lines_of_choices_completions_traces_and_the_page(tmp_path: Path)
         assert len(trace.text.splitlines()) > 3  # every choice's events
         log.wait_for(r"HEAD / 200")
         log.drain()
+    log.drain()  # the server was sent SIGTERM: it says so before the signal ends it
+    assert log.lines[-1].endswith(" INFO pipeline.serve: stopped")
     lines = log.access()
     generated = {f["request_id"]: (p, s, f) for _, p, s, f in lines if f["request_id"] != "-"}
     assert sorted(generated) == sorted(expected)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -50,11 +50,22 @@ def parse_models(specs: Sequence[str]) -> dict[str, Path | None]:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, saying where it listens once it does (port 0: the port it got)."""
+    """uvicorn's server, saying where it listens once it does (port 0: the port it got), and
+    that it stopped."""
 
     def __init__(self, config: uvicorn.Config, models: Sequence[str]) -> None:
         super().__init__(config)
         self.models = models
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's signal capture, saying ``stopped`` once the server has shut down: before
+        uvicorn raises the captured signal again, whose default action (SIGTERM's) ends the
+        process on the spot."""
+        with super().capture_signals():
+            yield
+            if self.started:
+                logs.log.info("stopped")
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -84,8 +95,6 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     # ordinary way to stop, and a server that never started exits with uvicorn's status
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
-    if server.started:
-        logs.log.info("stopped")
     failed = gateway.failed
     if failed and len(failed) == len(gateway.models):
         why = "; ".join(f"{name!r}: {error}" for name, error in failed.items())
