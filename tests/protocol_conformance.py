@@ -11,7 +11,7 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import DocumentEncoder
+from pipeline.protocols import DocumentEncoder, ModelDescriber
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from transports import AsyncioTransport, InProcessTransport
@@ -38,7 +38,8 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     stoppers.append(testing.TokenCountStopper(3))
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
     real: Backend = torch_backend
+    described: ModelDescriber = torch_backend
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend, real, sync
-    del asyncs
+    del asyncs, described

@@ -1,11 +1,13 @@
 """BackendOptions: one checked value for device, dtype, slots, window, cache budget, packing,
-MoE kernel and GGUF quantization, used by build(), ``pipeline run`` and ``pipeline serve``.
+MoE kernel and GGUF quantization, used by build(), ``pipeline run``, ``pipeline chat`` and
+``pipeline serve``.
 
 Oracles: the tiny model's config.json (for the window a cache budget buys), torch's own view
 of this machine (which devices exist), and the value handed to the backend."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -134,13 +136,28 @@ def test_pipeline_run_takes_device_and_dtype(capsys: pytest.CaptureFixture[str])
         assert out == pipe.generate("hi", temperature=0, max_tokens=4).text + "\n"
 
 
+def test_pipeline_chat_takes_device_and_dtype(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))  # piped: one turn, plain output
+    assert cli.main(["chat", "--model", "tiny", "--temperature", "0", "--max-tokens", "4",
+                     "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    with build("tiny", options={"dtype": "float32"}) as pipe:
+        answer = pipe.generate([{"role": "user", "content": "hi"}], temperature=0,
+                               max_tokens=4)
+    assert out == answer.text + "\n"
+
+
 @pytest.mark.parametrize("argv, says", [
     (["run", "--model", "tiny", "hi", "--device", "cuda:99"], "use device='cpu'"),
     (["run", "--model", "tiny", "hi", "--dtype", "bfloat"], "did you mean 'bfloat16'"),
+    (["chat", "--model", "tiny", "--device", "cuda:99"], "use device='cpu'"),
+    (["chat", "--model", "tiny", "--dtype", "bfloat"], "did you mean 'bfloat16'"),
 ])
-def test_pipeline_run_refuses_a_bad_device_or_dtype_in_one_line(argv: list[str],
-                                                                says: str) -> None:
-    done = subprocess.run(RUN + argv, capture_output=True, text=True, timeout=120)
+def test_pipeline_run_and_chat_refuse_a_bad_device_or_dtype_in_one_line(argv: list[str],
+                                                                         says: str) -> None:
+    done = subprocess.run(RUN + argv, capture_output=True, text=True, timeout=120,
+                          input="hi\n")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
 

@@ -109,7 +109,7 @@ def test_serve_without_keys_refuses_a_public_address_and_warns_on_loopback() -> 
     try:
         assert server.stderr is not None
         first = server.stderr.readline()
-        assert first.startswith("WARNING: no API keys are configured")
+        assert " WARNING pipeline.serve: no API keys are configured" in first
     finally:
         server.terminate()  # this test's own child, by its handle
         server.wait(timeout=30)

@@ -292,3 +292,32 @@ def attrs_equal(a: Any, b: Any) -> bool:
 
     assert abs(a.rms_norm_eps - b.rms_norm_eps) < 1e-12
     return attrs.evolve(a, dtype=b.dtype, rms_norm_eps=b.rms_norm_eps) == b
+
+
+def test_model_info_counts_quantized_matrices_at_their_encoded_size(tmp_path: Path) -> None:
+    """Kept quantized, the Q8_0 attention matrices count their parameters as before and their
+    bytes as GGML encodes them (blocks of 32 values: a float16 scale and 32 int8s)."""
+    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.load import load_weights
+    from backends.torch.backend import TorchBackend
+    from backends.torch.config import ModelSpec
+    from backends.torch.model import Transformer
+
+    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
+    spec = ModelSpec.from_hf_config(hf_config(f))
+    infos = []
+    for quantized in (False, True):
+        loaded = load_weights(f, spec, quantized=quantized)
+        backend = TorchBackend(Transformer(spec, loaded.weights, pack=False,
+                                           own_products=loaded.products), "x",
+                               num_slots=1, max_context=16)
+        infos.append(backend.model_info())
+    plain, coded = infos
+    with build("tiny") as tiny:
+        reference = tiny.model_info()
+    assert reference is not None
+    assert plain.parameters == coded.parameters == reference.parameters
+    attention = spec.num_layers * spec.hidden_size * spec.head_dim * (
+        2 * spec.num_heads + 2 * spec.num_kv_heads)           # q and o, k and v
+    assert plain.weight_bytes == 4 * plain.parameters
+    assert plain.weight_bytes - coded.weight_bytes == 4 * attention - attention // 32 * 34

@@ -592,3 +592,29 @@ def test_cache_layout_reports_each_layer_and_a_failed_call_changes_nothing(
     assert backend.cache_layout(b).key_lengths == (9,) * layers
     backend.release(a)
     assert backend.allocate() == a and backend.cache_layout(a).key_lengths == (0,) * layers
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_info_counts_what_transformers_counts(arch: str,
+                                                    checkpoints: dict[str, Any]) -> None:
+    """Parameters as transformers counts them (a tied head once), the weights' bytes at the
+    loaded dtype, packed copies only where packing happened, and the cache's bytes from the
+    config's shape."""
+    from pipeline.protocols import ModelDescriber
+
+    folder, model = checkpoints[arch]
+    config = model.config
+    want = model.num_parameters()
+    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or head_dim
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        backend = TorchBackend.from_dir(folder, num_slots=3, max_context=40, dtype=dtype)
+        assert isinstance(backend, ModelDescriber)
+        info = backend.model_info()
+        assert (info.architecture, info.dtype, info.device) == (
+            config.architectures[0], dtype, "cpu")
+        assert info.parameters == want
+        assert info.weight_bytes == want * size
+        packed = len(backend.model.linears) > 0
+        assert (info.packed_bytes > 0) == packed and info.packed_bytes <= info.weight_bytes
+        assert info.cache_bytes == 2 * config.num_hidden_layers * 3 * kv_heads * 40 * head_dim * size

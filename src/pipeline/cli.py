@@ -1,4 +1,5 @@
-"""The ``pipeline`` command: ``run``, ``count``, ``demo``, ``plugins``, ``trace``, ``serve``.
+"""The ``pipeline`` command: ``run``, ``chat``, ``count``, ``demo``, ``plugins``, ``trace``,
+``serve``.
 
 Owns argument parsing and printing only; every command calls the library's public API. Every
 error a user can cause is one line on standard error that says what to do, with a non-zero
@@ -17,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from pipeline.cli_chat import add_parser as add_chat_parser
 from pipeline.cli_run import add_parser as add_run_parser
 from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
@@ -81,7 +83,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
     from pipeline.errors import PipelineError
-    from transports.http import ServerConfig, load_api_keys, parse_models, serve
+    from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
     from transports.http.limits import Limits
     from transports.http.timeouts import Timeouts
 
@@ -105,9 +107,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pipeline serve: refusing to serve {args.host} without API keys: set "
               f"${args.api_key_env} or --api-key-file, or pass --insecure", file=sys.stderr)
         return 2
+    logs.configure(args.log_level.upper())
     if not keys:
-        print(f"WARNING: no API keys are configured: anyone who can reach "
-              f"{args.host}:{args.port} can use this server", file=sys.stderr, flush=True)
+        logs.log.warning("no API keys are configured: anyone who can reach %s can use this "
+                         "server", args.host)
     serve(config, args.host, args.port)
     return 0
 
@@ -167,6 +170,10 @@ def _add_serve(sub: Any) -> None:
                        help="torch device of the models (cpu, cuda, cuda:N, mps)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
+    serve.add_argument("--log-level", default="info",
+                       choices=("info", "warning", "error"),
+                       help="least severe log line written to standard error; info has the "
+                            "models, the address and one line per request (default info)")
     serve.add_argument("--insecure", action="store_true",
                        help="serve a non-loopback address without API keys")
     serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -185,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
+    add_chat_parser(sub)
     sub.add_parser("plugins", help="list registered components").set_defaults(run=_plugins)
     count = sub.add_parser("count", help="count the tokens of a user message exactly "
                                          "(through the chat template; --raw: the text alone)")

@@ -1,11 +1,13 @@
 """The ``pipeline run`` command: one prompt, the answer streamed to the terminal (DESIGN §14).
 
 Owns the command's options (the sampling fields people use, in the spellings of
-``llama-cli`` and ``mlx_lm.generate``) and its output: the text as it streams, or with
-``--json`` one JSON object (text, finish reason, usage, timings, request id) on stdout;
-``--trace FILE`` keeps the request's JSONL trace; ``--device`` and ``--dtype`` become the
-build's :class:`~pipeline.options.BackendOptions` (checked before the model loads). The prompt is the argument, or standard
-input when the argument is ``-`` or absent.
+``llama-cli`` and ``mlx_lm.generate``; ``--device`` and ``--dtype``, which become the build's
+:class:`~pipeline.options.BackendOptions`, checked before the model loads) and its output:
+the text as it streams, or with ``--json`` one JSON object (text, finish reason, usage,
+timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace. The prompt
+is the argument, or standard input when the argument is ``-`` or absent. ``pipeline chat``
+takes the same flags through :func:`add_sampling`, :func:`sampling_params`,
+:func:`add_backend` and :func:`backend_options`.
 
 Example::
 
@@ -19,9 +21,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import InvalidValueError
+
+if TYPE_CHECKING:  # importing it imports torch: the command line loads that only when used
+    from pipeline.options import BackendOptions
 
 _SAMPLING = (  # flag, GenerationConfig field, type, help
     ("--temperature", "temperature", float, "0 is greedy (default 1.0)"),
@@ -31,6 +36,7 @@ _SAMPLING = (  # flag, GenerationConfig field, type, help
     ("--repetition-penalty", "repetition_penalty", float, "divide repeated tokens' logits"),
     ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
     ("--max-tokens", "max_tokens", int, "most tokens to generate (default 256)"),
+    ("--min-tokens", "min_tokens", int, "fewest tokens before EOS or a stop string may end"),
 )
 
 
@@ -43,17 +49,46 @@ def add_parser(sub: Any) -> None:
                      help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
                           "(default: SmolLM2-135M-Instruct)")
     run.add_argument("--system", default=None, help="a system message before the prompt")
-    for flag, field, kind, text in _SAMPLING:
-        run.add_argument(flag, dest=field, type=kind, default=None, help=text)
-    run.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:N, mps)")
-    run.add_argument("--dtype", default=None,
-                     help="compute dtype (float32, bfloat16, float16; default: the model's)")
-    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="stop before this text (repeatable)")
+    add_sampling(run)
+    add_backend(run)
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--trace", type=Path, default=None, metavar="FILE",
                      help="write the request's trace as JSONL to FILE")
     run.set_defaults(run=_run)
+
+
+def add_sampling(parser: Any) -> None:
+    """The sampling flags (``--temperature`` ... ``--max-tokens``) and ``--stop``."""
+    for flag, field, kind, text in _SAMPLING:
+        parser.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="stop before this text (repeatable)")
+
+
+def add_backend(parser: Any) -> None:
+    """The backend flags: ``--device`` and ``--dtype``."""
+    parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:N, mps)")
+    parser.add_argument("--dtype", default=None,
+                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
+
+
+def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
+    """The build's :class:`~pipeline.options.BackendOptions`: one slot, the ``--device`` and
+    ``--dtype`` flags, and ``fields``; a bad value is an error before anything loads."""
+    from pipeline.options import BackendOptions
+
+    return BackendOptions(num_slots=1, device=args.device, dtype=args.dtype, **fields)
+
+
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~pipeline.types.GenerationConfig` fields the flags set (``max_tokens``
+    256 unless given)."""
+    params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
+                              if getattr(args, field) is not None}
+    params.setdefault("max_tokens", 256)
+    if args.stop:
+        params["stop"] = args.stop
+    return params
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -64,25 +99,15 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
     return messages + [{"role": "user", "content": prompt}]
 
 
-def _params(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
-                              if getattr(args, field) is not None}
-    params.setdefault("max_tokens", 256)
-    if args.stop:
-        params["stop"] = args.stop
-    return params
-
-
 def _run(args: argparse.Namespace) -> int:
     from pipeline.builder import build
     from pipeline.events import JsonlSink
-    from pipeline.options import BackendOptions
 
-    options = BackendOptions(num_slots=1, device=args.device, dtype=args.dtype)
+    options = backend_options(args)
     messages = _messages(args)
     sinks = [JsonlSink(args.trace)] if args.trace is not None else []
     with build(args.model, sinks=sinks, options=options) as pipe:
-        handle = pipe.submit(messages, **_params(args))
+        handle = pipe.submit(messages, **sampling_params(args))
         try:
             for delta in handle.deltas():
                 if not args.json:

@@ -3,11 +3,11 @@
 Owns :class:`BackendOptions` (device, compute dtype, slots, window, key/value-cache budget,
 weight packing, the MoE kernel, quantized GGUF weights, and options for third-party
 backends) and :func:`check_device`, which refuses a device this machine lacks with an error
-that says what to use instead. ``build(options=...)``, ``pipeline run`` and ``pipeline
-serve`` all go through this one value, so a value is checked the same way wherever it
-comes from. The value itself does not depend on the machine (it may be written on one
-machine for another); only :func:`check_device` asks the machine, and ``build()`` calls it
-before anything loads.
+that says what to use instead. ``build(options=...)``, ``pipeline run``, ``pipeline chat``
+and ``pipeline serve`` all go through this one value, so a value is checked the same way
+wherever it comes from. The value itself does not depend on the machine (it may be written
+on one machine for another); only :func:`check_device` asks the machine, and ``build()``
+calls it before anything loads.
 
 Example::
 

@@ -26,7 +26,9 @@ from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_t
 from pipeline.handle import RequestHandle
 from pipeline.job import Job, JobSpec
 from pipeline.recording import parse_traceparent
-from pipeline.protocols import Detokenizer, Renderer, Stopper, Tokenizer, Transport
+from pipeline.protocols import (
+    Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, Transport,
+)
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
     TokenizedPrompt, ToolSpec, from_mapping,
@@ -208,6 +210,13 @@ class Pipeline:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+    def model_info(self) -> ModelInfo | None:
+        """What the backend says about its model (architecture, parameters, dtype, device,
+        memory); ``None`` without a backend or from one that cannot say
+        (:class:`~pipeline.protocols.ModelDescriber`)."""
+        backend = self.engine.backend if self.engine is not None else None
+        return backend.model_info() if isinstance(backend, ModelDescriber) else None
 
     def think_markers(self) -> tuple[int, int] | None:
         """Ids of ``<think>`` and ``</think>`` when the tokenizer has each as one token."""

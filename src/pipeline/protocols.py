@@ -591,6 +591,69 @@ class CacheInspector(Protocol):
         ...
 
 
+@attrs.frozen
+class ModelInfo:
+    """What a loaded model is, for logs and listings (``pipeline serve``, ``pipeline chat``).
+
+    ``architecture`` is the checkpoint's class name (``Qwen3ForCausalLM``); ``parameters``
+    counts every weight once (a tied output head is the embedding); ``dtype`` and ``device``
+    are the weights' (``bfloat16``, ``cpu``). ``weight_bytes`` is the memory the weights hold,
+    quantized ones at their encoded size; ``packed_bytes`` the extra copies laid out for
+    faster products; ``cache_bytes`` the preallocated key/value cache of every slot.
+    """
+
+    architecture: str
+    parameters: int
+    dtype: str
+    device: str
+    weight_bytes: int
+    packed_bytes: int = 0
+    cache_bytes: int = 0
+
+    def summary(self) -> str:
+        """``Qwen3MoeForCausalLM, 6.35M parameters, bfloat16 on cpu``."""
+        return (f"{self.architecture}, {human_count(self.parameters)} parameters, "
+                f"{self.dtype} on {self.device}")
+
+
+def human_count(n: int) -> str:
+    """``6348864`` → ``6.35M``; ``134515008`` → ``135M``; ``7615616512`` → ``7.62B``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    """``12697728`` → ``12.1 MiB`` (binary units, one decimal; below 1 KiB: ``512 B``)."""
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+@runtime_checkable
+class ModelDescriber(Protocol):
+    """Optional backend capability: say what model it runs (:class:`ModelInfo`).
+
+    Called from any thread after the backend is built; the answer does not change while the
+    backend lives. :meth:`Pipeline.model_info <pipeline.pipe.Pipeline.model_info>` returns
+    ``None`` for a backend without it.
+
+    Example::
+
+        info = backend.model_info()    # ModelInfo('LlamaForCausalLM', 134515008, ...)
+    """
+
+    def model_info(self) -> ModelInfo:
+        """The model's architecture, size, dtype, device and memory."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol[Out_co]):
     """Delivers a request's deltas to a consumer, in order, and ends after the final one.

@@ -7,7 +7,7 @@ built so far: never two full copies). With ``quantized=True`` the matrices of qu
 stay in their GGML encoding (:class:`~backends.gguf.quants.QuantizedWeight`, a copy of the
 file's bytes) and the weights hold ``meta`` placeholders of their shape; the returned
 ``products`` pair each placeholder with its chunked matrix product
-(:func:`~backends.gguf.quants.quantized_linear`) for
+(:func:`~backends.gguf.quants.quantized_linear`) and its encoded size for
 :class:`~backends.torch.model.Transformer`. Embeddings, norms and float matrices are
 dequantized either way. llama.cpp's converter permutes the rows of ``attn_q`` and
 ``attn_k`` of ``llama``-architecture models for its RoPE layout; they are permuted back here,
@@ -36,7 +36,8 @@ from backends.torch.weights import (
 )
 from pipeline.errors import ArtifactError
 
-Product = tuple[torch.Tensor, Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]]
+Product = tuple[torch.Tensor, Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor], int]
+"""A placeholder, its matrix product, and the bytes of the encoded weight that product holds."""
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -87,7 +88,8 @@ class _Loader:
         weight = QuantizedWeight(data, coded[0].qtype, (sum(rows), cols))
         self.taken.update(names)
         placeholder = torch.empty(weight.shape, dtype=self.dtype, device="meta")
-        self.products.append((placeholder, lambda x, bias: quantized_linear(x, weight, bias)))
+        self.products.append((placeholder, lambda x, bias: quantized_linear(x, weight, bias),
+                              weight.nbytes))
         return placeholder
 
     def get(self, name: str, *shape: int) -> torch.Tensor:

@@ -34,11 +34,12 @@ from backends.torch.loader import load_checkpoint
 from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
 from backends.torch.moe import moe_forward
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
+from backends.torch.weights import tensors
 from pipeline.options import check_device
-from pipeline.protocols import Attention, CacheLayout, ModelCall, PrefillChunk
+from pipeline.protocols import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend, CacheInspector
+    from pipeline.protocols import Backend, CacheInspector, ModelDescriber
 
 
 class TorchBackend:
@@ -90,6 +91,21 @@ class TorchBackend:
         if max_context is None and kv_cache_bytes is not None:
             max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes)
         return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context)
+
+    def model_info(self) -> ModelInfo:
+        """Architecture, parameter count, dtype, device and memory
+        (:class:`~pipeline.protocols.ModelDescriber`). A quantized weight (a ``meta``
+        placeholder here) counts its parameters and its encoded bytes."""
+        weights = list(tensors(self.model.weights))
+        held = sum(t.numel() * t.element_size() for t in weights if not t.is_meta)
+        linears = self.model.linears
+        return ModelInfo(
+            architecture=self.model.spec.architecture,
+            parameters=sum(t.numel() for t in weights),
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device=str(self.model.weights.embed.device),
+            weight_bytes=held + linears.own_bytes, packed_bytes=linears.packed_bytes,
+            cache_bytes=self.cache.nbytes)
 
     def allocate(self) -> int:
         """The lowest free slot, with an empty cache; :class:`CapacityError` when none is."""
@@ -229,4 +245,8 @@ if TYPE_CHECKING:
 
     def _satisfies_cache_inspector(backend: TorchBackend) -> CacheInspector:
         """... and a CacheInspector."""
+        return backend
+
+    def _satisfies_model_describer(backend: TorchBackend) -> ModelDescriber:
+        """... and a ModelDescriber."""
         return backend

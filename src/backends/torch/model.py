@@ -92,6 +92,11 @@ class KVCache:
         """Where the cache lives."""
         return self.k[0].device
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the keys and values of every layer and slot take."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v [n, Hkv, D]`` at positions ``start..start+n-1`` of ``slot``.
@@ -212,19 +217,20 @@ class Transformer:
     float32 CPU weights get oneDNN-packed copies (:mod:`backends.torch.packed`), the routed
     experts' too when ``moe`` is the default; ``pack=False`` multiplies with ``F.linear``.
     ``own_products`` pairs weights (placeholders in ``weights``) with the function that
-    multiplies by them, e.g. a GGUF weight kept quantized in memory.
+    multiplies by them, e.g. a GGUF weight kept quantized in memory, and the bytes that
+    function holds.
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
                  moe: MoeFunction = moe_forward, pack: bool = True,
-                 own_products: Sequence[tuple[torch.Tensor, LinearFn]] = ()) -> None:
+                 own_products: Sequence[tuple[torch.Tensor, LinearFn, int]] = ()) -> None:
         self.spec = spec
         self.weights = weights
         default_moe = moe is moe_forward
         self.linears = (Linears.pack(weights, experts=default_moe) if pack
                         else Linears.plain())
-        for placeholder, multiply in own_products:
-            self.linears.register(placeholder, multiply)
+        for placeholder, multiply, nbytes in own_products:
+            self.linears.register(placeholder, multiply, nbytes)
         self.moe = self._packed_moe if default_moe and len(self.linears) else moe
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]

@@ -52,11 +52,15 @@ class Linears:
     def __init__(self) -> None:
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
         self._own: dict[int, LinearFn] = {}
+        self.own_bytes = 0
+        """Memory the registered products hold (their encoded weights)."""
 
-    def register(self, weight: torch.Tensor, multiply: LinearFn) -> None:
+    def register(self, weight: torch.Tensor, multiply: LinearFn, nbytes: int = 0) -> None:
         """Multiply by ``weight`` (typically a ``meta`` placeholder of the right shape that
-        stands in the model's weights) with ``multiply`` instead of ``F.linear``."""
+        stands in the model's weights) with ``multiply`` instead of ``F.linear``; ``nbytes``
+        is the memory ``multiply`` holds for it."""
         self._own[id(weight)] = multiply
+        self.own_bytes += nbytes
 
     @classmethod
     def plain(cls) -> Linears:
@@ -75,6 +79,11 @@ class Linears:
 
     def __len__(self) -> int:
         return len(self._packed)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Memory the packed copies take."""
+        return sum(t.numel() * t.element_size() for t in self._packed.values())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

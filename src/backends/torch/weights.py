@@ -8,6 +8,8 @@ containers are frozen; the tensors are shared, never copied, and never modified 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import attrs
 import torch
 
@@ -72,3 +74,23 @@ class ModelWeights:
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
     lm_head: torch.Tensor
+
+
+def tensors(weights: ModelWeights) -> Iterator[torch.Tensor]:
+    """Every tensor of ``weights`` once, in field order (a tied ``lm_head`` is ``embed``)."""
+    seen: set[int] = set()
+
+    def walk(value: object) -> Iterator[torch.Tensor]:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in seen:
+                seen.add(id(value))
+                yield value
+        elif isinstance(value, tuple):
+            for item in value:
+                yield from walk(item)
+        elif isinstance(value, (ModelWeights, LayerWeights, AttentionWeights, MlpWeights,
+                                MoeWeights)):
+            for item in attrs.astuple(value, recurse=False):
+                yield from walk(item)
+
+    return walk(weights)

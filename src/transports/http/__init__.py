@@ -12,7 +12,8 @@ one map from the exception tree to statuses and bodies), ``fields`` (body valida
 ``openapi`` / ``openapi_requests`` (the server's own OpenAPI document, its request bodies),
 ``traces`` (the last finished requests' traces
 for ``GET /traces/{request_id}``), ``page`` (the web chat page at ``GET /``, shipped as
-``web/index.html``).
+``web/index.html``), ``logs`` (what the server logs: models, address, one access line per
+request).
 """
 
 from transports.http.app import create_app

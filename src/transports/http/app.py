@@ -19,7 +19,10 @@ Every generation response carries its request id (the body's ``id``) in ``x-requ
 ``GET /traces/{id}`` returns that request's trace as JSONL to a key that made it, every
 choice's trace when it asked for several, and ``GET /traces/{id}-{k}`` choice ``k``'s alone
 (:mod:`transports.http.traces`). ``GET /`` is the web chat page
-(:mod:`transports.http.page`), which needs no key to load.
+(:mod:`transports.http.page`), which needs no key to load. The whole app runs inside the
+access log's middleware (:class:`~transports.http.logs.AccessLog`), told which generation a
+request started (its request id and every choice's flight) so that its one line carries the
+request's usage.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from pipeline.errors import (
@@ -51,6 +55,7 @@ from transports.http.errors import Dialect, classify, error_body, route_error, s
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Gateway, ModelState, ServedModel
 from transports.http.generation import Started
+from transports.http.logs import CLIENT_CLOSED, AccessLog, record_generation
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
@@ -59,10 +64,9 @@ from transports.http.traces import MEDIA_TYPE as JSONL
 from transports.http.work import Checkpoint, Workers, disconnected
 from transports.sse import SSEEvent, encode, encode_comment
 
-log = logging.getLogger("pipeline.http")
+log = logging.getLogger("pipeline.serve")
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
 KEEP_ALIVE = encode_comment("keep-alive")
-CLIENT_CLOSED = 499
 
 
 def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
@@ -176,6 +180,7 @@ class Server:
         parsed = attrs.evolve(parsed, thinking=started.thinking)
         # the request's id: its response's ``id``, its usage row and its traces' key
         request_id = {"x-request-id": parsed.request.request_id}
+        record_generation(http, parsed.request.request_id, started.flights, parsed.n)
         if parsed.stream:
             # The generator's own ``finally`` cancels when the client leaves; the background
             # task cancels too when the stream never started (a disconnect seen first).
@@ -406,7 +411,7 @@ def create_app(gateway: Gateway) -> Starlette:
         s.work.close()
         await asyncio.to_thread(gateway.close)
 
-    return Starlette(routes=routes, lifespan=lifespan,
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(AccessLog)],
                      exception_handlers={404: _no_route, 405: _no_route})
 
 

@@ -1,8 +1,9 @@
 """The gateway duties between an HTTP request and a pipeline (DESIGN §12).
 
 Owns :class:`Gateway`: API-key checks (constant time), the served models and their loading
-state (503 while loading), routing by name (404 listing the served names), window arithmetic
-(a fast upper bound first, the exact count only near the limit; clamp or refuse ``max_tokens``),
+state (503 while loading; each load and each failure logged as it happens), routing by name
+(404 listing the served names), window arithmetic (a fast upper bound first, the exact count
+only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
 :class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
 committed durably, its admission place given back, its metrics counted, its choices' traces
@@ -26,6 +27,7 @@ import hmac
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from pipeline.errors import (
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, Request
+from transports.http import logs
 from transports.http.choices import Choices, total_usage
 from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
@@ -48,7 +51,7 @@ from transports.http.traces import TraceStore, key_fingerprint
 from transports.http.usage import UsageRecord, UsageStore
 
 Builder = Callable[[Path | None, ServerConfig], Pipeline]
-log = logging.getLogger("pipeline.http")
+log = logging.getLogger("pipeline.serve")
 
 
 def default_builder(folder: Path | None, config: ServerConfig) -> Pipeline:
@@ -177,33 +180,55 @@ class Gateway:
 
     # --- models ------------------------------------------------------------------------------
 
-    def load(self, *, wait: bool = False) -> None:
+    def load(self, *, wait: bool = False, then: Callable[[], None] | None = None) -> None:
         """Load the models on a loader thread; requests get a 503 until theirs is ready.
+        Each load and each failure is logged as it happens (:mod:`transports.http.logs`);
+        ``then`` runs on the loader thread once every model is ready or failed.
 
         The loader thread stays parked until :meth:`close`: with GNU OpenMP, the worker
         threads of a thread that ran torch's parallel loading code and then exited keep
         spinning, which made decoding on the engine thread several times slower.
         """
         loaded = threading.Event()
-        thread = threading.Thread(target=self._load_all, args=(loaded,), daemon=True,
+        thread = threading.Thread(target=self._load_all, args=(loaded, then), daemon=True,
                                   name="model-loader")
         thread.start()
         self._loaders.append(thread)
         if wait:
             loaded.wait()
 
-    def _load_all(self, loaded: threading.Event) -> None:
+    def _load_all(self, loaded: threading.Event, then: Callable[[], None] | None) -> None:
         for served in self.models.values():
-            try:
-                served.pipeline = self._builder(served.folder, self.config)
-                self._supervise(served)
-                served.token_chars  # the prompt-size bound needs it; compute it before serving
-                served.state = ModelState.READY
-            except Exception as exc:  # reported as a 503 naming the failure
-                served.error = repr(exc)
-                served.state = ModelState.FAILED
+            self._load(served)
         loaded.set()
+        if then is not None:
+            then()
         self._closed.wait()
+
+    def _load(self, served: ServedModel) -> None:
+        source = str(served.folder) if served.folder is not None else "the default model"
+        logs.model_loading(served.name, source, self.config.device)
+        start = time.perf_counter()
+        try:
+            served.pipeline = self._builder(served.folder, self.config)
+            self._supervise(served)
+            served.token_chars  # the prompt-size bound needs it; compute it before serving
+            served.state = ModelState.READY
+        except Exception as exc:  # reported as a 503 naming the failure
+            served.error = logs.reason(exc)
+            served.state = ModelState.FAILED
+            logs.model_failed(served.name, exc)
+            return
+        pipe = served.pipe
+        assert pipe.engine is not None, "served pipelines have a backend"
+        logs.model_loaded(served.name, pipe.model_info(), time.perf_counter() - start,
+                          self.window(served), pipe.engine.backend.num_slots)
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """Why each model that failed to load failed, by served name."""
+        return {name: m.error or "unknown" for name, m in self.models.items()
+                if m.state is ModelState.FAILED}
 
     # --- supervision -------------------------------------------------------------------------
 

@@ -2,20 +2,25 @@
 
 Owns :func:`serve` (blocking; what ``pipeline serve`` calls) and :func:`parse_models`
 (``--model DIR`` / ``--model NAME=DIR`` arguments into served names). uvicorn's configuration,
-request read deadlines included, is :func:`transports.http.timeouts.uvicorn_config`'s.
+request read deadlines included, is :func:`transports.http.timeouts.uvicorn_config`'s; what
+the server logs is :mod:`transports.http.logs`'s. Models load while the server already
+listens (503 until ready); when every one of them failed, the server stops and :func:`serve`
+raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from pipeline.errors import InvalidValueError
+from pipeline.errors import ArtifactError, InvalidValueError
+from transports.http import logs
 from transports.http.app import create_app
 from transports.http.config import ServerConfig
 from transports.http.gateway import Gateway
@@ -44,17 +49,55 @@ def parse_models(specs: Sequence[str]) -> dict[str, Path | None]:
     return models
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying where it listens once it does (port 0: the port it got), and
+    that it stopped."""
+
+    def __init__(self, config: uvicorn.Config, models: Sequence[str]) -> None:
+        super().__init__(config)
+        self.models = models
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's signal capture, saying ``stopped`` once the server has shut down: before
+        uvicorn raises the captured signal again, whose default action (SIGTERM's) ends the
+        process on the spot."""
+        with super().capture_signals():
+            yield
+            if self.started:
+                logs.log.info("stopped")
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            port = next((s.getsockname()[1] for server in self.servers
+                         for s in server.sockets), self.config.port)
+            logs.listening(logs.url(self.config.host, port), self.models)
+
+
 def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "warning") -> None:
     """Load the models (in the background) and serve until interrupted; a request's headers
-    and body must each arrive within ``config.timeouts``."""
+    and body must each arrive within ``config.timeouts``. Raises
+    :class:`~pipeline.errors.ArtifactError` when no model could be loaded (the server stops
+    as soon as that is known). Logging is left to the caller
+    (:func:`transports.http.logs.configure`); ``log_level`` is uvicorn's own."""
     gateway = Gateway(config)
-    gateway.load()
-    server = uvicorn.Server(uvicorn_config(create_app(gateway), host, port, log_level,
-                                           config.timeouts))
+    server = _Server(uvicorn_config(create_app(gateway), host, port, log_level,
+                                    config.timeouts, log_config=None), list(gateway.models))
+
+    def loaded() -> None:
+        if not gateway.pipelines():
+            server.should_exit = True
+
+    gateway.load(then=loaded)
     # what uvicorn.run does around Server.run (it cannot take a prepared Config): Ctrl-C is the
     # ordinary way to stop, and a server that never started exits with uvicorn's status
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+    failed = gateway.failed
+    if failed and len(failed) == len(gateway.models):
+        why = "; ".join(f"{name!r}: {error}" for name, error in failed.items())
+        raise ArtifactError(f"no model could be loaded ({why})")
     if not server.started:
         sys.exit(STARTUP_FAILURE)

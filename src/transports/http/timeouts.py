@@ -38,6 +38,7 @@ import attrs
 import h11
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -255,9 +256,13 @@ def protocol_class(timeouts: Timeouts, http: HTTPImpl = "httptools") -> type[asy
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "warning",
-                   timeouts: Timeouts = Timeouts(), http: HTTPImpl = "httptools"
+                   timeouts: Timeouts = Timeouts(), http: HTTPImpl = "httptools",
+                   log_config: dict[str, Any] | None = LOGGING_CONFIG
                    ) -> uvicorn.Config:
     """The uvicorn configuration the server runs (and the tests, identically): lifespan on,
-    five seconds of graceful shutdown, and ``timeouts`` on every request."""
+    five seconds of graceful shutdown, and ``timeouts`` on every request. uvicorn's access log
+    is off: the app writes its own (:class:`transports.http.logs.AccessLog`). ``log_config``
+    is uvicorn's logging setup (``None``: leave logging to the application)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=5, http=protocol_class(timeouts, http))
+                          timeout_graceful_shutdown=5, http=protocol_class(timeouts, http),
+                          access_log=False, log_config=log_config)

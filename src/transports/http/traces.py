@@ -34,7 +34,7 @@ import attrs
 from pipeline.errors import TraceNotFoundError
 from pipeline.events import Event, event_line
 
-log = logging.getLogger("pipeline.http")
+log = logging.getLogger("pipeline.serve")
 MEDIA_TYPE = "application/x-ndjson"
 """The content type of a trace: one JSON event per line (what ``pipeline trace`` reads)."""
 

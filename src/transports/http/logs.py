@@ -1,0 +1,222 @@
+"""What the HTTP server writes to its log (DESIGN §14): the ``pipeline.serve`` loggers.
+
+Owns the server's lines and their wording: where it listens, each model's load (what it is,
+its memory, how long it took) or failure, and the access log, one line per HTTP request
+written by :class:`AccessLog`, an ASGI middleware around the whole app, when the response
+has ended (for a stream: after its last event, with the real token counts). :func:`configure`
+sends these loggers (and uvicorn's warnings and errors) to standard error in one format; the
+library itself never configures logging, so an application embedding the server decides.
+
+Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.access``
+(requests, at INFO). The lines::
+
+    2025-01-31 12:00:00.123 INFO pipeline.serve: loading model 'tiny' (tiny) on cpu
+    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots
+    2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000 (models: tiny)
+    2025-01-31 12:00:03.002 INFO pipeline.serve.access: POST /v1/chat/completions 200 412.3ms model=tiny prompt_tokens=17 completion_tokens=32 finish=length request_id=chatcmpl-6c1f... client=127.0.0.1:50412
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+import attrs
+from starlette.requests import Request as HTTPRequest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.errors import PipelineError
+from pipeline.protocols import ModelInfo, human_bytes, human_count
+from pipeline.types import Completion
+from transports.http.choices import total_usage
+
+if TYPE_CHECKING:
+    from transports.http.gateway import Flight
+
+log = logging.getLogger("pipeline.serve")
+access_log = logging.getLogger("pipeline.serve.access")
+FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+CLIENT_CLOSED = 499
+"""nginx's "client closed request": the status of a request whose client left before its
+response started (the app answers it so, and the access log writes it whatever the app
+answered to nobody); a stream the client leaves keeps the 200 it was sent."""
+USAGE_WAIT_S = 10.0
+"""How long the access line waits for the usage of a generation the client left (its cancel
+takes effect at the engine's next step)."""
+
+
+def configure(level: int | str = logging.INFO, stream: TextIO | None = None) -> None:
+    """Write the ``pipeline`` loggers at ``level`` and uvicorn's warnings and errors to
+    ``stream`` (standard error), one line per record in :data:`FORMAT`. Call once, from the
+    application (``pipeline serve`` does)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
+    for name, at in (("pipeline", level), ("uvicorn", logging.WARNING)):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(at)
+        logger.propagate = False
+
+
+# --- wording ------------------------------------------------------------------------------
+
+
+def describe(info: ModelInfo) -> str:
+    """What a model is and the memory it holds, as the load line says it."""
+    weights = f"weights {human_bytes(info.weight_bytes)} ({info.weight_bytes} bytes)"
+    if info.packed_bytes:
+        weights += f" + {human_bytes(info.packed_bytes)} packed copies"
+    cache = f", KV cache {human_bytes(info.cache_bytes)}" if info.cache_bytes else ""
+    return (f"{info.architecture}, {human_count(info.parameters)} parameters "
+            f"({info.parameters}), {info.dtype} on {info.device}, {weights}{cache}")
+
+
+def reason(exc: BaseException) -> str:
+    """Why something failed, on one line: our own errors say it themselves; anything else
+    names its type."""
+    text = str(exc) if isinstance(exc, PipelineError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def model_loading(name: str, source: str, device: str) -> None:
+    """A model starts loading."""
+    log.info("loading model %r (%s) on %s", name, source, device)
+
+
+def model_loaded(name: str, info: ModelInfo | None, seconds: float, window: int,
+                 slots: int) -> None:
+    """A model is ready to serve."""
+    what = describe(info) if info is not None else "the backend does not describe its model"
+    log.info("model %r ready in %.2f s: %s, window %d tokens, %d slots", name, seconds, what,
+             window, slots)
+
+
+def model_failed(name: str, exc: BaseException) -> None:
+    """A model could not be loaded: one ERROR line, no traceback for our own errors."""
+    log.error("model %r failed to load: %s", name, reason(exc))
+
+
+def listening(url: str, models: Iterable[str]) -> None:
+    """The server accepts connections."""
+    log.info("listening on %s (models: %s)", url, ", ".join(models))
+
+
+def url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# --- the access log -----------------------------------------------------------------------
+
+
+@attrs.frozen
+class Generation:
+    """What a request's access line says about the generation it started: the request id
+    its response carries (``x-request-id``), its choices' flights in choice order, and
+    ``n``, the choices per prompt (so each prompt's tokens count once)."""
+
+    request_id: str
+    flights: Sequence[Flight]
+    n: int = 1
+
+
+def record_generation(http: HTTPRequest, request_id: str, flights: Sequence[Flight],
+                      n: int = 1) -> None:
+    """Tell the access log which generation ``http`` started: its id and its choices, whose
+    usage goes in the request's line."""
+    http.state.generation = Generation(request_id, tuple(flights), n)
+
+
+def clean(text: str, limit: int = 200) -> str:
+    """Client-chosen text made safe for one log line: no spaces or control characters,
+    at most ``limit`` characters."""
+    text = repr(text[:limit])[1:-1].replace(" ", "%20")
+    return text
+
+
+class AccessLog:
+    """ASGI middleware: one ``pipeline.serve.access`` line per HTTP request, once its
+    response has ended.
+
+    The line: method, path, status, latency in ms, then ``model=``, ``prompt_tokens=``,
+    ``completion_tokens=`` and ``finish=`` for a request that started a generation (its
+    real counts, also for a stream or a client that left; for a request of several choices
+    the request's usage as its response reports it, each prompt once and the completions
+    summed, and the choices' finish reasons joined by commas in choice order),
+    ``request_id=`` (the id its ``x-request-id`` header carries, ``-`` for a request that
+    started no generation) and ``client=``. A client that left
+    before its response started is logged as 499 whatever the app answered to nobody; an
+    exception that escapes the app as the 500 Starlette answers with.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status: list[int] = []
+
+        async def receiving() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not status:
+                status.append(CLIENT_CLOSED)  # whatever the app answers now reaches nobody
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self.app(scope, receiving, sending)
+        except BaseException:
+            # no waiting on this path (the task may be cancelled): counts known by now only
+            await self._line(scope, status[0] if status else 500, start, wait=False)
+            raise
+        await self._line(scope, status[0] if status else 0, start, wait=True)
+
+    async def _line(self, scope: Scope, status: int, start: float, *, wait: bool) -> None:
+        elapsed = time.perf_counter() - start
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        state: Mapping[str, Any] = scope.get("state") or {}
+        generation: Generation | None = state.get("generation")
+        fields = []
+        if state.get("model"):
+            fields.append(f"model={clean(str(state['model']), 80)}")
+        request_id = "-"
+        if generation is not None:
+            request_id = generation.request_id
+            completions = await _completions(generation.flights, wait)
+            if completions:
+                usage = total_usage(completions, generation.n)
+                finish = ",".join(c.finish_reason.value for c in completions)
+                fields += [f"prompt_tokens={usage.prompt_tokens}",
+                           f"completion_tokens={usage.completion_tokens}",
+                           f"finish={finish}"]
+        client = scope.get("client")
+        fields += [f"request_id={request_id}",
+                   f"client={client[0]}:{client[1]}" if client else "client=-"]
+        access_log.info("%s %s %s %.1fms %s", scope["method"], clean(scope["path"]),
+                        status or "-", elapsed * 1e3, " ".join(fields))
+
+
+async def _completions(flights: Sequence[Flight], wait: bool) -> list[Completion] | None:
+    """Every choice's completion once the request's usage is recorded: waited for at most
+    :data:`USAGE_WAIT_S` when ``wait``, else only if already known; ``None`` otherwise."""
+    dones = [flight.done for flight in flights]
+    if not wait:
+        return [done.result() for done in dones] if all(d.done() for d in dones) else None
+    try:
+        return list(await asyncio.wait_for(asyncio.shield(asyncio.gather(*dones)),
+                                           USAGE_WAIT_S))
+    except asyncio.TimeoutError:
+        return None
