@@ -100,7 +100,6 @@ def build(
     procs = [_resolve(registry, "processor", p, context)
              for p in (DEFAULT_PROCESSORS if processors is None else processors)]
     sel: Selector = _resolve(registry, "selector", selector, context)
-    make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
     stages = Stages(
         renderer=_renderer(registry, context, renderer),
         tokenizer=tok,
@@ -115,6 +114,8 @@ def build(
                              registry.create("transport", "asyncio", context)),
     )
     model_backend = _backend(registry, context, backend)
+    context = attrs.evolve(context, backend=model_backend)
+    make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
     eng = None
     if model_backend is not None:
         if tok is None:
@@ -129,6 +130,26 @@ def build(
     where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
                     description={"model": str(where) if where else None})
+
+
+def load_backend(model: str | Path, *, options: Mapping[str, Any] | None = None,
+                 plugins: Sequence[object] = ()) -> tuple[Backend, Tokenizer]:
+    """The model backend and tokenizer of ``model``, resolved as :func:`build` resolves them
+    (``options`` as there), without a pipeline or an engine: e.g. a speculative strategy's
+    draft model. Raises :class:`~pipeline.errors.ArtifactError` when ``model`` has no
+    weights or no tokenizer."""
+    registry = Registry(plugins)
+    found = resolve_model(model)
+    if found.file is not None and not is_gguf_file(found.file):
+        raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
+    context = BuildContext(model_dir=found.directory, options=dict(options or {}),
+                           model_file=found.file)
+    tok = _tokenizer(registry, context, None)
+    model_backend = _backend(registry, attrs.evolve(context, tokenizer=tok), None)
+    if tok is None or model_backend is None:
+        raise ArtifactError(f"{model}: a model needs weights and a tokenizer "
+                            f"({'no weights' if model_backend is None else 'no tokenizer'})")
+    return model_backend, tok
 
 
 def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:

@@ -22,7 +22,7 @@ from pipeline import hookspecs
 from pipeline.errors import InvalidValueError, PluginLoadError, UnknownNameError
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Tokenizer
+    from pipeline.protocols import Backend, Tokenizer
 
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
          "stopper", "transport", "strategy")
@@ -32,15 +32,17 @@ ENTRY_POINT_GROUP = "pipeline"
 @attrs.frozen
 class BuildContext:
     """What a factory may use: the model/tokenizer folder, or the single model file (a GGUF
-    file), the tokenizer once built, per-build options (``build(..., options={...})``), and
+    file), the tokenizer once built, per-build options (``build(..., options={...})``),
     ``shared``, a memo the factories of one build may share (e.g. a model file opened once
-    for its tokenizer, template and weights)."""
+    for its tokenizer, template and weights), and the model backend once built (strategies
+    are made after it: a speculative strategy sizes its draft model by it)."""
 
     model_dir: Path | None = None
     tokenizer: Tokenizer | None = None
     options: Mapping[str, Any] = attrs.field(factory=dict)
     model_file: Path | None = None
     shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    backend: Backend | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

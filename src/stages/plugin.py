@@ -101,6 +101,12 @@ def _autoregressive(ctx: BuildContext) -> Any:
     return AutoregressiveStrategy
 
 
+def _speculative(ctx: BuildContext) -> Any:
+    from stages.select.spec_options import speculative_maker
+
+    return speculative_maker(ctx)
+
+
 @hookimpl
 def pipeline_components() -> list[Component]:
     """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategy."""
@@ -115,6 +121,8 @@ def pipeline_components() -> list[Component]:
         Component("selector", "sample", _sample,
                   "inverse-CDF sampling, uniform = f(seed, stream, step); greedy at T=0"),
         Component("strategy", "autoregressive", _autoregressive, "one token per step"),
+        Component("strategy", "speculative", _speculative,
+                  "k drafts (n-gram lookup or a draft model) verified in one forward"),
     ]
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
