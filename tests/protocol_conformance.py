@@ -13,6 +13,9 @@ from pipeline import (
 from pipeline import testing
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
+from stages.select.draft import DraftModelProposer
+from stages.select.proposers import NgramProposer, Proposer
+from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
 
@@ -36,7 +39,12 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     stoppers.append(testing.TokenCountStopper(3))
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
     real: Backend = torch_backend
+    chain = process.ProcessorChain(processors)
+    ngram: Proposer = NgramProposer()
+    draft: Proposer = DraftModelProposer(backend, chain, 10)
+    speculative: Strategy = SpeculativeStrategy(chain, selectors[1], ngram, 4)
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, detokenizers, selectors, strategy, stoppers, backend, real, sync
+    del draft, speculative
     del asyncs

@@ -31,6 +31,7 @@ from pipeline.protocols import Backend, Batch, ModelCall, Row, Scores, Tokenizer
 from stages.process.chain import ProcessorChain
 from stages.select.greedy import argmax_columns
 from stages.select.proposers import Proposal
+from stages.select.speculative import advanced
 from stages.select.verify import DRAFT, draw_from, stream_uniforms
 
 
@@ -164,8 +165,7 @@ class DraftModelProposer:
             w.state.ids.extend(w.feed if r == 0 else w.drafts[-1:])
             if r == 0:
                 w.state.synced = len(w.state.ids)
-        rows = [attrs.evolve(w.row, output_ids=(*w.row.output_ids, *w.drafts),
-                             step=w.row.step + r) for w in done]
+        rows = [advanced(w.row, w.drafts) for w in done]
         tokens, q = self._pick(torch.cat([z for _, z in ran]), rows)
         for w, token, dist in zip(done, tokens, q):
             w.drafts.append(token)
