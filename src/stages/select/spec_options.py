@@ -8,7 +8,7 @@ engine calls once per processor order. Options:
 
 - ``proposer``: ``"ngram"`` (prompt lookup, the default) or ``"draft"`` (the default when a
   ``draft_model`` is given);
-- ``num_draft_tokens``: k, the most drafts one step verifies (1..64, default 4);
+- ``num_draft_tokens``: k, the most drafts one step verifies (1..64, default 8);
 - ``max_n`` / ``min_n``: the n-gram lengths prompt lookup tries, longest first (default 4/1);
 - ``draft_model``: a model folder, GGUF file or name (as ``build`` takes) whose tokenizer is
   the target's, or a :class:`~pipeline.protocols.Backend` object (used as given);
@@ -66,7 +66,7 @@ class SpeculativeConfig:
     """The speculative strategy's options (see the module docstring)."""
 
     proposer: str = attrs.field(default="ngram")
-    num_draft_tokens: int = attrs.field(default=4, validator=_count(1, MAX_DRAFT_TOKENS))
+    num_draft_tokens: int = attrs.field(default=8, validator=_count(1, MAX_DRAFT_TOKENS))
     max_n: int = attrs.field(default=4, validator=_count(1, MAX_N))
     min_n: int = attrs.field(default=1, validator=_count(1, MAX_N))
     draft_model: str | Path | Backend | None = attrs.field(default=None, eq=False)
