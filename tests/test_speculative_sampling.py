@@ -14,7 +14,7 @@ in float64 numpy); the acceptance rate at the first position must be the analyti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -58,9 +58,10 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return out
 
 
-def table(logits: np.ndarray) -> Callable[[object], torch.Tensor]:
+def table(logits: np.ndarray) -> Callable[[Sequence[int]], torch.Tensor]:
     """A scripted model: the logits row of the previous token."""
-    return lambda tokens: torch.tensor(logits[list(tokens)[-1]], dtype=torch.float32)  # type: ignore[call-overload]
+    rows = torch.tensor(logits, dtype=torch.float32)
+    return lambda tokens: rows[tokens[-1]]
 
 
 def run(proposer: Proposer, prompt: tuple[int, ...]) -> dict[str, np.ndarray]:

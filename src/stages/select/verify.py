@@ -90,11 +90,11 @@ def verify(processed: torch.Tensor, choice: Selection, rows: Sequence[Row],
            blocks: Sequence[Block]) -> list[list[Position]]:
     """The verdict at every position of every block.
 
-    ``processed [N, V]`` are the target's processed logits (dense; their softmax is ``p``)
-    and ``choice`` the selector's picks at the N positions, block by block (block b has ``len(drafts) + 1`` positions, the
-    last one past every draft), and ``rows`` their rows (``step`` advanced per position). A
-    position the selector sampled is judged by the rejection rule, any other by equality
-    with the selector's pick; the last position of a block takes the selector's pick.
+    ``processed [N, V]`` are the target's processed logits (dense; their softmax is ``p``),
+    ``choice`` the selector's picks and ``rows`` the rows (``step`` advanced per position) at
+    the N positions, block by block: block b has ``len(drafts) + 1`` positions, the last one
+    past every draft. A position the selector sampled is judged by the rejection rule, any
+    other by equality with the selector's pick; the last position takes the selector's pick.
     """
     sampled: list[int] = []
     flat_drafts: list[int] = []
@@ -142,9 +142,9 @@ def _rejection(processed: torch.Tensor, rows: Sequence[Row], sampled: list[int],
     accept = (u * torch.tensor(q_draft, dtype=torch.float64, device=device)) < p_d
     verdict: dict[int, Position] = {}
     rejected = [i for i, ok in enumerate(accept.tolist()) if not ok]
-    for i, ok in enumerate(accept.tolist()):
+    for i, (ok, draw) in enumerate(zip(accept.tolist(), u.tolist())):
         if ok:
-            verdict[sampled[i]] = Position(drafts[i], float(u[i]), True)
+            verdict[sampled[i]] = Position(drafts[i], draw, True)
     if rejected:
         which = torch.tensor(rejected, device=device)
         q = None
