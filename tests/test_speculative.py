@@ -1,7 +1,8 @@
 """Speculative decoding end to end: greedy output equals plain greedy decoding, token for
 token, with n-gram drafts and with a draft model, alone and batched, whatever ends the run;
 the trace's cache lengths follow every rollback and pass the invariant checks; cancellation
-mid-speculation frees both models' slots; bad options are clear errors.
+mid-speculation frees both models' slots; a forced token ends a block; bad options are clear
+errors; n-gram lookup agrees with a brute-force search.
 
 The oracle for greedy runs is the same model decoding one token per step (the
 ``autoregressive`` strategy). The draft model is the tiny model cut to its first two layers:
@@ -19,17 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline import RuntimeLimits, build
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
+from pipeline.forcing import Forcing
 from pipeline.models import TINY_MODEL_DIR
+from pipeline.protocols import Row
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits
 from pipeline.trace import check, diff, load
-from stages.select.proposers import NgramProposer
-from pipeline.protocols import Row
 from pipeline.types import Completion, GenerationConfig
+from stages.process import ProcessorChain
+from stages.select import SamplingSelector, SpeculativeStrategy
+from stages.select.proposers import NgramProposer
 from trace_runs import edit, is_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -318,7 +323,7 @@ def scripted(draft: ScriptedBackend, delay: float = 0.0) -> tuple[Any, ScriptedB
     return pipe, target
 
 
-def test_cancelling_mid_speculation_frees_both_models(plain) -> None:
+def test_cancelling_mid_speculation_frees_both_models() -> None:
     vocab = ByteTokenizer.VOCAB
     draft = ScriptedBackend(vocab, hashed_logits(vocab, context=2, scale=2.0), num_slots=4)
     pipe, target = scripted(draft, delay=0.02)
@@ -340,7 +345,7 @@ def test_cancelling_mid_speculation_frees_both_models(plain) -> None:
         assert events(c, "spec.verified") and check(c).ok, check(c).render()
 
 
-def test_a_failing_draft_model_only_turns_drafting_off(plain) -> None:
+def test_a_failing_draft_model_only_turns_drafting_off() -> None:
     vocab = ByteTokenizer.VOCAB
     draft = ScriptedBackend(vocab, hashed_logits(vocab, context=1, scale=2.0), num_slots=4,
                             fail=lambda tokens: len(tokens) > 40)
@@ -413,3 +418,31 @@ def test_ngram_lookup_takes_the_longest_most_recent_match() -> None:
             k = rng.randint(1, 5)
             got = proposer.propose([state], [row], [k])[0].ids
             assert got == brute([*prompt, *output], k, proposer.max_n, proposer.min_n)
+
+
+def test_a_forced_token_ends_the_block_and_rejects_the_drafts_after_it() -> None:
+    nxt = {3: 4, 4: 5, 5: 1, 1: 2, 2: 7, 7: 3, 8: 0, 0: 0}
+    prompt = (1, 2, 3, 4, 5, 1, 2, 7)  # 7 opens a think block; 8 closes it
+
+    def z(last: int) -> torch.Tensor:
+        out = torch.zeros(9)
+        out[nxt[last]] = 5.0
+        return out
+
+    strategy = SpeculativeStrategy(ProcessorChain([]), SamplingSelector(), NgramProposer(), 4)
+    config = GenerationConfig(temperature=0)
+    row = Row("r", config, prompt, (), 1, 0, frozenset())
+    forcing = Forcing.for_request((), 2, (7, 8), prompt)  # at most 2 thinking tokens
+    first = strategy.update([strategy.start(row, forcing)], [row], [z(7)[None]])[0]
+    assert [t.token_id for t in first.taken] == [3]
+    plan = strategy.plan(first.state)
+    assert plan.token_ids == (3, 4, 5, 1, 2)  # y1, then what followed the earlier 3
+    logits = torch.stack([z(t) for t in plan.token_ids])
+    row = Row("r", config, prompt, (3,), 2, 0, frozenset())
+    update = strategy.update([first.state], [row], [logits])[0]
+    # 4 is accepted; the budget then forces 8 where the draft (and the model) said 5
+    assert [t.token_id for t in update.taken] == [4, 8]
+    assert update.taken[1].forced is not None
+    assert update.taken[1].forced[0] == "reasoning.budget_reached"
+    assert update.rollback == 3
+    assert update.events[0][1] == {"step": 2, "proposed": 4, "accepted": 1, "rejected": 3}
