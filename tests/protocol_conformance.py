@@ -14,6 +14,9 @@ from pipeline import testing
 from pipeline.protocols import DocumentEncoder, ModelDescriber
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
+from stages.select.draft import DraftModelProposer
+from stages.select.proposers import NgramProposer, Proposer
+from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
 
@@ -39,7 +42,11 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
     real: Backend = torch_backend
     described: ModelDescriber = torch_backend
+    chain = process.ProcessorChain(processors)
+    ngram: Proposer = NgramProposer()
+    draft: Proposer = DraftModelProposer(backend, chain, 10)
+    speculative: Strategy = SpeculativeStrategy(chain, selectors[1], ngram, 4)
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
-    del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend, real, sync
-    del asyncs, described
+    del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
+    del real, sync, asyncs, described, draft, speculative

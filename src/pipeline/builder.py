@@ -58,6 +58,7 @@ def build(
     stoppers: Sequence[str | Stopper[Any]] | None = None,
     replace_stoppers: bool = False,
     strategy: str = "autoregressive",
+    strategy_options: Mapping[str, Any] | None = None,
     plugins: Sequence[object] = (),
     sinks: Sequence[EventSink] = (),
     engine: EngineConfig | None = None,
@@ -125,7 +126,8 @@ def build(
     model_dir, model_file = found.directory, found.file
     if model_file is not None and not is_gguf_file(model_file):
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
-    context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file)
+    context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file,
+                           strategy_options=_mapping("strategy_options", strategy_options))
     tok = _tokenizer(registry, context, tokenizer)
     context = attrs.evolve(context, tokenizer=tok)
     procs = [_resolve(registry, "processor", p, context)
@@ -133,7 +135,6 @@ def build(
                                before=ADDED_PROCESSORS_BEFORE)]
     _unique("processors", [p.name for p in procs], replace_processors)
     sel: Selector = _resolve(registry, "selector", selector, context)
-    make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
     stops = tuple(_resolve(registry, "stopper", s, context)
                   for s in _chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
     _unique("stoppers", [s.name for s in stops], replace_stoppers)
@@ -150,6 +151,8 @@ def build(
                              registry.create("transport", "asyncio", context)),
     )
     model_backend = _backend(registry, context, backend)
+    context = attrs.evolve(context, backend=model_backend)
+    make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
     eng = None
     if model_backend is not None:
         if tok is None:
@@ -193,6 +196,35 @@ def _unique(what: str, names: Sequence[str], replace: bool) -> None:
         f"; {what}= adds to the default chain, which already has it (pass "
         f"replace_{what}=True to give the whole chain)")
     raise InvalidValueError(what, repeated, f"each name may appear once{hint}")
+
+
+def load_backend(model: str | Path, *,
+                 options: BackendOptions | Mapping[str, Any] | None = None,
+                 plugins: Sequence[object] = ()) -> tuple[Backend, Tokenizer]:
+    """The model backend and tokenizer of ``model``, resolved as :func:`build` resolves them
+    (``options`` as there), without a pipeline or an engine: e.g. a speculative strategy's
+    draft model. Raises :class:`~pipeline.errors.ArtifactError` when ``model`` has no
+    weights or no tokenizer."""
+    registry = Registry(plugins)
+    found = resolve_model(model)
+    if found.file is not None and not is_gguf_file(found.file):
+        raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
+    context = BuildContext(model_dir=found.directory, options=BackendOptions.coerce(options),
+                           model_file=found.file)
+    tok = _tokenizer(registry, context, None)
+    model_backend = _backend(registry, attrs.evolve(context, tokenizer=tok), None)
+    if tok is None or model_backend is None:
+        raise ArtifactError(f"{model}: a model needs weights and a tokenizer "
+                            f"({'no weights' if model_backend is None else 'no tokenizer'})")
+    return model_backend, tok
+
+
+def _mapping(what: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidValueError(what, value, "must be a mapping of option names to values")
+    return dict(value)
 
 
 def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:

@@ -365,14 +365,14 @@ class Engine:
             calls[job] = ModelCall.chunk(chunk)
         done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
                           calls)
-        fresh = [(job, rows[0]) for job, rows in done if len(rows)]
+        fresh = [(job, rows) for job, rows in done if len(rows)]
         records = dict(zip((j for j, _ in fresh), self._logits_records(fresh)))
         ready = []
         for job, rows in done:
             if job in chunks:
                 chunk = chunks[job]
                 ran = self._guarded(job, "recording prefill", lambda: job.prefilled(
-                    chunk, self._cache(job), records.get(job)))
+                    chunk, self._cache(job), records[job][0] if job in records else None))
             else:
                 ran = self._guarded(job, "recording decode", lambda: job.decoded(
                     self._cache(job), records[job]))
@@ -388,12 +388,18 @@ class Engine:
         return self.backend.cache_length(job.slot_id), layout
 
     @staticmethod
-    def _logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[dict[str, Any]]:
-        """Digest (and, for ``full`` jobs, top-k) of each job's fresh raw logits z_t."""
+    def _logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[list[dict[str, Any]]]:
+        """Digest (and, for ``full`` jobs, top-k) of each wanted row of each job's fresh raw
+        logits (z_t; z_t .. z_{t+k} after k drafts)."""
         if not done:
             return []
-        rows = record_rows(torch.stack([logits for _, logits in done]))  # [B, V], in place
-        return logits_record(rows, [job.full for job, _ in done])
+        rows = record_rows(torch.cat([logits for _, logits in done]))  # [sum outputs, V]
+        flat = logits_record(rows, [job.full for job, logits in done for _ in logits])
+        out, at = [], 0
+        for _, logits in done:
+            out.append(flat[at:at + len(logits)])
+            at += len(logits)
+        return out
 
     def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor],
               calls: dict[Job, ModelCall]) -> list[tuple[Job, torch.Tensor]]:
@@ -469,6 +475,7 @@ class Engine:
         then roll the cache back if the strategy dropped fed positions."""
         try:
             job.decode_state = update.state
+            job.noted(update.events)
             for k, taken in enumerate(update.taken):
                 reason = job.take(taken, self.backend.max_context, records[k],
                                   order if k == 0 else None)
@@ -477,7 +484,7 @@ class Engine:
                     return
             if update.rollback:
                 self.backend.truncate(job.slot_id, job.cache_len - update.rollback)
-                job.rolled_back(update.rollback, self.backend.cache_length(job.slot_id))
+                job.rolled_back(update.rollback, self._cache(job))
         except Exception as exc:  # this request's state is broken, not the others'
             self._fail(job, f"taking token failed: {exc!r}")
 
@@ -525,8 +532,8 @@ class Engine:
                 full.append(job.full)
                 # A row no processor changed is its raw logits: reuse that digest (an
                 # equality test costs a fraction of a sha256 pass).
-                known.append(job.raw_digest if k == 0 and job.raw_digest
-                             and same_bits(rows[at], raw[0]) else None)
+                digest = job.raw_digests[k] if k < len(job.raw_digests) else None
+                known.append(digest if digest and same_bits(rows[at], raw[k]) else None)
                 where.append((i, k))
                 at += 1
         for (i, k), record in zip(where, processed_record(rows, full, known)):
@@ -549,6 +556,20 @@ class Engine:
             job.abort(f"{error}; recording the failure failed: {exc!r}")
         self._release(job)
 
+    @staticmethod
+    def _finish_strategy(job: Job) -> None:
+        """Let the job's strategy free what its loop state holds (once; a failure is
+        recorded, the request is over either way)."""
+        strategy, state = job.strategy, job.decode_state
+        if strategy is None or state is None:
+            return
+        job.decode_state = None
+        try:
+            strategy.finish(state)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                job.tracer.emit("engine", "strategy.finish_failed", {"error": repr(exc)})
+
     def _release(self, job: Job) -> None:
         with self._cv:
             if job in self._queue:
@@ -556,6 +577,7 @@ class Engine:
             if job in self._active:
                 self._active.remove(job)
         try:
+            self._finish_strategy(job)
             if job.slot is not None:
                 try:
                     self.backend.release(job.slot_id)

@@ -11,7 +11,7 @@ methods, from its own thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +20,7 @@ from pipeline.events import Tracer, digest_ids, digest_text
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.protocols import (
     CacheLayout, Detokenizer, Plan, PrefillChunk, Row, StopContext, Stopper, StopVerdict,
-    Strategy, Taken,
+    Strategy, StrategyEvent, Taken,
 )
 from pipeline.forcing import Forcing
 from pipeline.types import (
@@ -90,6 +90,7 @@ class Job:
         self._full = spec.request.recording is Recording.FULL
         self._order: tuple[str, ...] = ()
         self.raw_digest: str | None = None  # of the latest raw logits z_t
+        self.raw_digests: list[str | None] = []  # of each wanted output of the latest call
 
     # --- small views -------------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class Job:
             payload["prompt_tokens"] = len(self.prompt_ids)
             payload["logits"] = logits
             self.raw_digest = None if logits is None else logits.get("digest")
+            self.raw_digests = [self.raw_digest]
             self._emit("backend", "prefill.completed", payload)
             self._set(RequestState.DECODING)
         else:
@@ -184,28 +186,50 @@ class Job:
 
     # --- decode ------------------------------------------------------------------------------
 
-    def decoded(self, cache: tuple[int, CacheLayout | None], logits: dict[str, Any]) -> None:
+    def decoded(self, cache: tuple[int, CacheLayout | None],
+                logits: Sequence[dict[str, Any]]) -> None:
         """The backend ran this step's plan; the cache now covers its tokens too and
-        ``logits`` records the first wanted output (z_{t+1} for one fed token y_t)."""
+        ``logits`` records each wanted output (z_{t+1} for one fed token y_t; z_{t+1} ..
+        z_{t+k+1} when k drafts follow it). The plan's own events come first."""
         assert self.plan is not None, "decoded without a plan"
+        self.noted(self.plan.events)
         fed = self.plan.token_ids
         if self.plan.write:
             self.cache_len += len(fed)
         cache_len, layout = cache
         payload: dict[str, Any] = {"step": len(self.output_ids), "token_id": fed[0],
-                                   "cache_len": cache_len, "logits": logits}
+                                   "cache_len": cache_len, "logits": logits[0]}
         if len(fed) > 1:
             payload["token_ids"] = list(fed)
-        self.raw_digest = logits.get("digest")
+        if len(logits) > 1:  # the first divergence may lie at any verified position
+            payload["outputs"] = list(self.plan.outputs)
+            payload["block_logits"] = list(logits)
+        self.raw_digests = [record.get("digest") for record in logits]
+        self.raw_digest = self.raw_digests[0]
         if layout is not None:
             payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
         self._emit("backend", "decode.completed", payload)
         self.plan = None
 
-    def rolled_back(self, positions: int, cache_len: int) -> None:
-        """The strategy dropped ``positions`` fed positions again (rejected drafts)."""
+    def rolled_back(self, positions: int, cache: tuple[int, CacheLayout | None]) -> None:
+        """The strategy dropped ``positions`` fed positions again (rejected drafts); ``cache``
+        is the slot's length after the truncation (and its per-layer lengths)."""
         self.cache_len -= positions
-        self._emit("engine", "cache.rollback", {"positions": positions, "cache_len": cache_len})
+        cache_len, layout = cache
+        payload: dict[str, Any] = {"step": len(self.output_ids), "positions": positions,
+                                   "cache_len": cache_len}
+        if layout is not None:
+            payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
+        self._emit("engine", "cache.rollback", payload)
+
+    def noted(self, events: Sequence[StrategyEvent]) -> None:
+        """Record the strategy's own events (a payload's ``ids`` as a digest unless ``full``)."""
+        for event_type, payload in events:
+            if "ids" in payload and not self._full:
+                ids = payload["ids"]
+                payload = {k: v for k, v in payload.items() if k != "ids"}
+                payload["ids_digest"] = digest_ids(ids)
+            self._emit("strategy", event_type, payload)
 
     def take(self, taken: Taken, max_context: int, processed: dict[str, Any] | None = None,
              order: tuple[str, ...] | None = None) -> FinishReason | None:

@@ -469,6 +469,13 @@ class Backend(Protocol):
 # --- strategies (DESIGN §6 second edition, §10) --------------------------------------------
 
 
+StrategyEvent = tuple[str, dict[str, Any]]
+"""``(event_type, payload)`` of a trace event a strategy asks the engine to record (component
+``strategy``), e.g. ``("spec.drafted", {"step": 5, "proposed": 4, "ids": [...]})``. A payload's
+``ids`` list is content: it is recorded as is at ``Recording.FULL`` and as its digest
+(``ids_digest``) otherwise."""
+
+
 @attrs.frozen
 class Plan:
     """What a strategy asks of the model for one sequence this step.
@@ -477,12 +484,15 @@ class Plan:
     ``outputs`` are the offsets into them whose logits the strategy wants back; see
     :class:`ModelCall` for ``attention`` and ``write``. Autoregressive decoding plans
     ``Plan((y_t,), (0,))``; verifying k drafts plans ``Plan((y_t, d_1..d_k), range(k + 1))``.
+    ``events`` are the strategy's own trace events about this plan (:data:`StrategyEvent`),
+    recorded when its call has run, before ``decode.completed``.
     """
 
     token_ids: tuple[int, ...]
     outputs: tuple[int, ...]
     attention: Attention = Attention.CAUSAL
     write: bool = True
+    events: tuple[StrategyEvent, ...] = attrs.field(default=(), eq=False)
 
 
 @attrs.frozen
@@ -508,13 +518,15 @@ class Update(Generic[S]):
     step that commits nothing yet); ``rollback`` is how many of the positions the plan fed
     the cache must drop again (rejected drafts); ``processed`` holds, per taken token, the
     dense processed logits it was chosen from (``[len(taken), V]``, for the trace; None if
-    the strategy does not report them).
+    the strategy does not report them); ``events`` are the strategy's own trace events about
+    this step (:data:`StrategyEvent`), recorded before the first taken token.
     """
 
     state: S
     taken: tuple[Taken, ...]
     rollback: int = 0
     processed: torch.Tensor | None = attrs.field(default=None, eq=False)
+    events: tuple[StrategyEvent, ...] = attrs.field(default=(), eq=False)
 
 
 @runtime_checkable
@@ -532,7 +544,9 @@ class Strategy(Protocol):
     committed tokens; ``step`` is the index of the next token) and each sequence's logits
     ``[len(plan.outputs), V]``, and returns one :class:`Update` per sequence. States are
     owned by the strategy; the engine stores them and hands them back. ``order`` names the
-    processors a row's logits go through, for the trace.
+    processors a row's logits go through, for the trace. ``finish`` is called once per
+    started sequence when its request ends (finished, cancelled or failed), so a strategy can
+    free what its state holds (a draft model's cache slot); it must not raise.
 
     Example::
 
@@ -559,6 +573,10 @@ class Strategy(Protocol):
     def update(self, states: Sequence[Any], rows: Sequence[Row],
                logits: Sequence[torch.Tensor]) -> Sequence[Update[Any]]:
         """Commit tokens for each sequence from the logits its plan asked for."""
+        ...
+
+    def finish(self, state: Any) -> None:
+        """The sequence's request ended: release what ``state`` holds."""
         ...
 
 

@@ -11,7 +11,7 @@ resolves ``(kind, name)`` to a factory. Errors: a plugin that fails to load or a
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -23,7 +23,7 @@ from pipeline.errors import InvalidValueError, PluginLoadError, UnknownNameError
 from pipeline.options import BackendOptions
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Tokenizer
+    from pipeline.protocols import Backend, Tokenizer
 
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
          "stopper", "transport", "strategy")
@@ -35,14 +35,19 @@ class BuildContext:
     """What a factory may use: the model/tokenizer folder, or the single model file (a GGUF
     file), the tokenizer once built, the build's backend options (``build(...,
     options=...)``, a :class:`~pipeline.options.BackendOptions`; a third-party backend reads
-    its own settings from ``options.extra``), and ``shared``, a memo the factories of one
-    build may share (e.g. a model file opened once for its tokenizer, template and weights)."""
+    its own settings from ``options.extra``), ``shared``, a memo the factories of one build
+    may share (e.g. a model file opened once for its tokenizer, template and weights), the
+    model backend once built (strategies are made after it: a speculative strategy sizes its
+    draft model by it), and the strategy's own options (``build(..., strategy_options=...)``,
+    checked by the strategy's factory)."""
 
     model_dir: Path | None = None
     tokenizer: Tokenizer | None = None
     options: BackendOptions = attrs.field(factory=BackendOptions)
     model_file: Path | None = None
     shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    backend: Backend | None = attrs.field(default=None, eq=False)
+    strategy_options: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
 
 
 @attrs.frozen

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.errors import ArtifactError
+from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.hookspecs import hookimpl
 from pipeline.registry import BuildContext, Component
 
@@ -98,7 +98,17 @@ def _sample(ctx: BuildContext) -> Any:
 def _autoregressive(ctx: BuildContext) -> Any:
     from stages.select import AutoregressiveStrategy
 
+    if ctx.strategy_options:
+        raise InvalidValueError("strategy_options", dict(ctx.strategy_options),
+                                "the autoregressive strategy takes no options (did you mean "
+                                "strategy='speculative'?)")
     return AutoregressiveStrategy
+
+
+def _speculative(ctx: BuildContext) -> Any:
+    from stages.select.spec_options import speculative_maker
+
+    return speculative_maker(ctx)
 
 
 @hookimpl
@@ -115,6 +125,8 @@ def pipeline_components() -> list[Component]:
         Component("selector", "sample", _sample,
                   "inverse-CDF sampling, uniform = f(seed, stream, step); greedy at T=0"),
         Component("strategy", "autoregressive", _autoregressive, "one token per step"),
+        Component("strategy", "speculative", _speculative,
+                  "k drafts (n-gram lookup or a draft model) verified in one forward"),
     ]
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]

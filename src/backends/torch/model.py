@@ -296,6 +296,14 @@ class Transformer:
                            routing=routing, linear=self.linears.expert)
 
 
+EXACT_QUERIES = 16
+"""A causal call of at most this many tokens after a cached prefix (verifying drafts) runs
+each query as a one-token decode would, so each position's logits are bit for bit those of
+decoding one token at a time: the masked multi-query kernel sums in another order, and in
+bfloat16 that can move a logit by one unit in the last place and flip a near-tie argmax
+(greedy speculative decoding must equal plain decoding)."""
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
            window: int | None, block: bool = False) -> torch.Tensor:
     """One sequence's attention: queries ``q [n, Hq, D]`` at positions ``start..start+n-1``
@@ -304,8 +312,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     GQA: query head h reads kv head ``h // (Hq/Hkv)``. A query at position p sees keys at
     positions ``p - window < k <= p`` (no lower bound without a ``window``). With ``block``
     every query also sees the keys of all ``n`` new positions (bidirectional in the block).
+    A short causal call after a prefix runs query by query (:data:`EXACT_QUERIES`).
     """
     n, hq, d = q.shape
+    if 1 < n <= EXACT_QUERIES and start > 0 and not block:
+        return torch.cat([attend(q[i:i + 1], keys[:, :, :start + i + 1],
+                                 values[:, :, :start + i + 1], start + i, window)
+                          for i in range(n)])                                   # [n, Hq, D]
     hkv, lk = keys.shape[1], keys.shape[2]
     windowed = window is not None and lk > window
     if n == 1 and not windowed:  # one query: causal and block attention coincide

@@ -27,7 +27,8 @@ import attrs
 from pipeline.events import Event
 from pipeline.trace.load import Trace, TraceSource, load
 from pipeline.trace.products import (
-    LEVELS, Divergence, ending, external_effects, logits_equal, processed_at, raw_logits_at, shown,
+    LEVELS, Divergence, cache_after, ending, external_effects, logits_equal, processed_at,
+    raw_logits_at, shown,
 )
 
 INSTANCE_SKIP = frozenset({"request_id", "traceparent", "traceparent_ignored"})
@@ -151,9 +152,7 @@ def _step(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None
     da_, db_ = _deltas(a, t), _deltas(b, t)
     yield _same("emitted bytes", "system", t, da_, db_,
                 f"text {_texts(a, t)!r} vs {_texts(b, t)!r}" if da_ != db_ else "")
-    da, db = a.by_step("decode.completed").get(t), b.by_step("decode.completed").get(t)
-    yield _same("cache after decode", "model", t, da and da.payload.get("cache_len"),
-                db and db.payload.get("cache_len"))
+    yield _same("cache after decode", "model", t, cache_after(a, t), cache_after(b, t))
 
 
 def _full(trace: Trace) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from pipeline.events import Event, digest_ids, digest_text
-from pipeline.trace.load import Trace
+from pipeline.trace.load import Trace, fed
 
 Detokenize = Callable[[Sequence[int]], str]
 
@@ -125,7 +125,10 @@ def cache_layers(trace: Trace, _: Detokenize | None) -> Finding:
 
 
 def step_order(trace: Trace, _: Detokenize | None) -> Finding:
-    """Invariant 3 (DESIGN §4): cache m after prefill, m+t-1 at selection t, m+t after decode t."""
+    """Invariant 3 (DESIGN §4): cache m after prefill, m+t-1 at selection t; a call at step t
+    starts at m+t-1 and feeding y_t plus k drafts makes it m+t+k; a rollback drops exactly
+    the positions it names; a token is selected only from logits whose fed prefix equals
+    the committed one (a draft before it must be the token committed there)."""
     problems: list[tuple[tuple[int, ...], str]] = []
     m = trace.payload("input.tokenized").get("tokens")
     prefill = trace.first("prefill.completed")
@@ -133,20 +136,13 @@ def step_order(trace: Trace, _: Detokenize | None) -> Finding:
         problems.append((_ids(prefill), f"cache length {prefill.payload.get('cache_len')} right "
                          f"after prefill; the prompt has m={m} tokens"))
     selected, decoded = trace.by_step("token.selected"), trace.by_step("decode.completed")
-    ready = {1: prefill, **{t + 1: e for t, e in decoded.items()}}
+    sources = trace.sources()
     for t, event in sorted(selected.items()):
-        problems += _selection_order(t, event, ready.get(t), m)
-    for t, event in sorted(decoded.items()):
-        chosen = selected.get(t)
-        if event.payload.get("cache_len") != (m or 0) + t:
-            problems.append((_ids(event), f"cache length {event.payload.get('cache_len')} after "
-                             f"decode {t}; expected m+t={(m or 0) + t}"))
-        if chosen is None or chosen.event_id > event.event_id:
-            problems.append((_ids(event), f"decode {t} ran before token {t} was selected"))
-        elif chosen.payload.get("token_id") != event.payload.get("token_id"):
-            problems.append((_ids(chosen, event), f"decode {t} wrote token "
-                             f"{event.payload.get('token_id')}, the selector chose "
-                             f"{chosen.payload.get('token_id')}"))
+        source = sources.get(t)
+        problems += _selection_order(t, event, None if source is None else source[0], m)
+        if source is not None and source[0].event_type == "decode.completed":
+            problems += _conditioned(t, event, source[0], selected)
+    problems += _cache_walk(trace, m or 0, selected)
     steps = sorted(selected)
     if steps != list(range(1, len(steps) + 1)):
         problems.append(((), f"selected steps {steps} are not 1..{len(steps)}"))
@@ -159,6 +155,56 @@ def step_order(trace: Trace, _: Detokenize | None) -> Finding:
     return Finding(tuple(problems))
 
 
+def _cache_walk(trace: Trace, m: int, selected: Mapping[int, Event]
+                ) -> list[tuple[tuple[int, ...], str]]:
+    """Follow the cache length through every call and rollback, in causal order."""
+    out: list[tuple[tuple[int, ...], str]] = []
+    cache = m
+    for event in trace.events:
+        p = event.payload
+        if event.event_type == "cache.rollback":
+            positions, length = p.get("positions"), p.get("cache_len")
+            if isinstance(positions, int) and length != cache - positions:
+                out.append((_ids(event), f"rolling back {positions} of {cache} positions left "
+                            f"{length}; expected {cache - positions}"))
+            cache = length if isinstance(length, int) else cache
+            continue
+        if event.event_type != "decode.completed" or not isinstance(p.get("step"), int):
+            continue
+        t, ids = p["step"], fed(event)
+        if cache != m + t - 1:
+            out.append((_ids(event), f"decode {t} fed the cache at length {cache}; the prompt "
+                        f"and tokens 1..{t - 1} make m+t-1={m + t - 1}"))
+        if p.get("cache_len") != m + t - 1 + len(ids):
+            what = "m+t" if len(ids) == 1 else f"m+t+{len(ids) - 1} (with {len(ids) - 1} drafts)"
+            out.append((_ids(event), f"cache length {p.get('cache_len')} after decode {t}; "
+                        f"expected {what}={m + t - 1 + len(ids)}"))
+        chosen = selected.get(t)
+        if chosen is None or chosen.event_id > event.event_id:
+            out.append((_ids(event), f"decode {t} ran before token {t} was selected"))
+        elif chosen.payload.get("token_id") != p.get("token_id"):
+            out.append((_ids(chosen, event), f"decode {t} wrote token {p.get('token_id')}, "
+                        f"the selector chose {chosen.payload.get('token_id')}"))
+        cache = p["cache_len"] if isinstance(p.get("cache_len"), int) else cache
+    return out
+
+
+def _conditioned(t: int, event: Event, source: Event, selected: Mapping[int, Event]
+                 ) -> list[tuple[tuple[int, ...], str]]:
+    """Token t came from a call at step s that fed y_s and drafts: every draft fed before
+    its position must be the token committed at that step."""
+    s, ids = source.payload["step"], fed(source)
+    out: list[tuple[tuple[int, ...], str]] = []
+    for i in range(1, min(t - s, len(ids))):
+        committed = selected.get(s + i)
+        if committed is not None and committed.payload.get("token_id") != ids[i]:
+            out.append((_ids(source, committed, event), f"token {t} was selected from logits "
+                        f"that assume draft {ids[i]} at step {s + i}, where "
+                        f"{committed.payload.get('token_id')} was committed"))
+            break
+    return out
+
+
 def _selection_order(t: int, event: Event, ready: Event | None, m: Any
                      ) -> list[tuple[tuple[int, ...], str]]:
     out: list[tuple[tuple[int, ...], str]] = []
@@ -166,7 +212,10 @@ def _selection_order(t: int, event: Event, ready: Event | None, m: Any
         out.append((_ids(event), f"token {t} selected with cache length "
                     f"{event.payload.get('cache_len')}; expected m+t-1={(m or 0) + t - 1}"))
     if ready is None or ready.event_id > event.event_id:
-        source = "prefill" if t == 1 else f"decode {t - 1}"
+        if ready is not None and ready.event_type == "decode.completed":
+            source = f"decode {ready.payload.get('step')}"
+        else:
+            source = "prefill" if t == 1 else f"decode {t - 1}"
         out.append((_ids(event), f"token {t} selected before {source} produced its logits"))
     return out
 

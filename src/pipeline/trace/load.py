@@ -31,6 +31,8 @@ class Trace:
     _by_type: dict[str, list[Event]] = attrs.field(init=False, eq=False, repr=False)
     _by_step: dict[str, dict[int, Event]] = attrs.field(init=False, eq=False, repr=False,
                                                         factory=dict)
+    _sources: dict[int, tuple[Event, int]] | None = attrs.field(init=False, eq=False,
+                                                                repr=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         by_type: dict[str, list[Event]] = {}
@@ -69,6 +71,29 @@ class Trace:
             self._by_step[event_type] = out
         return self._by_step[event_type]
 
+    def sources(self) -> dict[int, tuple[Event, int]]:
+        """For each step t, the event whose logits z_t token t was selected from, and the
+        index of z_t among that event's recorded outputs: ``prefill.completed`` for t = 1;
+        a ``decode.completed`` at step s that fed n tokens (y_s, then drafts) gave z_{s+1}
+        .. z_{s+n}. A position fed again after a rollback takes its logits from the later
+        call; the mapping is shared, do not modify it."""
+        if self._sources is None:
+            out: dict[int, tuple[Event, int]] = {}
+            prefill = self.first("prefill.completed")
+            if prefill is not None:
+                out[1] = (prefill, 0)
+            for event in self._by_type.get("decode.completed", ()):
+                step = event.payload.get("step")
+                if not isinstance(step, int):
+                    continue
+                offsets = event.payload.get("outputs", [0])
+                for i, offset in enumerate(offsets if isinstance(offsets, list) else [0]):
+                    if isinstance(offset, int):
+                        out[step + 1 + offset] = (event, i)
+            object.__setattr__(self, "_sources", out)
+        assert self._sources is not None
+        return self._sources
+
     @property
     def finished(self) -> Event | None:
         """The ``generation.finished`` event, if the request ended."""
@@ -78,6 +103,15 @@ class Trace:
     def instance(self) -> Mapping[str, Any]:
         """The execution instance (``request.normalized``'s payload)."""
         return self.payload("request.normalized")
+
+
+def fed(event: Event) -> list[int]:
+    """The token ids a ``decode.completed`` event fed: y_t, then any drafts."""
+    ids = event.payload.get("token_ids")
+    if isinstance(ids, list):
+        return ids
+    token = event.payload.get("token_id")
+    return [token] if isinstance(token, int) else []
 
 
 def _event(data: Any, where: str) -> Event:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from pipeline.events import Event, digest_json
-from pipeline.trace.load import Trace
+from pipeline.trace.load import Trace, fed
 
 LEVELS = ("none", "input", "model", "selection", "system")
 """Reproducibility levels; a divergence at one level means the runs share the one below."""
@@ -39,12 +39,40 @@ ENDINGS = {"cancelled": ("cancellation", "system"), "deadline": ("deadline", "sy
 
 
 def raw_logits_at(trace: Trace, t: int) -> Mapping[str, Any] | None:
-    """The record of z_t: from ``prefill.completed`` (t = 1) or ``decode.completed(t-1)``."""
-    if t == 1:
-        event = trace.first("prefill.completed")
+    """The record of z_t: from ``prefill.completed`` (t = 1), ``decode.completed(t-1)``, or
+    the verifying call whose outputs include position t (speculative decoding)."""
+    source = trace.sources().get(t)
+    if source is None:
+        return None
+    event, index = source
+    block = event.payload.get("block_logits")
+    if isinstance(block, list) and index < len(block):
+        record = block[index]
     else:
-        event = trace.by_step("decode.completed").get(t - 1)
-    return None if event is None else event.payload.get("logits")
+        record = event.payload.get("logits") if index == 0 else None
+    return record if isinstance(record, Mapping) else None
+
+
+def cache_after(trace: Trace, t: int) -> Any:
+    """The cache length right after y_t was written (m + t when the trace is sound): by the
+    call that fed it as its pending token, or by a verifying call that fed it as a draft
+    that was then accepted. None for a token never written, and for the token a finished
+    run ended at (the token that stops a run need not enter the model)."""
+    end = trace.finished
+    if end is not None and end.payload.get("completion_tokens") == t:
+        return None
+    event = trace.by_step("decode.completed").get(t)
+    if event is None:
+        source = trace.sources().get(t)
+        if source is None or source[0].event_type != "decode.completed":
+            return None
+        event = source[0]
+    s, ids, length = event.payload.get("step"), fed(event), event.payload.get("cache_len")
+    if s == t:
+        return length - len(ids) + 1 if isinstance(length, int) else length
+    if not isinstance(s, int) or not isinstance(length, int) or not 0 < t - s < len(ids):
+        return None
+    return length - len(ids) + (t - s) + 1
 
 
 def processed_at(selected: Event) -> Mapping[str, Any] | None:

@@ -18,7 +18,8 @@ from pipeline.events import Event
 from pipeline.trace.load import Trace
 
 SUMMARY_KEYS = ("step", "seq", "slot", "token_id", "cache_len", "tokens", "start", "bytes",
-                "final", "candidates", "processors", "reason", "detail", "state", "seed")
+                "final", "candidates", "processors", "reason", "detail", "state", "seed",
+                "token_ids", "proposed", "accepted", "rejected", "positions")
 
 
 @attrs.frozen
@@ -49,9 +50,10 @@ def phases(trace: Trace) -> list[Phase]:
     out += _span("prefill", "phase", trace.first("prefill.started"),
                  trace.first("prefill.completed"))
     decoded = trace.by_step("decode.completed")
-    ready = {1: trace.first("prefill.completed"), **{t + 1: e for t, e in decoded.items()}}
+    sources = trace.sources()
     for t, selected in sorted(trace.by_step("token.selected").items()):
-        out += _span(f"select {t}", "select", ready.get(t), selected)
+        source = sources.get(t)
+        out += _span(f"select {t}", "select", None if source is None else source[0], selected)
         out += _span(f"decode {t}", "decode", selected, decoded.get(t))
     return sorted(out, key=lambda p: (p.start.event_id, p.track != "request"))
 

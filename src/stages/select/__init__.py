@@ -1,8 +1,10 @@
-"""Selectors and the autoregressive strategy: from processed scores to committed tokens.
+"""Selectors and strategies: from processed scores to committed tokens.
 
 Owns the ``greedy`` and ``sample`` selectors (both satisfy
-:class:`pipeline.protocols.Selector`), the counter-based :func:`uniform` draw, and
-:class:`AutoregressiveStrategy` (a :class:`pipeline.protocols.Strategy`). :data:`SELECTORS`
+:class:`pipeline.protocols.Selector`), the counter-based :func:`uniform` draw, and the
+strategies (:class:`pipeline.protocols.Strategy`): :class:`AutoregressiveStrategy` and
+:class:`SpeculativeStrategy` (its rejection rule in ``verify.py``, its proposers in
+``proposers.py`` and ``draft.py``, its options in ``spec_options.py``). :data:`SELECTORS`
 maps names to classes.
 """
 
@@ -13,6 +15,7 @@ from pipeline.protocols import Selector
 from stages.select.greedy import GreedySelector, argmax_columns
 from stages.select.rng import uniform
 from stages.select.sample import SamplingSelector, inverse_cdf
+from stages.select.speculative import SpeculativeStrategy
 from stages.select.strategy import AutoregressiveStrategy
 
 SELECTORS: Mapping[str, type[Selector]] = MappingProxyType({
@@ -21,5 +24,6 @@ SELECTORS: Mapping[str, type[Selector]] = MappingProxyType({
 
 __all__ = [
     "SELECTORS", "AutoregressiveStrategy", "GreedySelector", "SamplingSelector",
+    "SpeculativeStrategy",
     "argmax_columns", "inverse_cdf", "uniform",
 ]
