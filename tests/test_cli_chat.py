@@ -229,16 +229,18 @@ def test_ctrl_c_at_a_terminal(tmp_path: Path) -> None:
         until(b">>> ", mark)
         os.write(master, b"half a line")
         mark = until(b"half a line", mark)
+        # readline echoes a key, then goes back to waiting for keys; a signal between the
+        # two is seen only with the next key (CPython's readline loop): type as a person would
+        time.sleep(1.0)
         os.write(master, b"\x03")  # clears the line: the session goes on, no hint
         cleared, mark = mark, until(b">>> ", mark)
         assert b"Ctrl-C again" not in seen[cleared:mark]
-        # readline prints the prompt, then waits for keys; a signal between the two is seen
-        # only with the next key (CPython's readline loop), so type as a person would: later
-        time.sleep(0.5)
+        # the same after readline prints the prompt
+        time.sleep(1.0)
         os.write(master, b"\x03")
         mark = until(b"Ctrl-C again or Ctrl-D", mark)
         until(b">>> ", mark)
-        time.sleep(0.5)
+        time.sleep(1.0)
         os.write(master, b"\x03")
         assert chat.wait(timeout=60) == 0
     finally:
