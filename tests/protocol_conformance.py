@@ -11,6 +11,7 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
+from pipeline.protocols import CacheInspector, PagedBackend
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from transports import AsyncioTransport, InProcessTransport
@@ -36,7 +37,10 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     stoppers.append(testing.TokenCountStopper(3))
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
     real: Backend = torch_backend
+    paged: PagedBackend = torch_backend
+    inspector: CacheInspector = torch_backend
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, detokenizers, selectors, strategy, stoppers, backend, real, sync
+    del paged, inspector
     del asyncs
