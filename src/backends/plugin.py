@@ -2,7 +2,9 @@
 
 Factories import lazily; options come from ``build(..., options={...})``: ``num_slots``,
 ``max_context``, ``dtype``, ``device``, ``pack`` (oneDNN-packed float32 weights on CPU,
-default true), and ``moe`` — the routed-experts function of MoE
+default true), the KV pool's ``block_size`` (default 16) and size, as ``kv_blocks`` or as a
+byte budget ``kv_cache_bytes`` (default: ``num_slots`` windows of ``max_context``; see
+:mod:`backends.torch.backend`), and ``moe`` — the routed-experts function of MoE
 layers: ``"torch"`` (default, the reference), ``"triton"`` (fused Triton kernels; on a CPU
 only under ``TRITON_INTERPRET=1``, float32/float16), or a callable with
 ``moe_forward``'s signature. ``moe_configs`` adds folders of tuned Triton launch tables.
@@ -10,9 +12,11 @@ only under ``TRITON_INTERPRET=1``, float32/float16), or a callable with
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeline.blocks import DEFAULT_BLOCK_SIZE
 from pipeline.errors import ArtifactError, BackendError, InvalidValueError
 from pipeline.hookspecs import hookimpl
 from pipeline.registry import BuildContext, Component
@@ -28,12 +32,22 @@ def _torch(ctx: BuildContext) -> Any:
         ctx.model_dir, num_slots=int(opts.get("num_slots", 8)),
         max_context=opts.get("max_context"), dtype=opts.get("dtype"),
         device=opts.get("device", "cpu"), pack=bool(opts.get("pack", True)),
-        moe=moe_function(opts.get("moe", "torch"), opts.get("moe_configs", ())))
+        moe=moe_function(opts.get("moe", "torch"), opts.get("moe_configs", ())),
+        **kv_pool_options(opts))
     if opts.get("moe") == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 
         check_device(backend.model.weights.embed.device, backend.model.dtype)
     return backend
+
+
+def kv_pool_options(opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The KV pool's ``kv_blocks``, ``kv_cache_bytes`` and ``block_size`` among ``opts``."""
+    out: dict[str, Any] = {"block_size": int(opts.get("block_size", DEFAULT_BLOCK_SIZE))}
+    for key in ("kv_blocks", "kv_cache_bytes"):
+        if opts.get(key) is not None:
+            out[key] = int(opts[key])
+    return out
 
 
 def moe_function(choice: Any, folders: Any) -> Any:

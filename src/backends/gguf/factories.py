@@ -4,13 +4,15 @@ opening of the file per build.
 Owns the factories that :mod:`backends.plugin` registers as ``tokenizer``, ``renderer`` and
 ``backend`` named ``"gguf"``, which :func:`pipeline.build` picks for a model that is a GGUF
 file. Options (``build(..., options=...)``): ``num_slots``, ``max_context``, ``dtype``
-(compute dtype, default float32), ``device``, ``pack``, ``moe`` as for the torch backend,
-and ``quantized``: keep quantized matrices in their GGML encoding and multiply chunk by chunk
-(less memory, slower; default False: dequantize at load).
+(compute dtype, default float32), ``device``, ``pack``, ``moe``, ``kv_blocks`` and
+``block_size`` as for the torch backend, and ``quantized``: keep quantized matrices in their
+GGML encoding and multiply chunk by chunk (less memory, slower; default False: dequantize at
+load).
 
-The torch backend preallocates every slot's key/value cache for the whole window, so without
-a ``max_context`` the window is cut to what ``kv_cache_bytes`` (default 1 GiB) holds for
-``num_slots`` slots (SmolLM2-135M, 8 slots: 2,816 of its 8,192 positions), in steps of 256.
+The torch backend's KV pool holds, by default, a whole window for every slot, so without a
+``max_context`` the window is cut to what ``kv_cache_bytes`` (default 1 GiB) holds for
+``num_slots`` slots (SmolLM2-135M, 8 slots: 2,816 of its 8,192 positions), in steps of 256,
+and the pool is ``num_slots`` such windows (``kv_blocks`` sizes it otherwise).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def gguf_backend(ctx: BuildContext) -> Any:
     """The torch backend over the file's weights (dequantized to ``dtype`` at load, or kept
     quantized with ``quantized``)."""
     from backends.gguf.load import load_weights
-    from backends.plugin import moe_function
+    from backends.plugin import kv_pool_options, moe_function
     from backends.torch.backend import TorchBackend, torch_dtype
     from backends.torch.model import Transformer
 
@@ -75,7 +77,8 @@ def gguf_backend(ctx: BuildContext) -> Any:
     slots = int(opts.get("num_slots", 8))
     window = opts.get("max_context") or fitting_context(
         spec, slots, model.dtype, int(opts.get("kv_cache_bytes", KV_CACHE_BYTES)))
-    return TorchBackend(model, f.snapshot, num_slots=slots, max_context=window)
+    pool = kv_pool_options({k: v for k, v in opts.items() if k != "kv_cache_bytes"})
+    return TorchBackend(model, f.snapshot, num_slots=slots, max_context=window, **pool)
 
 
 def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int) -> int:

@@ -20,7 +20,7 @@ reservations are dropped), and from then on a call without ``blocks`` is refused
 num_blocks`` bytes (:func:`block_bytes` per block). By default ``num_blocks = num_slots x
 ceil(max_context / block_size)``: every slot can hold a whole window at once, as the
 per-slot cache did (at most ``block_size - 1`` positions more per slot); ``kv_blocks`` sets
-it (:func:`blocks_for_bytes` converts a byte budget), less to bound memory, more to let a
+it (``kv_cache_bytes`` instead: the blocks that budget holds), less to bound memory, more to let a
 block-managing engine keep more requests and cached prefixes. A pool of fewer than
 ``num_slots`` windows is for such an engine: without block tables, a slot whose first call
 finds no free window fails with :class:`~pipeline.errors.SlotError`.
@@ -64,13 +64,15 @@ if TYPE_CHECKING:
 class TorchBackend:
     """A Hugging Face decoder-only model with a paged KV cache for ``num_slots`` sequences.
 
-    ``snapshot`` is the checkpoint's content digest (config + weight index). ``kv_blocks`` and
-    ``block_size`` size the pool (see the module docstring's memory rule). Not thread-safe:
+    ``snapshot`` is the checkpoint's content digest (config + weight index). ``kv_blocks``
+    (or the blocks a byte budget ``kv_cache_bytes`` holds) and ``block_size`` size the pool
+    (see the module docstring's memory rule). Not thread-safe:
     calls come from the engine's thread, as the Backend contract says.
     """
 
     def __init__(self, model: Transformer, snapshot: str, *, num_slots: int = 8,
                  max_context: int | None = None, kv_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         spec = model.spec
         self.max_context = spec.max_position_embeddings if max_context is None else max_context
@@ -82,6 +84,12 @@ class TorchBackend:
         if block_size < 1:
             raise InvalidValueError("block_size", block_size, "must be >= 1")
         self.window_blocks = -(-self.max_context // block_size)
+        if kv_cache_bytes is not None:
+            if kv_blocks is not None:
+                raise InvalidValueError("kv_cache_bytes", kv_cache_bytes,
+                                        "give the KV pool's size once: kv_blocks or "
+                                        "kv_cache_bytes")
+            kv_blocks = blocks_for_bytes(spec, model.dtype, kv_cache_bytes, block_size)
         if kv_blocks is not None and kv_blocks < self.window_blocks:
             raise InvalidValueError("kv_blocks", kv_blocks,
                                     f"must hold one window of max_context={self.max_context} "
@@ -104,7 +112,7 @@ class TorchBackend:
                  dtype: torch.dtype | str | None = None,
                  device: torch.device | str = "cpu",
                  moe: MoeFunction = moe_forward, pack: bool = True,
-                 kv_blocks: int | None = None,
+                 kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
@@ -112,7 +120,8 @@ class TorchBackend:
         holds ``num_slots`` such windows, so pick less for big models); ``dtype`` defaults to
         the checkpoint's; ``moe`` computes MoE layers' routed experts; ``pack`` gives float32
         CPU weights oneDNN-packed copies (:mod:`backends.torch.packed`; twice the weight
-        memory); ``kv_blocks``/``block_size`` size the KV pool. Raises
+        memory); ``kv_blocks`` (or a byte budget ``kv_cache_bytes``) and ``block_size``
+        size the KV pool. Raises
         :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
         if isinstance(dtype, str):
@@ -120,7 +129,7 @@ class TorchBackend:
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
         return cls(Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack), ckpt.snapshot,
                    num_slots=num_slots, max_context=max_context, kv_blocks=kv_blocks,
-                   block_size=block_size)
+                   kv_cache_bytes=kv_cache_bytes, block_size=block_size)
 
     @property
     def caller_owns_blocks(self) -> bool:
