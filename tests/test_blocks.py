@@ -27,16 +27,47 @@ def manager(num_blocks: int = 8, block_size: int = 4, snapshot: str = SNAP) -> B
     return BlockManager(num_blocks, block_size, snapshot=snapshot)
 
 
-def test_tables_grow_by_whole_blocks_and_stay_contiguous_when_they_can() -> None:
+def test_tables_grow_by_whole_blocks_into_the_room_left_for_them() -> None:
     kv = manager()
     assert kv.allocate("a", 5) == (0, 1)
     assert kv.allocate("b", 0) == ()
     assert kv.grow("a", 8) == (0, 1)          # still two blocks
     assert kv.grow("a", 9) == (0, 1, 2)
-    assert kv.grow("b", 1) == (3,)
-    assert kv.grow("a", 13) == (0, 1, 2, 4)   # 3 is b's: the oldest free block instead
-    assert kv.grow("b", 5) == (3, 5)
-    assert kv.length("a") == 13 and kv.stats.free_blocks == 2
+    assert kv.grow("b", 1) == (5,)            # mid-way in the free stretch 3..7: room for a
+    assert kv.grow("a", 13) == (0, 1, 2, 3)
+    assert kv.grow("b", 5) == (5, 6)
+    assert kv.grow("a", 17) == (0, 1, 2, 3, 4)
+    assert kv.grow("a", 21) == (0, 1, 2, 3, 4, 7)   # no room left after 4: a second run
+    assert kv.length("a") == 21 and kv.stats.free_blocks == 0
+    kv.check()
+
+
+def _runs(table: Sequence[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:])) if table else 0
+
+
+def test_equal_windows_pack_without_fragmenting() -> None:
+    """One window per slot, allocated and freed in any order, is always one run."""
+    rng = random.Random(5)
+    kv = manager(num_blocks=8 * 6, block_size=4)
+    live: list[int] = []
+    for serial in range(300):
+        if len(live) < 8 and (not live or rng.random() < 0.6):
+            assert _runs(kv.allocate(serial, 6 * 4)) == 1
+            live.append(serial)
+        else:
+            kv.free(live.pop(rng.randrange(len(live))))
+    kv.check()
+
+
+def test_a_batch_growing_together_keeps_one_run_each_while_there_is_room() -> None:
+    kv = manager(num_blocks=64, block_size=4)
+    for seq in range(4):
+        kv.allocate(seq, 10)
+    for length in range(11, 31):
+        for seq in range(4):
+            kv.grow(seq, length)
+    assert [_runs(kv.table(seq)) for seq in range(4)] == [1, 1, 1, 1]
     kv.check()
 
 
@@ -163,10 +194,10 @@ def test_eviction_takes_the_oldest_unreferenced_block_and_never_a_referenced_one
     kv.allocate("live", 4, prefix=kv.match(list(range(50, 55))))  # holds block 2 (b's too)
     kv.free("b")                              # cached: 3 (2 is still held); 4 is free
     assert kv.stats.cached_blocks == 3 and kv.stats.free_blocks == 5   # 1, 0, 3 + free 5, 4
-    assert kv.allocate("c", 12) == (5, 4, 1)  # free blocks first, then the oldest cached
+    assert kv.allocate("c", 12) == (4, 5, 1)  # free blocks first, then the oldest cached
     assert kv.stats.evictions == 1
     assert kv.match(list(range(9))).cached_tokens == 4     # block 0 survives, 1 is gone
-    assert kv.grow("c", 20) == (5, 4, 1, 0, 3)
+    assert kv.grow("c", 20) == (4, 5, 1, 0, 3)
     with pytest.raises(OutOfBlocks):
         kv.grow("c", 21)                      # block 2 is referenced: never evicted
     assert kv.table("live") == (2,) and kv.stats.evictions == 3

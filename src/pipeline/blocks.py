@@ -30,8 +30,14 @@ A cached block (published, no reference) keeps its content and hash until its me
 needed: ``allocate``/``grow`` take free blocks first, then evict the least recently released
 cached block and forget its hash. A referenced block is never evicted. When a sequence is
 freed its cached blocks join the LRU list tail first, so a chain's tail goes before its head.
-Allocation prefers the block after a sequence's last one, so tables tend to be contiguous
-runs (a backend reads a contiguous run as a view instead of gathering it).
+
+**Placement.** A backend reads a table that is one run of consecutive blocks as a view and
+gathers (copies) any other, so free blocks are placed to keep tables in few runs: a sequence
+grows into the block after its last one when that is free; otherwise it starts a new run in
+the largest stretch of free blocks, at its start when the stretch starts the pool or the run
+fills it, else in its middle (aligned to the run's length), leaving room on both sides for
+the neighbours to grow. Equal-sized allocations (one window per slot) thus pack without
+fragmenting, and interleaved growth of a batch stays contiguous while there is room.
 
 **Invariants** (:meth:`BlockManager.check` verifies all of them):
 
@@ -61,6 +67,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -145,7 +152,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.snapshot = snapshot
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free = bytearray(b"\x01" * num_blocks)              # 1: block is free
+        self._nfree = num_blocks
         self._cached: OrderedDict[int, None] = OrderedDict()    # LRU first
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
@@ -174,7 +182,7 @@ class BlockManager:
     @property
     def available(self) -> int:
         """Blocks that can be allocated now: free ones, then cached ones by eviction."""
-        return len(self._free) + len(self._cached)
+        return self._nfree + len(self._cached)
 
     @property
     def stats(self) -> BlockStats:
@@ -304,7 +312,8 @@ class BlockManager:
     def check(self) -> None:
         """Verify the module docstring's invariants 1-5; raise ``AssertionError`` naming the
         first that fails (for tests and debugging; O(blocks + table entries))."""
-        free, cached = set(self._free), set(self._cached)
+        free, cached = {b for b, f in enumerate(self._free) if f}, set(self._cached)
+        _require(len(free) == self._nfree, "the free count is wrong")
         referenced = {b for b in range(self.num_blocks) if self._refs[b] > 0}
         _require(not (free & cached or free & referenced or cached & referenced),
                  "free, cached and referenced blocks overlap")
@@ -357,31 +366,43 @@ class BlockManager:
 
     def _take(self, table: list[int], n: int) -> None:
         """Append ``n`` blocks to ``table`` (the caller checked they exist): the block after
-        the table's last if free, else the oldest free block, else an evicted cached one."""
-        for _ in range(n):
-            after = table[-1] + 1 if table else -1
-            if after in self._free:
-                del self._free[after]
+        the table's last if free, else a new run's first block (see the module docstring's
+        placement), else the least recently released cached block, evicted."""
+        for left in range(n, 0, -1):
+            after = table[-1] + 1 if table else self.num_blocks
+            if after < self.num_blocks and self._free[after]:
                 block = after
-            elif self._free:
-                block, _ = self._free.popitem(last=False)
+            elif self._nfree:
+                block = self._run_start(left)
             else:
                 block, _ = self._cached.popitem(last=False)
                 self._unpublish(block)
                 self._counts["evictions"] += 1
+            if self._free[block]:
+                self._free[block], self._nfree = 0, self._nfree - 1
             self._refs[block] = 1
             table.append(block)
 
+    def _run_start(self, want: int) -> int:
+        """Where a new run of up to ``want`` blocks starts: in the largest stretch of free
+        blocks, at its start if it starts the pool or the run fills it, else in its middle
+        (an offset that is a multiple of the run's length)."""
+        stretch = max(re.finditer(rb"\x01+", self._free), key=lambda m: m.end() - m.start())
+        start, size = stretch.start(), stretch.end() - stretch.start()
+        run = min(want, size)
+        if start == 0 or run == size:
+            return start
+        return start + (size - run) // 2 // run * run
+
     def _release(self, blocks: Sequence[int]) -> None:
         """Drop a reference on each of ``blocks`` (a table's run, in order). Unpublished
-        blocks return to the free list in order (a later sequence gets them as a contiguous
-        run); published ones join the LRU list tail first (a chain's head outlives its tail,
-        and a match needs the head)."""
+        blocks become free; published ones join the LRU list tail first (a chain's head
+        outlives its tail, and a match needs the head)."""
         for block in blocks:
             self._refs[block] -= 1
         for block in blocks:
             if self._refs[block] == 0 and block not in self._hash_of:
-                self._free[block] = None
+                self._free[block], self._nfree = 1, self._nfree + 1
         for block in reversed(blocks):
             if self._refs[block] == 0 and block in self._hash_of:
                 self._cached[block] = None
