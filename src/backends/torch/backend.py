@@ -1,7 +1,7 @@
 """``TorchBackend``: the :class:`~pipeline.protocols.Backend` over a Hugging Face checkpoint.
 
 It owns a :class:`~backends.torch.model.Transformer` and a paged
-:class:`~backends.torch.model.KVCache`: per layer a pool of ``num_blocks`` blocks of
+:class:`~backends.torch.kv.KVCache`: per layer a pool of ``num_blocks`` blocks of
 ``block_size`` positions. ``forward`` runs every :class:`~pipeline.protocols.ModelCall` of an
 engine step (prompt chunks, decode tokens, draft verification, bidirectional blocks) as one
 ragged batch and returns float32 logits at the wanted outputs; ``prefill`` and ``decode`` are
@@ -51,7 +51,8 @@ import torch
 
 from backends.torch.config import ModelSpec
 from backends.torch.loader import load_checkpoint
-from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
+from backends.torch.kv import KVCache, RaggedBatch
+from backends.torch.model import MoeFunction, Transformer
 from backends.torch.moe import moe_forward
 from pipeline.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks, SlotError
