@@ -9,8 +9,10 @@ the shape every engine step has), in these layouts of the KV memory:
   current engine gets);
 - ``run``: the caller's tables, each sequence one run of consecutive blocks (read as views);
 - ``manager``: the caller's tables from a :class:`~pipeline.blocks.BlockManager`: prompts
-  allocated one after another, then grown token by token in one batch, as an engine would;
-  at batch 8 the sequences' growth interleaves, so tables become two runs and are gathered;
+  allocated one after another, then grown token by token in one batch, as an engine would,
+  in a pool of twice the default size (its placement leaves each prompt room to grow);
+- ``tight``: the same in the default pool (8 windows just long enough): some prompts get
+  placed right after others, so those grow into a second run and are gathered;
 - ``scattered``: a random permutation of the pool (every read is a gather).
 
 With ``--baseline SRC`` (the ``src`` folder of another checkout, e.g. the commit before paging)
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +41,7 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "paged_kv.json"
 MODELS = {"tiny": "tiny", "default": "smollm2"}
-MODES = ("slot", "run", "manager", "scattered")
+MODES = ("slot", "run", "manager", "tight", "scattered")
 
 
 def loadavg() -> str:
@@ -69,17 +72,18 @@ def child(model: str, prompt_len: int, new: int, repeats: int, threads: int) -> 
                    for _ in range(8)]
         out: dict[str, Any] = {}
         for mode in (MODES if paged else MODES[:1]):
-            backend = first if mode == "slot" else _fresh(first)
+            backend = first if mode == "slot" else _fresh(first, 2 if mode == "manager" else 1)
             out[mode] = _decode_rates(backend, mode, prompts, new, repeats)
     return out
 
 
-def _fresh(backend: Any) -> Any:
-    """A backend over the same weights with a pool of its own (one handed to its caller)."""
+def _fresh(backend: Any, factor: int) -> Any:
+    """A backend over the same weights with a pool of its own (to hand to its caller),
+    ``factor`` times the default size."""
     from backends.torch.backend import TorchBackend
 
     return TorchBackend(backend.model, backend.snapshot, num_slots=8,
-                        max_context=backend.max_context)
+                        max_context=backend.max_context, kv_blocks=factor * backend.num_blocks)
 
 
 def _decode_rates(backend: Any, mode: str, prompts: list[tuple[int, ...]], new: int,
@@ -111,11 +115,19 @@ def _decode_rates(backend: Any, mode: str, prompts: list[tuple[int, ...]], new: 
                          for s, t in zip(slots[:batch], ids)]
                 ids = [int(row.argmax()) for row in backend.forward(calls)]
             best = max(best, batch * new / (time.thread_time() - start))
+            rates[f"runs_b{batch}"] = statistics.mean(
+                _runs(c.blocks if c.blocks is not None else backend.own_blocks.table(c.slot)
+                      [:-(-(c.start + 1) // backend.block_size)]) for c in calls)
             for s in slots[:batch]:
                 backend.truncate(s, p)
                 tables.truncate(s, p)
         rates[f"b{batch}"] = best
     return rates
+
+
+def _runs(table: tuple[int, ...]) -> int:
+    """Runs of consecutive blocks in ``table`` (1: read as a view)."""
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:]))
 
 
 class _Tables:
@@ -137,12 +149,12 @@ class _Tables:
             random.Random(1).shuffle(order)
         self.fixed = {s: tuple(order[i * per:(i + 1) * per]) for i, s in enumerate(slots)}
         self.kv = BlockManager(backend.num_blocks, bs, snapshot=backend.snapshot)
-        if mode == "manager":
+        if mode in ("manager", "tight"):
             for s in slots:
                 self.kv.allocate(s, prompt_len)
 
     def at(self, slot: int, length: int) -> tuple[int, ...]:
-        if self.mode == "manager":
+        if self.mode in ("manager", "tight"):
             return self.kv.grow(slot, max(length, self.kv.length(slot)))
         return self.fixed[slot][:-(-length // self.bs)]
 
@@ -150,7 +162,7 @@ class _Tables:
         return {"blocks": self.at(slot, length)} if self.paged else {}
 
     def truncate(self, slot: int, length: int) -> None:
-        if self.paged and self.mode == "manager":
+        if self.mode in ("manager", "tight"):
             self.kv.truncate(slot, length)
 
 
@@ -215,7 +227,8 @@ def report(table: dict[str, Any], load: dict[str, str], args: argparse.Namespace
     print(f"decode tok/s (thread CPU time), prompt {args.prompt}, {args.new} new tokens, best "
           f"of {args.repeats} x {args.rounds} rounds, {args.threads} thread(s); "
           f"loadavg {load['before']} -> {load['after']}")
-    print(f"{'model':<9}{'layout':<11}{'b1':>9}{'b8':>9}{'b1/base':>9}{'b8/base':>9}")
+    print(f"{'model':<9}{'layout':<11}{'b1':>9}{'b8':>9}{'b1/base':>9}{'b8/base':>9}"
+          f"{'runs b1':>9}{'runs b8':>9}")
     base = table.get("baseline", {})
     for model, modes in table["current"].items():
         if model in base:
@@ -223,8 +236,9 @@ def report(table: dict[str, Any], load: dict[str, str], args: argparse.Namespace
             print(f"{model:<9}{'baseline':<11}{r['b1']:>9.1f}{r['b8']:>9.1f}")
         for mode, r in modes.items():
             ratio = ("".join(f"{r[b] / base[model]['slot'][b]:>9.3f}" for b in ("b1", "b8"))
-                     if model in base else "")
-            print(f"{model:<9}{mode:<11}{r['b1']:>9.1f}{r['b8']:>9.1f}{ratio}")
+                     if model in base else " " * 18)
+            print(f"{model:<9}{mode:<11}{r['b1']:>9.1f}{r['b8']:>9.1f}{ratio}"
+                  f"{r['runs_b1']:>9.2f}{r['runs_b8']:>9.2f}")
 
 
 if __name__ == "__main__":
