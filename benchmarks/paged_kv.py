@@ -115,9 +115,7 @@ def _decode_rates(backend: Any, mode: str, prompts: list[tuple[int, ...]], new: 
                          for s, t in zip(slots[:batch], ids)]
                 ids = [int(row.argmax()) for row in backend.forward(calls)]
             best = max(best, batch * new / (time.thread_time() - start))
-            rates[f"runs_b{batch}"] = statistics.mean(
-                _runs(c.blocks if c.blocks is not None else backend.own_blocks.table(c.slot)
-                      [:-(-(c.start + 1) // backend.block_size)]) for c in calls)
+            rates[f"runs_b{batch}"] = statistics.mean(tables.runs(backend, c) for c in calls)
             for s in slots[:batch]:
                 backend.truncate(s, p)
                 tables.truncate(s, p)
@@ -161,6 +159,16 @@ class _Tables:
     def kw(self, slot: int, length: int) -> dict[str, Any]:
         return {"blocks": self.at(slot, length)} if self.paged else {}
 
+    def runs(self, backend: Any, call: Any) -> float:
+        """Runs of blocks the call's sequence is read from (NaN where the code under test
+        has no blocks)."""
+        if self.paged:
+            return _runs(call.blocks)
+        own = getattr(backend, "own_blocks", None)
+        if own is None:
+            return float("nan")
+        return _runs(own.table(call.slot)[:-(-(call.start + 1) // backend.block_size)])
+
     def truncate(self, slot: int, length: int) -> None:
         if self.mode in ("manager", "tight"):
             self.kv.truncate(slot, length)
@@ -172,7 +180,9 @@ def run_child(src: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     out = subprocess.run([sys.executable, __file__, "--child", model, "--prompt",
                           str(args.prompt), "--new", str(args.new), "--repeats",
                           str(args.repeats), "--threads", str(args.threads)],
-                         check=True, capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(f"{model} under {src} failed:\n{out.stderr}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
