@@ -634,6 +634,25 @@ def test_scattered_block_table_matches_transformers(arch: str,
     assert torch.equal(runs[0], runs[1])
 
 
+def test_a_batch_mixing_viewed_and_gathered_tables_matches_transformers(
+        checkpoints: dict[str, Any]) -> None:
+    """Three sequences whose blocks interleave (each gathered, from one gather per layer)
+    and one whose blocks are a run (a view) prefill and decode in the same calls."""
+    folder, ref = checkpoints["qwen2"]
+    backend = _paged(folder)
+    tables = [tuple(range(i, 24, 3)) for i in range(3)] + [tuple(range(30, 38))]
+    slots = [backend.allocate() for _ in tables]
+    seqs = [list(_prompt(n, 50 + n)) for n in (9, 2, 14, 5)]
+    z = backend.forward([ModelCall(s, tuple(p), 0, (len(p) - 1,), blocks=t)
+                         for s, p, t in zip(slots, seqs, tables)])
+    for _ in range(5):
+        for p, row in zip(seqs, z):
+            assert _close(row, _ref_logits(ref, p)[-1]) <= 1e-4
+            p.append(int(row.argmax()))
+        z = backend.forward([ModelCall(s, (p[-1],), len(p) - 1, (0,), blocks=t)
+                             for s, p, t in zip(slots, seqs, tables)])
+
+
 def test_sequences_sharing_prefix_blocks_each_continue_correctly(
         checkpoints: dict[str, Any]) -> None:
     """B reuses A's first three blocks (the same physical blocks, two references each) and

@@ -9,8 +9,9 @@ slot-only callers, or by the caller (:class:`~pipeline.protocols.PagedBackend`).
 A sequence's keys are read for attention in one of three ways, chosen when the batch is
 built: a prompt from position 0 attends to its own new keys (nothing is read back); a
 sequence whose blocks are consecutive in the pool is read as one view (no copy); any other is
-gathered (``index_select`` on its block table) into one tensor. The last two give tensors of
-the same layout, so the logits do not depend on where the blocks lie.
+gathered: per layer, one ``index_select`` fetches the blocks of every such sequence of the
+batch, and each reads its slice. Views and gathered slices have the same layout, so the
+logits do not depend on where the blocks lie.
 
 Shapes: T tokens in the call, NB blocks of S positions, Hkv heads, D head_dim.
 
@@ -18,7 +19,7 @@ Example::
 
     cache = KVCache.empty(spec, num_blocks=64, block_size=16, num_slots=4, dtype=torch.float32)
     batch = RaggedBatch.build([(0, 0, prompt_ids)], tables=[(5, 6, 7)], block_size=16)
-    cache.write(layer, batch, k, v)            # k, v [T, Hkv, D]
+    cache.update(layer, batch, k, v)           # k, v [T, Hkv, D]
     keys, values = cache.read(layer, batch, 0, k, v)   # [1, Hkv, len(prompt_ids), D]
 """
 
@@ -47,7 +48,7 @@ class KVCache:
     ``value_extent[l][s]`` are how far layer ``l`` has written keys and values of slot ``s``,
     committed with the lengths, so the invariant can be checked rather than assumed. Which
     blocks a slot uses is not the cache's business: each batch names them. Owned by one
-    backend and mutated only by :meth:`write` (positions beyond the lengths), :meth:`commit`,
+    backend and mutated only by :meth:`update` (positions beyond the lengths), :meth:`commit`,
     :meth:`discard`, :meth:`truncate` and :meth:`reset`.
     """
 
@@ -60,6 +61,7 @@ class KVCache:
         self.key_extent = [[0] * num_slots for _ in k]
         self.value_extent = [[0] * num_slots for _ in v]
         self._written: list[int] = []                 # layers written since the last commit
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None   # this layer's
 
     @classmethod
     def empty(cls, spec: ModelSpec, *, num_blocks: int, block_size: int, num_slots: int,
@@ -87,15 +89,21 @@ class KVCache:
         """Where the cache lives."""
         return self.k[0].device
 
-    def write(self, layer: int, batch: RaggedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def update(self, layer: int, batch: RaggedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter the new ``k``/``v [T, Hkv, D]`` of the batch's writing sequences into their
-        blocks (``batch.write_rows``)."""
+        blocks (``batch.write_rows``), then gather the blocks of the sequences that
+        :meth:`read` cannot view (one ``index_select`` each for keys and values). Call once
+        per layer, before that layer's reads."""
         if batch.write_tokens is not None:
             k, v = k[batch.write_tokens], v[batch.write_tokens]
         if k.shape[0]:
             self._flat_k[layer].index_copy_(0, batch.write_rows, k)
             self._flat_v[layer].index_copy_(0, batch.write_rows, v)
         self._written.append(layer)
+        self._gathered = None
+        if batch.gather_blocks is not None:
+            self._gathered = (_rows_of(self.k[layer].index_select(0, batch.gather_blocks)),
+                              _rows_of(self.v[layer].index_select(0, batch.gather_blocks)))
 
     def read(self, layer: int, batch: RaggedBatch, b: int, k: torch.Tensor,
              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,21 +111,21 @@ class KVCache:
         new ``k``/``v [n, Hkv, D]`` (already written when it writes)."""
         plan = batch.reads[b]
         if plan.length:
-            k = _join(self._run(self._flat_k[layer], self.k[layer], plan), k, plan.append)
-            v = _join(self._run(self._flat_v[layer], self.v[layer], plan), v, plan.append)
+            keys, values = ((self._flat_k[layer], self._flat_v[layer]) if not plan.gathered
+                            else self._staged())
+            end = plan.base + plan.length
+            k = _join(keys[plan.base:end], k, plan.append)                   # [L, Hkv, D]
+            v = _join(values[plan.base:end], v, plan.append)
         return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
-    @staticmethod
-    def _run(flat: torch.Tensor, pool: torch.Tensor, plan: ReadPlan) -> torch.Tensor:
-        """The plan's first ``length`` positions ``[length, Hkv, D]``: a view of one run of
-        consecutive blocks, else a gather of its blocks."""
-        if plan.blocks is None:
-            return flat[plan.base:plan.base + plan.length]
-        gathered = pool.index_select(0, plan.blocks)                          # [nb, S, Hkv, D]
-        return gathered.view(-1, *gathered.shape[2:])[:plan.length]
+    def _staged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gathered is None:
+            raise RuntimeError("KVCache.read of a gathered sequence before update")
+        return self._gathered
 
     def commit(self, batch: RaggedBatch) -> None:
         """Extend each writing sequence's slot length by the tokens the batch wrote."""
+        self._gathered = None
         for slot, start, n, write in zip(batch.slots, batch.starts, batch.lengths, batch.writes):
             if write:
                 self.lengths[slot] = start + n
@@ -128,6 +136,7 @@ class KVCache:
     def discard(self) -> None:
         """Forget the writes of a call that failed (their positions stay beyond the lengths)."""
         self._written.clear()
+        self._gathered = None
 
     def truncate(self, slot: int, length: int) -> None:
         """Keep ``slot``'s first ``length`` positions (at most its current length)."""
@@ -148,17 +157,22 @@ def _join(cached: torch.Tensor, new: torch.Tensor, append: bool) -> torch.Tensor
     return torch.cat([cached, new]) if append else cached
 
 
+def _rows_of(blocks: torch.Tensor) -> torch.Tensor:
+    """``[nb, S, Hkv, D]`` blocks as ``[nb*S, Hkv, D]`` rows (a view)."""
+    return blocks.view(-1, *blocks.shape[2:])
+
+
 @attrs.frozen(eq=False)
 class ReadPlan:
     """Where one sequence's attention finds its keys: the first ``length`` positions of its
-    blocks (0: only its new tokens, a prompt from position 0), as the rows ``base ..
-    base+length-1`` of the flattened pool when ``blocks`` is None, else gathered from
-    ``blocks`` (a ``[nb]`` tensor of block ids); ``append``: its new tokens follow (they were
+    blocks (0: only its new tokens, a prompt from position 0), which are the rows ``base ..
+    base+length-1`` of the flattened pool, or with ``gathered`` of the layer's gathered
+    blocks (:attr:`RaggedBatch.gather_blocks`); ``append``: its new tokens follow (they were
     not written)."""
 
     length: int
     base: int = 0
-    blocks: torch.Tensor | None = None
+    gathered: bool = False
     append: bool = False
 
 
@@ -173,7 +187,9 @@ class RaggedBatch:
     to each other both ways; ``writes[b]`` false leaves its slot's length unchanged at
     :meth:`KVCache.commit` and its keys unwritten. ``write_rows [W]`` are the flattened-pool
     rows of the written tokens, which are rows ``write_tokens [W]`` of ``[T]`` (None: all of
-    them, in order); ``reads[b]`` is sequence b's :class:`ReadPlan`. Build with :meth:`build`.
+    them, in order); ``reads[b]`` is sequence b's :class:`ReadPlan`; ``gather_blocks [G]``
+    the blocks, in order, of the sequences read by gathering (None: none is). Build with
+    :meth:`build`.
     """
 
     token_ids: torch.Tensor
@@ -188,6 +204,7 @@ class RaggedBatch:
     write_rows: torch.Tensor
     write_tokens: torch.Tensor | None
     reads: tuple[ReadPlan, ...]
+    gather_blocks: torch.Tensor | None
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, Sequence[int]]], *,
@@ -231,8 +248,7 @@ class RaggedBatch:
                    writes=writes, write_rows=cut[3],
                    write_tokens=(None if len(written) == len(ids)
                                  else torch.tensor(written, dtype=torch.int64, device=device)),
-                   reads=tuple(p if g is None else attrs.evolve(p, blocks=cut[4][g[0]:g[1]])
-                               for p, g in plans))
+                   reads=tuple(plans), gather_blocks=cut[4] if gather else None)
 
 
 def _rows(table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
@@ -247,20 +263,20 @@ def _rows(table: Sequence[int], block_size: int, start: int, end: int) -> list[i
 
 def _read_plans(seqs: Sequence[tuple[int, int, Sequence[int]]], lengths: Sequence[int],
                 tables: Sequence[Sequence[int]], writes: Sequence[bool], block_size: int
-                ) -> tuple[list[tuple[ReadPlan, tuple[int, int] | None]], list[int]]:
-    """Each sequence's plan, with the span of ``gather`` (all gathered block ids, in order)
-    that holds its blocks when they are not one run."""
-    plans: list[tuple[ReadPlan, tuple[int, int] | None]] = []
+                ) -> tuple[list[ReadPlan], list[int]]:
+    """Each sequence's plan, and the block ids to gather (those of every sequence whose
+    blocks are not one run, in order)."""
+    plans: list[ReadPlan] = []
     gather: list[int] = []
     for (_, start, _), n, table, write in zip(seqs, lengths, tables, writes):
         length = start + n if write and start else start
         used = list(table[:-(-length // block_size)])
         if not length or used == list(range(used[0], used[0] + len(used))):
-            plans.append((ReadPlan(length, used[0] * block_size if used else 0,
-                                   append=not write), None))
+            plans.append(ReadPlan(length, used[0] * block_size if used else 0,
+                                  append=not write))
         else:
-            plans.append((ReadPlan(length, append=not write), (len(gather),
-                                                               len(gather) + len(used))))
+            plans.append(ReadPlan(length, len(gather) * block_size, gathered=True,
+                                  append=not write))
             gather += used
     return plans, gather
 

@@ -130,7 +130,7 @@ class Transformer:
             q, k = rms_norm(q, w.q_norm, s.rms_norm_eps), rms_norm(k, w.k_norm, s.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = s.sliding_windows[i]
-        cache.write(i, batch, k, v)
+        cache.update(i, batch, k, v)
         outs = []
         for b, (start, n, at) in enumerate(zip(batch.starts, batch.lengths, batch.offsets)):
             keys, values = cache.read(i, batch, b, k[at:at + n], v[at:at + n])  # [1, Hkv, L, D]
