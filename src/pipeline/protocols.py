@@ -13,7 +13,7 @@ per-request state (detokenizer, stoppers) receive their state and return the new
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -373,6 +373,11 @@ class Attention(enum.Enum):
     BLOCK = "block"
 
 
+def _block_table(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    """A block table as a tuple (None stays None)."""
+    return None if value is None else tuple(value)
+
+
 @attrs.frozen
 class ModelCall:
     """One sequence's part of a :meth:`Backend.forward`.
@@ -402,8 +407,7 @@ class ModelCall:
     outputs: tuple[int, ...]
     attention: Attention = Attention.CAUSAL
     write: bool = True
-    blocks: tuple[int, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple))
+    blocks: tuple[int, ...] | None = attrs.field(default=None, converter=_block_table)
 
     @classmethod
     def chunk(cls, chunk: PrefillChunk) -> ModelCall:
