@@ -59,6 +59,7 @@ class Paging:
 
     def __init__(self, backend: PagedBackend, snapshot: str) -> None:
         self.blocks = BlockManager(backend.num_blocks, backend.block_size, snapshot=snapshot)
+        self._full: dict[PagedJob, int] = {}   # full blocks each job has published so far
 
     def admit(self, job: PagedJob, tokens: Sequence[int]) -> PrefixMatch | None:
         """A table for ``job`` covering ``tokens`` (what it must have in its cache), reusing
@@ -85,9 +86,14 @@ class Paging:
         return self.blocks.table(job)
 
     def publish(self, job: PagedJob) -> None:
-        """Make ``job``'s full, final blocks reusable by later prompts."""
-        if job in self.blocks:
-            self.blocks.publish(job, computed_tokens(job))
+        """Make ``job``'s full, final blocks reusable by later prompts (cheap when no block
+        filled up since the last call: the token list is built only when one did)."""
+        if job not in self.blocks:
+            return
+        if job.cache_len // self.blocks.block_size > self._full.get(job, 0):
+            tokens = computed_tokens(job)
+            self.blocks.publish(job, tokens)
+            self._full[job] = len(tokens) // self.blocks.block_size
 
     def truncate(self, job: PagedJob) -> None:
         """Shrink ``job``'s table to its cache length (after a rollback)."""
@@ -99,3 +105,4 @@ class Paging:
         if job in self.blocks:
             self.publish(job)
             self.blocks.free(job)
+        self._full.pop(job, None)
