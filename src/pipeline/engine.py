@@ -330,7 +330,7 @@ class Engine:
             job = self._queue[0]
             hit = None
             if self._paging is not None:
-                hit = self._paging.admit(job, job.prefill_ids)
+                hit = self._paging.admit(job, job.prefill_ids, reserve=len(self._active))
                 if hit is None:
                     if not self._active and not self._paging.fits_alone(job.prefill_ids):
                         self._fail(job, f"the prompt needs more KV blocks than the pool's "

@@ -61,11 +61,14 @@ class Paging:
         self.blocks = BlockManager(backend.num_blocks, backend.block_size, snapshot=snapshot)
         self._full: dict[PagedJob, int] = {}   # full blocks each job has published so far
 
-    def admit(self, job: PagedJob, tokens: Sequence[int]) -> PrefixMatch | None:
+    def admit(self, job: PagedJob, tokens: Sequence[int], reserve: int = 0
+              ) -> PrefixMatch | None:
         """A table for ``job`` covering ``tokens`` (what it must have in its cache), reusing
-        the longest cached prefix; None (and nothing allocated) when the blocks do not fit."""
+        the longest cached prefix; None (and nothing allocated) when the blocks do not fit
+        with ``reserve`` blocks left over (room for the running jobs' next blocks, so that
+        admitting one does not force a preemption at the next step)."""
         hit = self.blocks.match(tokens)
-        if not self.blocks.can_allocate(len(tokens), hit):
+        if not self.blocks.can_allocate(len(tokens) + reserve * self.blocks.block_size, hit):
             return None
         self.blocks.allocate(job, len(tokens), prefix=hit)
         return hit
