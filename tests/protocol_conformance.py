@@ -11,7 +11,7 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import DocumentEncoder, ModelDescriber
+from pipeline.protocols import CacheInspector, DocumentEncoder, ModelDescriber, PagedBackend
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
@@ -42,6 +42,8 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))
     real: Backend = torch_backend
     described: ModelDescriber = torch_backend
+    paged: PagedBackend = torch_backend
+    inspector: CacheInspector = torch_backend
     chain = process.ProcessorChain(processors)
     ngram: Proposer = NgramProposer()
     draft: Proposer = DraftModelProposer(backend, chain, 10)
@@ -49,4 +51,4 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
-    del real, sync, asyncs, described, draft, speculative
+    del real, sync, asyncs, described, draft, speculative, paged, inspector

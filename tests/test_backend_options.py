@@ -48,6 +48,11 @@ def test_a_misspelt_name_suggests_the_closest_field() -> None:
     ("num_slots", True, "integer"),
     ("max_context", 0, ">= 1"),
     ("kv_cache_bytes", -5, ">= 1"),
+    ("kv_blocks", 0, ">= 1"),
+    ("kv_blocks", 2.5, "integer"),
+    ("block_size", 0, "1..1024"),
+    ("block_size", 4096, "1..1024"),
+    ("block_size", "16", "integer"),
     ("pack", "no", "True or False"),
     ("quantized", 1, "True or False"),
     ("moe", "trition", "did you mean 'triton'"),
@@ -117,8 +122,23 @@ def test_the_backend_gets_the_options() -> None:
         assert backend.num_slots == 2 and backend.max_context == 1024
         assert backend.model.dtype == torch.float32
         assert backend.cache.k[0].dtype == torch.float32
-    with build("tiny", options={"max_context": 300, "kv_cache_bytes": 1}) as pipe:
-        assert pipe.engine.backend.max_context == 300  # an explicit window wins
+    with build("tiny", options={"max_context": 300, "kv_cache_bytes": budget,
+                                "dtype": "float32"}) as pipe:
+        backend = pipe.engine.backend   # an explicit window wins; the budget sizes the pool
+        assert backend.max_context == 300 and backend.num_blocks == 2 * 1024 // 16
+    with pytest.raises(InvalidValueError, match="kv_cache_bytes.*must hold one window"):
+        build("tiny", options={"max_context": 300, "kv_cache_bytes": 1})
+
+
+def test_the_pool_options_reach_the_backend() -> None:
+    with build("tiny", options={"max_context": 64, "kv_blocks": 40, "block_size": 8}) as pipe:
+        backend = pipe.engine.backend
+        assert (backend.num_blocks, backend.block_size) == (40, 8)
+        assert backend.cache.k[0].shape[:2] == (40, 8)
+    with pytest.raises(InvalidValueError, match="kv_blocks.*must hold one window"):
+        build("tiny", options={"max_context": 64, "kv_blocks": 7, "block_size": 8})
+    with pytest.raises(InvalidValueError, match="once: kv_blocks or kv_cache_bytes"):
+        build("tiny", options={"max_context": 64, "kv_blocks": 40, "kv_cache_bytes": 1 << 20})
 
 
 def test_the_built_in_backends_refuse_what_they_cannot_honour() -> None:

@@ -112,7 +112,13 @@ def test_greedy_text_equals_the_library_on_the_tokenizers_ids(
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and
               c.choices[0].finish_reason]
     assert finals == [choice.finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == out.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (out.usage.prompt_tokens,
+                                                              out.usage.completion_tokens)
+    # the same prompt again: the prefix cache holds its full blocks of 16 but the last token
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
     assert all(c.usage is None for c in chunks[:-1])
 
 

@@ -265,3 +265,26 @@ def test_documented_fields_without_meaning_here_are_accepted_through_the_sdks(
         claude.messages.create(model="default", max_tokens=3,
                                messages=[{"role": "user", "content": "hi"}],
                                extra_body={"cache_control": {"type": "forever"}})
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_in_both_dialects(
+        oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """The prefix cache's hit, as each SDK parses it: the second identical prompt finds every
+    full block of 16 but the one holding its last token."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe, one per line, "
+                                            "with the sea each one flows into, and no more."}]
+    first = oai.chat.completions.create(model="default", messages=messages,  # type: ignore[arg-type]
+                                        max_tokens=2, temperature=0)
+    again = oai.chat.completions.create(model="default", messages=messages,  # type: ignore[arg-type]
+                                        max_tokens=2, temperature=0)
+    assert first.usage is not None and again.usage is not None
+    n = first.usage.prompt_tokens
+    assert n > 17 and again.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    reply = claude.messages.create(model="default", messages=messages,  # type: ignore[arg-type]
+                                   max_tokens=2)
+    assert reply.usage.input_tokens == n
+    assert reply.usage.cache_read_input_tokens == (n - 1) // 16 * 16

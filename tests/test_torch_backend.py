@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from backends.torch.backend import TorchBackend
 from backends.torch.config import ModelSpec
 from backends.torch.moe import RoutingSpec, moe_forward
-from pipeline.errors import ArtifactError, CapacityError, SlotError
-from pipeline.protocols import Attention, Backend, ModelCall, PrefillChunk
+from pipeline.errors import ArtifactError, CapacityError, InvalidValueError, SlotError
+from pipeline.protocols import Attention, Backend, ModelCall, PagedBackend, PrefillChunk
+from pipeline.testing import ScriptedBackend, peaked
 
 transformers = pytest.importorskip("transformers")
 
@@ -598,7 +599,7 @@ def test_cache_layout_reports_each_layer_and_a_failed_call_changes_nothing(
 def test_model_info_counts_what_transformers_counts(arch: str,
                                                     checkpoints: dict[str, Any]) -> None:
     """Parameters as transformers counts them (a tied head once), the weights' bytes at the
-    loaded dtype, packed copies only where packing happened, and the cache's bytes from the
+    loaded dtype, packed copies only where packing happened, and the KV pool's bytes from the
     config's shape."""
     from pipeline.protocols import ModelDescriber
 
@@ -617,4 +618,212 @@ def test_model_info_counts_what_transformers_counts(arch: str,
         assert info.weight_bytes == want * size
         packed = len(backend.model.linears) > 0
         assert (info.packed_bytes > 0) == packed and info.packed_bytes <= info.weight_bytes
-        assert info.cache_bytes == 2 * config.num_hidden_layers * 3 * kv_heads * 40 * head_dim * size
+        positions = 3 * -(-40 // 16) * 16     # the pool: three windows in whole blocks of 16
+        assert info.cache_bytes == (2 * config.num_hidden_layers * positions * kv_heads
+                                    * head_dim * size)
+
+
+# --- the paged KV cache: block tables as given, shared prefixes, rollback -----------------
+
+
+def _paged(folder: Path, num_blocks: int = 48, block_size: int = 4, **kw: Any) -> TorchBackend:
+    return TorchBackend.from_dir(folder, num_slots=4, max_context=64, kv_blocks=num_blocks,
+                                 block_size=block_size, **kw)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe", "qwen2-sliding-linear-rope"])
+def test_scattered_block_table_matches_transformers(arch: str,
+                                                    checkpoints: dict[str, Any]) -> None:
+    """A table whose blocks lie out of order all over the pool, filled by a chunked prefill and
+    decode steps (with a window of 6 the sliding layer cuts in), gives transformers' logits at
+    every step; the same calls over a contiguous table give the same logits bit for bit."""
+    folder, ref = checkpoints[arch]
+    prompt, steps = _prompt(13, 21), _prompt(10, 22)
+    seq = prompt + steps
+    want = _ref_logits(ref, seq)
+    runs = []
+    for table in [(40, 3, 17, 9, 31, 0, 22), tuple(range(10, 17))]:
+        backend = _paged(folder)
+        slot = backend.allocate()
+        got = [backend.forward([ModelCall(slot, prompt[:5], 0, (), blocks=table[:2])]),
+               backend.forward([ModelCall(slot, prompt[5:], 5, (7,), blocks=table[:4])])]
+        for i, t in enumerate(steps):
+            n = len(prompt) + i
+            got.append(backend.forward([ModelCall(slot, (t,), n, (0,),
+                                                  blocks=table[:-(-(n + 1) // 4)])]))
+            assert backend.cache_length(slot) == n + 1
+        logits = torch.cat(got)
+        assert _close(logits, want[len(prompt) - 1:]) <= 1e-4
+        runs.append(logits)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_a_batch_mixing_viewed_and_gathered_tables_matches_transformers(
+        checkpoints: dict[str, Any]) -> None:
+    """Three sequences whose blocks interleave (each gathered, from one gather per layer)
+    and one whose blocks are a run (a view) prefill and decode in the same calls."""
+    folder, ref = checkpoints["qwen2"]
+    backend = _paged(folder)
+    tables = [tuple(range(i, 24, 3)) for i in range(3)] + [tuple(range(30, 38))]
+    slots = [backend.allocate() for _ in tables]
+    seqs = [list(_prompt(n, 50 + n)) for n in (9, 2, 14, 5)]
+    z = backend.forward([ModelCall(s, tuple(p), 0, (len(p) - 1,), blocks=t)
+                         for s, p, t in zip(slots, seqs, tables)])
+    for _ in range(5):
+        for p, row in zip(seqs, z):
+            assert _close(row, _ref_logits(ref, p)[-1]) <= 1e-4
+            p.append(int(row.argmax()))
+        z = backend.forward([ModelCall(s, (p[-1],), len(p) - 1, (0,), blocks=t)
+                             for s, p, t in zip(slots, seqs, tables)])
+
+
+def test_sequences_sharing_prefix_blocks_each_continue_correctly(
+        checkpoints: dict[str, Any]) -> None:
+    """B reuses A's first three blocks (the same physical blocks, two references each) and
+    computes only the rest of its prompt; both then decode in one batch, and both match
+    transformers on their own sequences."""
+    from pipeline.blocks import BlockManager
+
+    folder, ref = checkpoints["qwen3-moe"]
+    backend = _paged(folder, num_blocks=20)
+    kv = BlockManager(backend.num_blocks, backend.block_size, snapshot=backend.snapshot)
+    pa = _prompt(14, 31)
+    pb = pa[:12] + _prompt(3, 32)
+    a, b = backend.allocate(), backend.allocate()
+    za = backend.forward([ModelCall(a, pa, 0, (13,), blocks=kv.allocate(a, len(pa)))])[0]
+    kv.publish(a, pa)
+    hit = kv.match(pb)
+    assert hit.cached_tokens == 12
+    table_b = kv.allocate(b, len(pb), prefix=hit)
+    assert table_b[:3] == kv.table(a)[:3] and kv.stats.used_blocks == 4 + 1
+    zb = backend.forward([ModelCall(b, pb[12:], 12, (2,), blocks=table_b)])[0]
+    assert backend.cache_length(b) == len(pb)
+    assert _close(za, _ref_logits(ref, pa)[-1]) <= 1e-4
+    assert _close(zb, _ref_logits(ref, pb)[-1]) <= 1e-4
+    seqs = {a: list(pa), b: list(pb)}
+    z = {a: za, b: zb}
+    for _ in range(6):
+        calls = []
+        for s in (a, b):
+            seqs[s].append(int(z[s].argmax()))
+            calls.append(ModelCall(s, (seqs[s][-1],), len(seqs[s]) - 1, (0,),
+                                   blocks=kv.grow(s, len(seqs[s]))))
+        out = backend.forward(calls)
+        z = {a: out[0], b: out[1]}
+        kv.check()
+    for s in (a, b):
+        assert _close(z[s], _ref_logits(ref, seqs[s])[-1]) <= 1e-4
+
+
+def test_truncate_across_a_block_boundary_then_continue(checkpoints: dict[str, Any]) -> None:
+    """Verify six drafts after a 10-token prompt (blocks of 4: into a fourth block), keep one:
+    the manager frees the trailing block, the backend shortens the slot, and the next token
+    is computed as if the rejected drafts never ran, in the freed block's place too."""
+    from pipeline.blocks import BlockManager
+
+    folder, ref = checkpoints["qwen3-moe"]
+    for paged in (True, False):
+        backend = _paged(folder, num_blocks=32)
+        kv = BlockManager(backend.num_blocks, backend.block_size, snapshot=backend.snapshot)
+        slot = backend.allocate()
+        prompt, drafts = _prompt(10, 41), _prompt(6, 42)
+
+        def call(ids: tuple[int, ...], start: int, outputs: tuple[int, ...]) -> ModelCall:
+            blocks = kv.grow(slot, start + len(ids)) if paged else None
+            return ModelCall(slot, ids, start, outputs, blocks=blocks)
+
+        if paged:
+            kv.allocate(slot, 0)
+        backend.forward([call(prompt, 0, (9,))])
+        backend.forward([call(drafts, 10, tuple(range(6)))])
+        backend.truncate(slot, 11)
+        if paged:
+            kv.truncate(slot, 11)
+            assert len(kv.table(slot)) == 3 and kv.stats.used_blocks == 3
+        assert backend.cache_layout(slot).key_lengths == (11, 11)
+        nxt = _prompt(6, 43)                  # refills block 2 and a fresh fourth block
+        z = backend.forward([call(nxt, 11, (5,))])[0]
+        assert _close(z, _ref_logits(ref, prompt + drafts[:1] + nxt)[-1]) <= 1e-4
+
+
+def test_paged_block_attention_and_a_peek_that_does_not_write(
+        checkpoints: dict[str, Any]) -> None:
+    """A bidirectional block and a non-writing call over scattered blocks: the peek needs
+    blocks only for the positions it reads, and writes none."""
+    folder, ref = checkpoints["llama"]
+    backend = _paged(folder)
+    slot = backend.allocate()
+    prefix, block = _prompt(6, 8), _prompt(5, 9)
+    backend.forward([ModelCall(slot, prefix, 0, (), blocks=(7, 2))])
+    z = backend.forward([ModelCall(slot, block, 6, tuple(range(5)), Attention.BLOCK,
+                                   write=False, blocks=(7, 2))])
+    n = 11
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    allowed[6:, 6:] = True
+    mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+    assert _close(z, _ref_logits(ref, prefix + block, mask)[6:]) <= 1e-4
+    assert backend.cache_length(slot) == 6
+    before = [t.clone() for t in backend.cache.k]
+    z = backend.forward([ModelCall(slot, (3, 4), 6, (1,), write=False, blocks=(7, 2))])[0]
+    assert _close(z, _ref_logits(ref, prefix + (3, 4))[-1]) <= 1e-4
+    assert all(torch.equal(x, y) for x, y in zip(before, backend.cache.k))
+
+
+def test_malformed_block_tables_are_named_and_change_nothing(
+        checkpoints: dict[str, Any]) -> None:
+    folder, _ = checkpoints["llama"]
+    backend = _paged(folder, num_blocks=16)
+    a, b = backend.allocate(), backend.allocate()
+    backend.forward([ModelCall(a, (1, 2, 3, 4, 5), 0, (), blocks=(0, 1))])
+    cases = [
+        ([ModelCall(b, (1,), 0, (0,), blocks=(16,))], "outside 0..15", [b]),
+        ([ModelCall(b, (1,) * 5, 0, (0,), blocks=(3, 3))], "twice", [b]),
+        ([ModelCall(b, (1,) * 5, 0, (0,), blocks=(3,))], "too short", [b]),
+        ([ModelCall(a, (6,), 5, (0,), blocks=(0, 1)),
+          ModelCall(b, (1,) * 5, 0, (0,), blocks=(4, 1))], "writes a block", [a, b]),
+        ([ModelCall(b, (1,), 0, (0,))], "every call needs its block table", [b]),
+        ([ModelCall(a, (6,), 4, (0,), blocks=(0, 1))], "start differs", [a]),
+        ([ModelCall(b, (1,), 3, (0,), blocks=(5,))], "start differs", [b]),   # not a block edge
+    ]
+    for calls, message, slots in cases:
+        with pytest.raises(SlotError, match=message) as info:
+            backend.forward(calls)
+        assert sorted(info.value.slots) == slots
+        assert (backend.cache_length(a), backend.cache_length(b)) == (5, 0)
+
+
+def test_slot_mode_reserves_a_window_per_slot_and_hands_the_pool_over_once(
+        checkpoints: dict[str, Any]) -> None:
+    """Without block tables a slot's first call reserves a whole window (16 blocks of 4 for 64
+    positions), so a pool of two windows serves two slots at once. The first call with tables
+    needs every slot's cache empty; after it, calls without tables are refused."""
+    folder, _ = checkpoints["llama"]
+    with pytest.raises(InvalidValueError, match="one window"):
+        _paged(folder, num_blocks=15)
+    backend = _paged(folder, num_blocks=32)
+    assert backend.num_blocks == 32 and not backend.caller_owns_blocks
+    assert isinstance(backend, PagedBackend)
+    assert not isinstance(ScriptedBackend(4, peaked(4, lambda t: 0)), PagedBackend)
+    a, b, c = backend.allocate(), backend.allocate(), backend.allocate()
+    backend.prefill([PrefillChunk(a, (1, 2, 3), 0, True), PrefillChunk(b, (4,), 0, True)])
+    with pytest.raises(SlotError, match="no free KV window") as info:
+        backend.prefill([PrefillChunk(c, (5,), 0, True)])
+    assert info.value.slots == (c,) and backend.cache_length(c) == 0
+    backend.release(b)
+    backend.prefill([PrefillChunk(c, (5,), 0, True)])     # b's window, reused
+    with pytest.raises(SlotError, match="still hold caches") as info:
+        backend.forward([ModelCall(b := backend.allocate(), (1,), 0, (0,), blocks=(0,))])
+    assert info.value.slots == (a, c)
+    backend.release(a)
+    backend.release(c)
+    backend.forward([ModelCall(b, (1,), 0, (0,), blocks=(0,))])
+    assert backend.caller_owns_blocks
+    assert [backend.allocate(), backend.allocate()] == [0, 2]
+    with pytest.raises(SlotError, match="every call needs its block table"):
+        backend.decode([b], [2])
+    default = TorchBackend.from_dir(folder, num_slots=3, max_context=50)
+    assert default.num_blocks == 3 * 4 and default.block_size == 16  # ceil(50 / 16) per slot

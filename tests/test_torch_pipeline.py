@@ -40,3 +40,31 @@ def test_generate_through_the_pipeline_equals_transformers(tiny_qwen3) -> None:
                              pad_token_id=0)
     assert list(done.token_ids) == ref[0, len(prompt):].tolist()
     assert len(done.token_ids) == 32
+
+
+def test_kv_pool_options_size_the_paged_cache(tiny_qwen3) -> None:
+    """``block_size`` and ``kv_blocks`` or a byte budget ``kv_cache_bytes`` reach the backend;
+    generation is unchanged by the block size."""
+    from backends.torch.backend import block_bytes
+    from pipeline.errors import InvalidValueError
+
+    folder, model = tiny_qwen3
+    stages = dict(tokenizer=ByteTokenizer(), renderer=ChatMLRenderer(),
+                  detokenizer=ByteDetokenizer())
+    per_block = 2 * 2 * 2 * 16 * 4 * 8          # k and v, 2 layers, 2 kv heads, D 16, fp32
+    with build(folder, **stages, options={"num_slots": 2, "max_context": 128, "block_size": 8,
+                                          "kv_cache_bytes": 40 * per_block + 5}) as pipe:
+        backend = pipe.engine.backend
+        assert block_bytes(backend.model.spec, torch.float32, 8) == per_block
+        assert (backend.num_blocks, backend.block_size) == (40, 8)
+        done = pipe.generate("Why is the sky blue?", max_tokens=20, temperature=0,
+                             ignore_eos=True)
+        prompt = pipe.tokenize("Why is the sky blue?")
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt.input_ids]), max_new_tokens=20,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert list(done.token_ids) == ref[0, len(prompt):].tolist()
+    with build(folder, **stages, options={"max_context": 128, "kv_blocks": 9}) as pipe:
+        assert (pipe.engine.backend.num_blocks, pipe.engine.backend.block_size) == (9, 16)
+    with pytest.raises(InvalidValueError, match="kv_blocks or kv_cache_bytes"):
+        build(folder, **stages, options={"kv_blocks": 9, "kv_cache_bytes": 1 << 20})

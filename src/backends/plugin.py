@@ -1,9 +1,11 @@
 """Registers the built-in model backends through the ``pipeline_components`` hook.
 
 Factories import lazily and read the build's :class:`~pipeline.options.BackendOptions`
-(``build(..., options=...)``): ``num_slots``, ``max_context``, ``kv_cache_bytes``, ``dtype``,
-``device``, ``pack`` (oneDNN-packed float32 weights on CPU, default true), ``quantized``
-(GGUF files only) and ``moe`` — the routed-experts function of MoE layers: ``"torch"``
+(``build(..., options=...)``): ``num_slots``, ``max_context``, ``dtype``, ``device``,
+``pack`` (oneDNN-packed float32 weights on CPU, default true), ``quantized`` (GGUF files
+only), the KV pool's ``block_size`` (default 16) and size, as ``kv_blocks`` or as a byte
+budget ``kv_cache_bytes`` (default: ``num_slots`` windows of ``max_context``; see
+:mod:`backends.torch.backend`), and ``moe`` — the routed-experts function of MoE layers: ``"torch"``
 (default, the reference), ``"triton"`` (fused Triton kernels; on a CPU only under
 ``TRITON_INTERPRET=1``, float32/float16), or a callable with ``moe_forward``'s signature.
 ``moe_configs`` adds folders of tuned Triton launch tables. The built-in backends take no
@@ -34,8 +36,9 @@ def _torch(ctx: BuildContext) -> Any:
                                 "a Hugging Face folder of safetensors weights")
     backend = TorchBackend.from_dir(
         ctx.model_dir, num_slots=opts.num_slots, max_context=opts.max_context,
-        kv_cache_bytes=opts.kv_cache_bytes, dtype=opts.torch_dtype, device=opts.device,
-        pack=opts.pack, moe=moe_function(opts.moe, opts.moe_configs))
+        dtype=opts.torch_dtype, device=opts.device, pack=opts.pack,
+        moe=moe_function(opts.moe, opts.moe_configs), kv_blocks=opts.kv_blocks,
+        kv_cache_bytes=opts.kv_cache_bytes, block_size=opts.block_size)
     if opts.moe == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 

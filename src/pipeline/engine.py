@@ -3,13 +3,17 @@
 Owns the scheduler and the step loop. Each step it
 
 1. settles cancellations and expired queue waits (any state; slots are freed at once),
-2. admits queued requests to free slots (FIFO),
+2. admits queued requests to free slots (FIFO); over a
+   :class:`~pipeline.protocols.PagedBackend` also to the KV blocks of what they prefill,
+   after what the prefix cache holds (:mod:`pipeline.paging`),
 3. plans the step under ``token_budget``: every decoding request's strategy plans its call
    first (a long prompt never starves decoding), then prefill chunks of at most
    ``max_prefill_chunk`` tokens for prefilling requests in admission order with what is left
    and, while requests decode, no more than the pacer allows so the step stays within
    ``step_latency_ratio`` of a decode-only step (:mod:`pipeline.pacing`),
-4. makes one batched ``backend.forward`` for that plan: every decode token and every prefill
+4. over a paged backend grows each writing call's block table, preempting the most recently
+   admitted other request by recompute when blocks run out, then
+   makes one batched ``backend.forward`` for that plan: every decode token and every prefill
    chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
    decode token and at a prompt's last chunk's last token),
 5. for every request with fresh logits z_t: processor chain → selector (overridden by a
@@ -45,15 +49,17 @@ import attrs
 import torch
 
 from pipeline.errors import (
-    CapacityError, EngineClosed, InvalidValueError, SlotError,
+    CapacityError, EngineClosed, InvalidValueError, OutOfBlocks, SlotError,
 )
 from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
+from pipeline.blocks import BlockStats, PrefixMatch
 from pipeline.job import Job
 from pipeline.pacing import Pacer
+from pipeline.paging import Paging
 from pipeline.protocols import (
-    Backend, CacheInspector, CacheLayout, ModelCall, PrefillChunk, Row, Strategy, Update,
-    split_outputs,
+    Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, Row, Strategy,
+    Update, split_outputs,
 )
 from pipeline.recording import logits_record, processed_record, record_rows, same_bits
 from pipeline.types import FinishReason
@@ -126,6 +132,8 @@ class Engine:
         self._pacer = Pacer(ratio) if ratio is not None else None
         # Checked once: a runtime Protocol isinstance is too slow for the per-token path.
         self._inspector = backend if isinstance(backend, CacheInspector) else None
+        self._paging = (Paging(backend, backend.snapshot)
+                        if isinstance(backend, PagedBackend) else None)
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
@@ -175,6 +183,12 @@ class Engine:
         self._held.clear()
         return Engine(self.backend, self._strategies, self.config, self.on_stop,
                       self.decodable_vocab)
+
+    @property
+    def kv_blocks(self) -> BlockStats | None:
+        """The block manager's counters over a paged backend (None: the backend keeps its
+        memory). Read on another thread they are a snapshot that may be a step old."""
+        return self._paging.blocks.stats if self._paging is not None else None
 
     @property
     def active_slots(self) -> int:
@@ -275,9 +289,14 @@ class Engine:
         plan = self._plan()
         if not plan.decode and not plan.prefill:
             return None
+        if self._paging is not None:
+            plan = self._grow(plan, self._paging)
         ready = self._forward(plan)
         if ready:
             self._update(ready)
+        if self._paging is not None:
+            for job in list(self._active):
+                self._guarded(job, "publishing blocks", lambda: self._paging_publish(job))
         return len(plan.decode), sum(len(c.token_ids) for _, c in plan.prefill)
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
@@ -304,21 +323,41 @@ class Engine:
             self._fail(job, "queue timeout: no slot became free in time")
 
     def _admit(self) -> None:
+        """Queued jobs in FIFO order get a free slot and, over a paged backend, the blocks
+        of what they prefill (the prefix cache supplies what it holds); the head of the queue
+        waits while either is short."""
         while self._queue and len(self._active) < self.backend.num_slots:
+            job = self._queue[0]
+            hit = None
+            if self._paging is not None:
+                hit = self._paging.admit(job, job.prefill_ids, reserve=len(self._active))
+                if hit is None:
+                    if not self._active and not self._paging.fits_alone(job.prefill_ids):
+                        self._fail(job, f"the prompt needs more KV blocks than the pool's "
+                                        f"{self._paging.blocks.num_blocks}")
+                        continue
+                    return
             try:
                 slot = self.backend.allocate()
             except CapacityError:
+                if self._paging is not None:
+                    self._paging.free(job)
                 return
             self._held.add(slot)
-            job = self._queue.popleft()
+            self._queue.popleft()
             with self._cv:
                 self._active.append(job)
             job.slot = slot  # held from now on: a failed start releases it
-            self._guarded(job, "starting", lambda: self._start(job, slot))
+            self._guarded(job, "starting", lambda: self._start(job, slot, hit))
 
-    def _start(self, job: Job, slot: int) -> None:
-        """Prefill begins; the job's strategy (by its processor order) starts its loop state."""
+    def _start(self, job: Job, slot: int, hit: PrefixMatch | None) -> None:
+        """Prefill begins (after the positions the prefix cache holds); the job's strategy
+        (by its processor order) starts its loop state, which a preempted job keeps."""
         job.start_prefill(slot)
+        if hit is not None and hit.cached_tokens:
+            job.prefix_hit(hit.cached_tokens, len(hit.blocks))
+        if job.resumed:
+            return
         strategy = self.strategy(job.processor_order)
         job.strategy, job.decode_state = strategy, strategy.start(job.row(), job.forcing())
 
@@ -358,11 +397,11 @@ class Engine:
         for job in plan.decode:
             p = job.plan
             assert p is not None
-            calls[job] = ModelCall(job.slot_id, p.token_ids, job.cache_len, p.outputs,
-                                   p.attention, p.write)
+            calls[job] = self._paged(job, ModelCall(job.slot_id, p.token_ids, job.cache_len,
+                                                    p.outputs, p.attention, p.write))
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
-            calls[job] = ModelCall.chunk(chunk)
+            calls[job] = self._paged(job, ModelCall.chunk(chunk))
         done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
                           calls)
         fresh = [(job, rows) for job, rows in done if len(rows)]
@@ -381,6 +420,56 @@ class Engine:
                     rows[:, self.decodable_vocab:] = float("-inf")  # padding ids: never chosen
                 ready.append((job, rows))
         return ready
+
+    def _paged(self, job: Job, call: ModelCall) -> ModelCall:
+        """``call`` with the job's block table, over a paged backend."""
+        if self._paging is None:
+            return call
+        return attrs.evolve(call, blocks=self._paging.table(job))
+
+    def _paging_publish(self, job: Job) -> None:
+        assert self._paging is not None
+        self._paging.publish(job)
+
+    def _grow(self, plan: _Plan, paging: Paging) -> _Plan:
+        """Grow each writing decode call's table to its positions. When blocks run out,
+        preempt the most recently admitted other job (:meth:`_preempt`) and try again; a
+        job that is alone and still short fails."""
+        decode = list(plan.decode)
+        prefill = list(plan.prefill)
+        for job in list(decode):
+            if job not in decode:
+                continue  # preempted for an earlier job's growth
+            p = job.plan
+            assert p is not None
+            while p.write:
+                try:
+                    paging.grow(job, job.cache_len + len(p.token_ids))
+                    break
+                except OutOfBlocks as exc:
+                    victims = [j for j in self._active if j is not job]
+                    if not victims:
+                        self._fail(job, f"out of KV blocks: {exc}")
+                        decode.remove(job)
+                        break
+                    victim = victims[-1]
+                    self._preempt(victim, paging)
+                    decode = [j for j in decode if j is not victim]
+                    prefill = [(j, c) for j, c in prefill if j is not victim]
+        return _Plan(decode, prefill)
+
+    def _preempt(self, job: Job, paging: Paging) -> None:
+        """Take ``job``'s blocks and slot back (preemption by recompute): it returns to the
+        head of the queue with its committed output and strategy state, and on readmission
+        prefills its prompt and output again (the prefix cache may still hold them)."""
+        blocks = len(paging.table(job))
+        paging.free(job)
+        self.backend.release(job.slot_id)
+        self._held.discard(job.slot_id)
+        with self._cv:
+            self._active.remove(job)
+            self._queue.appendleft(job)
+        job.preempted(blocks)
 
     def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
         """The slot's cache length, and its per-layer lengths when the backend reports them."""
@@ -485,6 +574,8 @@ class Engine:
             if update.rollback:
                 self.backend.truncate(job.slot_id, job.cache_len - update.rollback)
                 job.rolled_back(update.rollback, self._cache(job))
+                if self._paging is not None:
+                    self._paging.truncate(job)
         except Exception as exc:  # this request's state is broken, not the others'
             self._fail(job, f"taking token failed: {exc!r}")
 
@@ -578,6 +669,12 @@ class Engine:
                 self._active.remove(job)
         try:
             self._finish_strategy(job)
+            if self._paging is not None:
+                try:
+                    self._paging.free(job)
+                except Exception as exc:  # the request is over either way; record it
+                    with contextlib.suppress(Exception):
+                        job.tracer.emit("engine", "blocks.free_failed", {"error": repr(exc)})
             if job.slot is not None:
                 try:
                     self.backend.release(job.slot_id)

@@ -21,6 +21,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     ├── BackendError                           the model backend failed
     │   ├── SlotError                            a failure confined to named slots
     │   └── CapacityError                        no free slot / cache space
+    │       └── OutOfBlocks                        no free or evictable KV block
     ├── RequestError                           raised from a handle's ``result()``
     │   ├── RequestFailed                        the request ended in state ``failed``
     │   └── RequestCancelled                     the request ended in state ``cancelled``
@@ -199,6 +200,17 @@ class SlotError(BackendError):
 
 class CapacityError(BackendError):
     """No free slot or cache room; the engine keeps the request queued."""
+
+
+class OutOfBlocks(CapacityError):
+    """A :class:`~pipeline.blocks.BlockManager` has fewer free or evictable KV blocks than
+    ``needed`` (``available`` are); nothing was allocated, so the engine may preempt a
+    sequence and retry."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        self.needed = needed
+        self.available = available
+        super().__init__(f"out of KV blocks: {needed} needed, {available} free or evictable")
 
 
 class RequestError(PipelineError):

@@ -67,6 +67,11 @@ class Job:
         self.done_prefill = 0
         self.cache_len = 0
         """Positions of the slot's cache this job has written (the next call starts here)."""
+        self.cached_tokens = 0
+        """Prompt positions the prefix cache supplied at the job's first admission."""
+        self.resumed = False
+        """Preempted while decoding: the next prefill recomputes the prompt and the committed
+        output (but the pending token), and decoding goes on with the strategy's state."""
         self.strategy: Strategy | None = None
         self.decode_state: Any = None
         """The strategy's loop state for this request (set at :meth:`start_decoding`)."""
@@ -145,17 +150,47 @@ class Job:
     def start_prefill(self, slot: int) -> None:
         """The job got ``slot``; prefill begins."""
         self.slot = slot
-        self.started_ns = time.monotonic_ns()
+        self.started_ns = self.started_ns or time.monotonic_ns()  # first admission
         self._set(RequestState.PREFILLING)
-        self._emit("engine", "prefill.started", {
-            "slot": slot, "prompt_tokens": len(self.prompt_ids),
-            "queued_ms": (self.started_ns - self.spec.accepted_ns) / 1e6})
+        payload: dict[str, Any] = {"slot": slot, "prompt_tokens": len(self.prompt_ids),
+                                   "queued_ms": (self.started_ns - self.spec.accepted_ns) / 1e6}
+        if self.resumed:
+            payload["recompute_tokens"] = len(self.prefill_ids)
+        self._emit("engine", "prefill.started", payload)
+
+    @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """What prefill puts in the cache: the prompt, and after a preemption the committed
+        output but the pending token too."""
+        if self.resumed:
+            return (*self.prompt_ids, *self.output_ids[:-1])
+        return tuple(self.prompt_ids)
+
+    def prefix_hit(self, cached: int, blocks: int) -> None:
+        """The prefix cache holds the first ``cached`` positions (``blocks`` blocks): prefill
+        starts after them."""
+        self.done_prefill = self.cache_len = cached
+        if not self.resumed:
+            self.cached_tokens = cached
+        self._emit("engine", "prefix.hit", {"cached_tokens": cached, "blocks": blocks})
+
+    def preempted(self, blocks: int) -> None:
+        """The engine took the job's slot and ``blocks`` KV blocks back to let others go on;
+        it waits at the head of the queue and recomputes its cache when readmitted."""
+        self._emit("engine", "preempted", {"blocks": blocks, "cache_len": self.cache_len,
+                                           "step": len(self.output_ids)})
+        self.resumed = self.resumed or self.state is RequestState.DECODING
+        self.slot, self.plan = None, None
+        self.done_prefill = self.cache_len = 0
+        self._set(RequestState.QUEUED)
 
     def next_chunk(self, limit: int) -> PrefillChunk:
-        """The next piece of the prompt, at most ``limit`` tokens."""
-        start = self.done_prefill
-        ids = self.prompt_ids[start:start + limit]
-        return PrefillChunk(self.slot_id, tuple(ids), start, start + len(ids) == len(self.prompt_ids))
+        """The next piece of what prefill computes, at most ``limit`` tokens (``last``: the
+        prompt's end, whose logits the strategy starts from; never for a resumed job)."""
+        start, todo = self.done_prefill, self.prefill_ids
+        ids = todo[start:start + limit]
+        end = start + len(ids) == len(todo)
+        return PrefillChunk(self.slot_id, ids, start, end and not self.resumed)
 
     def prefilled(self, chunk: PrefillChunk, cache: tuple[int, CacheLayout | None],
                   logits: dict[str, Any] | None) -> None:
@@ -168,7 +203,10 @@ class Job:
                                    "tokens": len(chunk.token_ids), "cache_len": cache_len}
         if layout is not None:
             payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
-        if chunk.last:
+        if self.resumed and self.done_prefill == len(self.prefill_ids):
+            self._emit("backend", "prefill.completed", {**payload, "resumed": True})
+            self._set(RequestState.DECODING)
+        elif chunk.last:
             payload["prompt_tokens"] = len(self.prompt_ids)
             payload["logits"] = logits
             self.raw_digest = None if logits is None else logits.get("digest")
@@ -388,7 +426,7 @@ class Job:
         return Completion(
             request_id=self.request.request_id, text="".join(self.text),
             token_ids=tuple(self.output_ids), finish_reason=self.finish_reason,
-            usage=Usage(len(self.prompt_ids), len(self.output_ids)),
+            usage=Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens),
             trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
             logprobs=tuple(self.logprobs) if self.config.logprobs else None, error=self.error)

@@ -1,7 +1,7 @@
 """Backend options: how a model is loaded and run, as one validated value.
 
-Owns :class:`BackendOptions` (device, compute dtype, slots, window, key/value-cache budget,
-weight packing, the MoE kernel, quantized GGUF weights, and options for third-party
+Owns :class:`BackendOptions` (device, compute dtype, slots, window, the key/value pool's
+size and block size, weight packing, the MoE kernel, quantized GGUF weights, and options for third-party
 backends) and :func:`check_device`, which refuses a device this machine lacks with an error
 that says what to use instead. ``build(options=...)``, ``pipeline run``, ``pipeline chat``
 and ``pipeline serve`` all go through this one value, so a value is checked the same way
@@ -27,6 +27,7 @@ from typing import Any, Never
 import attrs
 import torch
 
+from pipeline.blocks import DEFAULT_BLOCK_SIZE
 from pipeline.errors import InvalidValueError, UnknownFieldError, closest
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -37,6 +38,8 @@ MOE_KERNELS = ("torch", "triton")
 """Named routed-expert functions (a callable with ``moe_forward``'s signature works too)."""
 MAX_SLOTS = 4096
 """Most concurrent sequences one backend may preallocate caches for."""
+MAX_BLOCK_SIZE = 1024
+"""Most positions one key/value block may hold."""
 
 MoeChoice = str | Callable[..., Any]
 
@@ -134,9 +137,14 @@ class BackendOptions:
       cache), 1..4096, default 8;
     - ``max_context``: the window in tokens (None: the model's own, or for GGUF files what
       ``kv_cache_bytes`` holds);
-    - ``kv_cache_bytes``: when ``max_context`` is not given, cut the window to what this
-      many bytes of keys and values hold for ``num_slots`` slots (GGUF files: 1 GiB unless
-      given; Hugging Face folders: only when given);
+    - ``kv_cache_bytes``: the key/value pool's byte budget: the pool is the blocks it holds,
+      and when ``max_context`` is not given the window is cut to what it holds for
+      ``num_slots`` slots (GGUF files: the window is cut to 1 GiB's worth unless given);
+    - ``kv_blocks``: the key/value pool's size in blocks, >= 1 (None: ``num_slots`` windows,
+      or what ``kv_cache_bytes`` holds; give at most one of the two); a pool must hold at
+      least one window;
+    - ``block_size``: positions per key/value block, 1..1024, default 16 (the unit of
+      prefix-cache sharing and of KV memory allocation);
     - ``pack``: oneDNN-packed copies of float32 CPU weights (faster, twice the memory),
       default True;
     - ``quantized``: keep a GGUF file's quantized matrices in their encoding (less memory,
@@ -157,6 +165,8 @@ class BackendOptions:
     num_slots: int = attrs.field(validator=_count(1, MAX_SLOTS))
     max_context: int | None = attrs.field(validator=attrs.validators.optional(_count(1)))
     kv_cache_bytes: int | None = attrs.field(validator=attrs.validators.optional(_count(1)))
+    kv_blocks: int | None = attrs.field(validator=attrs.validators.optional(_count(1)))
+    block_size: int = attrs.field(validator=_count(1, MAX_BLOCK_SIZE))
     pack: bool = attrs.field(validator=_flag)
     quantized: bool = attrs.field(validator=_flag)
     moe: MoeChoice = attrs.field(converter=_moe, eq=False)
@@ -166,6 +176,7 @@ class BackendOptions:
     def __init__(self, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype | None = None, num_slots: int = 8,
                  max_context: int | None = None, kv_cache_bytes: int | None = None,
+                 kv_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  pack: bool = True, quantized: bool = False, moe: MoeChoice = "torch",
                  moe_configs: Iterable[str | Path] = (), extra: Mapping[str, Any] | None = None,
                  **unknown: Never) -> None:
@@ -173,8 +184,8 @@ class BackendOptions:
             raise UnknownFieldError("BackendOptions", sorted(unknown)[0], field_names())
         self.__attrs_init__(
             device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
-            kv_cache_bytes=kv_cache_bytes, pack=pack, quantized=quantized, moe=moe,
-            moe_configs=moe_configs, extra=extra)
+            kv_cache_bytes=kv_cache_bytes, kv_blocks=kv_blocks, block_size=block_size,
+            pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs, extra=extra)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BackendOptions:

@@ -13,7 +13,7 @@ per-request state (detokenizer, stoppers) receive their state and return the new
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -373,6 +373,11 @@ class Attention(enum.Enum):
     BLOCK = "block"
 
 
+def _block_table(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    """A block table as a tuple (None stays None)."""
+    return None if value is None else tuple(value)
+
+
 @attrs.frozen
 class ModelCall:
     """One sequence's part of a :meth:`Backend.forward`.
@@ -384,10 +389,16 @@ class ModelCall:
     With ``write`` false the call reads the cache but leaves the slot's length as it was (its
     keys and values are never read again).
 
+    ``blocks`` is the sequence's block table when the caller manages KV memory in blocks
+    (:class:`PagedBackend`): block ``blocks[i]`` holds positions ``i*block_size ..
+    (i+1)*block_size - 1``, and it covers at least ``start + len(token_ids)`` positions
+    (``start`` for a call that does not write). None leaves memory to the backend.
+
     Example::
 
         ModelCall(slot, (y_t,), start=m + t - 1, outputs=(0,))        # a decode step
         ModelCall(slot, tuple(chunk), start=0, outputs=())             # a non-final chunk
+        ModelCall(slot, (y_t,), m + t - 1, (0,), blocks=kv.table(seq)) # paged decode step
     """
 
     slot: int
@@ -396,6 +407,7 @@ class ModelCall:
     outputs: tuple[int, ...]
     attention: Attention = Attention.CAUSAL
     write: bool = True
+    blocks: tuple[int, ...] | None = attrs.field(default=None, converter=_block_table)
 
     @classmethod
     def chunk(cls, chunk: PrefillChunk) -> ModelCall:
@@ -463,6 +475,46 @@ class Backend(Protocol):
 
     def truncate(self, slot: int, length: int) -> None:
         """Shrink ``slot``'s cache to its first ``length`` positions (never grows it)."""
+        ...
+
+
+@runtime_checkable
+class PagedBackend(Protocol):
+    """Optional backend capability: KV memory in ``num_blocks`` blocks of ``block_size``
+    positions whose block tables the caller owns (DESIGN §6, second edition).
+
+    The caller (the engine) keeps a :class:`~pipeline.blocks.BlockManager` of the same shape
+    and passes each sequence's table in :attr:`ModelCall.blocks`; the backend reads and writes
+    exactly those blocks and allocates none. Slots still name sequences and carry their
+    lengths (``allocate``, ``cache_length``, ``truncate`` and ``release`` work as for any
+    :class:`Backend`), with one addition: a call to an empty slot may start at a multiple of
+    ``block_size`` when the first blocks of its table hold those positions already (a
+    prefix-cache hit); the slot's length becomes ``start + len(token_ids)``. The caller must
+    not let two calls of one ``forward`` write a block that another call of it reads, and
+    must not write a block another sequence shares (the manager's rules ensure both). A
+    backend without this capability keeps the slot API, and the engine leaves memory to it.
+    Raises :class:`~pipeline.errors.SlotError` naming the calls whose tables are malformed
+    (a block outside ``0..num_blocks-1``, repeated, too few for the positions, written by
+    one call and held by another).
+
+    Example::
+
+        kv = BlockManager(backend.num_blocks, backend.block_size, snapshot=backend.snapshot)
+        slot, hit = backend.allocate(), kv.match(prompt)
+        table = kv.allocate(slot, len(prompt), prefix=hit)
+        todo = prompt[hit.cached_tokens:]
+        backend.forward([ModelCall(slot, todo, hit.cached_tokens, (len(todo) - 1,), blocks=table)])
+    """
+
+    block_size: int
+    num_blocks: int
+
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        """As :meth:`Backend.forward`, reading and writing the blocks each call names."""
+        ...
+
+    def truncate(self, slot: int, length: int) -> None:
+        """As :meth:`Backend.truncate` (the caller frees the blocks it no longer needs)."""
         ...
 
 

@@ -4,13 +4,16 @@ opening of the file per build.
 Owns the factories that :mod:`backends.plugin` registers as ``tokenizer``, ``renderer`` and
 ``backend`` named ``"gguf"``, which :func:`pipeline.build` picks for a model that is a GGUF
 file. It reads the build's :class:`~pipeline.options.BackendOptions`: ``dtype`` is the
-compute dtype (default float32), and ``quantized`` keeps quantized matrices in their GGML
+compute dtype (default float32), ``quantized`` keeps quantized matrices in their GGML
 encoding and multiplies chunk by chunk (less memory, slower; default False: dequantize at
-load).
+load), and ``kv_blocks``, ``kv_cache_bytes`` and ``block_size`` size the KV pool as for the
+torch backend.
 
-The torch backend preallocates every slot's key/value cache for the whole window, so without
-a ``max_context`` the window is cut to what ``kv_cache_bytes`` (default 1 GiB) holds for
-``num_slots`` slots (SmolLM2-135M, 8 slots: 2,816 of its 8,192 positions), in steps of 256.
+The torch backend's KV pool holds, by default, a whole window for every slot, so without a
+``max_context`` the window is cut to what ``kv_cache_bytes`` (default 1 GiB) holds for
+``num_slots`` slots (SmolLM2-135M, 8 slots: 2,816 of its 8,192 positions), in steps of 256,
+and the pool is ``num_slots`` such windows (an explicit ``kv_cache_bytes`` or ``kv_blocks``
+sizes it otherwise).
 """
 
 from __future__ import annotations
@@ -72,4 +75,6 @@ def gguf_backend(ctx: BuildContext) -> Any:
                         pack=opts.pack, own_products=loaded.products)
     budget = KV_CACHE_BYTES if opts.kv_cache_bytes is None else opts.kv_cache_bytes
     window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget)
-    return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window)
+    return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window,
+                        kv_blocks=opts.kv_blocks, kv_cache_bytes=opts.kv_cache_bytes,
+                        block_size=opts.block_size)

@@ -1,16 +1,36 @@
 """``TorchBackend``: the :class:`~pipeline.protocols.Backend` over a Hugging Face checkpoint.
 
-It owns a :class:`~backends.torch.model.Transformer` and a preallocated per-slot
-:class:`~backends.torch.model.KVCache` (``num_slots x max_context`` positions per layer).
-``forward`` runs every :class:`~pipeline.protocols.ModelCall` of an engine step (prompt
-chunks, decode tokens, draft verification, bidirectional blocks) as one ragged batch and
-returns float32 logits at the wanted outputs; ``prefill`` and ``decode`` are conveniences over
-it. Every argument is checked before the model runs: a call that does not start at its slot's
+It owns a :class:`~backends.torch.model.Transformer` and a paged
+:class:`~backends.torch.kv.KVCache`: per layer a pool of ``num_blocks`` blocks of
+``block_size`` positions. ``forward`` runs every :class:`~pipeline.protocols.ModelCall` of an
+engine step (prompt chunks, decode tokens, draft verification, bidirectional blocks) as one
+ragged batch and returns float32 logits at the wanted outputs; ``prefill`` and ``decode`` are
+conveniences over it.
+
+**Who owns the blocks.** Until a call carries a block table, the backend manages the pool with
+a :class:`~pipeline.blocks.BlockManager` of its own: a slot's first call reserves it a whole
+window (``ceil(max_context / block_size)`` blocks, a contiguous run whenever the pool allows,
+so attention reads it as a view), kept until ``release``. A caller that only knows slots thus
+sees the fixed-slot cache it always had. The first call that carries ``blocks`` hands the
+pool to its caller (:class:`~pipeline.protocols.PagedBackend`: the engine's own manager
+decides every table) for the backend's lifetime; that needs every slot's cache empty (empty
+reservations are dropped), and from then on a call without ``blocks`` is refused.
+
+**Memory rule.** The pool takes ``2 x layers x Hkv x head_dim x dtype size x block_size x
+num_blocks`` bytes (:func:`block_bytes` per block). By default ``num_blocks = num_slots x
+ceil(max_context / block_size)``: every slot can hold a whole window at once, as the
+per-slot cache did (at most ``block_size - 1`` positions more per slot); ``kv_blocks`` sets
+it (``kv_cache_bytes`` instead: the blocks that budget holds), less to bound memory, more to let a
+block-managing engine keep more requests and cached prefixes. A pool of fewer than
+``num_slots`` windows is for such an engine: without block tables, a slot whose first call
+finds no free window fails with :class:`~pipeline.errors.SlotError`.
+
+Every argument is checked before the model runs: a call that does not start at its slot's
 cache length, an unallocated or repeated slot, a token id outside the vocabulary, an output
-offset outside the call, or a sequence that would outgrow ``max_context`` raises
-:class:`~pipeline.errors.SlotError` naming those slots, and no cache changes. Slot lengths
-change only after the forward succeeded, so any failure leaves every cache as it was;
-``truncate`` shrinks a length (rejected drafts).
+offset outside the call, a sequence that would outgrow ``max_context``, or a malformed block
+table raises :class:`~pipeline.errors.SlotError` naming those slots, and no cache changes.
+Slot lengths change only after the forward succeeded, so any failure leaves every cache as it
+was; ``truncate`` shrinks a length (rejected drafts).
 
 Example::
 
@@ -31,26 +51,32 @@ import torch
 
 from backends.torch.config import ModelSpec
 from backends.torch.loader import load_checkpoint
-from backends.torch.model import KVCache, MoeFunction, RaggedBatch, Transformer
+from backends.torch.kv import KVCache, RaggedBatch
+from backends.torch.model import MoeFunction, Transformer
 from backends.torch.moe import moe_forward
-from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from backends.torch.weights import tensors
+from pipeline.blocks import DEFAULT_BLOCK_SIZE, BlockManager
+from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks, SlotError
 from pipeline.options import check_device
 from pipeline.protocols import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend, CacheInspector, ModelDescriber
+    from pipeline.protocols import Backend, CacheInspector, ModelDescriber, PagedBackend
 
 
 class TorchBackend:
-    """A Hugging Face decoder-only model with a KV cache of ``num_slots`` slots.
+    """A Hugging Face decoder-only model with a paged KV cache for ``num_slots`` sequences.
 
-    ``snapshot`` is the checkpoint's content digest (config + weight index). Not thread-safe:
+    ``snapshot`` is the checkpoint's content digest (config + weight index). ``kv_blocks``
+    (or the blocks a byte budget ``kv_cache_bytes`` holds) and ``block_size`` size the pool
+    (see the module docstring's memory rule). Not thread-safe:
     calls come from the engine's thread, as the Backend contract says.
     """
 
     def __init__(self, model: Transformer, snapshot: str, *, num_slots: int = 8,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, kv_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         spec = model.spec
         self.max_context = spec.max_position_embeddings if max_context is None else max_context
         if num_slots < 1:
@@ -58,12 +84,32 @@ class TorchBackend:
         if not 1 <= self.max_context <= spec.max_position_embeddings:
             raise InvalidValueError("max_context", max_context,
                                     f"must be in 1..{spec.max_position_embeddings}")
+        if block_size < 1:
+            raise InvalidValueError("block_size", block_size, "must be >= 1")
+        self.window_blocks = -(-self.max_context // block_size)
+        if kv_cache_bytes is not None:
+            if kv_blocks is not None:
+                raise InvalidValueError("kv_cache_bytes", kv_cache_bytes,
+                                        "give the KV pool's size once: kv_blocks or "
+                                        "kv_cache_bytes")
+            kv_blocks = blocks_for_bytes(spec, model.dtype, kv_cache_bytes, block_size)
+        if kv_blocks is not None and kv_blocks < self.window_blocks:
+            field, value = (("kv_blocks", kv_blocks) if kv_cache_bytes is None
+                            else ("kv_cache_bytes", kv_cache_bytes))
+            raise InvalidValueError(field, value,
+                                    f"must hold one window of max_context={self.max_context} "
+                                    f"positions ({self.window_blocks} blocks of {block_size})")
         self.model = model
         self.snapshot = snapshot
         self.num_slots = num_slots
         self.vocab_size = spec.vocab_size
-        self.cache = KVCache.empty(spec, num_slots=num_slots, max_len=self.max_context,
-                                   dtype=model.dtype, device=model.weights.embed.device)
+        self.block_size = block_size
+        self.num_blocks = num_slots * self.window_blocks if kv_blocks is None else kv_blocks
+        self.cache = KVCache.empty(spec, num_blocks=self.num_blocks, block_size=block_size,
+                                   num_slots=num_slots, dtype=model.dtype,
+                                   device=model.weights.embed.device)
+        self.own_blocks: BlockManager | None = BlockManager(self.num_blocks, block_size,
+                                                            snapshot=snapshot)
         self._allocated: set[int] = set()
 
     @classmethod
@@ -71,17 +117,19 @@ class TorchBackend:
                  dtype: torch.dtype | str | None = None,
                  device: torch.device | str = "cpu",
                  moe: MoeFunction = moe_forward, pack: bool = True,
-                 kv_cache_bytes: int | None = None) -> TorchBackend:
+                 kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
-        ``max_context`` defaults to the model's ``max_position_embeddings`` (the cache is
-        preallocated, so pick less for big models), or with ``kv_cache_bytes`` to the window
-        whose keys and values fit in that many bytes (:func:`fitting_context`); ``dtype``
-        defaults to the checkpoint's; ``moe`` computes MoE layers' routed experts; ``pack``
-        gives float32 CPU weights oneDNN-packed copies (:mod:`backends.torch.packed`; twice
-        the weight memory). Raises :class:`~pipeline.errors.InvalidValueError` for a device
-        this machine lacks (before reading anything) and
-        :class:`~pipeline.errors.ArtifactError` for an unusable folder.
+        ``max_context`` defaults to the model's ``max_position_embeddings`` (the default pool
+        holds ``num_slots`` such windows, so pick less for big models), or with
+        ``kv_cache_bytes`` to the window of which ``num_slots`` fit in that many bytes
+        (:func:`fitting_context`); ``dtype`` defaults to the checkpoint's; ``moe`` computes
+        MoE layers' routed experts; ``pack`` gives float32 CPU weights oneDNN-packed copies
+        (:mod:`backends.torch.packed`; twice the weight memory); ``kv_blocks`` (or the byte
+        budget ``kv_cache_bytes``) and ``block_size`` size the KV pool. Raises
+        :class:`~pipeline.errors.InvalidValueError` for a device this machine lacks (before
+        reading anything) and :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
         check_device(device)
         if isinstance(dtype, str):
@@ -90,7 +138,8 @@ class TorchBackend:
         model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack)
         if max_context is None and kv_cache_bytes is not None:
             max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes)
-        return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context)
+        return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context,
+                   kv_blocks=kv_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size)
 
     def model_info(self) -> ModelInfo:
         """Architecture, parameter count, dtype, device and memory
@@ -107,18 +156,26 @@ class TorchBackend:
             weight_bytes=held + linears.own_bytes, packed_bytes=linears.packed_bytes,
             cache_bytes=self.cache.nbytes)
 
+    @property
+    def caller_owns_blocks(self) -> bool:
+        """True once a call carried block tables: the caller manages the pool from then on."""
+        return self.own_blocks is None
+
     def allocate(self) -> int:
-        """The lowest free slot, with an empty cache; :class:`CapacityError` when none is."""
-        for slot in range(self.num_slots):
-            if slot not in self._allocated:
-                self._allocated.add(slot)
-                self.cache.reset(slot)
-                return slot
-        raise CapacityError(f"all {self.num_slots} slots are busy")
+        """The lowest free slot, with an empty cache; :class:`CapacityError` when all are
+        busy. (Blocks are reserved at the slot's first call, if the backend owns them.)"""
+        slot = next((s for s in range(self.num_slots) if s not in self._allocated), None)
+        if slot is None:
+            raise CapacityError(f"all {self.num_slots} slots are busy")
+        self._allocated.add(slot)
+        self.cache.reset(slot)
+        return slot
 
     def release(self, slot: int) -> None:
-        """Free ``slot`` and forget its cache."""
+        """Free ``slot``, its cache, and the blocks the backend gave it."""
         self._allocated.discard(slot)
+        if self.own_blocks is not None and slot in self.own_blocks:
+            self.own_blocks.free(slot)
         if 0 <= slot < self.num_slots:
             self.cache.reset(slot)
 
@@ -135,7 +192,8 @@ class TorchBackend:
                            tuple(e[slot] for e in self.cache.value_extent))
 
     def truncate(self, slot: int, length: int) -> None:
-        """Keep ``slot``'s first ``length`` positions (``0 <= length <=`` its length)."""
+        """Keep ``slot``'s first ``length`` positions (``0 <= length <=`` its length). The
+        backend's own blocks stay reserved; a caller that owns the blocks frees its own."""
         self._check_allocated([slot])
         if not 0 <= length <= self.cache.lengths[slot]:
             raise SlotError([slot], f"cannot truncate a cache of {self.cache.lengths[slot]} "
@@ -147,26 +205,24 @@ class TorchBackend:
         """Run ``calls`` as one batch; logits ``[N, V]`` at their wanted outputs."""
         if not calls:
             return torch.empty((0, self.vocab_size))
-        seqs = [(c.slot, c.start, c.token_ids) for c in calls]
-        self._check(seqs)
+        self._check(calls)
         bad = [c.slot for c in calls
                if any(not 0 <= o < len(c.token_ids) for o in c.outputs)
                or list(c.outputs) != sorted(set(c.outputs))]
         if bad:
             raise SlotError(bad, "output offsets must be ascending and inside the call")
+        tables = self._tables(calls)
         if not any(c.outputs for c in calls):  # nothing wanted: still write the caches
-            self._run(seqs, [(len(c.token_ids) - 1,) for c in calls], calls)
+            self._run(calls, tables, [(len(c.token_ids) - 1,) for c in calls])
             return torch.empty((0, self.vocab_size))
-        return self._run(seqs, [c.outputs for c in calls], calls)
+        return self._run(calls, tables, [c.outputs for c in calls])
 
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Append each chunk to its slot; logits ``[len(chunks), V]`` at each chunk's last token."""
-        if not chunks:
-            return torch.empty((0, self.vocab_size))
-        seqs = [(c.slot, c.start, c.token_ids) for c in chunks]
-        self._check(seqs)
-        return self._run(seqs)
+        calls = [ModelCall(c.slot, c.token_ids, c.start, (len(c.token_ids) - 1,))
+                 for c in chunks]
+        return self.forward(calls)
 
     @torch.inference_mode()
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
@@ -174,51 +230,90 @@ class TorchBackend:
         if len(slots) != len(token_ids):
             raise InvalidValueError("token_ids", len(token_ids),
                                     f"need one token per slot ({len(slots)} slots)")
-        if not slots:
-            return torch.empty((0, self.vocab_size))
         self._check_allocated(slots)
-        seqs = [(s, self.cache.lengths[s], (t,)) for s, t in zip(slots, token_ids)]
-        self._check(seqs)
-        return self._run(seqs)
+        return self.forward([ModelCall(s, (t,), self.cache.lengths[s], (0,))
+                             for s, t in zip(slots, token_ids)])
 
-    def _run(self, seqs: Sequence[tuple[int, int, Sequence[int]]],
-             outputs: Sequence[Sequence[int]] | None = None,
-             calls: Sequence[ModelCall] | None = None) -> torch.Tensor:
+    def _run(self, calls: Sequence[ModelCall], tables: Sequence[Sequence[int]],
+             outputs: Sequence[Sequence[int]]) -> torch.Tensor:
         batch = RaggedBatch.build(
-            seqs, device=self.cache.device, outputs=outputs,
-            blocks=None if calls is None else [c.attention is Attention.BLOCK for c in calls],
-            writes=None if calls is None else [c.write for c in calls])
+            [(c.slot, c.start, c.token_ids) for c in calls], tables=tables,
+            block_size=self.block_size, device=self.cache.device, outputs=outputs,
+            bidirectional=[c.attention is Attention.BLOCK for c in calls],
+            writes=[c.write for c in calls])
         self.cache.discard()
         logits = self.model.forward(self.cache, batch)                        # [N, V]
         self.cache.commit(batch)
         return logits  # stays on the model's device: selection and digests run there
+
+    def _tables(self, calls: Sequence[ModelCall]) -> list[Sequence[int]]:
+        """Each call's block table: its own, or (while the backend manages the blocks) the
+        slot's window, reserved at its first call."""
+        own = self.own_blocks
+        if own is None:
+            return [c.blocks for c in calls if c.blocks is not None]
+        short = []
+        for c in calls:
+            if c.slot not in own:
+                try:
+                    own.allocate(c.slot, self.window_blocks * self.block_size)
+                except OutOfBlocks:
+                    short.append(c.slot)
+        if short:
+            raise SlotError(short, f"no free KV window ({self.window_blocks} blocks) in a pool "
+                                   f"of {self.num_blocks}: pass block tables, or raise kv_blocks")
+        return [own.table(c.slot) for c in calls]
 
     def _check_allocated(self, slots: Sequence[int]) -> None:
         bad = [s for s in slots if s not in self._allocated]
         if bad:
             raise SlotError(bad, "slot not allocated")
 
-    def _check(self, seqs: Sequence[tuple[int, int, Sequence[int]]]) -> None:
-        slots = [s for s, _, _ in seqs]
+    def _check(self, calls: Sequence[ModelCall]) -> None:
+        slots = [c.slot for c in calls]
         self._check_allocated(slots)
         repeated = sorted({s for s in slots if slots.count(s) > 1})
         if repeated:
             raise SlotError(repeated, "a slot appears more than once in one call")
-        for kind, bad in self._problems(seqs):
+        self._take_blocks_if_paged(calls)
+        for kind, bad in self._problems(calls):
             if bad:
                 raise SlotError(bad, kind)
 
-    def _problems(self, seqs: Sequence[tuple[int, int, Sequence[int]]]
-                  ) -> list[tuple[str, list[int]]]:
-        lengths = self.cache.lengths
+    def _take_blocks_if_paged(self, calls: Sequence[ModelCall]) -> None:
+        """Hand the pool to the caller at its first call with block tables (every slot's own
+        cache must be empty then); refuse calls without tables afterwards."""
+        paged = [c.blocks is not None for c in calls]
+        if self.own_blocks is None:
+            if not all(paged):
+                raise SlotError([c.slot for c in calls if c.blocks is None],
+                                "the caller manages this backend's KV blocks: every call "
+                                "needs its block table")
+            return
+        if not any(paged):
+            return
+        if not all(paged):
+            raise SlotError([c.slot for c in calls if c.blocks is None],
+                            "calls with and without block tables in one forward")
+        busy = sorted(s for s in self._allocated if self.cache.lengths[s])
+        if busy:
+            raise SlotError(busy, "a call with block tables takes the KV pool from the "
+                                  "backend, but these slots still hold caches in its blocks")
+        self.own_blocks = None          # empty reservations go with it: the caller owns all
+
+    def _problems(self, calls: Sequence[ModelCall]) -> list[tuple[str, list[int]]]:
+        lengths, bs = self.cache.lengths, self.block_size
+        paged = self.own_blocks is None
         return [
             ("chunk start differs from the cache length",
-             [s for s, start, _ in seqs if start != lengths[s]]),
-            ("empty chunk", [s for s, _, ids in seqs if not ids]),
+             [c.slot for c in calls if c.start != lengths[c.slot]
+              and not (paged and lengths[c.slot] == 0 and c.start % bs == 0)]),
+            ("empty chunk", [c.slot for c in calls if not c.token_ids]),
             (f"token id outside 0..{self.vocab_size - 1}",
-             [s for s, _, ids in seqs if any(not 0 <= t < self.vocab_size for t in ids)]),
+             [c.slot for c in calls if any(not 0 <= t < self.vocab_size for t in c.token_ids)]),
             (f"sequence would exceed max_context={self.max_context}",
-             [s for s, start, ids in seqs if start + len(ids) > self.max_context]),
+             [c.slot for c in calls if c.start + len(c.token_ids) > self.max_context]),
+            *(_table_problems(calls, bs, self.num_blocks) if paged else []),
         ]
 
 
@@ -228,6 +323,44 @@ def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int
     per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
     fits = budget // (slots * per_position) // 256 * 256
     return max(256, min(spec.max_position_embeddings, fits))
+def _table_problems(calls: Sequence[ModelCall], block_size: int, num_blocks: int
+                    ) -> list[tuple[str, list[int]]]:
+    """What is wrong with the calls' block tables (:class:`~pipeline.protocols.PagedBackend`)."""
+    tables = [c.blocks or () for c in calls]
+    needed = [c.start + len(c.token_ids) if c.write else c.start for c in calls]
+    writes = [set(t[c.start // block_size:-(-n // block_size)]) if c.write else set()
+              for c, t, n in zip(calls, tables, needed)]
+    writer: dict[int, int] = {}
+    clash: set[int] = set()
+    for c, own in zip(calls, writes):                     # two calls write one block
+        for b in own:
+            if writer.setdefault(b, c.slot) != c.slot:
+                clash |= {c.slot, writer[b]}
+    for c, t, own in zip(calls, tables, writes):          # a call reads what another writes
+        foreign = writer.keys() & set(t) - own
+        if foreign:
+            clash |= {c.slot, *(writer[b] for b in foreign)}
+    return [
+        (f"block id outside 0..{num_blocks - 1}",
+         [c.slot for c, t in zip(calls, tables) if t and (min(t) < 0 or max(t) >= num_blocks)]),
+        ("a block appears twice in one table",
+         [c.slot for c, t in zip(calls, tables) if len(set(t)) != len(t)]),
+        (f"block table too short for the call's positions (blocks of {block_size})",
+         [c.slot for c, t, n in zip(calls, tables, needed) if len(t) * block_size < n]),
+        ("one call of the forward writes a block that another holds",
+         [c.slot for c in calls if c.slot in clash]),
+    ]
+
+
+def block_bytes(spec: ModelSpec, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes one KV block takes over all layers (keys and values)."""
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize * block_size
+
+
+def blocks_for_bytes(spec: ModelSpec, dtype: torch.dtype, budget: int,
+                     block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The KV blocks that ``budget`` bytes hold."""
+    return budget // block_bytes(spec, dtype, block_size)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -249,4 +382,8 @@ if TYPE_CHECKING:
 
     def _satisfies_model_describer(backend: TorchBackend) -> ModelDescriber:
         """... and a ModelDescriber."""
+        return backend
+
+    def _satisfies_paged_backend(backend: TorchBackend) -> PagedBackend:
+        """... and a PagedBackend."""
         return backend

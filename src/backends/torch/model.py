@@ -1,27 +1,28 @@
-"""The decoder forward over a per-slot KV cache, for ragged batches of sequences.
+"""The decoder forward over a paged KV cache, for ragged batches of sequences.
 
-One call runs B sequences at once, each ``(slot, start, tokens)``: its new tokens sit at
-positions ``start .. start+len-1`` and attend to the slot's cached positions ``0 .. start-1``
-and causally to each other. The same path serves a one-shot prefill (``start == 0``), a
-chunk of a chunked prefill (``start > 0``), and a decode step (one token per slot). Tokens of
-all sequences are concatenated (``[T, ...]``) for the projections and MLPs; attention runs per
-sequence over views of that slot's cache, so nothing is padded and no cache is copied:
+One call runs B sequences at once (a :class:`~backends.torch.kv.RaggedBatch`), each
+``(slot, start, tokens)`` with its block table: its new tokens sit at positions ``start ..
+start+len-1`` and attend to the sequence's cached positions ``0 .. start-1`` and causally to
+each other. The same path serves a one-shot prefill (``start == 0``), a chunk of a chunked
+prefill (``start > 0``), and a decode step (one token per slot). Tokens of all sequences are
+concatenated (``[T, ...]``) for the projections and MLPs; each layer scatters the new keys and
+values of every writing sequence into their blocks, then attention runs per sequence over the
+keys and values :meth:`~backends.torch.kv.KVCache.read` gives (its own new keys for a prompt
+from position 0, a view of one run of blocks, or a gather of scattered ones) with the same
+:func:`attend`: a decode token folds its query heads onto their key/value head; a prompt from
+position 0 uses the causal kernel; a later chunk, or a sliding window that cuts in, gets an
+explicit ``[Lq, Lk]`` mask.
 
-* a decode token folds its query heads onto their key/value head (``[Hkv, Hq/Hkv, D]``), one
-  small attention with no mask and no repeated keys;
-* a prompt from position 0 uses the causal kernel (``is_causal``, grouped-query heads);
-* a later chunk, or a sliding window that cuts in, gets an explicit ``[Lq, Lk]`` mask.
-
-The forward writes the new keys and values into the cache but does not change the slots'
-lengths: :meth:`KVCache.commit` does, after the call succeeded, so a call that raises leaves
-every slot's logical cache as it was.
+The forward writes new keys and values into blocks but does not change the slots' lengths:
+:meth:`~backends.torch.kv.KVCache.commit` does, after the call succeeded, so a call that
+raises leaves every slot's logical cache as it was.
 
 Shapes: T tokens in the call, B sequences, H hidden, Hq/Hkv heads, D head_dim, V vocab.
 
 Example::
 
-    cache = KVCache.empty(spec, num_slots=4, max_len=512, dtype=torch.float32)
-    batch = RaggedBatch.build([(0, 0, prompt_ids)], device=cache.device)
+    cache = KVCache.empty(spec, num_blocks=64, block_size=16, num_slots=4, dtype=torch.float32)
+    batch = RaggedBatch.build([(0, 0, prompt_ids)], tables=[(0, 1, 2)], block_size=16)
     logits = model.forward(cache, batch)      # [1, V] float32 at the prompt's last token
     cache.commit(batch)                       # cache.lengths[0] == len(prompt_ids)
 """
@@ -31,17 +32,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import attrs
 import torch
 import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
+from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.moe import RoutingSpec, moe_forward
 from backends.torch.packed import LinearFn, Linears
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
+
 
 class MoeFunction(Protocol):
     """:func:`~backends.torch.moe.moe_forward`'s signature and contract: the routed-experts
@@ -50,147 +52,6 @@ class MoeFunction(Protocol):
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                  w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int,
                  routing: RoutingSpec) -> torch.Tensor: ...
-
-
-class KVCache:
-    """Keys and values per layer, ``k[l]``/``v[l]`` of shape ``[slots, Hkv, max_len, D]``.
-
-    ``lengths[s]`` is how many positions of slot ``s`` are valid; every layer's keys and
-    values cover exactly those positions (DESIGN §8, invariant 2). ``key_extent[l][s]`` and
-    ``value_extent[l][s]`` are how far layer ``l`` has actually written keys and values of
-    slot ``s``, committed with the lengths, so the invariant can be checked rather than
-    assumed. Owned by one backend and mutated only by :meth:`write` (positions beyond the
-    lengths), :meth:`commit`, :meth:`discard` and :meth:`reset`.
-    """
-
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        self.k = k
-        self.v = v
-        slots = k[0].shape[0]
-        self.lengths = [0] * slots
-        self.key_extent = [[0] * slots for _ in k]
-        self.value_extent = [[0] * slots for _ in v]
-        self._written: list[tuple[int, int, int]] = []   # (layer, slot, end) since the commit
-
-    @classmethod
-    def empty(cls, spec: ModelSpec, *, num_slots: int, max_len: int, dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> KVCache:
-        """A zeroed cache for ``num_slots`` sequences of up to ``max_len`` positions."""
-        shape = (num_slots, spec.num_kv_heads, max_len, spec.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device)
-                    for _ in range(spec.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device)
-                    for _ in range(spec.num_layers)])
-
-    @property
-    def max_len(self) -> int:
-        """Positions each slot can hold."""
-        return int(self.k[0].shape[2])
-
-    @property
-    def device(self) -> torch.device:
-        """Where the cache lives."""
-        return self.k[0].device
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the keys and values of every layer and slot take."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v [n, Hkv, D]`` at positions ``start..start+n-1`` of ``slot``.
-
-        Returns views ``[1, Hkv, start+n, D]`` of the slot's keys and values up to the last
-        written position (no copy).
-        """
-        end = start + k.shape[0]
-        self.k[layer][slot, :, start:end] = k.transpose(0, 1)
-        self.v[layer][slot, :, start:end] = v.transpose(0, 1)
-        self._written.append((layer, slot, end))
-        return self.k[layer][slot:slot + 1, :, :end], self.v[layer][slot:slot + 1, :, :end]
-
-    def commit(self, batch: RaggedBatch) -> None:
-        """Extend each writing sequence's slot length by the tokens the batch wrote."""
-        kept = {slot for slot, write in zip(batch.slots, batch.writes) if write}
-        for slot, start, n in zip(batch.slots, batch.starts, batch.lengths):
-            if slot in kept:
-                self.lengths[slot] = start + n
-        for layer, slot, end in self._written:
-            if slot in kept:
-                self.key_extent[layer][slot] = self.value_extent[layer][slot] = end
-        self._written.clear()
-
-    def discard(self) -> None:
-        """Forget the writes of a call that failed (their positions stay beyond the lengths)."""
-        self._written.clear()
-
-    def truncate(self, slot: int, length: int) -> None:
-        """Keep ``slot``'s first ``length`` positions (at most its current length)."""
-        length = min(length, self.lengths[slot])
-        self.lengths[slot] = length
-        for layer in range(len(self.k)):
-            self.key_extent[layer][slot] = min(self.key_extent[layer][slot], length)
-            self.value_extent[layer][slot] = min(self.value_extent[layer][slot], length)
-
-    def reset(self, slot: int) -> None:
-        """Empty ``slot`` (stale values stay but are never read)."""
-        self.lengths[slot] = 0
-        for layer in range(len(self.k)):
-            self.key_extent[layer][slot] = self.value_extent[layer][slot] = 0
-
-
-@attrs.frozen(eq=False)
-class RaggedBatch:
-    """B sequences' new tokens, concatenated.
-
-    ``token_ids``/``positions`` are ``[T]``; ``outputs`` (the rows of ``[T]`` whose logits are
-    wanted, sequence by sequence) is ``[N]``; ``slots``, ``starts``, ``lengths`` and
-    ``offsets`` (each sequence's first token in ``[T]``) are per-sequence Python ints, which
-    the attention loop slices with; ``blocks[b]`` makes sequence b's new tokens attend to
-    each other bidirectionally; ``writes[b]`` false leaves its slot's length unchanged at
-    :meth:`KVCache.commit`. Build with :meth:`build`.
-    """
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    outputs: torch.Tensor
-    slots: tuple[int, ...]
-    starts: tuple[int, ...]
-    lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    blocks: tuple[bool, ...]
-    writes: tuple[bool, ...]
-
-    @classmethod
-    def build(cls, seqs: Sequence[tuple[int, int, Sequence[int]]], *,
-              device: torch.device | str = "cpu",
-              outputs: Sequence[Sequence[int]] | None = None,
-              blocks: Sequence[bool] | None = None,
-              writes: Sequence[bool] | None = None) -> RaggedBatch:
-        """From ``(slot, start, token_ids)`` per sequence (each with at least one token).
-
-        ``outputs[b]`` are the offsets into sequence b's tokens whose logits are wanted
-        (default: its last token); ``blocks``/``writes`` default to causal and writing.
-        """
-        lengths = [len(ids) for _, _, ids in seqs]
-        if not seqs or min(lengths) < 1:
-            raise ValueError("every sequence of a batch needs at least one token")
-        offsets = [0]
-        for n in lengths[:-1]:
-            offsets.append(offsets[-1] + n)
-        positions = [p for (_, start, _), n in zip(seqs, lengths) for p in range(start, start + n)]
-        ids = [t for _, _, seq in seqs for t in seq]
-        wanted = ([[n - 1] for n in lengths] if outputs is None else outputs)
-        rows = [o + i for o, want in zip(offsets, wanted) for i in want]
-        b = len(seqs)
-        return cls(token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-                   positions=torch.tensor(positions, dtype=torch.int64, device=device),
-                   outputs=torch.tensor(rows, dtype=torch.int64, device=device),
-                   slots=tuple(s for s, _, _ in seqs), starts=tuple(s for _, s, _ in seqs),
-                   lengths=tuple(lengths), offsets=tuple(offsets),
-                   blocks=tuple(blocks) if blocks is not None else (False,) * b,
-                   writes=tuple(writes) if writes is not None else (True,) * b)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -270,11 +131,12 @@ class Transformer:
             q, k = rms_norm(q, w.q_norm, s.rms_norm_eps), rms_norm(k, w.k_norm, s.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = s.sliding_windows[i]
+        cache.update(i, batch, k, v)
         outs = []
-        for slot, start, n, at, block in zip(batch.slots, batch.starts, batch.lengths,
-                                             batch.offsets, batch.blocks):
-            keys, values = cache.write(i, slot, start, k[at:at + n], v[at:at + n])
-            outs.append(attend(q[at:at + n], keys, values, start, window, block))  # [n, Hq, D]
+        for b, (start, n, at) in enumerate(zip(batch.starts, batch.lengths, batch.offsets)):
+            keys, values = cache.read(i, batch, b, k[at:at + n], v[at:at + n])  # [1, Hkv, L, D]
+            outs.append(attend(q[at:at + n], keys, values, start, window,
+                               batch.bidirectional[b]))                        # [n, Hq, D]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)                    # [T, Hq, D]
         return lin(out.reshape(t, -1), w.o, w.o_bias)                          # [T, H]
 

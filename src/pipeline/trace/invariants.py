@@ -97,8 +97,14 @@ def provenance(trace: Trace, _: Detokenize | None) -> Finding:
 def cache_layers(trace: Trace, _: Detokenize | None) -> Finding:
     """Invariant 2: prefill chunks tile 0..m-1; every layer's K and V lengths equal the cache's."""
     problems: list[tuple[tuple[int, ...], str]] = []
-    written = 0
+    written, prompt_written = 0, None
     for event in trace.events:
+        if event.event_type == "prefix.hit":      # the prefix cache supplied these positions
+            written = event.payload.get("cached_tokens", 0)
+            continue
+        if event.event_type == "preempted":       # the cache is gone; it is recomputed
+            written = 0
+            continue
         if event.event_type not in ("prefill.chunk", "prefill.completed"):
             continue
         start, tokens = event.payload.get("start"), event.payload.get("tokens")
@@ -107,10 +113,13 @@ def cache_layers(trace: Trace, _: Detokenize | None) -> Finding:
                 problems.append((_ids(event), f"chunk writes positions {start}..{start + tokens - 1}"
                                  f" but the cache covers 0..{written - 1}: positions would differ"))
             written = start + tokens
+        if event.event_type == "prefill.completed" and prompt_written is None:
+            prompt_written = written
     m = trace.payload("input.tokenized").get("tokens")
     done = trace.first("prefill.completed")
-    if done is not None and "start" in done.payload and written != m:
-        problems.append((_ids(done), f"the chunks cover {written} positions, the prompt has {m}"))
+    if done is not None and "start" in done.payload and prompt_written != m:
+        problems.append((_ids(done), f"the chunks cover {prompt_written} positions, the prompt "
+                         f"has {m}"))
     layered = [e for e in trace.events if "layers" in e.payload]
     for event in layered:
         k, v = event.payload["layers"].get("k", []), event.payload["layers"].get("v", [])

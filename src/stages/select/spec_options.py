@@ -13,7 +13,8 @@ engine calls once per processor order. Options:
 - ``draft_model``: a model folder, GGUF file or name (as ``build`` takes) whose tokenizer is
   the target's, or a :class:`~pipeline.protocols.Backend` object (used as given);
 - ``draft_options``: backend options for the draft model (``num_slots``, ``max_context``,
-  ``dtype``, ``device``, ``pack``, ``quantized``, ``kv_cache_bytes``); ``dtype``,
+  ``dtype``, ``device``, ``pack``, ``quantized``, ``kv_cache_bytes``, ``kv_blocks``,
+  ``block_size``); ``dtype``,
   ``device`` and ``pack`` default to the build's own.
 
 Unknown names and values out of range are errors that name the option.
@@ -38,7 +39,7 @@ from stages.select.speculative import MAX_DRAFT_TOKENS, SpeculativeStrategy
 
 PROPOSERS = ("ngram", "draft")
 DRAFT_OPTIONS = ("num_slots", "max_context", "dtype", "device", "pack", "quantized",
-                 "kv_cache_bytes")
+                 "kv_cache_bytes", "kv_blocks", "block_size")
 INHERITED = ("dtype", "device", "pack")
 """Backend options a draft model takes from the build's own unless ``draft_options`` says."""
 MAX_N = 64

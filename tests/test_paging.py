@@ -1,0 +1,112 @@
+"""The engine over a paged backend: prefix-cache hits, admission by free blocks, preemption by
+recompute. Every request's greedy tokens are checked against the same request run alone in a
+fresh pipeline (one slot, an empty pool: no prefix cache, no eviction, no preemption; its
+equality with transformers is test_torch_pipeline's business), so a cache hit, an eviction or a
+recomputation that changed what the model sees would show."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from pipeline import build
+from pipeline.pipe import Pipeline
+from pipeline.trace import check
+from pipeline.types import Completion, Request
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Any:
+    def alone(ids: Sequence[int], n: int) -> list[int]:
+        with _pipe(block_size=4, max_context=128, num_slots=1) as pipe:
+            done = pipe.generate(_request(ids, n))
+            assert done.usage.cached_tokens == 0
+            return list(done.token_ids)
+
+    return alone
+
+
+def _pipe(**options: Any) -> Pipeline:
+    return build("tiny", options={"dtype": "float32", "pack": False, **options})
+
+
+def _request(ids: Sequence[int], n: int) -> Request:
+    return Request(prompt_ids=list(ids), generation_config={
+        "max_tokens": n, "temperature": 0, "ignore_eos": True})
+
+
+def _events(done: Completion, kind: str) -> list[dict[str, Any]]:
+    return [e.payload for e in done.trace if e.event_type == kind]
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 2000) for _ in range(n)]
+
+
+def test_a_prefix_cache_hit_decodes_what_a_cold_run_does(oracle: Any) -> None:
+    rng = random.Random(1)
+    base = _ids(rng, 40)
+    a, b = base + _ids(rng, 5), base + _ids(rng, 7)
+    with _pipe(block_size=4, max_context=128, num_slots=2) as pipe:
+        cold = pipe.generate(_request(a, 12))
+        warm = pipe.generate(_request(b, 12))
+        again = pipe.generate(_request(a, 12))
+        stats = pipe.engine.kv_blocks
+    assert cold.usage.cached_tokens == 0 and not _events(cold, "prefix.hit")
+    assert warm.usage.cached_tokens == 40                  # the shared 10 blocks of 4
+    assert _events(warm, "prefix.hit") == [{"cached_tokens": 40, "blocks": 10}]
+    assert again.usage.cached_tokens == 44                 # (45 - 1) // 4 blocks: one to compute
+    assert list(cold.token_ids) == list(again.token_ids) == oracle(a, 12)
+    assert list(warm.token_ids) == oracle(b, 12)
+    assert stats is not None and stats.hits == 2 and stats.cached_tokens == 84
+
+
+def test_shared_prefixes_under_eviction_pressure_equal_cold_runs(oracle: Any) -> None:
+    rng = random.Random(3)
+    prefixes = [_ids(rng, rng.randrange(6, 30)) for _ in range(3)]
+    jobs = []
+    for _ in range(14):
+        prompt = rng.choice(prefixes) + _ids(rng, rng.randrange(1, 10))
+        jobs.append((prompt, rng.randrange(3, 12)))
+    with _pipe(block_size=4, max_context=64, num_slots=4, kv_blocks=20) as pipe:
+        handles = [pipe.submit(_request(p, n)) for p, n in jobs]
+        done = [h.result(timeout=120) for h in handles]
+        stats = pipe.engine.kv_blocks
+    for (prompt, n), completion in zip(jobs, done):
+        assert list(completion.token_ids) == oracle(prompt, n), completion.usage
+        assert check(completion).ok, check(completion).render()
+    assert stats is not None and stats.hits > 0 and stats.evictions > 0
+    assert sum(c.usage.cached_tokens for c in done) > 0
+    for c in done:      # usage counts the hit of the admission that computed the prompt
+        assert c.usage.cached_tokens == _prompt_hit(c)
+
+
+def _prompt_hit(done: Completion) -> int:
+    cached = 0
+    for event in done.trace:
+        if event.event_type == "prefix.hit":
+            cached = event.payload["cached_tokens"]
+        elif event.event_type == "preempted":
+            cached = 0
+        elif event.event_type == "prefill.completed":
+            return cached
+    return cached
+
+
+def test_more_requests_than_blocks_all_finish_as_alone(oracle: Any) -> None:
+    rng = random.Random(4)
+    jobs = [(_ids(rng, rng.randrange(12, 24)), 24) for _ in range(6)]
+    with _pipe(block_size=4, max_context=48, num_slots=4, kv_blocks=12) as pipe:
+        handles = [pipe.submit(_request(p, n)) for p, n in jobs]
+        done = [h.result(timeout=120) for h in handles]
+    for (prompt, n), completion in zip(jobs, done):
+        assert list(completion.token_ids) == oracle(prompt, n)
+        assert completion.usage.completion_tokens == n
+        assert check(completion).ok, check(completion).render()
+    preempted = [c for c in done if _events(c, "preempted")]
+    assert preempted, "the pool was meant to force preemption"
+    for c in preempted:
+        assert any(p.get("resumed") for p in _events(c, "prefill.completed"))
