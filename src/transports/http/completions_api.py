@@ -31,7 +31,8 @@ from transports.http.common import Parsed, RawPrompt, RawPrompts, ServerDefaults
 from transports.http.documented import unsupported
 from transports.http.fields import Obj, check
 from transports.http.openai_api import (
-    TEXT_NUMBERS, choice_count, finish_word, sampling, stream_options, token_of, usage_body,
+    TEXT_NUMBERS, choice_count, finish_word, sampling, stream_end, stream_options, token_of,
+    usage_body,
 )
 from transports.sse import SSEEvent, encode
 
@@ -260,10 +261,4 @@ class TextStream:
 
     def end(self, completions: Sequence[Completion]) -> bytes:
         """The usage chunk if asked (each prompt once, completions summed), and ``[DONE]``."""
-        out = []
-        if self.parsed.include_usage:
-            usage = total_usage(completions, self.parsed.n)
-            body = {**self._head, "choices": [], "usage": usage_body(usage)}
-            out.append(encode(SSEEvent(json.dumps(body))))
-        out.append(encode(SSEEvent("[DONE]")))
-        return b"".join(out)
+        return stream_end(self._head, self.parsed.include_usage, self.parsed.n, completions)

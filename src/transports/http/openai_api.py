@@ -337,10 +337,17 @@ class ChatStream:
 
     def end(self, completions: Sequence[Completion]) -> bytes:
         """The usage chunk if asked (each prompt once, completions summed), and ``[DONE]``."""
-        out = []
-        if self.parsed.include_usage:
-            usage = total_usage(completions, self.parsed.n)
-            body = {**self._head, "choices": [], "usage": usage_body(usage)}
-            out.append(encode(SSEEvent(json.dumps(body))))
-        out.append(encode(SSEEvent("[DONE]")))
-        return b"".join(out)
+        return stream_end(self._head, self.parsed.include_usage, self.parsed.n, completions)
+
+
+def stream_end(head: dict[str, Any], include_usage: bool, n: int,
+               completions: Sequence[Completion]) -> bytes:
+    """The end of an OpenAI stream (chat or legacy completions): the usage chunk when
+    ``stream_options.include_usage`` asked for it (each prompt once, completions summed over
+    the ``n`` choices), then ``data: [DONE]``."""
+    out = []
+    if include_usage:
+        body = {**head, "choices": [], "usage": usage_body(total_usage(completions, n))}
+        out.append(encode(SSEEvent(json.dumps(body))))
+    out.append(encode(SSEEvent("[DONE]")))
+    return b"".join(out)
