@@ -28,25 +28,10 @@ from pipeline.types import Completion, Request
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig
+from tests.bos_tokenizer import BOS, bos_tokenizer_file
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):\n    ", "Café naïve – 東京 ✓",
            "<|im_start|>user\nWhat is a list?<|im_end|>\n<|im_start|>assistant\n"]
-BOS = 1  # the BOS-adding tokenizer below puts <|im_start|> first
-
-
-def bos_tokenizer_file(folder: Path) -> Path:
-    """The tiny model's tokenizer.json with a post-processor that adds a BOS, as Llama's does."""
-    data = json.loads((TINY_MODEL_DIR / "tokenizer.json").read_text())
-    data["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
-                   {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [BOS],
-                                            "tokens": ["<|im_start|>"]}}}
-    path = folder / "tokenizer.json"
-    path.write_text(json.dumps(data))
-    return path
 
 
 @pytest.fixture(scope="module")

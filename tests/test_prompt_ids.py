@@ -9,7 +9,6 @@ invariant checker.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from pipeline.protocols import DocumentEncoder
 from pipeline.trace import check
 from pipeline.types import Request
 from stages.tokenize import HFTokenizer
+from tests.bos_tokenizer import bos_tokenizer_file
 
 TEXTS = ["Once upon a time", "  leading spaces and\ttabs\n", "naïve 東京 👍🏽",
          "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>tail"]
@@ -35,24 +35,9 @@ def pipe() -> Iterator[Pipeline]:
         yield p
 
 
-def with_bos(folder: Path) -> Path:
-    """The tiny tokenizer.json with a TemplateProcessing that puts <|im_start|> first."""
-    data = json.loads((TINY_MODEL_DIR / "tokenizer.json").read_text())
-    data["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
-                   {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1],
-                                            "tokens": ["<|im_start|>"]}}}
-    path = folder / "tokenizer.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
 @pytest.mark.parametrize("bos", [False, True], ids=["no-bos", "bos"])
 def test_encode_document_is_the_tokenizer_alone(tmp_path: Path, bos: bool) -> None:
-    path = with_bos(tmp_path) if bos else TINY_MODEL_DIR / "tokenizer.json"
+    path = bos_tokenizer_file(tmp_path) if bos else TINY_MODEL_DIR / "tokenizer.json"
     ours = HFTokenizer.from_files(path)
     oracle = PreTrainedTokenizerFast(tokenizer_file=str(path))
     assert isinstance(ours, DocumentEncoder)
