@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,3 +114,34 @@ def test_serve_without_keys_refuses_a_public_address_and_warns_on_loopback() -> 
     finally:
         server.terminate()  # this test's own child, by its handle
         server.wait(timeout=30)
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    """argparse prints no description for an option without ``help``: each one has some."""
+    import argparse
+
+    parsers: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        parsers.append(self)
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign,assignment]
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["--version"])
+    finally:
+        argparse.ArgumentParser.parse_args = real  # type: ignore[method-assign]
+    missing: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    walk(child, f"{name} {sub}")
+            elif not action.help:
+                missing.append(f"{name} {action.option_strings or action.dest}")
+
+    walk(parsers[0], "pipeline")
+    assert missing == []

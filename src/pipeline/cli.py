@@ -143,8 +143,10 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--model", action="append", default=[],
                        help="MODEL or NAME=MODEL, repeatable; MODEL is a folder, GGUF file, "
                             "name or cached repo id (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="TCP port (default 8000; 0 picks a free one)")
     serve.add_argument("--data-dir", default="pipeline-data", help="where the usage store lives")
     serve.add_argument("--api-key-env", default="PIPELINE_API_KEYS",
                        help="environment variable holding comma-separated API keys")
@@ -152,7 +154,8 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--slots", type=int, default=8, help="concurrent requests per model")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     serve.add_argument("--max-context", type=int, default=None, help="cap on the window")
-    serve.add_argument("--context-slack", type=int, default=0)
+    serve.add_argument("--context-slack", type=int, default=0, metavar="N",
+                       help="tokens of each window kept free (default 0)")
     serve.add_argument("--no-clamp", action="store_true",
                        help="refuse a max_tokens beyond the room instead of clamping it")
     serve.add_argument("--reasoning-budget", type=int, default=None,
@@ -201,14 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "(default: SmolLM2-135M-Instruct)")
     count.add_argument("--raw", action="store_true",
                        help="count the text's own tokens, without the chat template")
-    count.add_argument("text")
+    count.add_argument("text", help="the text to count (a user message, or raw with --raw)")
     count.set_defaults(run=_count)
     demo = sub.add_parser("demo", help="stream an answer and print a run summary")
     demo.add_argument("--model", default=None,
                       help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
                            "(default: SmolLM2-135M-Instruct)")
-    demo.add_argument("--question", default="Why is the sky usually blue? Answer in one sentence.")
-    demo.add_argument("--max-tokens", type=int, default=80)
+    demo.add_argument("--question", default="Why is the sky usually blue? Answer in one sentence.",
+                      help="the question to ask the default model")
+    demo.add_argument("--max-tokens", type=int, default=80,
+                      help="stop the answer after this many tokens (default 80)")
     demo.add_argument("--trace", type=Path, default=None, metavar="FILE",
                       help="keep the run's trace as JSONL in FILE")
     demo.set_defaults(run=_demo)

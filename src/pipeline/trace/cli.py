@@ -107,31 +107,36 @@ def add_parser(sub: Any) -> None:
     trace = sub.add_parser("trace", help="inspect, check, diff and export event traces")
     cmds = trace.add_subparsers(dest="trace_command", required=True)
     p = cmds.add_parser("show", help="a readable timeline")
-    p.add_argument("file")
-    p.add_argument("--trace-id")
+    p.add_argument("file", help="a JSONL trace file (pipeline run --trace, GET /traces/{id})")
+    p.add_argument("--trace-id",
+                   help="the trace to use when the file holds several (default: the only one)")
     p.add_argument("--limit", type=int, default=None, help="at most this many event lines")
     p.set_defaults(run=_guard(_show))
     p = cmds.add_parser("check", help="check the eight invariants (exit 1 if any is violated)")
-    p.add_argument("file")
-    p.add_argument("--trace-id")
+    p.add_argument("file", help="a JSONL trace file (pipeline run --trace, GET /traces/{id})")
+    p.add_argument("--trace-id",
+                   help="the trace to use when the file holds several (default: the only one)")
     p.add_argument("--model", help="model folder whose tokenizer detokenizes (default: the "
                    "embedded model, when the trace used its tokenizer)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_check))
     p = cmds.add_parser("diff", help="first divergence and shared reproducibility level")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="the first JSONL trace file")
+    p.add_argument("b", help="the second JSONL trace file")
     p.add_argument("--atol", type=float, default=0.0,
                    help="tolerance for raw logits (needs full traces); default bitwise")
-    p.add_argument("--trace-id-a")
-    p.add_argument("--trace-id-b")
+    p.add_argument("--trace-id-a", help="the trace of file a to compare (when it holds several)")
+    p.add_argument("--trace-id-b", help="the trace of file b to compare (when it holds several)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_diff))
     p = cmds.add_parser("export", help="Perfetto JSON, an SVG timeline, or OpenTelemetry spans")
-    p.add_argument("file")
-    p.add_argument("--format", choices=("perfetto", "svg", "otel"), default="perfetto")
-    p.add_argument("--trace-id")
-    p.add_argument("-o", "--output")
+    p.add_argument("file", help="a JSONL trace file (pipeline run --trace, GET /traces/{id})")
+    p.add_argument("--format", choices=("perfetto", "svg", "otel"), default="perfetto",
+                   help="perfetto (Chrome trace JSON), svg (a timeline) or otel (spans through the "
+                        "OpenTelemetry SDK's console exporter, on standard output)")
+    p.add_argument("--trace-id",
+                   help="the trace to use when the file holds several (default: the only one)")
+    p.add_argument("-o", "--output", help="where to write perfetto or svg (default: standard output)")
     p.set_defaults(run=_guard(_export))
 
 
