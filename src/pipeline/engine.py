@@ -417,7 +417,8 @@ class Engine:
                     self._cache(job), records[job]))
             if ran and len(rows):
                 if self.decodable_vocab is not None and self.decodable_vocab < rows.shape[1]:
-                    rows[:, self.decodable_vocab:] = float("-inf")  # padding ids: never chosen
+                    with torch.inference_mode():  # the backend's rows may be inference tensors
+                        rows[:, self.decodable_vocab:] = float("-inf")  # padding: never chosen
                 ready.append((job, rows))
         return ready
 
