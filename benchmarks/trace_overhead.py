@@ -61,7 +61,8 @@ CONFIGS = ("off", "digest", "full", "digest+jsonl")
 def recording_off() -> Iterator[None]:
     """Swap the engine's logits-recording hooks for ones that record nothing."""
     logits, processed = Engine.__dict__["_logits_records"], Engine.__dict__["_processed_records"]
-    Engine._logits_records = staticmethod(lambda done: [{} for _ in done])  # type: ignore
+    Engine._logits_records = staticmethod(  # type: ignore
+        lambda done: [[{} for _ in rows] for _, rows in done])
     Engine._processed_records = lambda self, updates, items: [  # type: ignore
         [None] * len(u.taken) for u in updates]
     try:
