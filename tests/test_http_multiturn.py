@@ -32,7 +32,10 @@ from transformers import AutoTokenizer
 from pipeline.builder import build
 from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from tests.http_support import config, running
+from pipeline.protocols import Row
+from pipeline.testing import ScriptedSelector
+from stages.tokenize import HFTokenizer
+from tests.http_support import ANSWER_TEXT, IM_END, TOOL_CALL_TEXT, TOOL_RESPONSE, config, running
 from transports.http import Gateway, ServerConfig
 from transports.http.usage import read_records
 
@@ -41,7 +44,30 @@ BLOCK = 4
 SYSTEM = "You answer questions about Python's standard library."
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def agent(num_slots: int) -> Pipeline:
+    """The embedded model (paged, blocks of 4) with a scripted selector: it calls
+    ``get_weather`` as ``TOOL_CALL_TEXT`` writes it, and answers ``ANSWER_TEXT`` once the
+    prompt holds a tool response."""
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    call = tok.encode_text(TOOL_CALL_TEXT, special=True) + [IM_END]
+    answer = tok.encode_text(ANSWER_TEXT) + [IM_END]
+
+    def choose(row: Row) -> int:
+        script = answer if TOOL_RESPONSE in row.prompt_ids else call
+        return script[min(len(row.output_ids), len(script) - 1)]
+
+    return build("tiny", selector=ScriptedSelector(choose),
+                 options={"num_slots": num_slots, "block_size": BLOCK})
+
+
 def builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:
+    if folder is not None and folder.name == "agent":
+        return agent(cfg.num_slots)
     block = 1024 if folder is not None and folder.name == "cold" else BLOCK
     return build("tiny", options={"num_slots": cfg.num_slots, "block_size": block})
 
@@ -49,7 +75,8 @@ def builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     data = tmp_path_factory.mktemp("multiturn")
-    cfg = config(data, api_keys={KEY}, models={"default": None, "cold": Path("cold")})
+    cfg = config(data, api_keys={KEY}, models={"default": None, "cold": Path("cold"),
+                                                  "agent": Path("agent")})
     with running(Gateway(cfg, builder)) as url:
         yield url, data
 
@@ -69,9 +96,10 @@ def hf() -> Any:
     return AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
 
 
-def prompt_ids(hf: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+def prompt_ids(hf: Any, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
     """The oracle: transformers' rendering and tokenization of a chat prompt."""
-    ids = hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True)
+    ids = hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
+                                 **kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -179,6 +207,28 @@ def test_anthropic_turn_two_reuses_turn_one_and_splits_its_usage(
     cold = claude.messages.create(**{**args, "model": "cold"})
     assert cold.usage.cache_read_input_tokens == 0 and cold.usage.input_tokens == len(p2)
     assert [b.model_dump() for b in two.content] == [b.model_dump() for b in cold.content]
+
+
+def test_an_agent_loop_reuses_the_tool_call_it_sends_back(
+        oai: openai.OpenAI, server: tuple[str, Path], hf: Any) -> None:
+    """The call comes back as the client got it (the arguments as the model wrote them), so
+    the turn after the tool's result reuses the whole call from the cache."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    one = oai.chat.completions.create(model="agent", messages=ask, tools=[WEATHER],  # type: ignore[arg-type]
+                                      max_tokens=64)
+    calls = one.choices[0].message.tool_calls
+    assert calls is not None and calls[0].function.arguments == '{"city": "Paris"}'
+    p1, out1 = prompt_ids(hf, ask, tools=[WEATHER]), generated_ids(server[0], one.id)
+    follow = [*ask, one.choices[0].message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp_c": 18}'}]
+    two = oai.chat.completions.create(model="agent", messages=follow, tools=[WEATHER],  # type: ignore[arg-type]
+                                      max_tokens=64)
+    assert two.choices[0].message.content == ANSWER_TEXT
+    p2 = prompt_ids(hf, follow, tools=[WEATHER])
+    assert two.usage is not None and two.usage.prompt_tokens == len(p2)
+    assert two.usage.prompt_tokens_details is not None
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert cached == reusable(p1, out1, p2) == (len(p1) + len(out1) - 1) // BLOCK * BLOCK
 
 
 def test_usage_rows_and_metrics_count_cached_tokens(

@@ -179,3 +179,23 @@ def test_model_output_that_is_not_json_text_is_no_tool_call(body: str) -> None:
     # what a model may write: answering with it must never fail (NaN cannot be encoded in a
     # JSON answer, deep nesting overflows the parser, a lone surrogate cannot be sent)
     assert parse_tool_call(body, 0) is None
+
+
+@pytest.mark.parametrize(("body", "arguments"), [
+    ('{"name": "f", "arguments": {"city": "Paris", "n": 1.50}}', '{"city": "Paris", "n": 1.50}'),
+    ('{"name":"f","arguments":{"city":"Paris"}}', '{"city":"Paris"}'),
+    ('{ "arguments" :\n  {\n    "a": [1, {"b": "}"}]\n  } , "name": "f" }',
+     '{\n    "a": [1, {"b": "}"}]\n  }'),
+    ('{"name": "f", "arguments": "{\\"x\\": \\"é\\"}"}', '{"x": "é"}'),
+    ('{"name": "f", "parameters": {"x": "\\u00e9"}}', '{"x": "\\u00e9"}'),
+    ('{"name": "f", "arguments": {"x": 1}, "arguments": {"x": 2}}', '{"x": 2}'),
+    ('{"name": "f"}', '{}'),
+])
+def test_a_tool_call_s_arguments_are_the_model_s_own_text(body: str, arguments: str) -> None:
+    """Not a re-encoding: sent back in the next turn, the call renders as it was generated
+    (so the prefix cache can reuse it); the text still means what the model wrote."""
+    call = parse_tool_call(body, 0)
+    assert call is not None and call.name == "f" and call.arguments == arguments
+    value = json.loads(body)
+    wrote = value.get("arguments", value.get("parameters", {}))
+    assert json.loads(call.arguments) == (json.loads(wrote) if isinstance(wrote, str) else wrote)

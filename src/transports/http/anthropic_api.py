@@ -55,8 +55,9 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
             block.get("signature", "string")
         elif kind == "tool_use" and role == "assistant":
             block.get("caller", "object")  # who issued the call; the SDK echoes it back
+            # as the library encodes a mapping of arguments (and a template's ``tojson``)
             calls.append(ToolCall(block.need("name", "string"),
-                                  json.dumps(block.need("input", "object")),
+                                  json.dumps(block.need("input", "object"), ensure_ascii=False),
                                   block.need("id", "string")))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(at, block))
