@@ -231,6 +231,41 @@ def test_an_agent_loop_reuses_the_tool_call_it_sends_back(
     assert cached == reusable(p1, out1, p2) == (len(p1) + len(out1) - 1) // BLOCK * BLOCK
 
 
+def test_an_anthropic_agent_loop_reuses_the_tool_use_it_sends_back(
+        claude: anthropic.Anthropic, server: tuple[str, Path], hf: Any) -> None:
+    """A ``tool_use`` block's input is an object: re-encoded as the template's ``tojson``
+    would write it, it renders as this model wrote it, and the call is reused too."""
+    fn = WEATHER["function"]
+    tools = [{"name": fn["name"], "description": fn["description"],
+              "input_schema": fn["parameters"]}]
+    ask = [{"role": "user", "content": "Weather in Paris, please?"}]
+    one = claude.messages.create(model="agent", messages=ask, tools=tools,  # type: ignore[arg-type]
+                                 max_tokens=64)
+    (use,) = [b for b in one.content if b.type == "tool_use"]
+    p1, out1 = prompt_ids(hf, ask, tools=[WEATHER]), generated_ids(server[0], one.id)
+    follow = [*ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                      for b in one.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                            "content": '{"temp_c": 18}'}]}]
+    two = claude.messages.create(model="agent", messages=follow, tools=tools,  # type: ignore[arg-type]
+                                 max_tokens=64)
+    assert two.content[0].type == "text" and two.content[0].text == ANSWER_TEXT
+    p2 = prompt_ids(hf, [*ask, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": use.input}}]},
+        {"role": "tool", "content": '{"temp_c": 18}'}], tools=[WEATHER])
+    usage = two.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == len(p2)
+    assert usage.cache_read_input_tokens == reusable(p1, out1, p2) == (
+        len(p1) + len(out1) - 1) // BLOCK * BLOCK
+    # non-ASCII input is written as text, as transformers' tojson writes it, not escaped
+    zurich = [*ask, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Zürich"}}]}]
+    counted = claude.messages.count_tokens(model="agent", messages=zurich, tools=tools)  # type: ignore[arg-type]
+    assert counted.input_tokens == len(prompt_ids(hf, [*ask, {
+        "role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Zürich"}}}]}], tools=[WEATHER]))
+
+
 def test_usage_rows_and_metrics_count_cached_tokens(
         oai: openai.OpenAI, server: tuple[str, Path]) -> None:
     """Each usage row holds its request's cached tokens as the response reported them, and
