@@ -132,7 +132,8 @@ def turns(question: str) -> tuple[list[dict[str, str]], str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_turn_two_reuses_turn_one_s_prompt_and_answer(
         oai: openai.OpenAI, server: tuple[str, Path], hf: Any, stream: bool) -> None:
-    first, follow_up = turns(f"How do I read a file line by line? ({'streamed' if stream else 'whole'})")
+    mode = "streamed" if stream else "whole"
+    first, follow_up = turns(f"How do I read a file line by line? ({mode})")
     one = oai.chat.completions.create(model="default", messages=first,  # type: ignore[arg-type]
                                       max_tokens=40, temperature=0)
     p1, out1 = prompt_ids(hf, first), generated_ids(server[0], one.id)
@@ -172,7 +173,8 @@ def test_openai_turn_two_reuses_turn_one_s_prompt_and_answer(
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_turn_two_reuses_turn_one_and_splits_its_usage(
         claude: anthropic.Anthropic, server: tuple[str, Path], hf: Any, stream: bool) -> None:
-    first, follow_up = turns(f"What does itertools.chain do? ({'streamed' if stream else 'whole'})")
+    mode = "streamed" if stream else "whole"
+    first, follow_up = turns(f"What does itertools.chain do? ({mode})")
     user = first[1:]
     # this SDK has no temperature argument: it goes in the body
     one = claude.messages.create(model="default", system=SYSTEM, messages=user,  # type: ignore[arg-type]
@@ -259,7 +261,8 @@ def test_an_anthropic_agent_loop_reuses_the_tool_use_it_sends_back(
         len(p1) + len(out1) - 1) // BLOCK * BLOCK
     # non-ASCII input is written as text, as transformers' tojson writes it, not escaped
     zurich = [*ask, {"role": "assistant", "content": [
-        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Zürich"}}]}]
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+         "input": {"city": "Zürich"}}]}]
     counted = claude.messages.count_tokens(model="agent", messages=zurich, tools=tools)  # type: ignore[arg-type]
     assert counted.input_tokens == len(prompt_ids(hf, [*ask, {
         "role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {

@@ -2,8 +2,9 @@
 
 Owns :class:`Metrics`: request counts by model, endpoint and status; prompt and completion
 token counts; the prefix cache's hits (generations that reused cached blocks, and the prompt
-tokens read from the cache, a part of the prompt count); time-to-first-token and inter-token latency histograms; and gauges of active
-slots and queue depth read from the engines at scrape time. Labels come from bounded sets:
+tokens read from the cache, a part of the prompt count); time-to-first-token and inter-token
+latency histograms; and gauges of active slots and queue depth read from the engines at
+scrape time. Labels come from bounded sets:
 a ``model`` label is a served name or ``other`` (a client choosing model names must not grow
 the exposition, nor put undecodable text in it).
 """

@@ -4,10 +4,11 @@ Owns :class:`OutputSplitter`, an incremental parser over the detokenized text of
 The chat templates mark reasoning with ``<think>…</think>`` and tool calls with
 ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``; the splitter finds these markers
 across delta boundaries (holding back a partial marker), and turns each completed tool call
-into a :class:`ToolCallPart`. A tool call whose body is not a JSON object with a string
-``name`` stays visible as text, so nothing the model wrote is lost. The newlines that open and
-close a thinking block, and those right after it, are layout, not content: they are dropped. Both dialects, streaming
-and not, go through this one parser, so streamed and non-streamed answers agree.
+into a :class:`ToolCallPart` (its arguments the model's own text). A tool call whose body is
+not a JSON object with a string ``name`` stays visible as text, so nothing the model wrote is
+lost. The newlines that open and close a thinking block, and those right after it, are
+layout, not content: they are dropped. Both dialects, streaming and not, go through this one
+parser, so streamed and non-streamed answers agree.
 """
 
 from __future__ import annotations
