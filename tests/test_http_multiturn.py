@@ -161,7 +161,9 @@ def test_openai_turn_two_reuses_turn_one_s_prompt_and_answer(
     assert usage.prompt_tokens == len(p2)
     assert cached == reusable(p1, out1, p2)
     assert cached is not None and cached >= len(p1) // BLOCK * BLOCK
-    # greedy answers re-tokenize as generated here, so the answer's blocks are reused too
+    # this greedy answer re-tokenizes as generated (transformers' turn 2 holds turn 1's
+    # output), so every block turn 1 computed is reused, the answer's too
+    assert p2[len(p1):len(p1) + len(out1) - 1] == out1[:-1]
     assert cached == (len(p1) + len(out1) - 1) // BLOCK * BLOCK > len(p1)
     cold = oai.chat.completions.create(model="cold", messages=second,  # type: ignore[arg-type]
                                        max_tokens=24, temperature=0)
@@ -199,7 +201,8 @@ def test_anthropic_turn_two_reuses_turn_one_and_splits_its_usage(
         two = claude.messages.create(**args)
     usage = two.usage
     expected = reusable(p1, out1, p2)
-    assert expected >= len(p1) // BLOCK * BLOCK + BLOCK
+    assert p2[len(p1):len(p1) + len(out1) - 1] == out1[:-1]  # as generated: the answer too
+    assert expected == (len(p1) + len(out1) - 1) // BLOCK * BLOCK > len(p1)
     assert usage.cache_read_input_tokens == expected
     assert usage.cache_creation_input_tokens == 0
     assert usage.input_tokens == len(p2) - expected
