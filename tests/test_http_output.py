@@ -1,5 +1,6 @@
 """The output splitter (thinking / text / tool calls): fed at every split it agrees with a
-plain regular-expression reading of the whole text; and the engine's reasoning budget."""
+plain regular-expression reading of the whole text; a call's arguments are the model's own
+text (oracle: ``json`` reading what the model wrote); and the engine's reasoning budget."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
@@ -179,3 +182,52 @@ def test_model_output_that_is_not_json_text_is_no_tool_call(body: str) -> None:
     # what a model may write: answering with it must never fail (NaN cannot be encoded in a
     # JSON answer, deep nesting overflows the parser, a lone surrogate cannot be sent)
     assert parse_tool_call(body, 0) is None
+
+
+@pytest.mark.parametrize(("body", "arguments"), [
+    ('{"name": "f", "arguments": {"city": "Paris", "n": 1.50}}', '{"city": "Paris", "n": 1.50}'),
+    ('{"name":"f","arguments":{"city":"Paris"}}', '{"city":"Paris"}'),
+    ('{ "arguments" :\n  {\n    "a": [1, {"b": "}"}]\n  } , "name": "f" }',
+     '{\n    "a": [1, {"b": "}"}]\n  }'),
+    ('{"name": "f", "arguments": "{\\"x\\": \\"é\\"}"}', '{"x": "é"}'),
+    ('{"name": "f", "parameters": {"x": "\\u00e9"}}', '{"x": "\\u00e9"}'),
+    ('{"name": "f", "arguments": {"x": 1}, "arguments": {"x": 2}}', '{"x": 2}'),
+    ('{"name": "f"}', '{}'),
+])
+def test_a_tool_call_s_arguments_are_the_model_s_own_text(body: str, arguments: str) -> None:
+    """Not a re-encoding: sent back in the next turn, the call renders as it was generated
+    (so the prefix cache can reuse it); the text still means what the model wrote."""
+    call = parse_tool_call(body, 0)
+    assert call is not None and call.name == "f" and call.arguments == arguments
+    value = json.loads(body)
+    wrote = value.get("arguments", value.get("parameters", {}))
+    assert json.loads(call.arguments) == (json.loads(wrote) if isinstance(wrote, str) else wrote)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(args=st.dictionaries(st.text(max_size=6), _JSON, max_size=4),
+       extra=st.dictionaries(st.text(max_size=6), _JSON, max_size=2),
+       indent=st.sampled_from([None, 0, 2]),
+       separators=st.sampled_from([(",", ":"), (", ", ": "), (" , ", " :  ")]),
+       ascii_only=st.booleans(), arguments_first=st.booleans())
+def test_arguments_text_is_cut_from_any_layout(args: dict[str, object], extra: dict[str, object],
+                                               indent: int | None,
+                                               separators: tuple[str, str], ascii_only: bool,
+                                               arguments_first: bool) -> None:
+    members = {k: v for k, v in extra.items() if k not in ("name", "arguments", "parameters")}
+    call = {"arguments": args, "name": "f"} if arguments_first else {"name": "f", "arguments": args}
+    body = json.dumps({**members, **call} if arguments_first else {**call, **members},
+                      indent=indent, separators=separators, ensure_ascii=ascii_only)
+    parsed = parse_tool_call(body, 0)
+    # a piece of what the model wrote, which reads as the arguments it wrote
+    assert parsed is not None and parsed.arguments in body
+    assert parsed.arguments.startswith("{") and parsed.arguments.endswith("}")
+    assert json.loads(parsed.arguments) == args

@@ -5,7 +5,9 @@ system prompt, ``text`` / ``tool_use`` / ``tool_result`` / ``thinking`` blocks, 
 ``tool_choice``, ``thinking.budget_tokens`` as the reasoning budget), :func:`message_body` (the
 non-stream answer) and :class:`MessageStream` (``message_start``, ``content_block_start`` /
 ``delta`` / ``stop`` for ``thinking``, ``text`` and ``tool_use`` with ``input_json_delta``,
-``message_delta`` with ``stop_reason`` and usage, ``message_stop``, and ``ping``).
+``message_delta`` with ``stop_reason`` and usage, ``message_stop``, and ``ping``), and
+:func:`usage_body`, Anthropic's split of a prompt into tokens read from the prefix cache and
+the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from pipeline.errors import InvalidValueError
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
+    Usage,
 )
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
 from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
@@ -52,8 +55,9 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
             block.get("signature", "string")
         elif kind == "tool_use" and role == "assistant":
             block.get("caller", "object")  # who issued the call; the SDK echoes it back
+            # as the library encodes a mapping of arguments (and a template's ``tojson``)
             calls.append(ToolCall(block.need("name", "string"),
-                                  json.dumps(block.need("input", "object")),
+                                  json.dumps(block.need("input", "object"), ensure_ascii=False),
                                   block.need("id", "string")))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(at, block))
@@ -230,16 +234,24 @@ def _merged(parts: Sequence[Part]) -> list[Part]:
     return out
 
 
+def usage_body(usage: Usage) -> dict[str, int]:
+    """A finished message's ``usage`` as Anthropic counts it: ``input_tokens`` are the prompt
+    tokens *not* read from the cache, so that ``input_tokens + cache_creation_input_tokens +
+    cache_read_input_tokens`` is the whole prompt. The prefix cache is automatic (DESIGN §6):
+    nothing is written to it at a client's request, so ``cache_creation_input_tokens`` is 0."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens}
+
+
 def message_body(parsed: Parsed, completion: Completion, parts: Sequence[Part]) -> dict[str, Any]:
     """The non-stream response body."""
     blocks = [_block(p) for p in _merged(parts)]
     reason, sequence = stop_reason(completion, any(b["type"] == "tool_use" for b in blocks))
     return {"id": parsed.request.request_id, "type": "message", "role": "assistant",
             "model": parsed.model, "content": blocks, "stop_reason": reason,
-            "stop_sequence": sequence, "usage": {
-                "input_tokens": completion.usage.prompt_tokens,
-                "output_tokens": completion.usage.completion_tokens,
-                "cache_read_input_tokens": completion.usage.cached_tokens}}
+            "stop_sequence": sequence, "usage": usage_body(completion.usage)}
 
 
 def _event(kind: str, body: dict[str, Any]) -> bytes:
@@ -261,7 +273,10 @@ class MessageStream:
         self._tool_calls = False
 
     def start(self) -> bytes:
-        """``message_start`` and a first ``ping``."""
+        """``message_start`` and a first ``ping``. The stream opens before the engine admits
+        the request and looks its prompt up in the prefix cache, so ``input_tokens`` here is
+        the whole prompt and the cache fields are absent; ``message_delta`` then carries the
+        final counts (:func:`usage_body`), which replace these as the SDKs accumulate them."""
         return _event("message_start", {"message": {
             "id": self._id, "type": "message", "role": "assistant", "content": [],
             "model": self.parsed.model, "stop_reason": None, "stop_sequence": None,
@@ -302,10 +317,11 @@ class MessageStream:
         return b"".join(out)
 
     def end(self, completions: Sequence[Completion]) -> bytes:
-        """Close the open block, then ``message_delta`` and ``message_stop``."""
+        """Close the open block, then ``message_delta`` (the stop reason and the whole
+        usage, cumulative as Anthropic's are) and ``message_stop``."""
         (completion,) = completions
         reason, sequence = stop_reason(completion, self._tool_calls)
         return self._close() + _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"output_tokens": completion.usage.completion_tokens}}) + _event(
+            "usage": usage_body(completion.usage)}) + _event(
             "message_stop", {})

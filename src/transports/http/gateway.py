@@ -422,8 +422,7 @@ class Gateway:
         finish keeps the request's traces and writes its usage record."""
         self._leave(served)
         self.flights.pop(completion.request_id, None)
-        self.metrics.finished(served.name, completion.usage.prompt_tokens,
-                              completion.usage.completion_tokens, completion.timings.first_token_s)
+        self.metrics.finished(served.name, completion.usage, completion.timings.first_token_s)
         choices.add(index, completion)
 
     def _record(self, served: ServedModel, endpoint: str, record_id: str, n: int,

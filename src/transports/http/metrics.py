@@ -1,8 +1,10 @@
 """Prometheus metrics of the HTTP server, on a registry of its own (no process globals).
 
 Owns :class:`Metrics`: request counts by model, endpoint and status; prompt and completion
-token counts; time-to-first-token and inter-token latency histograms; and gauges of active
-slots and queue depth read from the engines at scrape time. Labels come from bounded sets:
+token counts; the prefix cache's hits (generations that reused cached blocks, and the prompt
+tokens read from the cache, a part of the prompt count); time-to-first-token and inter-token
+latency histograms; and gauges of active slots and queue depth read from the engines at
+scrape time. Labels come from bounded sets:
 a ``model`` label is a served name or ``other`` (a client choosing model names must not grow
 the exposition, nor put undecodable text in it).
 """
@@ -16,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pipeline.pipe import Pipeline
+from pipeline.types import Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -50,6 +53,13 @@ class Metrics:
                                 ["model", "endpoint", "status"], registry=self.registry)
         self.tokens = Counter("pipeline_tokens", "Tokens processed", ["model", "kind"],
                               registry=self.registry)
+        self.cached_tokens = Counter(
+            "pipeline_cached_prompt_tokens", "Prompt tokens read from the prefix cache (also "
+            "counted in pipeline_tokens_total{kind=\"prompt\"})", ["model"],
+            registry=self.registry)
+        self.cache_hits = Counter("pipeline_prefix_cache_hits",
+                                  "Generations whose prompt reused cached blocks", ["model"],
+                                  registry=self.registry)
         self.ttft = Histogram("pipeline_time_to_first_token_seconds",
                               "Time from acceptance to the first token", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -66,12 +76,16 @@ class Metrics:
         """Count one answered request (``model`` as the request named it)."""
         self.requests.labels(self.label(model), endpoint, str(status)).inc()
 
-    def finished(self, model: str, prompt_tokens: int, completion_tokens: int,
-                 ttft_s: float | None) -> None:
-        """Record a finished generation's tokens and time to first token."""
+    def finished(self, model: str, usage: Usage, ttft_s: float | None) -> None:
+        """Record a finished generation's tokens (those its prompt read from the prefix cache
+        too) and time to first token."""
         model = self.label(model)
-        self.tokens.labels(model, "prompt").inc(prompt_tokens)
-        self.tokens.labels(model, "completion").inc(completion_tokens)
+        self.tokens.labels(model, "prompt").inc(usage.prompt_tokens)
+        self.tokens.labels(model, "completion").inc(usage.completion_tokens)
+        self.cached_tokens.labels(model).inc(usage.cached_tokens)
+        hits = self.cache_hits.labels(model)  # a sample from the first generation on, hit or not
+        if usage.cached_tokens:
+            hits.inc()
         if ttft_s is not None:
             self.ttft.labels(model).observe(ttft_s)
 

@@ -135,17 +135,23 @@ def _anthropic_events() -> list[Schema]:
         event("content_block_start", index=COUNT, content_block=ref("AnthropicResponseBlock")),
         event("content_block_delta", index=COUNT, delta=delta),
         event("content_block_stop", index=COUNT),
-        event("message_delta", delta=stop, usage=out({"output_tokens": COUNT})),
+        event("message_delta", delta=stop, usage=_anthropic_usage()),
         event("message_stop"), event("ping"), ref(ANTHROPIC),
     ]
+
+
+def _anthropic_usage() -> Schema:
+    """A finished message's usage: ``input_tokens`` are the prompt tokens not read from the
+    cache (the prompt is the sum of the three input counts)."""
+    return out({"input_tokens": COUNT, "cache_creation_input_tokens": COUNT,
+                "cache_read_input_tokens": COUNT, "output_tokens": COUNT})
 
 
 def _anthropic_responses() -> dict[str, Schema]:
     """The Messages answer, its stream's events, and the token count."""
     names = ["message_start", "content_block_start", "content_block_delta",
              "content_block_stop", "message_delta", "message_stop", "ping", "error"]
-    usage = out({"input_tokens": COUNT, "output_tokens": COUNT,
-                  "cache_read_input_tokens": COUNT})
+    usage = _anthropic_usage()
     return {
         "AnthropicResponseBlock": {"oneOf": [
             out({"type": {"const": "text"}, "text": STRING}),

@@ -4,10 +4,11 @@ Owns :class:`OutputSplitter`, an incremental parser over the detokenized text of
 The chat templates mark reasoning with ``<think>…</think>`` and tool calls with
 ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``; the splitter finds these markers
 across delta boundaries (holding back a partial marker), and turns each completed tool call
-into a :class:`ToolCallPart`. A tool call whose body is not a JSON object with a string
-``name`` stays visible as text, so nothing the model wrote is lost. The newlines that open and
-close a thinking block, and those right after it, are layout, not content: they are dropped. Both dialects, streaming
-and not, go through this one parser, so streamed and non-streamed answers agree.
+into a :class:`ToolCallPart` (its arguments the model's own text). A tool call whose body is
+not a JSON object with a string ``name`` stays visible as text, so nothing the model wrote is
+lost. The newlines that open and close a thinking block, and those right after it, are
+layout, not content: they are dropped. Both dialects, streaming and not, go through this one
+parser, so streamed and non-streamed answers agree.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class TextPart:
 
 @attrs.frozen
 class ToolCallPart:
-    """A parsed tool call; ``arguments`` is compact JSON text of an object."""
+    """A parsed tool call; ``arguments`` is JSON text of an object, as the model wrote it."""
 
     index: int
     id: str
@@ -79,29 +80,59 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _member_texts(body: str) -> dict[str, str]:
+    """The text of each member value of the JSON object ``body`` (valid JSON text), exactly
+    as written; the last of a repeated key wins, as in ``json.loads``."""
+    decoder, at = json.JSONDecoder(), 1
+    out: dict[str, str] = {}
+    while True:
+        at = _skip_space(body, at)
+        if body[at] == "}":
+            return out
+        key, at = decoder.raw_decode(body, at)
+        at = _skip_space(body, _skip_space(body, at) + 1)  # past the colon
+        _, end = decoder.raw_decode(body, at)
+        out[key], at = body[at:end], _skip_space(body, end)
+        at += body[at] == ","
+
+
+def _skip_space(text: str, at: int) -> int:
+    while text[at] in " \t\n\r":
+        at += 1
+    return at
+
+
 def parse_tool_call(body: str, index: int) -> ToolCallPart | None:
-    """The tool call in ``body`` (the text between the markers), or None if malformed."""
+    """The tool call in ``body`` (the text between the markers), or None if malformed.
+
+    ``arguments`` is the model's own text of the arguments object (inside a string, when the
+    model wrote them as one), not a re-encoding: a client that sends the call back in the
+    conversation then renders the tokens the model generated, and the next turn reuses them
+    from the prefix cache (and it is what OpenAI's API returns: the arguments as the model
+    wrote them)."""
+    body = body.strip()
     try:
         value = _strict_json(body)
     except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    args = value.get("arguments", value.get("parameters", {}))
+    key = "arguments" if "arguments" in value else "parameters"
+    args, text = value.get(key, {}), _member_texts(body).get(key, "{}")
     if isinstance(args, str):
         try:
-            args = _strict_json(args)
+            args, text = _strict_json(args), args.strip()
         except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
     try:
-        arguments = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+        decoded = json.dumps(args, ensure_ascii=False)
     except RecursionError:
         return None
-    if unicode_error(arguments) or unicode_error(value["name"]):  # a "\ud800" escape
+    if unicode_error(decoded) or unicode_error(value["name"]):  # a "\ud800" escape
         return None
-    return ToolCallPart(index, f"call_{uuid.uuid4().hex[:24]}", value["name"], arguments)
+    return ToolCallPart(index, f"call_{uuid.uuid4().hex[:24]}", value["name"], text)
 
 
 class OutputSplitter:
