@@ -1,7 +1,8 @@
 """The engine over a paged backend: prefix-cache hits, admission by free blocks, preemption by
-recompute; and Paging's growth and preemption rules on their own. Every request's greedy tokens are checked against the same request run alone in a
-fresh pipeline (one slot, an empty pool: no prefix cache, no eviction, no preemption; its
-equality with transformers is test_torch_pipeline's business), so a cache hit, an eviction or a
+recompute; and Paging's growth and preemption rules on their own, on a bare pool. Every
+request's greedy tokens are checked against the same request run alone in a fresh pipeline
+(one slot, an empty pool: no prefix cache, no eviction, no preemption; its equality with
+transformers is test_torch_pipeline's business), so a cache hit, an eviction or a
 recomputation that changed what the model sees would show."""
 
 from __future__ import annotations
