@@ -1,7 +1,8 @@
 """The engine over a paged backend: prefix-cache hits, admission by free blocks, preemption by
-recompute. Every request's greedy tokens are checked against the same request run alone in a
-fresh pipeline (one slot, an empty pool: no prefix cache, no eviction, no preemption; its
-equality with transformers is test_torch_pipeline's business), so a cache hit, an eviction or a
+recompute; and Paging's growth and preemption rules on their own, on a bare pool. Every
+request's greedy tokens are checked against the same request run alone in a fresh pipeline
+(one slot, an empty pool: no prefix cache, no eviction, no preemption; its equality with
+transformers is test_torch_pipeline's business), so a cache hit, an eviction or a
 recomputation that changed what the model sees would show."""
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import pytest
 
 from pipeline import build
+from pipeline.errors import CapacityError
+from pipeline.paging import Paging, Room
 from pipeline.pipe import Pipeline
 from pipeline.trace import check
 from pipeline.types import Completion, Request
@@ -110,3 +114,69 @@ def test_more_requests_than_blocks_all_finish_as_alone(oracle: Any) -> None:
     assert preempted, "the pool was meant to force preemption"
     for c in preempted:
         assert any(p.get("resumed") for p in _events(c, "prefill.completed"))
+
+
+# --- Paging's rules on their own ----------------------------------------------------------
+
+
+@attrs.frozen
+class _Pool:
+    """The two numbers Paging reads of a paged backend."""
+
+    num_blocks: int
+    block_size: int
+
+
+@attrs.define(eq=False)
+class _Job:
+    prompt_ids: tuple[int, ...]
+    output_ids: list[int] = attrs.Factory(list)
+    cache_len: int = 0
+
+
+def _admitted(paging: Paging, *prompts: int) -> list[_Job]:
+    jobs = [_Job(tuple(range(1 + 10 * i, 1 + 10 * i + n))) for i, n in enumerate(prompts)]
+    for job in jobs:
+        assert paging.admit(job, job.prompt_ids) is not None
+        job.cache_len = len(job.prompt_ids)
+    return jobs
+
+
+def test_make_room_grows_every_table_while_blocks_last() -> None:
+    paging = Paging(_Pool(8, 4), "snap")  # type: ignore[arg-type]
+    a, b = _admitted(paging, 4, 7)           # 1 + 2 blocks
+    room = paging.make_room([(a, 5), (b, 9)], [a, b])
+    assert room == Room() and not room.dropped
+    assert (len(paging.table(a)), len(paging.table(b))) == (2, 3)
+    assert paging.blocks.stats.free_blocks == 3
+
+
+def test_make_room_preempts_the_most_recently_admitted_other_job() -> None:
+    paging = Paging(_Pool(6, 4), "snap")  # type: ignore[arg-type]
+    a, b, c = _admitted(paging, 8, 4, 4)     # 2 + 1 + 1 blocks; 2 free
+    room = paging.make_room([(a, 17), (c, 5)], [a, b, c])   # a needs 3 more blocks
+    assert room.preempted == ((c, 1),) and room.starved == ()
+    assert room.dropped == {c} and c not in paging.blocks   # c's own need was skipped
+    assert len(paging.table(a)) == 5 and len(paging.table(b)) == 1
+    room = paging.make_room([(b, 9)], [a, b])               # b needs 2 more: a goes
+    assert room.preempted == ((a, 5),)
+    assert len(paging.table(b)) == 3
+
+
+def test_make_room_starves_a_job_with_nobody_left_to_preempt() -> None:
+    paging = Paging(_Pool(3, 4), "snap")  # type: ignore[arg-type]
+    (a,) = _admitted(paging, 12)
+    room = paging.make_room([(a, 13)], [a])
+    assert room.preempted == () and [j for j, _ in room.starved] == [a]
+    assert "out of KV blocks: 1 needed, 0 free" in room.starved[0][1]
+    assert len(paging.table(a)) == 3   # nothing changed
+
+
+def test_a_prompt_larger_than_the_whole_pool_is_refused_not_kept_waiting() -> None:
+    """It could never be admitted, so the engine fails it rather than block the queue."""
+    paging = Paging(_Pool(6, 4), "snap")  # type: ignore[arg-type]
+    _admitted(paging, 4)
+    with pytest.raises(CapacityError, match="needs 8 KV blocks, more than the pool's 6"):
+        paging.admit(_Job((1,) * 30), tuple(range(30)))
+    assert paging.admit(_Job((1,) * 24), tuple(range(24)), reserve=1) is None  # waits
+    assert paging.blocks.stats.used_blocks == 1

@@ -11,15 +11,22 @@ Owns the scheduler and the step loop. Each step it
    ``max_prefill_chunk`` tokens for prefilling requests in admission order with what is left
    and, while requests decode, no more than the pacer allows so the step stays within
    ``step_latency_ratio`` of a decode-only step (:mod:`pipeline.pacing`),
-4. over a paged backend grows each writing call's block table, preempting the most recently
-   admitted other request by recompute when blocks run out, then
+4. over a paged backend has :mod:`pipeline.paging` grow each writing call's block table
+   (:meth:`~pipeline.paging.Paging.make_room`: when blocks run out the most recently admitted
+   other request gives its blocks back, and the engine takes its slot and requeues it:
+   preemption by recompute), then
    makes one batched ``backend.forward`` for that plan: every decode token and every prefill
    chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
-   decode token and at a prompt's last chunk's last token),
+   decode token and at a prompt's last chunk's last token; the block table with each),
 5. for every request with fresh logits z_t: processor chain → selector (overridden by a
-   ``forced_prefix`` or a spent reasoning budget, see ``Job.taken``) → stoppers →
+   ``forced_prefix`` or a spent reasoning budget: :mod:`pipeline.forcing`) → stoppers →
    detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
-   next step's forward writes into the cache (cache length m + t) — the DESIGN §4 order.
+   next step's forward writes into the cache (cache length m + t) — the DESIGN §4 order;
+   over a paged backend the blocks that filled up are then published to the prefix cache.
+
+The KV memory rules (admission by free blocks, growth, preemption, publication, rollback,
+release) are :mod:`pipeline.paging`'s; a request's records (spec, decode state, text state,
+trace) are :class:`~pipeline.job.Job`'s.
 
 Request-level work before the queue (render, tokenize, validation) happens in
 :class:`~pipeline.pipe.Pipeline` on the caller's thread.
@@ -49,7 +56,7 @@ import attrs
 import torch
 
 from pipeline.errors import (
-    CapacityError, EngineClosed, InvalidValueError, OutOfBlocks, SlotError,
+    CapacityError, EngineClosed, InvalidValueError, SlotError,
 )
 from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
@@ -290,13 +297,14 @@ class Engine:
         if not plan.decode and not plan.prefill:
             return None
         if self._paging is not None:
-            plan = self._grow(plan, self._paging)
+            plan = self._make_room(plan, self._paging)
         ready = self._forward(plan)
         if ready:
             self._update(ready)
-        if self._paging is not None:
+        paging = self._paging
+        if paging is not None:
             for job in list(self._active):
-                self._guarded(job, "publishing blocks", lambda: self._paging_publish(job))
+                self._guarded(job, "publishing blocks", lambda: paging.publish(job))
         return len(plan.decode), sum(len(c.token_ids) for _, c in plan.prefill)
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
@@ -330,12 +338,12 @@ class Engine:
             job = self._queue[0]
             hit = None
             if self._paging is not None:
-                hit = self._paging.admit(job, job.prefill_ids, reserve=len(self._active))
+                try:
+                    hit = self._paging.admit(job, job.prefill_ids, reserve=len(self._active))
+                except CapacityError as exc:  # more than the whole pool: it never fits
+                    self._fail(job, str(exc))
+                    continue
                 if hit is None:
-                    if not self._active and not self._paging.fits_alone(job.prefill_ids):
-                        self._fail(job, f"the prompt needs more KV blocks than the pool's "
-                                        f"{self._paging.blocks.num_blocks}")
-                        continue
                     return
             try:
                 slot = self.backend.allocate()
@@ -397,11 +405,13 @@ class Engine:
         for job in plan.decode:
             p = job.plan
             assert p is not None
-            calls[job] = self._paged(job, ModelCall(job.slot_id, p.token_ids, job.cache_len,
-                                                    p.outputs, p.attention, p.write))
+            calls[job] = ModelCall(job.slot_id, p.token_ids, job.cache_len, p.outputs,
+                                   p.attention, p.write, self._table(job))
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
-            calls[job] = self._paged(job, ModelCall.chunk(chunk))
+            call = ModelCall.chunk(chunk)
+            calls[job] = call if self._paging is None else attrs.evolve(
+                call, blocks=self._table(job))
         done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
                           calls)
         fresh = [(job, rows) for job, rows in done if len(rows)]
@@ -422,49 +432,30 @@ class Engine:
                 ready.append((job, rows))
         return ready
 
-    def _paged(self, job: Job, call: ModelCall) -> ModelCall:
-        """``call`` with the job's block table, over a paged backend."""
-        if self._paging is None:
-            return call
-        return attrs.evolve(call, blocks=self._paging.table(job))
+    def _table(self, job: Job) -> tuple[int, ...] | None:
+        """The job's block table over a paged backend (None: the backend keeps its memory)."""
+        return self._paging.table(job) if self._paging is not None else None
 
-    def _paging_publish(self, job: Job) -> None:
-        assert self._paging is not None
-        self._paging.publish(job)
+    def _make_room(self, plan: _Plan, paging: Paging) -> _Plan:
+        """Grow each writing decode call's table to its positions (:meth:`Paging.make_room`);
+        the jobs paging preempted are requeued, those it could not grow fail, and both leave
+        the plan."""
+        needs = [(job, job.cache_len + len(job.plan.token_ids)) for job in plan.decode
+                 if job.plan is not None and job.plan.write]
+        room = paging.make_room(needs, list(self._active))
+        for job, blocks in room.preempted:
+            self._preempt(job, blocks)
+        for job, why in room.starved:
+            self._fail(job, why)
+        dropped = room.dropped
+        return _Plan([j for j in plan.decode if j not in dropped],
+                     [(j, c) for j, c in plan.prefill if j not in dropped])
 
-    def _grow(self, plan: _Plan, paging: Paging) -> _Plan:
-        """Grow each writing decode call's table to its positions. When blocks run out,
-        preempt the most recently admitted other job (:meth:`_preempt`) and try again; a
-        job that is alone and still short fails."""
-        decode = list(plan.decode)
-        prefill = list(plan.prefill)
-        for job in list(decode):
-            if job not in decode:
-                continue  # preempted for an earlier job's growth
-            p = job.plan
-            assert p is not None
-            while p.write:
-                try:
-                    paging.grow(job, job.cache_len + len(p.token_ids))
-                    break
-                except OutOfBlocks as exc:
-                    victims = [j for j in self._active if j is not job]
-                    if not victims:
-                        self._fail(job, f"out of KV blocks: {exc}")
-                        decode.remove(job)
-                        break
-                    victim = victims[-1]
-                    self._preempt(victim, paging)
-                    decode = [j for j in decode if j is not victim]
-                    prefill = [(j, c) for j, c in prefill if j is not victim]
-        return _Plan(decode, prefill)
-
-    def _preempt(self, job: Job, paging: Paging) -> None:
-        """Take ``job``'s blocks and slot back (preemption by recompute): it returns to the
-        head of the queue with its committed output and strategy state, and on readmission
-        prefills its prompt and output again (the prefix cache may still hold them)."""
-        blocks = len(paging.table(job))
-        paging.free(job)
+    def _preempt(self, job: Job, blocks: int) -> None:
+        """Take the slot back from ``job``, whose ``blocks`` KV blocks paging freed
+        (preemption by recompute): it returns to the head of the queue with its committed
+        output and strategy state, and on readmission prefills its prompt and output again
+        (the prefix cache may still hold them)."""
         self.backend.release(job.slot_id)
         self._held.discard(job.slot_id)
         with self._cv:

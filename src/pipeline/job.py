@@ -1,32 +1,37 @@
-"""One request's decode-side life inside the engine: its state machine and its events.
+"""One request's life inside the engine: its state machine over its records, and its events.
 
-Owns :class:`Job`, the engine-thread-only record of a request in flight: slot, prefill
-progress, cache length, its strategy and that strategy's loop state (DESIGN §6: the strategy
-owns it), committed tokens, detokenizer and stopper states, emitted text, and the tracer that
-numbers its events. The text side sees committed tokens only (:meth:`Job.advance`). Every transition emits the DESIGN §7 event for it, so the trace
-of a finished job holds the minimal timeline in causal order. Only the engine calls these
+Owns :class:`Job`, the engine-thread-only handle on a request in flight. A request is a few
+small records (DESIGN §6, second edition), which the job holds side by side:
+
+- its **spec** (:class:`~pipeline.job_spec.JobSpec`): the request, its tokenized prompt, the
+  seed and ids; plain data, serializable;
+- its **decode state**: the strategy's loop state (``Job.decode_state``, owned by the strategy:
+  ``start``, ``plan``, ``update``), and the committed tokens (``Job.output_ids``);
+- its **text state** (:class:`~pipeline.text_state.TextState`): detokenizer, stoppers, emitted
+  text and what is not sent yet; it sees committed tokens only (:meth:`Job.advance`);
+- its **trace**: the :class:`~pipeline.events.Tracer` that numbers its events.
+
+Besides those the job keeps the scheduler's view (state, slot, prefill progress, cache
+length, preemption) and the timings. Every transition emits the DESIGN §7 event for it, so the
+trace of a finished job holds the minimal timeline in causal order. Only the engine calls these
 methods, from its own thread.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
 from pipeline.events import Tracer, digest_ids, digest_text
-from pipeline.handle import RequestHandle, RequestState
-from pipeline.protocols import (
-    CacheLayout, Detokenizer, Plan, PrefillChunk, Row, StopContext, Stopper, StopVerdict,
-    Strategy, StrategyEvent, Taken,
-)
 from pipeline.forcing import Forcing
-from pipeline.types import (
-    Completion, Delta, FinishReason, Recording, Request, Timings, TokenizedPrompt, TokenLogprob,
-    Usage,
+from pipeline.handle import RequestHandle, RequestState
+from pipeline.job_spec import JobSpec
+from pipeline.protocols import (
+    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
 )
+from pipeline.text_state import TextState
+from pipeline.types import Completion, FinishReason, Recording, Timings, TokenLogprob, Usage
 
 _TERMINAL_STATE = {
     FinishReason.CANCELLED: RequestState.CANCELLED,
@@ -34,29 +39,16 @@ _TERMINAL_STATE = {
 }
 
 
-@attrs.frozen
-class JobSpec:
-    """Everything fixed about a job when it is submitted."""
-
-    request: Request
-    prompt: TokenizedPrompt
-    seed: int
-    eos_token_ids: frozenset[int]
-    detokenizer: Detokenizer[Any]
-    stoppers: tuple[Stopper[Any], ...]
-    accepted_ns: int
-    last_event: int | None = None
-    think_markers: tuple[int, int] | None = None
-    """Ids of the template's begin- and end-of-thinking markers, when a reasoning budget is set."""
-    token_bytes: Callable[[int], bytes] | None = None
-    """The tokenizer's bytes of a token id, which logprob records are labelled with."""
-
-
 class Job:
-    """A request in the engine. Mutable; touched only by the engine thread."""
+    """A request in the engine: its records and its place in the schedule. Mutable;
+    touched only by the engine thread. ``text`` was started from ``spec`` (with the
+    pipeline's detokenizer and stoppers); ``tracer`` continues the request's trace and
+    ``handle`` is the caller's side."""
 
-    def __init__(self, spec: JobSpec, tracer: Tracer, handle: RequestHandle) -> None:
+    def __init__(self, spec: JobSpec, text: TextState, tracer: Tracer,
+                 handle: RequestHandle) -> None:
         self.spec = spec
+        self.text = text
         self.request = spec.request
         self.config = spec.request.generation_config
         self.tracer = tracer
@@ -78,14 +70,7 @@ class Job:
         self.plan: Plan | None = None
         """What the current step feeds the model, once planned."""
         self.output_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.text: list[str] = []
-        self.seq = 0
-        self.unsent_ids: list[int] = []
-        self.unsent_logprobs: list[TokenLogprob] = []
-        self.detok_state = spec.detokenizer.start(self.prompt_ids)
-        context = StopContext(spec.eos_token_ids, spec.accepted_ns)
-        self.stop_states = [s.start(spec.request, context) for s in spec.stoppers]
+        """Committed tokens, in order."""
         self.started_ns: int | None = None
         self.first_token_ns: int | None = None
         self.finish_reason: FinishReason | None = None
@@ -303,47 +288,23 @@ class Job:
         if self.first_token_ns is None:
             self.first_token_ns = time.monotonic_ns()
         self.output_ids.append(token)
-        self.unsent_ids.append(token)
-        if logprob is not None:
-            if self.spec.token_bytes is not None:
-                logprob = logprob.with_text(self.spec.token_bytes)
-            self.logprobs.append(logprob)
-            self.unsent_logprobs.append(logprob)
-        verdict = self._check_token(token, step, max_context)
-        piece = ""
-        if verdict is None or verdict.keep_token_text:
-            self.detok_state, piece = self.spec.detokenizer.step(self.detok_state, token)
-        final = verdict is not None
-        if final:
-            piece += self.spec.detokenizer.finish(self.detok_state)
-        released, text_verdict = self._check_text(piece, final)
-        verdict = text_verdict or verdict
+        verdict = self.text.check_token(token, step)
+        if verdict is None:
+            verdict = self._window_full(step, max_context)
+        released, verdict = self.text.commit(token, logprob, verdict)
         self._deliver(released, verdict, selected)
         if verdict is not None:
             self._end(verdict.reason, verdict.detail)
             return verdict.reason
         return None
 
-    def _check_token(self, token: int, step: int, max_context: int) -> StopVerdict | None:
-        for stopper, state in zip(self.spec.stoppers, self.stop_states):
-            verdict = stopper.check_token(state, token, step)
-            if verdict is not None:
-                return verdict
+    def _window_full(self, step: int, max_context: int) -> StopVerdict | None:
+        """The length verdict when output token ``step`` fills the context (the model's, or
+        the request's ``max_context_tokens`` when smaller)."""
         limit = self.request.runtime_limits.max_context_tokens
         if len(self.prompt_ids) + step >= min(max_context, limit or max_context):
             return StopVerdict(FinishReason.LENGTH, "context window full", keep_token_text=True)
         return None
-
-    def _check_text(self, text: str, final: bool) -> tuple[str, StopVerdict | None]:
-        """Chain text through the stoppers. After a verdict the rest get ``final=True`` so
-        they release what they hold; a later stopper's verdict lies earlier in the (already
-        trimmed) text, so it wins."""
-        verdict: StopVerdict | None = None
-        for i, stopper in enumerate(self.spec.stoppers):
-            self.stop_states[i], text, found = stopper.check_text(
-                self.stop_states[i], text, final or verdict is not None)
-            verdict = found or verdict
-        return text, verdict
 
     def _deliver(self, text: str, verdict: StopVerdict | None, parent: int) -> None:
         if not text and verdict is None:
@@ -352,19 +313,14 @@ class Job:
         self._push(text, reason, parent)
 
     def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
-        delta = Delta(self.request.request_id, self.seq, text, tuple(self.unsent_ids),
-                      tuple(self.unsent_logprobs), reason)
-        payload: dict[str, Any] = {"seq": self.seq, "step": len(self.output_ids),
+        delta = self.text.delta(text, reason)
+        payload: dict[str, Any] = {"seq": delta.seq, "step": len(self.output_ids),
                                    "bytes": len(text.encode()),
-                                   "tokens": len(self.unsent_ids), "digest": digest_text(text),
+                                   "tokens": len(delta.token_ids), "digest": digest_text(text),
                                    "final": reason is not None}
         if self._full:
             payload["text"] = text
         self._emit("transport", "stream.delta", payload, parent)
-        self.seq += 1
-        self.text.append(text)
-        self.unsent_ids.clear()
-        self.unsent_logprobs.clear()
         self.handle._push(delta)
 
     # --- endings -----------------------------------------------------------------------------
@@ -390,7 +346,7 @@ class Job:
         self._emit("engine", "generation.finished", {
             "reason": reason.value, "detail": detail, "completion_tokens": len(self.output_ids),
             "output_digest": digest_ids(self.output_ids), "text_digest": digest_text(
-                "".join(self.text)), "state": self.state.value})
+                self.text.emitted), "state": self.state.value})
 
     def abort(self, error: str) -> None:
         """Last resort when ending the job normally raised (its state is corrupt): complete
@@ -424,9 +380,9 @@ class Job:
         ttft = None if self.first_token_ns is None else (self.first_token_ns - start) / 1e9
         assert self.finish_reason is not None
         return Completion(
-            request_id=self.request.request_id, text="".join(self.text),
+            request_id=self.request.request_id, text=self.text.emitted,
             token_ids=tuple(self.output_ids), finish_reason=self.finish_reason,
             usage=Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens),
             trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
-            logprobs=tuple(self.logprobs) if self.config.logprobs else None, error=self.error)
+            logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error)

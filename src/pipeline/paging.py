@@ -8,19 +8,24 @@ by the backend's ``snapshot``), with the job-level rules (DESIGN §6, second edi
   or for a preempted job its prompt and committed output but the pending token) are matched
   against the prefix cache; the cached blocks are shared and only the rest is allocated. A
   job whose blocks do not fit gets None and waits in the queue;
-- **growth** (:meth:`Paging.grow`) before each forward that writes past the table's end;
-  :class:`~pipeline.errors.OutOfBlocks` tells the engine to preempt;
+- **growth** (:meth:`Paging.grow`) before each forward that writes past the table's end, and
+  **preemption by recompute** (:meth:`Paging.make_room`): when blocks run out, the most
+  recently admitted other job gives its blocks back (the engine then takes its slot and
+  requeues it; it recomputes its cache when readmitted); a job alone and still short starves;
 - **publication** (:meth:`Paging.publish`) of full blocks whose content is final: positions
   before the job's pending token, so rejected drafts and a pending token are never shared;
 - **rollback** (:meth:`Paging.truncate`) and **release** (:meth:`Paging.free`, which
   publishes first so a finished conversation's blocks serve the next turn).
 
+A job admitted with a prompt that needs more blocks than the whole pool is refused with
+:class:`~pipeline.errors.CapacityError` (waiting would never help).
+
 Example::
 
-    paging = Paging(backend)
-    hit = paging.admit(job)             # None: wait; else hit.cached_tokens are computed
-    table = paging.grow(job, job.cache_len + 1)
-    ... backend.forward([ModelCall(..., blocks=table)]) ...
+    paging = Paging(backend, backend.snapshot)
+    hit = paging.admit(job, job.prefill_ids)   # None: wait; else hit.cached_tokens are computed
+    room = paging.make_room([(job, job.cache_len + 1)], running=[job])
+    ... backend.forward([ModelCall(..., blocks=paging.table(job))]) ...
     paging.publish(job)
     paging.free(job)
 """
@@ -28,9 +33,12 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
+
+import attrs
 
 from pipeline.blocks import BlockManager, PrefixMatch
+from pipeline.errors import CapacityError, OutOfBlocks
 from pipeline.protocols import PagedBackend
 
 
@@ -45,6 +53,23 @@ class PagedJob(Hashable, Protocol):
 
     @property
     def cache_len(self) -> int: ...
+
+
+J = TypeVar("J", bound=PagedJob)
+
+
+@attrs.frozen
+class Room(Generic[J]):
+    """What :meth:`Paging.make_room` did: the jobs it preempted (each with the blocks it
+    held), and the jobs that stay short with nobody left to preempt (each with why)."""
+
+    preempted: tuple[tuple[J, int], ...] = ()
+    starved: tuple[tuple[J, str], ...] = ()
+
+    @property
+    def dropped(self) -> set[J]:
+        """Every job that leaves this step's plan."""
+        return {job for job, _ in self.preempted} | {job for job, _ in self.starved}
 
 
 def computed_tokens(job: PagedJob) -> list[int]:
@@ -66,7 +91,12 @@ class Paging:
         """A table for ``job`` covering ``tokens`` (what it must have in its cache), reusing
         the longest cached prefix; None (and nothing allocated) when the blocks do not fit
         with ``reserve`` blocks left over (room for the running jobs' next blocks, so that
-        admitting one does not force a preemption at the next step)."""
+        admitting one does not force a preemption at the next step). Raises
+        :class:`~pipeline.errors.CapacityError` when ``tokens`` need more blocks than the
+        whole pool holds."""
+        if not self.fits_alone(tokens):
+            raise CapacityError(f"the prompt needs {self.blocks.blocks_for(len(tokens))} KV "
+                                f"blocks, more than the pool's {self.blocks.num_blocks}")
         hit = self.blocks.match(tokens)
         if not self.blocks.can_allocate(len(tokens) + reserve * self.blocks.block_size, hit):
             return None
@@ -87,6 +117,32 @@ class Paging:
         if length > self.blocks.length(job):
             return self.blocks.grow(job, length)
         return self.blocks.table(job)
+
+    def make_room(self, needs: Sequence[tuple[J, int]], running: Sequence[J]) -> Room[J]:
+        """Grow each job's table to cover its length in ``needs``, in order. When blocks run
+        out, the most recently admitted job of ``running`` other than the one growing is
+        preempted (its blocks published and freed; a preempted job's own need is skipped) and
+        the growth is tried again; a job with nobody left to preempt starves."""
+        running = list(running)
+        preempted: list[tuple[J, int]] = []
+        starved: list[tuple[J, str]] = []
+        for job, length in needs:
+            if any(job is victim for victim, _ in preempted):
+                continue
+            while True:
+                try:
+                    self.grow(job, length)
+                    break
+                except OutOfBlocks as exc:
+                    victims = [j for j in running if j is not job]
+                    if not victims:
+                        starved.append((job, str(exc)))
+                        break
+                    victim = victims[-1]
+                    preempted.append((victim, len(self.table(victim))))
+                    self.free(victim)
+                    running.remove(victim)
+        return Room(tuple(preempted), tuple(starved))
 
     def publish(self, job: PagedJob) -> None:
         """Make ``job``'s full, final blocks reusable by later prompts (cheap when no block

@@ -24,11 +24,13 @@ from pipeline.engine import Engine
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
 from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_text
 from pipeline.handle import RequestHandle
-from pipeline.job import Job, JobSpec
+from pipeline.job import Job
+from pipeline.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
 from pipeline.protocols import (
     Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, Transport,
 )
+from pipeline.text_state import TextState
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
     TokenizedPrompt, ToolSpec, from_mapping,
@@ -172,7 +174,10 @@ class Pipeline:
             "unix_ns": time.time_ns(), **trace_context(request)})
         request, spec = self._prepare(request, tracer, accepted_ns, accepted)
         handle = RequestHandle(request.request_id, engine.wake)
-        engine.submit(Job(spec, tracer, handle))
+        assert self.stages.detokenizer is not None
+        text = TextState(spec, self.stages.detokenizer, self.stages.stoppers,
+                         self._tokenizer.token_bytes)
+        engine.submit(Job(spec, text, tracer, handle))
         return handle
 
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None,
@@ -296,11 +301,9 @@ class Pipeline:
             "rendered_digest": prompt.rendered_digest,
             **({"input_ids": list(prompt.input_ids)}
                if request.recording is Recording.FULL else {})}, parent)
-        assert self.stages.detokenizer is not None
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
-        spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
-                       self.stages.stoppers, accepted_ns, last, think, tokenizer.token_bytes)
+        spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, accepted_ns, last, think)
         return request, spec
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:
