@@ -20,12 +20,12 @@ from pipeline.events import Tracer, digest_ids, digest_text
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.protocols import (
     CacheLayout, Detokenizer, Plan, PrefillChunk, Row, StopContext, Stopper, StopVerdict,
-    Strategy, StrategyEvent, Taken,
+    Strategy, StrategyEvent, Taken, ToolCallReader,
 )
 from pipeline.forcing import Forcing
 from pipeline.types import (
-    Completion, Delta, FinishReason, Recording, Request, Timings, TokenizedPrompt, TokenLogprob,
-    Usage,
+    Completion, Delta, FinishReason, OutputPiece, Recording, Request, Timings, TokenizedPrompt,
+    TokenLogprob, ToolCallDelta, ToolCallEnd, Usage,
 )
 
 _TERMINAL_STATE = {
@@ -50,6 +50,8 @@ class JobSpec:
     """Ids of the template's begin- and end-of-thinking markers, when a reasoning budget is set."""
     token_bytes: Callable[[int], bytes] | None = None
     """The tokenizer's bytes of a token id, which logprob records are labelled with."""
+    tool_reader: ToolCallReader | None = attrs.field(default=None, eq=False)
+    """Reads tool calls out of the committed text, when the request offered tools."""
 
 
 class Job:
@@ -352,8 +354,9 @@ class Job:
         self._push(text, reason, parent)
 
     def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
+        calls = self._tool_pieces(text, reason is not None)
         delta = Delta(self.request.request_id, self.seq, text, tuple(self.unsent_ids),
-                      tuple(self.unsent_logprobs), reason)
+                      tuple(self.unsent_logprobs), reason, calls)
         payload: dict[str, Any] = {"seq": self.seq, "step": len(self.output_ids),
                                    "bytes": len(text.encode()),
                                    "tokens": len(self.unsent_ids), "digest": digest_text(text),
@@ -366,6 +369,30 @@ class Job:
         self.unsent_ids.clear()
         self.unsent_logprobs.clear()
         self.handle._push(delta)
+
+    def _tool_pieces(self, text: str, final: bool) -> tuple[ToolCallDelta, ...]:
+        """Feed the tool-call reader; each call it begins is ``tool.proposed`` and each it
+        ends ``tool.parsed`` (or ``tool.malformed``) in the trace (DESIGN §11)."""
+        reader = self.spec.tool_reader
+        if reader is None:
+            return ()
+        pieces: list[OutputPiece] = reader.feed(text) if text else []
+        if final:
+            pieces += reader.finish()
+        for piece in pieces:
+            if isinstance(piece, ToolCallDelta) and piece.name is not None:
+                self._emit("tools", "tool.proposed", {"call_id": piece.id, "index": piece.index,
+                                                      "name": piece.name})
+            elif isinstance(piece, ToolCallEnd):
+                self._emit("tools", *_parsed(piece, self._full, self._proposed(piece.index)))
+        return tuple(p for p in pieces if isinstance(p, ToolCallDelta))
+
+    def _proposed(self, index: int) -> Any:
+        """The call id the ``tool.proposed`` event of call ``index`` gave."""
+        for event in reversed(self.tracer.events):
+            if event.event_type == "tool.proposed" and event.payload["index"] == index:
+                return event.payload["call_id"]
+        return None
 
     # --- endings -----------------------------------------------------------------------------
 
@@ -429,4 +456,15 @@ class Job:
             usage=Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens),
             trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
-            logprobs=tuple(self.logprobs) if self.config.logprobs else None, error=self.error)
+            logprobs=tuple(self.logprobs) if self.config.logprobs else None, error=self.error,
+            tool_calls=self.spec.tool_reader.calls if self.spec.tool_reader else ())
+
+
+def _parsed(end: ToolCallEnd, full: bool, call_id: Any) -> tuple[str, dict[str, Any]]:
+    """The event ending a proposed call: parsed (with its arguments' digest) or malformed."""
+    call = end.call
+    if call is None:
+        return "tool.malformed", {"call_id": call_id, "index": end.index, "why": end.error}
+    return "tool.parsed", {"call_id": call.id, "index": end.index, "name": call.name,
+                           "arguments_digest": digest_text(call.arguments),
+                           **({"arguments": call.arguments} if full else {})}

@@ -27,8 +27,10 @@ from pipeline.handle import RequestHandle
 from pipeline.job import Job, JobSpec
 from pipeline.recording import parse_traceparent
 from pipeline.protocols import (
-    Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, Transport,
+    Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, ToolCallParser,
+    Transport,
 )
+from pipeline.registry import Registry
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
     TokenizedPrompt, ToolSpec, from_mapping,
@@ -78,6 +80,7 @@ class Stages:
     selector: str
     stream_transport: Transport[Iterator[Delta]]
     async_transport: Transport[AsyncIterator[Delta]]
+    tool_parser: ToolCallParser | None = None
 
 
 class Pipeline:
@@ -85,8 +88,11 @@ class Pipeline:
 
     def __init__(self, stages: Stages, engine: Engine | None, *, sinks: Sequence[EventSink] = (),
                  defaults: GenerationConfig | None = None, model_snapshot: str | None = None,
-                 description: Mapping[str, Any] | None = None) -> None:
+                 description: Mapping[str, Any] | None = None,
+                 registry: Registry | None = None) -> None:
         self.stages = stages
+        self.registry = registry
+        """Where named tools and policies come from (``run(tools=["name"])``)."""
         self.engine = engine
         self.defaults = defaults or GenerationConfig()
         self.model_snapshot = model_snapshot or (engine.backend.snapshot if engine else None)
@@ -299,8 +305,12 @@ class Pipeline:
         assert self.stages.detokenizer is not None
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
+        parser = self.stages.tool_parser
+        reader = (parser.start(request.request_id) if parser is not None and
+                  request.tool_catalog else None)
         spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, self.stages.detokenizer,
-                       self.stages.stoppers, accepted_ns, last, think, tokenizer.token_bytes)
+                       self.stages.stoppers, accepted_ns, last, think, tokenizer.token_bytes,
+                       tool_reader=reader)
         return request, spec
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:
