@@ -11,9 +11,10 @@ import pytest
 
 from pipeline.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
-from pipeline.types import Delta, FinishReason
+from pipeline.types import Delta, FinishReason, ToolCallEnd
+from stages.tools import HermesParser, judge
 from transports.http.inbox import batches
-from transports.http.output import OutputSplitter, TextPart, ToolCallPart, parse_tool_call
+from transports.http.output import OutputSplitter, Part, TextPart
 
 TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
         ' "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n<tool_call>\n{"name": "bad"'
@@ -48,8 +49,8 @@ def regex_reading(text: str) -> tuple[str, str, list[tuple[str, dict[str, object
     return thinking, "".join(shown), calls, tail
 
 
-def split(text: str, cuts: list[int]) -> list[TextPart | ToolCallPart]:
-    splitter = OutputSplitter(tools=True)
+def split(text: str, cuts: list[int]) -> list[Part]:
+    splitter = OutputSplitter(tools=HermesParser().start("req"))
     parts = []
     at = 0
     for cut in [*cuts, len(text)]:
@@ -58,10 +59,11 @@ def split(text: str, cuts: list[int]) -> list[TextPart | ToolCallPart]:
     return parts + splitter.finish()
 
 
-def summary(parts: list[TextPart | ToolCallPart]) -> tuple[str, str, list[tuple[str, object]]]:
+def summary(parts: list[Part]) -> tuple[str, str, list[tuple[str, object]]]:
     thinking = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "thinking")
     text = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "text")
-    calls = [(p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCallPart)]
+    calls = [(p.call.name, json.loads(p.call.arguments)) for p in parts
+             if isinstance(p, ToolCallEnd) and p.call is not None]
     return thinking, text, calls
 
 
@@ -78,13 +80,13 @@ def test_every_split_agrees_with_the_regex_reading(text: str) -> None:
 
 
 def test_a_prompt_that_opened_thinking_starts_the_output_as_thinking() -> None:
-    splitter = OutputSplitter(tools=False, thinking=True)
+    splitter = OutputSplitter(tools=None, thinking=True)
     parts = splitter.feed("plan it</th") + splitter.feed("ink>answer") + splitter.finish()
     assert summary(parts) == ("plan it", "answer", [])
 
 
 def test_without_tools_markers_stay_text_and_unclosed_calls_are_kept() -> None:
-    splitter = OutputSplitter(tools=False)
+    splitter = OutputSplitter(tools=None)
     parts = splitter.feed("a <tool_call>{}</tool_call> b") + splitter.finish()
     assert summary(parts) == ("", "a <tool_call>{}</tool_call> b", [])
     assert summary(split('x<tool_call>{"name": "f"', [3])) == ("", 'x<tool_call>{"name": "f"', [])
@@ -178,4 +180,4 @@ def test_batches_merge_deltas_in_order_and_an_early_exit_cancels() -> None:
 def test_model_output_that_is_not_json_text_is_no_tool_call(body: str) -> None:
     # what a model may write: answering with it must never fail (NaN cannot be encoded in a
     # JSON answer, deep nesting overflows the parser, a lone surrogate cannot be sent)
-    assert parse_tool_call(body, 0) is None
+    assert isinstance(judge(body), str)

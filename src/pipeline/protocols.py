@@ -164,7 +164,7 @@ class ToolCallReader(Protocol):
     """One request's incremental reading of tool calls out of the model's text (DESIGN §11).
 
     Call order: ``feed`` with each committed text piece as it arrives, then ``finish`` once.
-    Each returns the :data:`~pipeline.types.OutputPiece`\s whose content is certain: answer
+    Each returns the :data:`~pipeline.types.OutputPiece`\\s whose content is certain: answer
     text, tool-call deltas (name first, then argument fragments as they are generated) and a
     :class:`~pipeline.types.ToolCallEnd` per call. A partial marker is held back until the
     next piece decides it. ``calls`` are the well-formed finished calls so far. Owned by one
