@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -31,6 +31,8 @@ from pipeline.protocols import (
     Transport,
 )
 from pipeline.registry import Registry
+if TYPE_CHECKING:
+    from pipeline.tools.loop import ToolRun
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
     TokenizedPrompt, ToolSpec, from_mapping,
@@ -195,6 +197,34 @@ class Pipeline:
                 **options: Any) -> AsyncIterator[Delta]:
         """The async-iterator form of :meth:`stream`, for an asyncio event loop."""
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
+
+    def run(self, messages: str | Sequence[Message | Mapping[str, Any]], *,
+            tools: Sequence[Any], max_rounds: int = 4, policy: Any = None, ask: Any = None,
+            ledger: Any = None, run_id: str | None = None, cancel: Any = None,
+            config: GenerationConfig | None = None, **options: Any) -> ToolRun:
+        """Let the model call ``tools`` and answer with their results (DESIGN §11).
+
+        ``tools`` are typed Python functions (their JSON schemas come from type hints and
+        the docstring's ``Args:`` section), :class:`~pipeline.tools.ToolExecutor`\s, or
+        names of registered tool plugins; they are rendered through the chat template's
+        tools support. Each call the model makes is parsed, validated against its schema,
+        authorized by ``policy`` (a :class:`~pipeline.tools.ToolPolicy` or a registered
+        policy's name; default: allow every offered tool; ``ask(call, verdict)`` answers a
+        policy's ``ask``), committed under an idempotency key to ``ledger`` (a
+        :class:`~pipeline.tools.Ledger` or a file path for a durable JSON-lines ledger;
+        default: in memory), executed, and its result fed back as a ``tool`` message.
+        ``max_rounds`` bounds the rounds of calls executed (so the model answers at most
+        ``max_rounds + 1`` times); ``run_id`` seeds the idempotency keys (reuse it with the
+        same ledger to resume a run without repeating effects); ``cancel`` (a
+        ``threading.Event``) stops the loop — a call already committed keeps its effect.
+        ``config`` and ``options`` are :meth:`generate`'s. Every transition is a ``tool.*``
+        event in the round's trace; returns a :class:`~pipeline.tools.ToolRun`.
+        """
+        from pipeline.tools.loop import run_tools
+
+        return run_tools(self, messages, tools=tools, sinks=self._sinks, max_rounds=max_rounds,
+                         policy=policy, ask=ask, ledger=ledger, run_id=run_id, cancel=cancel,
+                         config=config, **options)
 
     def restart_engine(self) -> None:
         """Replace an engine whose loop stopped after an internal error (``engine.failure``)
