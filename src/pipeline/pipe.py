@@ -205,7 +205,7 @@ class Pipeline:
         """Let the model call ``tools`` and answer with their results (DESIGN §11).
 
         ``tools`` are typed Python functions (their JSON schemas come from type hints and
-        the docstring's ``Args:`` section), :class:`~pipeline.tools.ToolExecutor`\s, or
+        the docstring's ``Args:`` section), :class:`~pipeline.tools.ToolExecutor`\\s, or
         names of registered tool plugins; they are rendered through the chat template's
         tools support. Each call the model makes is parsed, validated against its schema,
         authorized by ``policy`` (a :class:`~pipeline.tools.ToolPolicy` or a registered
