@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-import jsonschema
 
 from pipeline.errors import InvalidValueError
 from pipeline.events import Tracer, digest_json, digest_text
@@ -75,6 +74,8 @@ class ToolBoundary:
         self.ledger = ledger
         self.ask = ask
         self.cancel = cancel
+        import jsonschema  # here, not at import: only a tool loop needs the validator
+
         self._validators: dict[str, Any] = {}
         for name, tool in self.tools.items():
             schema = dict(_thaw(tool.spec.parameters))

@@ -11,12 +11,14 @@ call, ``{"name", "parameters"}``, optionally after ``<|python_tag|>``, several j
 from __future__ import annotations
 
 import hashlib
+import re
 
 from stages.tools.reader import CallReader, held_suffix
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
+LLAMA_CALL = re.compile(r'\{"name": *"[^"]*", *"parameters": *[{"]')
 
 
 class HermesReader(CallReader):
@@ -49,7 +51,7 @@ class HermesReader(CallReader):
         if rest:
             self._markup.append(rest)
             if rest.strip():
-                self._scanner.broken = True
+                self._scanner.spoil()  # text after the object: the body is no call
 
 
 class HermesParser:
@@ -149,8 +151,9 @@ class Llama3Parser:
     name = "llama3_json"
 
     def recognizes(self, rendered_call: str) -> bool:
-        """The rendering writes the call as a bare ``{"name", "parameters"}`` object."""
-        return '"parameters"' in rendered_call and TOOL_OPEN not in rendered_call
+        """The rendering writes the call as a bare ``{"name", "parameters"}`` object (a tool's
+        definition has a description between the two, so it does not count)."""
+        return TOOL_OPEN not in rendered_call and LLAMA_CALL.search(rendered_call) is not None
 
     def start(self, request_id: str) -> Llama3Reader:
         """A reader for one request."""

@@ -91,6 +91,10 @@ class CallScanner:
             self._char(char)
         return ""
 
+    def spoil(self) -> None:
+        """Mark the object as no call (its reader saw text where none may be)."""
+        self.broken = True
+
     def take(self) -> str:
         """Arguments text read since the last ``take``."""
         out = "".join(self._args_out)
