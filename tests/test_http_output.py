@@ -181,3 +181,43 @@ def test_model_output_that_is_not_json_text_is_no_tool_call(body: str) -> None:
     # what a model may write: answering with it must never fail (NaN cannot be encoded in a
     # JSON answer, deep nesting overflows the parser, a lone surrogate cannot be sent)
     assert isinstance(judge(body), str)
+
+
+def _sse_bodies(data: bytes) -> list[dict[str, object]]:
+    return [json.loads(line[len("data: "):]) for line in data.decode().splitlines()
+            if line.startswith("data: {")]
+
+
+def test_both_dialects_stream_argument_fragments_as_the_text_arrives() -> None:
+    """Fed one character per engine delta, the OpenAI chunks carry the call's id and name,
+    then its arguments in fragments; Anthropic opens a tool_use block and streams
+    input_json_delta fragments; both join to the call's arguments."""
+    from pipeline.types import Message, Request
+    from transports.http.anthropic_api import MessageStream
+    from transports.http.common import Parsed
+    from transports.http.openai_api import ChatStream
+
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    parsed = Parsed("m", Request(messages=[Message("user", "hi")]), True, False, True)
+    chat, message = ChatStream(parsed, "r", ByteTokenizer()), MessageStream(parsed, "r", 0)
+    out_chat, out_message = b"", b""
+    splitters = [OutputSplitter(tools=HermesParser().start("r")) for _ in range(2)]
+    for seq, char in enumerate(text):
+        final = seq == len(text) - 1
+        delta = Delta("r", seq, char, finish_reason=FinishReason.EOS if final else None)
+        parts = [s.feed(char) + (s.finish() if final else []) for s in splitters]
+        out_chat += chat.delta(0, parts[0], delta)
+        out_message += message.delta(0, parts[1], delta)
+    calls = [c for body in _sse_bodies(out_chat) for choice in body["choices"]  # type: ignore[attr-defined]
+             for c in choice["delta"].get("tool_calls", [])]
+    assert calls[0]["id"] and calls[0]["function"]["name"] == "get_weather"
+    fragments = [c["function"]["arguments"] for c in calls[1:]]
+    assert len(fragments) > 5 and "".join(fragments) == '{"city": "Paris"}'
+    events = _sse_bodies(out_message)
+    kinds = [e["type"] for e in events]
+    start = kinds.index("content_block_start", kinds.index("content_block_stop"))
+    assert events[start]["content_block"]["name"] == "get_weather"  # type: ignore[index]
+    partial = [e["delta"]["partial_json"] for e in events  # type: ignore[index]
+               if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"]  # type: ignore[index]
+    assert len(partial) > 5 and "".join(partial) == '{"city": "Paris"}'
+    assert kinds[-1] == "content_block_stop"
