@@ -114,7 +114,8 @@ def test_a_real_tool_loop_holds_invariants_7_and_8_and_corruptions_do_not(
         (e.event_id, e.event_type) for e in executed.trace]
     for round_ in run.rounds:
         assert cli_check(path, round_.completion.request_id) == 0, capsys.readouterr().out
-    bad7 = corrupt(events, tmp_path / "no-authorization.jsonl", drop="tool.authorized")
+    bad7 = corrupt(events, tmp_path / "denied-yet-run.jsonl",
+                   rename=("tool.authorized", "tool.denied"))
     assert cli_check(bad7, trace_id) == 1
     assert "executed before it was authorized" in capsys.readouterr().out
     assert check(read_jsonl(bad7)).violated == {7}

@@ -90,9 +90,12 @@ class ToolBoundary:
         """Take a parsed ``call`` through validation, authorization, commit and execution
         under idempotency ``key``, emitting each transition into ``tracer``."""
 
+        last = [_parsed_event(tracer, call)]  # each transition's parent is the one before
+
         def emit(kind: str, **payload: Any) -> None:
-            tracer.emit("tools", "tool." + kind, {"call_id": call.id, "name": call.name,
-                                                  **payload})
+            last[0] = tracer.emit("tools", "tool." + kind, {"call_id": call.id,
+                                                            "name": call.name, **payload},
+                                  last[0])
 
         arguments, errors = self._validate(call)
         if errors:
@@ -192,6 +195,14 @@ class ToolBoundary:
         self.ledger.record(attrs.evolve(entry, state="compensated", result=result))
         tracer.emit("tools", "tool.compensated", {**payload, "result_digest": digest_json(result)})
         return result
+
+
+def _parsed_event(tracer: Tracer, call: ToolCall) -> int | None:
+    """The id of the ``tool.parsed`` event of ``call`` in the trace so far, if any."""
+    for event in reversed(tracer.events):
+        if event.event_type == "tool.parsed" and event.payload.get("call_id") == call.id:
+            return event.event_id
+    return None
 
 
 def _where(error: Any) -> str:
