@@ -166,9 +166,11 @@ class _Loop:
 
     @staticmethod
     def _skip(calls: Sequence[ToolCall], tracer: Tracer, why: str) -> tuple[CallOutcome, ...]:
+        parsed = {e.payload.get("call_id"): e.event_id for e in tracer.events
+                  if e.event_type == "tool.parsed"}
         for call in calls:
             tracer.emit("tools", "tool.skipped", {"call_id": call.id, "name": call.name,
-                                                  "reason": why})
+                                                  "reason": why}, parsed.get(call.id))
         return tuple(CallOutcome(call, None, "skipped", error=why) for call in calls)
 
 
