@@ -201,3 +201,14 @@ def test_parsers_satisfy_the_protocols() -> None:
         checked: ToolCallParser = parser
         reader: ToolCallReader = checked.start("r")
         assert isinstance(checked, ToolCallParser) and isinstance(reader, ToolCallReader)
+
+
+def test_a_call_mentioned_while_thinking_is_not_made() -> None:
+    """Qwen3 reasons first; a call it only considers there is text, the one after is made."""
+    text = ('<think>\nMaybe <tool_call>{"name": "now", "arguments": {}}</tool_call>?\n</think>'
+            '\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>')
+    for pieces in splits(text):
+        shown, calls = reading(HermesParser(), pieces)
+        assert calls == [("get_weather", {"city": "Oslo"})], pieces
+        assert shown == text[:text.index("</think>") + len("</think>\n\n")], pieces

@@ -16,28 +16,45 @@ import re
 from stages.tools.reader import CallReader, held_suffix
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 LLAMA_CALL = re.compile(r'\{"name": *"[^"]*", *"parameters": *[{"]')
 
 
 class HermesReader(CallReader):
-    """``<tool_call>`` … ``</tool_call>`` blocks among answer text."""
+    """``<tool_call>`` … ``</tool_call>`` blocks among answer text. Reasoning
+    (``<think>`` … ``</think>``, which Qwen3 writes first) is text: a call it mentions is not
+    made."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self._thinking = False
+
+    def _markers(self) -> tuple[str, ...]:
+        if self._scanner is not None:
+            return (TOOL_CLOSE,)
+        return (THINK_CLOSE,) if self._thinking else (TOOL_OPEN, THINK_OPEN)
 
     def _read(self, final: bool) -> None:
         while True:
-            marker = TOOL_CLOSE if self._scanner is not None else TOOL_OPEN
-            at = self._buffer.find(marker)
-            if at < 0:
-                keep = 0 if final else held_suffix(self._buffer, (marker,))
+            markers = self._markers()
+            found = [(at, m) for m in markers if (at := self._buffer.find(m)) >= 0]
+            if not found:
+                keep = 0 if final else held_suffix(self._buffer, markers)
                 self._take_text(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return
-            self._take_text(self._buffer[:at])
+            at, marker = min(found)
+            if marker in (THINK_OPEN, THINK_CLOSE):  # reasoning markers stay in the text
+                self._take_text(self._buffer[:at + len(marker)])
+                self._thinking = marker == THINK_OPEN
+            else:
+                self._take_text(self._buffer[:at])
             self._buffer = self._buffer[at + len(marker):]
             if marker == TOOL_OPEN:
                 self._open(TOOL_OPEN)
-            else:
+            elif marker == TOOL_CLOSE:
                 self._close(complete=self._scanner_done(), trailer=TOOL_CLOSE)
 
     def _scanner_done(self) -> bool:
