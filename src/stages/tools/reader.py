@@ -45,6 +45,7 @@ class CallReader:
         self._scanner: CallScanner | None = None
         self._markup: list[str] = []  # the open call's text as written, for giving it back
         self._announced = False
+        self._args: list[str] = []  # the open call's argument fragments sent so far
         self._after_call = False  # just after a call: whitespace is held
         self._space = ""
 
@@ -99,7 +100,7 @@ class CallReader:
 
     def _open(self, markup: str) -> None:
         self._scanner, self._markup, self._announced = CallScanner(), [markup], False
-        self._args: list[str] = []
+        self._args = []
 
     def _send(self, fragment: str) -> None:
         if fragment:
