@@ -237,3 +237,25 @@ def test_bad_loop_arguments_are_refused_by_name(tiny: Any) -> None:
         pipe.run("hi", tools=["no_such_tool"])
     with pytest.raises(InvalidValueError, match="policy"):
         pipe.run("hi", tools=[add], policy=object())
+    with pytest.raises(InvalidValueError, match="lambda"):
+        pipe.run("hi", tools=[lambda a: a])
+
+
+def test_trace_diff_compares_what_tools_did_not_which_run_did_it(tiny: Any) -> None:
+    """Two runs of the same loop differ in request ids, call ids and idempotency keys only:
+    no divergence; a tool that returns something else diverges at the external effect."""
+    from pipeline.trace.diff import diff
+
+    pipe, forced, _ = tiny
+
+    class Wrong(Adder):
+        def __call__(self, a: int, b: int) -> int:
+            return a * b
+
+    runs = [pipe.run("What is 2 + 3?", tools=[add_tool(adder)], max_rounds=1,
+                     **options(forced)) for adder in (Adder(), Adder(), Wrong())]
+    assert runs[0].rounds[0].outcomes[0].key != runs[1].rounds[0].outcomes[0].key
+    same = diff(runs[0].rounds[0].trace, runs[1].rounds[0].trace)
+    assert same.divergence is None, same.render()
+    other = diff(runs[0].rounds[0].trace, runs[2].rounds[0].trace).divergence
+    assert other is not None and other.product == "external effect"

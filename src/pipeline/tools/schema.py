@@ -26,6 +26,7 @@ from pipeline.types import ToolSpec
 _SIMPLE: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                               type(None): "null"}
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Yields|Raises|Examples?|Notes?):\s*$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ARG = re.compile(r"^(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
 
 
@@ -88,6 +89,9 @@ def _indent(line: str) -> int:
 def tool_spec(fn: Callable[..., Any]) -> ToolSpec:
     """The tool a typed function describes (name, docstring summary, parameter schema)."""
     name = getattr(fn, "__name__", type(fn).__name__)
+    if not _NAME.fullmatch(name):
+        raise InvalidValueError("tool", name, "a tool's name is 1-64 letters, digits, _ or - "
+                                "(a lambda has none: define the function with def)")
     try:
         hints = typing.get_type_hints(fn)
     except Exception as exc:  # a hint naming something undefined
