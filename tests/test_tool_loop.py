@@ -259,3 +259,37 @@ def test_trace_diff_compares_what_tools_did_not_which_run_did_it(tiny: Any) -> N
     assert same.divergence is None, same.render()
     other = diff(runs[0].rounds[0].trace, runs[2].rounds[0].trace).divergence
     assert other is not None and other.product == "external effect"
+
+
+def test_executors_and_policies_registered_by_plugins_are_used_by_name() -> None:
+    from pipeline import Component, ToolSpec, hookimpl
+    from pipeline.tools import AllowAll
+
+    touched: list[dict[str, Any]] = []
+
+    class Clock:
+        spec = ToolSpec("clock", "The time in a city.", {
+            "type": "object", "properties": {"city": {"type": "string"}},
+            "required": ["city"]})
+
+        def execute(self, arguments: Any) -> Any:
+            touched.append(dict(arguments))
+            return {"time": "12:00"}
+
+        def compensate(self, arguments: Any, result: Any) -> Any:
+            raise NotImplementedError
+
+    class Plugin:
+        @hookimpl
+        def pipeline_components(self) -> list[Component]:
+            return [Component("tool", "clock", lambda ctx: Clock(), "the time"),
+                    Component("tool_policy", "open", lambda ctx: AllowAll(), "allow all")]
+
+    text = '<tool_call>\n{"name": "clock", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    with build("tiny", plugins=[Plugin()]) as pipe:
+        forced = tuple(pipe.stages.tokenizer.encode_text(text, special=True))
+        run = pipe.run("Time in Oslo?", tools=["clock"], policy="open", max_rounds=1,
+                       **options(forced))
+    assert touched == [{"city": "Oslo"}] and run.calls[0].content == '{"time": "12:00"}'
+    authorized = next(e for e in run.rounds[0].trace if e.event_type == "tool.authorized")
+    assert authorized.payload["policy"] == "allow_all"
