@@ -212,3 +212,14 @@ def test_a_call_mentioned_while_thinking_is_not_made() -> None:
         shown, calls = reading(HermesParser(), pieces)
         assert calls == [("get_weather", {"city": "Oslo"})], pieces
         assert shown == text[:text.index("</think>") + len("</think>\n\n")], pieces
+
+
+def test_a_complete_call_cut_before_its_closing_tag_is_made_and_a_partial_one_is_text() -> None:
+    """A stop string of "</tool_call>" trims the closing tag: the call is still whole."""
+    whole = '<tool_call>\n{"name": "now", "arguments": {}}\n'
+    assert reading(HermesParser(), [whole]) == ("", [("now", {})])
+    cut = '<tool_call>\n{"name": "now", "arguments": {"a": 1'
+    out, reader = read(HermesParser(), [cut])
+    assert reader.calls == () and "".join(p.text for p in out if isinstance(p, TextPiece)) == cut
+    ended = [p for p in out if isinstance(p, ToolCallEnd)]
+    assert len(ended) == 1 and "cut off" in str(ended[0].error)  # it had begun streaming

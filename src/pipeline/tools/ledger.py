@@ -6,7 +6,8 @@ written with ``fsync`` before each step proceeds (so a crash never forgets a com
 :class:`MemoryLedger` for tests and one-process runs. The boundary writes ``committed``
 *before* it executes, then ``executed`` (with the result) or ``failed``; compensation adds
 ``compensated``. A key whose latest state is ``committed`` with no outcome is *in doubt*:
-the call may have had its effect, so it is never executed again.
+the call may have had its effect, so it is never executed again. A ledger file belongs to
+one process at a time (there is no file locking).
 """
 
 from __future__ import annotations
