@@ -11,13 +11,24 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import CacheInspector, DocumentEncoder, ModelDescriber, PagedBackend
+from pipeline.protocols import (
+    CacheInspector, DocumentEncoder, ModelDescriber, PagedBackend, ToolCallParser, ToolCallReader,
+)
+from pipeline.tools import (
+    AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
+)
+from stages.tools import HermesParser, Llama3Parser, MistralParser
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
 from stages.select.proposers import NgramProposer, Proposer
 from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
+
+
+def _double(x: int) -> int:
+    """Twice ``x``."""
+    return 2 * x
 
 
 def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
@@ -51,4 +62,10 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
+    parsers: list[ToolCallParser] = [HermesParser(), Llama3Parser(), MistralParser()]
+    readers: list[ToolCallReader] = [p.start("r") for p in parsers]
+    executor: ToolExecutor = FunctionTool(_double)
+    policies: list[ToolPolicy] = [AllowAll(), Rules({})]
+    ledgers: list[Ledger] = [MemoryLedger(), JsonlLedger("ledger.jsonl")]
     del real, sync, asyncs, described, draft, speculative, paged, inspector
+    del parsers, readers, executor, policies, ledgers

@@ -23,9 +23,10 @@ from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline, Stages
 from pipeline.protocols import (
     Backend, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
-    Transport,
+    ToolCallParser, Transport,
 )
 from pipeline.registry import BuildContext, Registry
+from pipeline.tools.parsing import choose_parser
 from pipeline.types import Delta, GenerationConfig
 
 DEFAULT_PROCESSORS = (
@@ -64,6 +65,7 @@ def build(
     engine: EngineConfig | None = None,
     defaults: GenerationConfig | None = None,
     options: BackendOptions | Mapping[str, Any] | None = None,
+    tool_parser: str | ToolCallParser | None = None,
 ) -> Pipeline:
     """Build a pipeline for ``model`` or from explicit stages.
 
@@ -116,6 +118,10 @@ def build(
     ``max_tokens``, stop strings and deadline keep working beside yours); when two end the
     run at the same token, the earlier one's reason is reported. ``replace_stoppers=True``
     makes ``stoppers`` the whole list.
+
+    ``tool_parser`` names (or is) the reader of the model's tool calls (``"hermes"``,
+    ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
+    (:func:`pipeline.tools.parsing.choose_parser`).
     """
     registry = Registry(plugins)
     backend_options = BackendOptions.coerce(options)
@@ -138,8 +144,9 @@ def build(
     stops = tuple(_resolve(registry, "stopper", s, context)
                   for s in _chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
     _unique("stoppers", [s.name for s in stops], replace_stoppers)
+    chat = _renderer(registry, context, renderer)
     stages = Stages(
-        renderer=_renderer(registry, context, renderer),
+        renderer=chat,
         tokenizer=tok,
         detokenizer=_resolve(registry, "detokenizer", detokenizer, context) if tok else None,
         stoppers=stops,
@@ -149,6 +156,7 @@ def build(
                               registry.create("transport", "inprocess", context)),
         async_transport=cast(Transport[AsyncIterator[Delta]],
                              registry.create("transport", "asyncio", context)),
+        tool_parser=choose_parser(registry, context, tool_parser, chat),
     )
     model_backend = _backend(registry, context, backend)
     context = attrs.evolve(context, backend=model_backend)
@@ -166,7 +174,7 @@ def build(
         eng = Engine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
     where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
-                    description={"model": str(where) if where else None})
+                    description={"model": str(where) if where else None}, registry=registry)
 
 
 def _chain_of(what: str, defaults: Sequence[str], given: Sequence[T] | None, replace: bool, *,

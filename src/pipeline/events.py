@@ -182,3 +182,13 @@ class Tracer:
         """The trace so far, in causal order."""
         with self._lock:
             return tuple(self._events)
+
+    @classmethod
+    def resume(cls, events: Sequence[Event], sinks: Iterable[EventSink] = ()) -> Tracer:
+        """A tracer that goes on with the finished trace ``events`` (same trace id, ids after
+        the last): what happens to a request's output after it ended, such as its tool
+        calls crossing the commit boundary, joins its trace."""
+        tracer = cls(events[0].trace_id, sinks)
+        tracer._events = list(events)
+        tracer._ids = itertools.count(max(e.event_id for e in events) + 1)
+        return tracer

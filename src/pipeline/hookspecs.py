@@ -33,7 +33,9 @@ def pipeline_components() -> Sequence[Component]:  # type: ignore[empty-body]
     """Return the components this plugin provides.
 
     Each :class:`~pipeline.registry.Component` names its kind (``renderer``, ``tokenizer``,
-    ``backend``, ``processor``, ``selector``, ``detokenizer``, ``stopper``, ``transport``), a
+    ``backend``, ``processor``, ``selector``, ``detokenizer``, ``stopper``, ``transport``,
+    ``strategy``, ``tool_parser``; ``tool`` for a tool executor and ``tool_policy`` for an
+    authorization policy, see :mod:`pipeline.tools`), a
     name unique within that kind, a factory taking a
     :class:`~pipeline.registry.BuildContext`, and a one-line summary for ``pipeline plugins``.
     Called once per registry load; it must not import heavy modules eagerly if avoidable

@@ -31,7 +31,10 @@ from pipeline.protocols import (
     CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
 )
 from pipeline.text_state import TextState
-from pipeline.types import Completion, FinishReason, Recording, Timings, TokenLogprob, Usage
+from pipeline.types import (
+    Completion, FinishReason, OutputPiece, Recording, Timings, TokenLogprob, ToolCallDelta,
+    ToolCallEnd, Usage,
+)
 
 _TERMINAL_STATE = {
     FinishReason.CANCELLED: RequestState.CANCELLED,
@@ -313,7 +316,8 @@ class Job:
         self._push(text, reason, parent)
 
     def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
-        delta = self.text.delta(text, reason)
+        calls = self._tool_pieces(text, reason is not None)
+        delta = self.text.delta(text, reason, calls)
         payload: dict[str, Any] = {"seq": delta.seq, "step": len(self.output_ids),
                                    "bytes": len(text.encode()),
                                    "tokens": len(delta.token_ids), "digest": digest_text(text),
@@ -322,6 +326,30 @@ class Job:
             payload["text"] = text
         self._emit("transport", "stream.delta", payload, parent)
         self.handle._push(delta)
+
+    def _tool_pieces(self, text: str, final: bool) -> tuple[ToolCallDelta, ...]:
+        """Feed the tool-call reader; each call it begins is ``tool.proposed`` and each it
+        ends ``tool.parsed`` (or ``tool.malformed``) in the trace (DESIGN §11)."""
+        reader = self.text.tool_reader
+        if reader is None:
+            return ()
+        pieces: list[OutputPiece] = reader.feed(text) if text else []
+        if final:
+            pieces += reader.finish()
+        for piece in pieces:
+            if isinstance(piece, ToolCallDelta) and piece.name is not None:
+                self._emit("tools", "tool.proposed", {"call_id": piece.id, "index": piece.index,
+                                                      "name": piece.name})
+            elif isinstance(piece, ToolCallEnd):
+                self._emit("tools", *_parsed(piece, self._full, self._proposed(piece.index)))
+        return tuple(p for p in pieces if isinstance(p, ToolCallDelta))
+
+    def _proposed(self, index: int) -> Any:
+        """The call id the ``tool.proposed`` event of call ``index`` gave."""
+        for event in reversed(self.tracer.events):
+            if event.event_type == "tool.proposed" and event.payload["index"] == index:
+                return event.payload["call_id"]
+        return None
 
     # --- endings -----------------------------------------------------------------------------
 
@@ -385,4 +413,15 @@ class Job:
             usage=Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens),
             trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
-            logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error)
+            logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error,
+            tool_calls=self.text.tool_reader.calls if self.text.tool_reader else ())
+
+
+def _parsed(end: ToolCallEnd, full: bool, call_id: Any) -> tuple[str, dict[str, Any]]:
+    """The event ending a proposed call: parsed (with its arguments' digest) or malformed."""
+    call = end.call
+    if call is None:
+        return "tool.malformed", {"call_id": call_id, "index": end.index, "why": end.error}
+    return "tool.parsed", {"call_id": call.id, "index": end.index, "name": call.name,
+                           "arguments_digest": digest_text(call.arguments),
+                           **({"arguments": call.arguments} if full else {})}

@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -28,9 +28,13 @@ from pipeline.job import Job
 from pipeline.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
 from pipeline.protocols import (
-    Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, Transport,
+    Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, ToolCallParser,
+    Transport,
 )
 from pipeline.text_state import TextState
+from pipeline.registry import Registry
+if TYPE_CHECKING:
+    from pipeline.tools.loop import ToolRun
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
     TokenizedPrompt, ToolSpec, from_mapping,
@@ -80,6 +84,7 @@ class Stages:
     selector: str
     stream_transport: Transport[Iterator[Delta]]
     async_transport: Transport[AsyncIterator[Delta]]
+    tool_parser: ToolCallParser | None = None
 
 
 class Pipeline:
@@ -87,8 +92,11 @@ class Pipeline:
 
     def __init__(self, stages: Stages, engine: Engine | None, *, sinks: Sequence[EventSink] = (),
                  defaults: GenerationConfig | None = None, model_snapshot: str | None = None,
-                 description: Mapping[str, Any] | None = None) -> None:
+                 description: Mapping[str, Any] | None = None,
+                 registry: Registry | None = None) -> None:
         self.stages = stages
+        self.registry = registry
+        """Where named tools and policies come from (``run(tools=["name"])``)."""
         self.engine = engine
         self.defaults = defaults or GenerationConfig()
         self.model_snapshot = model_snapshot or (engine.backend.snapshot if engine else None)
@@ -175,8 +183,11 @@ class Pipeline:
         request, spec = self._prepare(request, tracer, accepted_ns, accepted)
         handle = RequestHandle(request.request_id, engine.wake)
         assert self.stages.detokenizer is not None
+        parser = self.stages.tool_parser
+        reader = (parser.start(request.request_id) if parser is not None and
+                  request.tool_catalog else None)
         text = TextState(spec, self.stages.detokenizer, self.stages.stoppers,
-                         self._tokenizer.token_bytes)
+                         self._tokenizer.token_bytes, reader)
         engine.submit(Job(spec, text, tracer, handle))
         return handle
 
@@ -194,6 +205,34 @@ class Pipeline:
                 **options: Any) -> AsyncIterator[Delta]:
         """The async-iterator form of :meth:`stream`, for an asyncio event loop."""
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
+
+    def run(self, messages: str | Sequence[Message | Mapping[str, Any]], *,
+            tools: Sequence[Any], max_rounds: int = 4, policy: Any = None, ask: Any = None,
+            ledger: Any = None, run_id: str | None = None, cancel: Any = None,
+            config: GenerationConfig | None = None, **options: Any) -> ToolRun:
+        """Let the model call ``tools`` and answer with their results (DESIGN §11).
+
+        ``tools`` are typed Python functions (their JSON schemas come from type hints and
+        the docstring's ``Args:`` section), :class:`~pipeline.tools.ToolExecutor`\\s, or
+        names of registered tool plugins; they are rendered through the chat template's
+        tools support. Each call the model makes is parsed, validated against its schema,
+        authorized by ``policy`` (a :class:`~pipeline.tools.ToolPolicy` or a registered
+        policy's name; default: allow every offered tool; ``ask(call, verdict)`` answers a
+        policy's ``ask``), committed under an idempotency key to ``ledger`` (a
+        :class:`~pipeline.tools.Ledger` or a file path for a durable JSON-lines ledger;
+        default: in memory), executed, and its result fed back as a ``tool`` message.
+        ``max_rounds`` bounds the rounds of calls executed (so the model answers at most
+        ``max_rounds + 1`` times); ``run_id`` seeds the idempotency keys (reuse it with the
+        same ledger to resume a run without repeating effects); ``cancel`` (a
+        ``threading.Event``) stops the loop — a call already committed keeps its effect.
+        ``config`` and ``options`` are :meth:`generate`'s. Every transition is a ``tool.*``
+        event in the round's trace; returns a :class:`~pipeline.tools.ToolRun`.
+        """
+        from pipeline.tools.loop import run_tools
+
+        return run_tools(self, messages, tools=tools, sinks=self._sinks, max_rounds=max_rounds,
+                         policy=policy, ask=ask, ledger=ledger, run_id=run_id, cancel=cancel,
+                         config=config, **options)
 
     def restart_engine(self) -> None:
         """Replace an engine whose loop stopped after an internal error (``engine.failure``)

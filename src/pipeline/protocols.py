@@ -20,8 +20,8 @@ import attrs
 import torch
 
 from pipeline.types import (
-    FinishReason, GenerationConfig, Message, Rendered, Request, TokenizedPrompt, TokenLogprob,
-    ToolSpec,
+    FinishReason, GenerationConfig, Message, OutputPiece, Rendered, Request, TokenizedPrompt,
+    TokenLogprob, ToolCall, ToolSpec,
 )
 
 if TYPE_CHECKING:
@@ -156,6 +156,67 @@ class Detokenizer(Protocol[S]):
 
     def finish(self, state: S) -> str:
         """The text still held back (a truly invalid byte tail decodes as U+FFFD here)."""
+        ...
+
+
+@runtime_checkable
+class ToolCallReader(Protocol):
+    """One request's incremental reading of tool calls out of the model's text (DESIGN §11).
+
+    Call order: ``feed`` with each committed text piece as it arrives, then ``finish`` once.
+    Each returns the :data:`~pipeline.types.OutputPiece`\\s whose content is certain: answer
+    text, tool-call deltas (name first, then argument fragments as they are generated) and a
+    :class:`~pipeline.types.ToolCallEnd` per call. A partial marker is held back until the
+    next piece decides it. ``calls`` are the well-formed finished calls so far. Owned by one
+    consumer (the engine thread for a request); never raises on any model output.
+
+    Example::
+
+        reader = HermesParser().start("req-1")
+        pieces = reader.feed('<tool_call>{"name": "f", "arg') + reader.feed(
+            'uments": {"x": 1}}</tool_call>') + reader.finish()
+        assert [c.name for c in reader.calls] == ["f"]
+        assert json.loads(reader.calls[0].arguments) == {"x": 1}
+    """
+
+    def feed(self, text: str) -> list[OutputPiece]:
+        """Read more text; the pieces it made certain, in order."""
+        ...
+
+    def finish(self) -> list[OutputPiece]:
+        """End of output: the rest (an unclosed call that is not complete becomes text)."""
+        ...
+
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        """The finished, well-formed calls, in order."""
+        ...
+
+
+@runtime_checkable
+class ToolCallParser(Protocol):
+    """A model family's tool-call format: recognizes it, and reads it out of generated text.
+
+    Stateless and shared; ``start`` makes a :class:`ToolCallReader` per request, whose call
+    ids derive from ``request_id`` and the call's index (so replays give the same ids).
+    ``recognizes`` is given a chat template's rendering of an assistant turn that calls a
+    tool and says whether that is this format (how ``build`` picks a parser for a model).
+
+    Example::
+
+        parser = HermesParser()
+        assert parser.recognizes('<tool_call>\n{"name": "probe", "arguments": {}}\n</tool_call>')
+        reader = parser.start("req-1")
+    """
+
+    name: str
+
+    def recognizes(self, rendered_call: str) -> bool:
+        """True when ``rendered_call`` (a template's rendering of a call) is this format."""
+        ...
+
+    def start(self, request_id: str) -> ToolCallReader:
+        """A fresh reader for one request's output."""
         ...
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pipeline.protocols import Backend, Tokenizer
 
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
-         "stopper", "transport", "strategy")
+         "stopper", "transport", "strategy", "tool_parser", "tool", "tool_policy")
 ENTRY_POINT_GROUP = "pipeline"
 
 

@@ -2,7 +2,7 @@
 
 Owns :class:`TextState`, one of a request's small records in the engine (DESIGN §6, second
 edition): the detokenizer and its state, the stoppers and their states, the text emitted so
-far, the logprob records, and what has not been sent yet (tokens and logprobs that ride on
+far, the logprob records, the tool-call reader (a text stage too), and what has not been sent yet (tokens and logprobs that ride on
 the next delta). It sees *committed* tokens only, one at a time, in order; the strategy that
 chose them, the KV cache and the trace are elsewhere (:class:`~pipeline.job.Job` holds them
 side by side). The stage objects are given at construction, never kept in the request's
@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.job_spec import JobSpec
-from pipeline.protocols import Detokenizer, StopContext, Stopper, StopVerdict
-from pipeline.types import Delta, FinishReason, TokenLogprob
+from pipeline.protocols import Detokenizer, StopContext, Stopper, StopVerdict, ToolCallReader
+from pipeline.types import Delta, FinishReason, TokenLogprob, ToolCallDelta
 
 
 class TextState:
@@ -40,12 +40,15 @@ class TextState:
 
     def __init__(self, spec: JobSpec, detokenizer: Detokenizer[Any],
                  stoppers: Sequence[Stopper[Any]],
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+                 token_bytes: Callable[[int], bytes] | None = None,
+                 tool_reader: ToolCallReader | None = None) -> None:
         self.request_id = spec.request.request_id
         self.detokenizer = detokenizer
         self.stoppers = tuple(stoppers)
         self.token_bytes = token_bytes
         """The tokenizer's bytes of a token id, which logprob records are labelled with."""
+        self.tool_reader = tool_reader
+        """Reads tool calls out of the released text, when the request offered tools."""
         self.detok_state = detokenizer.start(spec.prompt.input_ids)
         context = StopContext(spec.eos_token_ids, spec.accepted_ns)
         self.stop_states = [s.start(spec.request, context) for s in self.stoppers]
@@ -101,11 +104,13 @@ class TextState:
             verdict = found or verdict
         return text, verdict
 
-    def delta(self, text: str, reason: FinishReason | None) -> Delta:
+    def delta(self, text: str, reason: FinishReason | None,
+              tool_calls: tuple[ToolCallDelta, ...] = ()) -> Delta:
         """The next delta: ``text`` with the tokens and logprobs not sent yet (``reason`` on
-        the last one). The text counts as emitted and the unsent buffers empty."""
+        the last one) and the tool-call pieces read from it. The text counts as emitted and
+        the unsent buffers empty."""
         delta = Delta(self.request_id, self.seq, text, tuple(self.unsent_ids),
-                      tuple(self.unsent_logprobs), reason)
+                      tuple(self.unsent_logprobs), reason, tool_calls)
         self.seq += 1
         self.pieces.append(text)
         self.unsent_ids.clear()

@@ -670,9 +670,47 @@ class TokenLogprob:
 
 
 @attrs.frozen
+class ToolCallDelta:
+    """A piece of a tool call as the model writes it (DESIGN §11).
+
+    The first piece of call ``index`` carries its ``id`` and ``name`` (and no arguments);
+    later pieces carry fragments of its arguments' JSON text, in order. Joined, the fragments
+    are exactly the finished call's ``arguments`` (what OpenAI's ``function.arguments`` deltas
+    and Anthropic's ``input_json_delta`` stream)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@attrs.frozen
+class ToolCallEnd:
+    """The end of call ``index``: the finished ``call``, or ``None`` with ``error`` saying why
+    the text was not a tool call (its text then follows as a :class:`TextPiece`)."""
+
+    index: int
+    call: ToolCall | None
+    error: str | None = None
+
+
+@attrs.frozen
+class TextPiece:
+    """Answer text outside any tool call."""
+
+    text: str
+
+
+OutputPiece = TextPiece | ToolCallDelta | ToolCallEnd
+"""What a tool-call reader makes of the model's text, in order."""
+
+
+@attrs.frozen
 class Delta:
     """One streamed piece: new text safe to show, the tokens since the last delta, and on the
-    last delta of a request ``finish_reason``."""
+    last delta of a request ``finish_reason``. When the request offered tools, ``tool_calls``
+    holds the pieces of tool calls this delta's text completed or continued (``text`` is
+    still everything the model wrote, markup included)."""
 
     request_id: str
     seq: int
@@ -680,6 +718,7 @@ class Delta:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
     @property
     def final(self) -> bool:
@@ -712,7 +751,8 @@ class Timings:
 
 @attrs.frozen
 class Completion:
-    """A finished request: text, tokens, why it ended, usage, and its whole event trace."""
+    """A finished request: text, tokens, why it ended, usage, its whole event trace, and the
+    tool calls its text holds."""
 
     request_id: str
     text: str
@@ -724,3 +764,5 @@ class Completion:
     stop_reason: str | int | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The tool calls parsed from ``text`` when the request offered tools (DESIGN §11)."""

@@ -2,5 +2,6 @@
 
 ``render/`` (chat templates, plain text), ``tokenize/`` (tokenizers), ``process/`` (the logit
 processor chain), ``select/`` (selectors and the autoregressive strategy), ``detokenize/``
-(incremental detokenization), ``stop/`` (stoppers). ``plugin`` registers them all.
+(incremental detokenization), ``stop/`` (stoppers), ``tools/`` (tool-call parsers, one per
+model family's format). ``plugin`` registers them all.
 """

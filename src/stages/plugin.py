@@ -111,9 +111,26 @@ def _speculative(ctx: BuildContext) -> Any:
     return speculative_maker(ctx)
 
 
+TOOL_PARSER_SUMMARIES = {
+    "hermes": "Hermes / Qwen <tool_call>{json}</tool_call> calls",
+    "llama3_json": "Llama 3.x JSON calls ({name, parameters}; <|python_tag|>)",
+    "mistral": "Mistral [TOOL_CALLS][{...}] calls",
+}
+
+
+def _tool_parser(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.tools import PARSERS
+
+        return PARSERS[name]()
+
+    return factory
+
+
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategy."""
+    """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategies, tool
+    parsers."""
     comps = [
         Component("renderer", "hf_chat_template", _hf_renderer,
                   "Hugging Face chat template (jinja2, sandboxed)"),
@@ -130,4 +147,6 @@ def pipeline_components() -> list[Component]:
     ]
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
+    comps += [Component("tool_parser", n, _tool_parser(n), s)
+              for n, s in TOOL_PARSER_SUMMARIES.items()]
     return comps

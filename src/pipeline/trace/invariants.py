@@ -333,6 +333,7 @@ def terminal(trace: Trace, _: Detokenize | None) -> Finding:
 
 
 def _calls(trace: Trace) -> dict[str, dict[str, Event]]:
+    """Each call's first event of each ``tool.*`` kind, by ``call_id``."""
     calls: dict[str, dict[str, Event]] = {}
     for event in trace.events:
         if event.event_type.startswith("tool."):
@@ -341,8 +342,16 @@ def _calls(trace: Trace) -> dict[str, dict[str, Event]]:
     return calls
 
 
+GATES = ("parsed", "validated", "authorized", "committed")
+"""What a call passes, in this order, before its executor may run (DESIGN §11)."""
+REFUSALS = ("invalid", "denied", "cancelled", "skipped", "malformed")
+"""Ends of a call that never crossed the boundary: nothing may execute after them."""
+
+
 def tool_gate(trace: Trace, _: Detokenize | None) -> Finding:
-    """Invariant 7: ``tool.executed`` only after parsed, validated and authorized (same call)."""
+    """Invariant 7: ``tool.executed`` only after parsed, validated, authorized (with an
+    ``allow`` decision) and committed, in that order, for the same call; never for a call
+    that was refused (invalid, denied, cancelled before its commit, skipped)."""
     calls = _calls(trace)
     if not calls:
         return Finding(notes=("no tool calls in this trace",))
@@ -351,28 +360,75 @@ def tool_gate(trace: Trace, _: Detokenize | None) -> Finding:
         executed = seen.get("executed")
         if executed is None:
             continue
-        for gate in ("parsed", "validated", "authorized"):
-            before = seen.get(gate)
-            if before is None or before.event_id > executed.event_id:
-                problems.append((_ids(executed), f"tool call {call} executed before it was {gate}"))
+        problems += _gates(call, seen, executed)
+        for refusal in REFUSALS:
+            if refusal in seen:
+                problems.append((_ids(seen[refusal], executed), f"tool call {call} executed "
+                                 f"although it was {refusal}"))
     return Finding(tuple(problems))
 
 
+def _gates(call: str, seen: Mapping[str, Event], executed: Event
+           ) -> list[tuple[tuple[int, ...], str]]:
+    out: list[tuple[tuple[int, ...], str]] = []
+    last = 0
+    for gate in GATES:
+        before = seen.get(gate)
+        if before is None or before.event_id > executed.event_id:
+            out.append((_ids(executed), f"tool call {call} executed before it was {gate}"))
+            continue
+        if before.event_id < last:
+            out.append((_ids(before), f"tool call {call} was {gate} out of order"))
+        last = before.event_id
+    authorized, validated = seen.get("authorized"), seen.get("validated")
+    if authorized is not None and authorized.payload.get("decision", "allow") != "allow":
+        out.append((_ids(authorized, executed), f"tool call {call} executed on the decision "
+                    f"{authorized.payload.get('decision')!r}"))
+    if validated is not None and validated.payload.get("valid", True) is not True:
+        out.append((_ids(validated, executed), f"tool call {call} executed with arguments "
+                    "that did not validate"))
+    return out
+
+
 def commit_boundary(trace: Trace, _: Detokenize | None) -> Finding:
-    """Invariant 8: a committed call keeps an outcome and is never rolled back by a cancel."""
+    """Invariant 8: a committed call keeps an outcome (executed or failed) and runs at most
+    once; a cancel after its commit is recorded as ``tool.cancel_after_commit``, never as a
+    rollback or a cancellation of the call; compensation only undoes an executed call."""
     committed = {c: s for c, s in _calls(trace).items() if "committed" in s}
     if not committed:
         return Finding(notes=("no write crossed the commit boundary",))
     problems: list[tuple[tuple[int, ...], str]] = []
+    runs: dict[str, list[Event]] = {}
+    for event in trace.of("tool.executed"):
+        runs.setdefault(str(event.payload.get("call_id")), []).append(event)
     for call, seen in committed.items():
         for undo in ("rolled_back", "cancelled"):
             if undo in seen:
                 problems.append((_ids(seen["committed"], seen[undo]), f"tool call {call} was "
                                  f"{undo.replace('_', ' ')} after it was committed"))
-        if "executed" not in seen and "failed" not in seen and trace.finished is not None:
+        outcome = seen.get("executed") or seen.get("failed")
+        if outcome is None and trace.finished is not None:
             problems.append((_ids(seen["committed"]), f"tool call {call} was committed but its "
                              "outcome is missing from the trace"))
+        if len(runs.get(call, ())) > 1:
+            problems.append((_ids(*runs[call]), f"tool call {call} executed more than once"))
+        problems += _after_commit(call, seen, outcome)
     return Finding(tuple(problems))
+
+
+def _after_commit(call: str, seen: Mapping[str, Event], outcome: Event | None
+                  ) -> list[tuple[tuple[int, ...], str]]:
+    out: list[tuple[tuple[int, ...], str]] = []
+    cancel, commit = seen.get("cancel_after_commit"), seen["committed"]
+    if cancel is not None and (cancel.event_id < commit.event_id or outcome is None
+                               or cancel.event_id < outcome.event_id):
+        out.append((_ids(commit, cancel), f"the cancel of tool call {call} is not recorded "
+                    "after its commit and its outcome"))
+    compensated, executed = seen.get("compensated"), seen.get("executed")
+    if compensated is not None and (executed is None or
+                                    compensated.event_id < executed.event_id):
+        out.append((_ids(compensated), f"tool call {call} was compensated before it executed"))
+    return out
 
 
 RULES: Mapping[int, Callable[[Trace, Detokenize | None], Finding]] = {

@@ -148,10 +148,17 @@ def ending(a: Trace, b: Trace, t: int, both_selected: bool = False) -> Divergenc
                       f"run {side} ended ({reason}) at step {t}; the other {went_on}")
 
 
+IDENTITY_KEYS = ("call_id", "key")
+"""Tool-event fields that name a call rather than say what it did: call ids derive from the
+request id and idempotency keys from the run's, so two runs that did the same differ there."""
+
+
 def external_effects(trace: Trace) -> list[tuple[str, str]]:
-    """The tool events (type and payload digest) of a run, in order."""
-    return [(e.event_type, digest_json(dict(e.payload))) for e in trace.events
-            if e.event_type.startswith("tool.")]
+    """The tool events (type and payload digest, without the call's identity) of a run, in
+    order."""
+    return [(e.event_type, digest_json({k: v for k, v in e.payload.items()
+                                        if k not in IDENTITY_KEYS}))
+            for e in trace.events if e.event_type.startswith("tool.")]
 
 
 def shown(value: Any, limit: int = 160) -> str:

@@ -19,13 +19,13 @@ from typing import Any
 
 from pipeline.errors import InvalidValueError
 from pipeline.types import (
-    Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
-    Usage,
+    Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolCallDelta,
+    ToolCallEnd, ToolSpec, Usage,
 )
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
 from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
 from transports.http.fields import Obj, check
-from transports.http.output import Part, TextPart, ToolCallPart
+from transports.http.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 
@@ -209,22 +209,29 @@ def stop_reason(completion: Completion, tool_calls: bool) -> tuple[str, str | No
     return ("end_turn" if reason is not FinishReason.ERROR else "refusal"), None
 
 
-def _block(part: Part) -> dict[str, Any]:
-    if isinstance(part, ToolCallPart):
-        return {"type": "tool_use", "id": _tool_id(part), "name": part.name,
+def _block(part: TextPart | ToolCall) -> dict[str, Any]:
+    if isinstance(part, ToolCall):
+        return {"type": "tool_use", "id": _tool_id(part.id), "name": part.name,
                 "input": json.loads(part.arguments)}
     if part.kind == "thinking":
         return {"type": "thinking", "thinking": part.text, "signature": ""}
     return {"type": "text", "text": part.text}
 
 
-def _tool_id(part: ToolCallPart) -> str:
-    return "toolu_" + part.id.removeprefix("call_")
+def _tool_id(call_id: str | None) -> str:
+    return "toolu_" + (call_id or "").removeprefix("call_")
 
 
-def _merged(parts: Sequence[Part]) -> list[Part]:
-    out: list[Part] = []
+def _merged(parts: Sequence[Part]) -> list[TextPart | ToolCall]:
+    """Text runs joined; each well-formed call once (its deltas are for streams)."""
+    out: list[TextPart | ToolCall] = []
     for part in parts:
+        if isinstance(part, ToolCallDelta):
+            continue
+        if isinstance(part, ToolCallEnd):
+            if part.call is not None:
+                out.append(part.call)
+            continue
         last = out[-1] if out else None
         if (isinstance(part, TextPart) and isinstance(last, TextPart)
                 and last.kind == part.kind):
@@ -299,13 +306,8 @@ class MessageStream:
         ``index`` is 0)."""
         out: list[bytes] = []
         for part in parts:
-            if isinstance(part, ToolCallPart):
-                self._tool_calls = True
-                out.append(self._begin("tool_use", {"type": "tool_use", "id": _tool_id(part),
-                                                    "name": part.name, "input": {}}))
-                out.append(_event("content_block_delta", {"index": self._index, "delta": {
-                    "type": "input_json_delta", "partial_json": part.arguments}}))
-                out.append(self._close())
+            if isinstance(part, (ToolCallDelta, ToolCallEnd)):
+                out.append(self._tool_part(part))
                 continue
             if self._open != part.kind:
                 empty = ({"type": "thinking", "thinking": "", "signature": ""}
@@ -315,6 +317,18 @@ class MessageStream:
                     else {"type": "text_delta", "text": part.text})
             out.append(_event("content_block_delta", {"index": self._index, "delta": body}))
         return b"".join(out)
+
+    def _tool_part(self, part: ToolCallDelta | ToolCallEnd) -> bytes:
+        """A ``tool_use`` block opens with the call's name, its input streams as
+        ``input_json_delta`` fragments as they are generated, and it closes at the call's end."""
+        if isinstance(part, ToolCallEnd):
+            self._tool_calls = self._tool_calls or part.call is not None
+            return self._close()
+        if part.name is not None:
+            return self._begin("tool_use", {"type": "tool_use", "id": _tool_id(part.id),
+                                            "name": part.name, "input": {}})
+        return _event("content_block_delta", {"index": self._index, "delta": {
+            "type": "input_json_delta", "partial_json": part.arguments}})
 
     def end(self, completions: Sequence[Completion]) -> bytes:
         """Close the open block, then ``message_delta`` (the stop reason and the whole

@@ -58,7 +58,7 @@ from transports.http.generation import Started
 from transports.http.logs import CLIENT_CLOSED, AccessLog, record_generation
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
-from transports.http.output import OutputSplitter, Part
+from transports.http.output import Part
 from transports.http.page import MEDIA_TYPE as HTML, ChatPage
 from transports.http.traces import MEDIA_TYPE as JSONL
 from transports.http.work import Checkpoint, Workers, disconnected
@@ -210,8 +210,8 @@ class Server:
     async def _stream(self, served: ServedModel, started: Started, parsed: Parsed,
                       dialect: Dialect) -> AsyncIterator[bytes]:
         encoder = generation.encoder(served, parsed, dialect, started)
-        splitters = [OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
-                     for _ in started.flights]
+        splitters = [generation.splitter(served, parsed, f.handle.request_id)
+                     for f in started.flights]
         opening = encoder.start()
         if opening:
             yield opening

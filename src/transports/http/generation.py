@@ -107,10 +107,18 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
     return Started(flights, prompt_tokens, fitted[0].thinking, prompts, echoes)
 
 
-def split(parsed: Parsed, text: str) -> list[Part]:
+def splitter(served: ServedModel, parsed: Parsed, request_id: str) -> OutputSplitter:
+    """The output splitter of one choice: the model's tool-call reader when the request
+    offered tools (its call ids derive from ``request_id``)."""
+    parser = served.pipe.stages.tool_parser
+    reader = parser.start(request_id) if parsed.tools and parser is not None else None
+    return OutputSplitter(tools=reader, thinking=parsed.thinking)
+
+
+def split(served: ServedModel, parsed: Parsed, completion: Completion) -> list[Part]:
     """A whole answer's text as parts (answer text, thinking, tool calls)."""
-    splitter = OutputSplitter(tools=parsed.tools, thinking=parsed.thinking)
-    return splitter.feed(text) + splitter.finish()
+    whole = splitter(served, parsed, completion.request_id)
+    return whole.feed(completion.text) + whole.finish()
 
 
 def answer(served: ServedModel, parsed: Parsed, dialect: Dialect, started: Started,
@@ -118,12 +126,12 @@ def answer(served: ServedModel, parsed: Parsed, dialect: Dialect, started: Start
     """The non-stream response body."""
     if dialect is Dialect.ANTHROPIC:
         (completion,) = completions
-        return anthropic_api.message_body(parsed, completion, split(parsed, completion.text))
+        return anthropic_api.message_body(parsed, completion, split(served, parsed, completion))
     if parsed.raw is not None:
         return completions_api.text_completion(parsed, completions, started.echoes,
                                                started.prompts, _tokenizer(served),
                                                _detokenizer(served))
-    parts = [split(parsed, c.text) for c in completions]
+    parts = [split(served, parsed, c) for c in completions]
     return openai_api.chat_completion(parsed, completions, parts,
                                       total_usage(completions, parsed.n), _tokenizer(served))
 

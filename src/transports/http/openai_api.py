@@ -22,13 +22,13 @@ from pipeline.errors import InvalidValueError
 from pipeline.protocols import Tokenizer
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, TokenLogprob, ToolCall,
-    ToolSpec, Usage, token_text,
+    ToolCallDelta, ToolCallEnd, ToolSpec, Usage, token_text,
 )
 from transports.http.choices import total_usage
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
 from transports.http.documented import openai_chat_ignored, openai_chat_refused, openai_ignored
 from transports.http.fields import Obj, check
-from transports.http.output import Part, TextPart, ToolCallPart
+from transports.http.output import Part, TextPart, calls_of
 from transports.sse import SSEEvent, encode
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -245,9 +245,17 @@ def logprobs_body(tokenizer: Tokenizer, items: Sequence[TokenLogprob]) -> dict[s
         for lp in items]}
 
 
-def _calls_json(calls: Sequence[ToolCallPart]) -> list[dict[str, Any]]:
+def _calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _call_delta(part: ToolCallDelta) -> dict[str, Any]:
+    """A ``tool_calls`` delta entry: the call's id and name first, then argument fragments."""
+    if part.name is not None:
+        return {"index": part.index, "id": part.id, "type": "function",
+                "function": {"name": part.name, "arguments": part.arguments}}
+    return {"index": part.index, "function": {"arguments": part.arguments}}
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -261,7 +269,7 @@ def _choice(index: int, completion: Completion, parts: Sequence[Part],
             tokenizer: Tokenizer) -> dict[str, Any]:
     text = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "text")
     thinking = "".join(p.text for p in parts if isinstance(p, TextPart) and p.kind == "thinking")
-    calls = [p for p in parts if isinstance(p, ToolCallPart)]
+    calls = [end.call for end in calls_of(list(parts)) if end.call is not None]
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     if thinking:
         message["reasoning_content"] = thinking
@@ -317,13 +325,10 @@ class ChatStream:
                     if self.parsed.request.generation_config.logprobs and delta.logprobs
                     else None)
         for part in parts:
-            if isinstance(part, ToolCallPart):
-                self._calls[index] += 1
-                out.append(self._chunk(index, {"tool_calls": [{
-                    "index": part.index, "id": part.id, "type": "function",
-                    "function": {"name": part.name, "arguments": ""}}]}))
-                out.append(self._chunk(index, {"tool_calls": [{
-                    "index": part.index, "function": {"arguments": part.arguments}}]}))
+            if isinstance(part, ToolCallEnd):
+                self._calls[index] += part.call is not None
+            elif isinstance(part, ToolCallDelta):
+                out.append(self._chunk(index, {"tool_calls": [_call_delta(part)]}))
             else:
                 key = "content" if part.kind == "text" else "reasoning_content"
                 out.append(self._chunk(index, {key: part.text}, logprobs))

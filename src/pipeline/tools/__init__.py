@@ -1,0 +1,27 @@
+"""Tools across the reality boundary (DESIGN §11): everything after a call is parsed.
+
+The parsers that read calls out of the model's text are a stage family (``stages/tools``);
+this package owns what the core does with a parsed call:
+
+- :mod:`pipeline.tools.parsing` — which parser a model gets (from its chat template);
+- :mod:`pipeline.tools.schema` — typed Python functions as tools (JSON schemas from hints
+  and docstrings);
+- :mod:`pipeline.tools.executor` — the executor and policy plugins (:class:`ToolExecutor`,
+  :class:`ToolPolicy`, :class:`FunctionTool`, :class:`AllowAll`, :class:`Rules`);
+- :mod:`pipeline.tools.ledger` — the durable write-ahead record of commits;
+- :mod:`pipeline.tools.boundary` — validate → authorize → commit → execute, each a
+  ``tool.*`` event;
+- :mod:`pipeline.tools.loop` — the in-process loop behind :meth:`pipeline.Pipeline.run`.
+"""
+
+from pipeline.tools.boundary import CallOutcome, ToolBoundary
+from pipeline.tools.executor import (
+    AllowAll, Decision, FunctionTool, Rules, ToolExecutor, ToolPolicy, Verdict,
+)
+from pipeline.tools.ledger import Entry, JsonlLedger, Ledger, MemoryLedger
+from pipeline.tools.loop import Round, ToolRun, run_tools
+from pipeline.tools.schema import tool_spec
+
+__all__ = ["AllowAll", "CallOutcome", "Decision", "Entry", "FunctionTool", "JsonlLedger",
+           "Ledger", "MemoryLedger", "Round", "Rules", "ToolBoundary", "ToolExecutor",
+           "ToolPolicy", "ToolRun", "Verdict", "run_tools", "tool_spec"]

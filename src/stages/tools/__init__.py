@@ -1,0 +1,20 @@
+"""Tool-call parsing: one parser per model family's format (DESIGN §11).
+
+Owns the parsers (:mod:`stages.tools.formats`: Hermes/Qwen ``<tool_call>``, Llama 3.x JSON
+and ``<|python_tag|>``, Mistral ``[TOOL_CALLS]``), the reader they share
+(:mod:`stages.tools.reader`) and the incremental call scanner (:mod:`stages.tools.scan`).
+A parser implements :class:`~pipeline.protocols.ToolCallParser`; its readers are fed
+committed text and give answer text, tool-call deltas (the name first, then argument
+fragments as they are generated) and finished calls. The engine runs one per request that
+offers tools, so the in-process API and the HTTP dialects read calls the same way.
+"""
+
+from stages.tools.formats import HermesParser, Llama3Parser, MistralParser
+from stages.tools.reader import CallReader, call_id
+from stages.tools.scan import CallScanner, judge
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3Parser, "mistral": MistralParser}
+"""The built-in parsers by registered name."""
+
+__all__ = ["PARSERS", "CallReader", "CallScanner", "HermesParser", "Llama3Parser",
+           "MistralParser", "call_id", "judge"]
