@@ -397,8 +397,9 @@ class Engine:
         for job in plan.decode:
             p = job.plan
             assert p is not None
-            calls[job] = self._paged(job, ModelCall(job.slot_id, p.token_ids, job.cache_len,
-                                                    p.outputs, p.attention, p.write))
+            calls[job] = self._paged(job, ModelCall(
+                job.slot_id, p.token_ids, job.cache_len, p.outputs, p.attention, p.write,
+                embeddings=p.embeddings, time=p.time, self_condition=p.self_condition))
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
             calls[job] = self._paged(job, ModelCall.chunk(chunk))
