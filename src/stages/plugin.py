@@ -111,6 +111,22 @@ def _speculative(ctx: BuildContext) -> Any:
     return speculative_maker(ctx)
 
 
+def _continuous(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.select.continuous.options import continuous_maker
+
+        return continuous_maker(name)(ctx)
+
+    return factory
+
+
+CONTINUOUS_SUMMARIES = {
+    "ddpm": "continuous diffusion over embeddings, DDPM ancestral sampling, in blocks",
+    "ddim": "continuous diffusion over embeddings, DDIM sampling (eta), in blocks",
+    "flow": "rectified flow over embeddings, Euler or Heun, in blocks",
+}
+
+
 @hookimpl
 def pipeline_components() -> list[Component]:
     """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategy."""
@@ -130,4 +146,6 @@ def pipeline_components() -> list[Component]:
     ]
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
+    comps += [Component("strategy", n, _continuous(n), s)
+              for n, s in CONTINUOUS_SUMMARIES.items()]
     return comps
