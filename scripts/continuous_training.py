@@ -297,6 +297,21 @@ def evaluate(model: Denoiser, docs: list[list[int]], cfg: TrainConfig, corrupt: 
 
 def hf_state(model: Denoiser) -> dict[str, torch.Tensor]:
     """The weights under Hugging Face Llama names (+ the conditioning tensors), bf16."""
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in hf_params(model).items()}
+
+
+def load_hf_state(model: Denoiser, state: dict[str, torch.Tensor]) -> None:
+    """Copy a saved folder's tensors (Hugging Face names) into ``model`` (float32)."""
+    params = hf_params(model)
+    if set(params) != set(state):
+        raise ValueError(f"tensor names differ: {sorted(set(params) ^ set(state))[:5]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name].float())
+
+
+def hf_params(model: Denoiser) -> dict[str, torch.Tensor]:
+    """The model's parameters under Hugging Face Llama names (+ the conditioning tensors)."""
     out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm,
            "model.time_mlp.0.weight": model.time_mlp[0].weight,
            "model.time_mlp.0.bias": model.time_mlp[0].bias,
@@ -311,7 +326,7 @@ def hf_state(model: Denoiser) -> dict[str, torch.Tensor]:
             out[f"{p}.self_attn.{name}.weight"] = getattr(layer, name).weight
         for name in ("gate_proj", "up_proj", "down_proj"):
             out[f"{p}.mlp.{name}.weight"] = getattr(layer, name).weight
-    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in out.items()}
+    return out
 
 
 def hf_config(cfg: TrainConfig, vocab_size: int, generation: dict[str, Any]) -> dict[str, Any]:

@@ -11,11 +11,19 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import CacheInspector, DocumentEncoder, ModelDescriber, PagedBackend
+from pipeline.protocols import (
+    CacheInspector, DocumentEncoder, EmbeddingInputs, ModelDescriber, PagedBackend,
+)
 from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
 from stages.select.proposers import NgramProposer, Proposer
+from stages.select.continuous.integrators import (
+    DiffusionIntegrator, FlowIntegrator, Integrator,
+)
+from stages.select.continuous.schedules import NoiseSchedule
+from stages.select.continuous.strategy import ContinuousStrategy
+from stages.select.continuous.updates import uniform_grid
 from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
@@ -48,7 +56,11 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     ngram: Proposer = NgramProposer()
     draft: Proposer = DraftModelProposer(backend, chain, 10)
     speculative: Strategy = SpeculativeStrategy(chain, selectors[1], ngram, 4)
+    embedding: EmbeddingInputs = torch_backend
+    integrators: list[Integrator] = [
+        DiffusionIntegrator(NoiseSchedule.make(), 10), FlowIntegrator(uniform_grid(4), "heun")]
+    continuous: Strategy = ContinuousStrategy("ddim", embedding, integrators[0], 16)
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
-    del real, sync, asyncs, described, draft, speculative, paged, inspector
+    del real, sync, asyncs, described, draft, speculative, paged, inspector, continuous

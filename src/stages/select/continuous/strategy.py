@@ -26,7 +26,8 @@ Randomness is counter-based: the block's starting noise and every DDPM (or DDIM 
 0) noise draw are :func:`~.noise.gaussian` of (seed, stream, the block's first token
 index, the call number), so seeded runs are identical alone and batched. Sampling
 parameters of a request (temperature, top-k/p, penalties) do not apply: the randomness is
-the noise. The trace gets one ``step.iteration`` event per denoising call (``step``: the
+the noise; ``logprobs`` are those of the committed tokens under the last call's x0
+distribution. The trace gets one ``step.iteration`` event per denoising call (``step``: the
 block's first token index, ``block``, ``iteration`` of ``iterations``, ``time``, the digest
 of the state fed, ``state_digest``, and ``x0_digest`` of the estimate it conditions on), and a
 ``step.rounded`` event with the block's ``ids`` when it is final.
@@ -46,6 +47,7 @@ from pipeline.protocols import (
     Attention, EmbeddingInputs, Plan, Row, StrategyEvent, Taken, Update,
 )
 from pipeline.recording import row_digests
+from pipeline.types import TokenLogprob
 from stages.select.continuous.integrators import BlockState, Integrator
 from stages.select.continuous.noise import gaussian
 
@@ -67,6 +69,23 @@ class ContState:
     writing: bool = False
     full: bool = False
     """No room for another block: the tokens committed last end the request."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """Of the final block's tokens under the last call's distribution, when asked for."""
+
+
+def _logprobs(z: torch.Tensor, tokens: Sequence[int], row: Row) -> tuple[TokenLogprob, ...]:
+    """Each token's log-probability under its position's x0 distribution (the last call's
+    logits), with the ``top_logprobs`` most likely alternatives."""
+    logp = torch.log_softmax(z, dim=-1)                                     # [L, V]
+    k = row.config.top_logprobs
+    top = logp.topk(k, dim=-1) if k else None
+    out = []
+    for j, token in enumerate(tokens):
+        alternatives = () if top is None else tuple(
+            TokenLogprob(int(i), float(v)) for v, i in zip(top.values[j].tolist(),
+                                                           top.indices[j].tolist()))
+        out.append(TokenLogprob(token, float(logp[j, token]), alternatives))
+    return tuple(out)
 
 
 def digest(x: torch.Tensor) -> str:
@@ -162,7 +181,7 @@ class ContinuousStrategy:
             return Update(state, ())
         if state.writing:                                    # the block is in the cache now
             assert block.tokens is not None
-            rest = tuple(Taken(t) for t in block.tokens[1:])
+            rest = tuple(self._taken(state, block, j) for j in range(1, block.length))
             state.writing = False
             following = self._open(state, row, block.step + block.length, block.index + 1,
                                    z.device)
@@ -171,9 +190,9 @@ class ContinuousStrategy:
             return Update(state, rest)
         if z.shape[0] != block.length:
             raise ValueError(f"{z.shape[0]} logits rows for a block of {block.length}")
-        return self._denoised(state, block, z.float())
+        return self._denoised(state, row, block, z.float())
 
-    def _denoised(self, state: ContState, block: BlockState, z: torch.Tensor
+    def _denoised(self, state: ContState, row: Row, block: BlockState, z: torch.Tensor
                   ) -> Update[ContState]:
         """Move the block by one call's logits ``[L, V]``; round it after the last call."""
         space = self.backend.embedding_space()                              # [V, d]
@@ -189,10 +208,16 @@ class ContinuousStrategy:
             return Update(state, ())
         block.tokens = self._round(block.x, z, space)
         state.writing = True
+        state.logprobs = _logprobs(z, block.tokens, row) if row.config.logprobs else ()
         event: StrategyEvent = ("step.rounded", {
             "step": block.step, "block": block.index, "rounding": self.rounding,
             "state_digest": digest(block.x), "ids": list(block.tokens)})
-        return Update(state, (Taken(block.tokens[0]),), events=(event,))
+        return Update(state, (self._taken(state, block, 0),), events=(event,))
+
+    @staticmethod
+    def _taken(state: ContState, block: BlockState, j: int) -> Taken:
+        assert block.tokens is not None
+        return Taken(block.tokens[j], state.logprobs[j] if state.logprobs else None)
 
     def _round(self, x: torch.Tensor, z: torch.Tensor, space: torch.Tensor
                ) -> tuple[int, ...]:
