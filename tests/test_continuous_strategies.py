@@ -330,3 +330,24 @@ def test_shipped_models_generate_and_their_traces_check(shipped: tuple[str, Any]
     assert c.token_ids and c.text.strip()
     assert kinds(c, "selection.configured")[0].payload["strategy"] == strategy
     assert check(c).ok, check(c).render()
+
+
+def test_preempted_requests_resume_where_they_were(folders: dict[str, Path]) -> None:
+    """A pool too small for every request at once makes the engine preempt some by
+    recompute, mid-block; each still commits exactly what it commits alone."""
+    prompts = [f"Question number {i}: what is {w}?" for i, w in
+               enumerate(["a list", "a dict", "a set", "a tuple", "a class", "a module"])]
+    folder = folders["diffusion"]
+    small = {"dtype": "float32", "pack": False, "block_size": 4, "max_context": 64,
+             "num_slots": 4, "kv_blocks": 16}
+    with build(folder, strategy="ddim", options={**small, "num_slots": 1}) as pipe:
+        alone = [pipe.generate(p, max_tokens=20, seed=i, ignore_eos=True).token_ids
+                 for i, p in enumerate(prompts)]
+    with build(folder, strategy="ddim", options=small) as pipe:
+        handles = [pipe.submit(p, max_tokens=20, seed=i, ignore_eos=True)
+                   for i, p in enumerate(prompts)]
+        done = [h.result(120) for h in handles]
+    assert any(kinds(c, "preempted") for c in done), "the pool was meant to force preemption"
+    assert [c.token_ids for c in done] == alone
+    for c in done:
+        assert check(c).ok, check(c).render()

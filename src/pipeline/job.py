@@ -71,7 +71,10 @@ class Job:
         """Prompt positions the prefix cache supplied at the job's first admission."""
         self.resumed = False
         """Preempted while decoding: the next prefill recomputes the prompt and the committed
-        output (but the pending token), and decoding goes on with the strategy's state."""
+        output the cache held (but the pending token), and decoding goes on with the
+        strategy's state."""
+        self.cached_outputs = 0
+        """Committed outputs the cache held when the job was last preempted while decoding."""
         self.strategy: Strategy | None = None
         self.decode_state: Any = None
         """The strategy's loop state for this request (set at :meth:`start_decoding`)."""
@@ -162,9 +165,10 @@ class Job:
     @property
     def prefill_ids(self) -> tuple[int, ...]:
         """What prefill puts in the cache: the prompt, and after a preemption the committed
-        output but the pending token too."""
+        output the cache held then (all but the pending token, for autoregressive decoding;
+        every committed token, for a strategy between blocks)."""
         if self.resumed:
-            return (*self.prompt_ids, *self.output_ids[:-1])
+            return (*self.prompt_ids, *self.output_ids[:self.cached_outputs])
         return tuple(self.prompt_ids)
 
     def prefix_hit(self, cached: int, blocks: int) -> None:
@@ -180,6 +184,8 @@ class Job:
         it waits at the head of the queue and recomputes its cache when readmitted."""
         self._emit("engine", "preempted", {"blocks": blocks, "cache_len": self.cache_len,
                                            "step": len(self.output_ids)})
+        if self.state is RequestState.DECODING:  # (a resumed job's recompute keeps its own)
+            self.cached_outputs = self.cache_len - len(self.prompt_ids)
         self.resumed = self.resumed or self.state is RequestState.DECODING
         self.slot, self.plan = None, None
         self.done_prefill = self.cache_len = 0

@@ -36,8 +36,6 @@ of the state fed, ``state_digest``, and ``x0_digest`` of the estimate it conditi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
 import attrs
 import torch
 
@@ -245,9 +243,3 @@ class ContinuousStrategy:
                      device)
         return BlockState(step, index, length, x, x)
 
-
-def describe(strategy: ContinuousStrategy) -> dict[str, Any]:
-    """The strategy's settings (for logs and the model card)."""
-    return {"name": strategy.name, "rule": strategy.integrator.name,
-            "calls_per_block": strategy.integrator.calls, "block_length": strategy.block_length,
-            "self_condition": strategy.self_condition, "rounding": strategy.rounding}
