@@ -351,3 +351,27 @@ def test_preempted_requests_resume_where_they_were(folders: dict[str, Path]) -> 
     assert [c.token_ids for c in done] == alone
     for c in done:
         assert check(c).ok, check(c).render()
+
+
+def test_trace_cli_checks_and_diffs_shipped_model_runs(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """``pipeline trace check`` / ``diff`` on JSONL traces of the shipped flow model."""
+    from pipeline import cli
+    from pipeline.events import event_line
+
+    files = []
+    with build("tiny-flow", strategy="flow") as sixteen, \
+            build("tiny-flow", strategy="flow", strategy_options={"steps": 8}) as eight:
+        for name, pipe in (("a", sixteen), ("b", eight)):
+            done = pipe.generate("What is a list?", max_tokens=20, seed=4,
+                                 recording=Recording.FULL)
+            path = tmp_path / f"{name}.jsonl"
+            path.write_text("".join(event_line(e) + "\n" for e in done.trace))
+            files.append(str(path))
+    assert cli.main(["trace", "check", files[0]]) == 0
+    capsys.readouterr()
+    assert cli.main(["trace", "diff", files[0], files[1]]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: iteration time at step 1" in out
+    assert "iteration 2 of the block at token 1 (16 vs 8 per block)" in out
