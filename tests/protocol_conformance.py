@@ -12,7 +12,8 @@ from pipeline import (
 )
 from pipeline import testing
 from pipeline.protocols import (
-    CacheInspector, DocumentEncoder, ModelDescriber, PagedBackend, ToolCallParser, ToolCallReader,
+    CacheInspector, DocumentEncoder, EmbeddingInputs, ModelDescriber, PagedBackend,
+    ToolCallParser, ToolCallReader,
 )
 from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
@@ -22,6 +23,12 @@ from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
 from stages.select.proposers import NgramProposer, Proposer
+from stages.select.continuous.integrators import (
+    DiffusionIntegrator, FlowIntegrator, Integrator,
+)
+from stages.select.continuous.schedules import NoiseSchedule
+from stages.select.continuous.strategy import ContinuousStrategy
+from stages.select.continuous.updates import uniform_grid
 from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
@@ -59,6 +66,10 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     ngram: Proposer = NgramProposer()
     draft: Proposer = DraftModelProposer(backend, chain, 10)
     speculative: Strategy = SpeculativeStrategy(chain, selectors[1], ngram, 4)
+    embedding: EmbeddingInputs = torch_backend
+    integrators: list[Integrator] = [
+        DiffusionIntegrator(NoiseSchedule.make(), 10), FlowIntegrator(uniform_grid(4), "heun")]
+    continuous: Strategy = ContinuousStrategy("ddim", embedding, integrators[0], 16)
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
@@ -67,5 +78,5 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     executor: ToolExecutor = FunctionTool(_double)
     policies: list[ToolPolicy] = [AllowAll(), Rules({})]
     ledgers: list[Ledger] = [MemoryLedger(), JsonlLedger("ledger.jsonl")]
-    del real, sync, asyncs, described, draft, speculative, paged, inspector
+    del real, sync, asyncs, described, draft, speculative, paged, inspector, continuous
     del parsers, readers, executor, policies, ledgers

@@ -54,7 +54,7 @@ def _run_page(page: Path, reader: tuple[Path, dict[str, str]]) -> list[dict[str,
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-@pytest.mark.parametrize("page", ["quickstart.md", "plugins.md", "tools.md"])
+@pytest.mark.parametrize("page", ["quickstart.md", "plugins.md", "tools.md", "continuous.md"])
 def test_every_python_block_runs_and_prints_what_the_page_shows(
         page: str, reader: tuple[Path, dict[str, str]]) -> None:
     results = _run_page(DOCS / page, reader)

@@ -406,7 +406,9 @@ class Engine:
             p = job.plan
             assert p is not None
             calls[job] = ModelCall(job.slot_id, p.token_ids, job.cache_len, p.outputs,
-                                   p.attention, p.write, self._table(job))
+                                   p.attention, p.write, self._table(job),
+                                   embeddings=p.embeddings, time=p.time,
+                                   self_condition=p.self_condition)
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
             call = ModelCall.chunk(chunk)

@@ -66,7 +66,10 @@ class Job:
         """Prompt positions the prefix cache supplied at the job's first admission."""
         self.resumed = False
         """Preempted while decoding: the next prefill recomputes the prompt and the committed
-        output (but the pending token), and decoding goes on with the strategy's state."""
+        output the cache held (but the pending token), and decoding goes on with the
+        strategy's state."""
+        self.cached_outputs = 0
+        """Committed outputs the cache held when the job was last preempted while decoding."""
         self.strategy: Strategy | None = None
         self.decode_state: Any = None
         """The strategy's loop state for this request (set at :meth:`start_decoding`)."""
@@ -82,6 +85,7 @@ class Job:
         self._last = spec.last_event
         self._full = spec.request.recording is Recording.FULL
         self._order: tuple[str, ...] = ()
+        self._configured = False
         self.raw_digest: str | None = None  # of the latest raw logits z_t
         self.raw_digests: list[str | None] = []  # of each wanted output of the latest call
 
@@ -149,9 +153,10 @@ class Job:
     @property
     def prefill_ids(self) -> tuple[int, ...]:
         """What prefill puts in the cache: the prompt, and after a preemption the committed
-        output but the pending token too."""
+        output the cache held then (all but the pending token, for autoregressive decoding;
+        every committed token, for a strategy between blocks)."""
         if self.resumed:
-            return (*self.prompt_ids, *self.output_ids[:-1])
+            return (*self.prompt_ids, *self.output_ids[:self.cached_outputs])
         return tuple(self.prompt_ids)
 
     def prefix_hit(self, cached: int, blocks: int) -> None:
@@ -167,6 +172,8 @@ class Job:
         it waits at the head of the queue and recomputes its cache when readmitted."""
         self._emit("engine", "preempted", {"blocks": blocks, "cache_len": self.cache_len,
                                            "step": len(self.output_ids)})
+        if self.state is RequestState.DECODING:  # (a resumed job's recompute keeps its own)
+            self.cached_outputs = self.cache_len - len(self.prompt_ids)
         self.resumed = self.resumed or self.state is RequestState.DECODING
         self.slot, self.plan = None, None
         self.done_prefill = self.cache_len = 0
@@ -205,7 +212,11 @@ class Job:
             self._emit("backend", "prefill.chunk", payload)
 
     def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
-        """Record the strategy and the processor order applied at step 1 (before selecting)."""
+        """Record the strategy and the processor order applied at step 1 (before selecting);
+        once, though an iterative strategy updates several times before its first token."""
+        if self._configured:
+            return
+        self._configured = True
         self._order = order
         self._emit("engine", "selection.configured", {
             "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
@@ -227,6 +238,8 @@ class Job:
                                    "cache_len": cache_len, "logits": logits[0]}
         if len(fed) > 1:
             payload["token_ids"] = list(fed)
+        if not self.plan.write:  # a denoising pass: read the cache, wrote nothing
+            payload["write"] = False
         if len(logits) > 1:  # the first divergence may lie at any verified position
             payload["outputs"] = list(self.plan.outputs)
             payload["block_logits"] = list(logits)

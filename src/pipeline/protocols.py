@@ -455,11 +455,21 @@ class ModelCall:
     (i+1)*block_size - 1``, and it covers at least ``start + len(token_ids)`` positions
     (``start`` for a call that does not write). None leaves memory to the backend.
 
+    Continuous strategies (DESIGN §10) feed embeddings instead of tokens: ``embeddings`` (a
+    tensor ``[len(token_ids), d]`` on the model's device, in the backend's
+    :meth:`EmbeddingInputs.embedding_space`) replaces the token embeddings of the call's
+    positions, whose ``token_ids`` then only keep the length (placeholder ids); ``time`` (in
+    [0, 1], the model family's time) and ``self_condition`` (the previous x0 estimate,
+    ``[len(token_ids), d]``) condition a model that was trained with them
+    (:class:`EmbeddingInputs`). All three default to None: a plain call.
+
     Example::
 
         ModelCall(slot, (y_t,), start=m + t - 1, outputs=(0,))        # a decode step
         ModelCall(slot, tuple(chunk), start=0, outputs=())             # a non-final chunk
         ModelCall(slot, (y_t,), m + t - 1, (0,), blocks=kv.table(seq)) # paged decode step
+        ModelCall(slot, (0,) * 16, n, tuple(range(16)), Attention.BLOCK, write=False,
+                  embeddings=x_t, time=0.7)                            # a denoising pass
     """
 
     slot: int
@@ -469,6 +479,9 @@ class ModelCall:
     attention: Attention = Attention.CAUSAL
     write: bool = True
     blocks: tuple[int, ...] | None = attrs.field(default=None, converter=_block_table)
+    embeddings: torch.Tensor | None = attrs.field(default=None, eq=False)
+    time: float | None = None
+    self_condition: torch.Tensor | None = attrs.field(default=None, eq=False)
 
     @classmethod
     def chunk(cls, chunk: PrefillChunk) -> ModelCall:
@@ -540,6 +553,44 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class EmbeddingInputs(Protocol):
+    """Optional backend capability: calls that feed embeddings (:attr:`ModelCall.embeddings`),
+    for continuous diffusion and flow strategies (DESIGN §10).
+
+    ``embedding_space()`` is the ``[V, d]`` float32 table of every token's embedding in the
+    space calls' embeddings live in (on the model's device; the same tensor on every call,
+    not to be modified); x0 estimates are mixtures of its rows and rounding finds the
+    nearest one. ``time_conditioned`` / ``self_conditioned`` say whether the model reads a
+    call's ``time`` / ``self_condition``; a call that gives one the model does not read is
+    refused with :class:`~pipeline.errors.SlotError`.
+
+    Example::
+
+        space = backend.embedding_space()                          # [V, d]
+        x0_hat = logits.softmax(-1) @ space                         # [L, d]
+    """
+
+    @property
+    def embedding_dim(self) -> int:
+        """d, the width of embedding inputs."""
+        ...
+
+    @property
+    def time_conditioned(self) -> bool:
+        """Whether the model reads a call's ``time``."""
+        ...
+
+    @property
+    def self_conditioned(self) -> bool:
+        """Whether the model reads a call's ``self_condition``."""
+        ...
+
+    def embedding_space(self) -> torch.Tensor:
+        """Every token's embedding ``[V, d]`` in the space of embedding inputs."""
+        ...
+
+
+@runtime_checkable
 class PagedBackend(Protocol):
     """Optional backend capability: KV memory in ``num_blocks`` blocks of ``block_size``
     positions whose block tables the caller owns (DESIGN §6, second edition).
@@ -598,7 +649,9 @@ class Plan:
     :class:`ModelCall` for ``attention`` and ``write``. Autoregressive decoding plans
     ``Plan((y_t,), (0,))``; verifying k drafts plans ``Plan((y_t, d_1..d_k), range(k + 1))``.
     ``events`` are the strategy's own trace events about this plan (:data:`StrategyEvent`),
-    recorded when its call has run, before ``decode.completed``.
+    recorded when its call has run, before ``decode.completed``. ``embeddings``, ``time`` and
+    ``self_condition`` go to the call as they are (see :class:`ModelCall`): a continuous
+    strategy's denoising pass.
     """
 
     token_ids: tuple[int, ...]
@@ -606,6 +659,9 @@ class Plan:
     attention: Attention = Attention.CAUSAL
     write: bool = True
     events: tuple[StrategyEvent, ...] = attrs.field(default=(), eq=False)
+    embeddings: torch.Tensor | None = attrs.field(default=None, eq=False)
+    time: float | None = None
+    self_condition: torch.Tensor | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

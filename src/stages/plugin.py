@@ -127,6 +127,22 @@ def _tool_parser(name: str) -> Any:
     return factory
 
 
+def _continuous(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.select.continuous.options import continuous_maker
+
+        return continuous_maker(name)(ctx)
+
+    return factory
+
+
+CONTINUOUS_SUMMARIES = {
+    "ddpm": "continuous diffusion over embeddings, DDPM ancestral sampling, in blocks",
+    "ddim": "continuous diffusion over embeddings, DDIM sampling (eta), in blocks",
+    "flow": "rectified flow over embeddings, Euler or Heun, in blocks",
+}
+
+
 @hookimpl
 def pipeline_components() -> list[Component]:
     """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategies, tool
@@ -149,4 +165,6 @@ def pipeline_components() -> list[Component]:
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
     comps += [Component("tool_parser", n, _tool_parser(n), s)
               for n, s in TOOL_PARSER_SUMMARIES.items()]
+    comps += [Component("strategy", n, _continuous(n), s)
+              for n, s in CONTINUOUS_SUMMARIES.items()]
     return comps

@@ -48,7 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
+from backends.torch.conditioning import Piece, call_inputs, embedding_space
 from backends.torch.config import ModelSpec
 from backends.torch.loader import load_checkpoint
 from backends.torch.kv import KVCache, RaggedBatch
@@ -61,7 +63,9 @@ from pipeline.options import check_device
 from pipeline.protocols import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend, CacheInspector, ModelDescriber, PagedBackend
+    from pipeline.protocols import (
+        Backend, CacheInspector, EmbeddingInputs, ModelDescriber, PagedBackend,
+    )
 
 
 class TorchBackend:
@@ -111,6 +115,7 @@ class TorchBackend:
         self.own_blocks: BlockManager | None = BlockManager(self.num_blocks, block_size,
                                                             snapshot=snapshot)
         self._allocated: set[int] = set()
+        self._space: torch.Tensor | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
@@ -155,6 +160,41 @@ class TorchBackend:
             device=str(self.model.weights.embed.device),
             weight_bytes=held + linears.own_bytes, packed_bytes=linears.packed_bytes,
             cache_bytes=self.cache.nbytes)
+
+    @property
+    def embedding_dim(self) -> int:
+        """d of embedding inputs: the hidden size (:class:`EmbeddingInputs`)."""
+        return self.model.spec.hidden_size
+
+    @property
+    def time_conditioned(self) -> bool:
+        """Whether the model reads a call's ``time`` (its config's embedding_conditioning)."""
+        cond = self.model.weights.conditioning
+        return cond is not None and cond.time_in is not None
+
+    @property
+    def self_conditioned(self) -> bool:
+        """Whether the model reads a call's ``self_condition``."""
+        cond = self.model.weights.conditioning
+        return cond is not None and cond.self_condition is not None
+
+    def embedding_space(self) -> torch.Tensor:
+        """Every token's embedding, rows at unit RMS, ``[V, H]`` float32 (computed once)."""
+        if self._space is None:
+            self._space = embedding_space(self.model.weights.embed)
+        return self._space
+
+    def _inputs(self, calls: Sequence[ModelCall], batch: RaggedBatch) -> torch.Tensor | None:
+        """The first hidden states when a call brings embeddings, a time or a
+        self-condition (None: the plain token embeddings)."""
+        pieces = [Piece(at, len(c.token_ids), c.embeddings, c.time, c.self_condition)
+                  for c, at in zip(calls, batch.offsets)
+                  if c.embeddings is not None or c.time is not None
+                  or c.self_condition is not None]
+        if not pieces:
+            return None
+        h = F.embedding(batch.token_ids, self.model.weights.embed)               # [T, H]
+        return call_inputs(self.model.weights.conditioning, h, pieces)
 
     @property
     def caller_owns_blocks(self) -> bool:
@@ -242,7 +282,7 @@ class TorchBackend:
             bidirectional=[c.attention is Attention.BLOCK for c in calls],
             writes=[c.write for c in calls])
         self.cache.discard()
-        logits = self.model.forward(self.cache, batch)                        # [N, V]
+        logits = self.model.forward(self.cache, batch, self._inputs(calls, batch))  # [N, V]
         self.cache.commit(batch)
         return logits  # stays on the model's device: selection and digests run there
 
@@ -314,6 +354,23 @@ class TorchBackend:
             (f"sequence would exceed max_context={self.max_context}",
              [c.slot for c in calls if c.start + len(c.token_ids) > self.max_context]),
             *(_table_problems(calls, bs, self.num_blocks) if paged else []),
+            *self._input_problems(calls),
+        ]
+
+    def _input_problems(self, calls: Sequence[ModelCall]) -> list[tuple[str, list[int]]]:
+        """Embedding inputs of the wrong shape, and conditioning the model does not read."""
+        shape = [c.slot for c in calls for x in (c.embeddings, c.self_condition)
+                 if x is not None and tuple(x.shape) != (len(c.token_ids), self.embedding_dim)]
+        return [
+            (f"embeddings and self_condition must be [len(token_ids), {self.embedding_dim}]",
+             sorted(set(shape))),
+            ("time must be a number in [0, 1]",
+             [c.slot for c in calls if c.time is not None and not 0.0 <= c.time <= 1.0]),
+            ("the model has no time conditioning (its config.json's embedding_conditioning)",
+             [c.slot for c in calls if c.time is not None and not self.time_conditioned]),
+            ("the model has no self-conditioning (its config.json's embedding_conditioning)",
+             [c.slot for c in calls
+              if c.self_condition is not None and not self.self_conditioned]),
         ]
 
 
@@ -386,4 +443,8 @@ if TYPE_CHECKING:
 
     def _satisfies_paged_backend(backend: TorchBackend) -> PagedBackend:
         """... and a PagedBackend."""
+        return backend
+
+    def _satisfies_embedding_inputs(backend: TorchBackend) -> EmbeddingInputs:
+        """... and takes embedding inputs."""
         return backend

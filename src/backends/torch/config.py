@@ -104,6 +104,16 @@ class MoeSpec:
             raise ArtifactError(f"num_experts_per_tok={self.top_k} outside 1..{self.num_experts}")
 
 
+@attrs.frozen
+class ConditioningSpec:
+    """Which conditioning a model adds to embedding inputs (``config.json``'s
+    ``"embedding_conditioning": {"time": bool, "self_condition": bool}``; see
+    :mod:`backends.torch.conditioning`)."""
+
+    time: bool = False
+    self_condition: bool = False
+
+
 def _positive(inst: Any, attr: attrs.Attribute[int], value: int) -> None:
     if value <= 0:
         raise ArtifactError(f"{attr.name}={value!r} must be > 0")
@@ -140,6 +150,7 @@ class ModelSpec:
     moe: MoeSpec | None = None
     moe_layers: tuple[int, ...] = ()
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(DTYPES))
+    conditioning: ConditioningSpec | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -176,7 +187,7 @@ class ModelSpec:
             o_bias=o_bias, mlp_bias=arch == "LlamaForCausalLM" and c.flag("mlp_bias", False),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_windows=_sliding_windows(c, layers), moe=moe, moe_layers=moe_layers,
-            dtype=_dtype(c))
+            dtype=_dtype(c), conditioning=_conditioning(c))
 
 
 class _Config:
@@ -351,6 +362,19 @@ def _yarn_attention_factor(params: Mapping[str, Any], factor: float) -> float:
     if m and m_all:
         return float(mscale(factor, m) / mscale(factor, m_all))
     return mscale(factor)
+
+
+def _conditioning(c: _Config) -> ConditioningSpec | None:
+    """``embedding_conditioning`` (None when absent); unknown keys and non-booleans refused."""
+    raw = c.raw.get("embedding_conditioning")
+    if raw is None:
+        return None
+    known = ("time", "self_condition")
+    if not isinstance(raw, Mapping) or set(raw) - set(known) or not all(
+            isinstance(v, bool) for v in raw.values()):
+        raise ArtifactError(f"{c.arch}: embedding_conditioning={raw!r} must map some of "
+                            f"{', '.join(known)} to booleans")
+    return ConditioningSpec(**raw)
 
 
 def _dtype(c: _Config) -> str:

@@ -39,7 +39,7 @@ from safetensors import safe_open
 
 from backends.torch.config import ModelSpec
 from backends.torch.weights import (
-    AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
+    AttentionWeights, ConditioningWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
 from pipeline.errors import ArtifactError
 from pipeline.events import digest_json
@@ -246,7 +246,19 @@ class _Builder:
         norm = self.get("model.norm.weight", s.hidden_size)
         head = embed if s.tie_word_embeddings else self.get(
             "lm_head.weight", s.vocab_size, s.hidden_size)
-        return ModelWeights(embed, layers, norm, head)
+        return ModelWeights(embed, layers, norm, head, self.conditioning())
+
+    def conditioning(self) -> ConditioningWeights | None:
+        """``model.time_mlp.{0,2}`` and ``model.self_condition`` where the spec has them."""
+        c, h = self.s.conditioning, self.s.hidden_size
+        if c is None:
+            return None
+        return ConditioningWeights(
+            self.maybe(c.time, "model.time_mlp.0.weight", h, h),
+            self.maybe(c.time, "model.time_mlp.0.bias", h),
+            self.maybe(c.time, "model.time_mlp.2.weight", h, h),
+            self.maybe(c.time, "model.time_mlp.2.bias", h),
+            self.maybe(c.self_condition, "model.self_condition.weight", h, h))
 
     def layer(self, i: int) -> LayerWeights:
         p, h = f"model.layers.{i}", self.s.hidden_size

@@ -101,9 +101,12 @@ class Transformer:
         """The weights' (and activations') dtype."""
         return self.weights.embed.dtype
 
-    def forward(self, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
-        """Logits ``[N, V]`` float32 at the batch's wanted ``outputs``; writes K/V to ``cache``."""
-        h = F.embedding(batch.token_ids, self.weights.embed)                    # [T, H]
+    def forward(self, cache: KVCache, batch: RaggedBatch,
+                inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[N, V]`` float32 at the batch's wanted ``outputs``; writes K/V to ``cache``.
+        ``inputs [T, H]`` replaces the token embeddings as the first hidden states (embedding
+        inputs, :mod:`backends.torch.conditioning`)."""
+        h = F.embedding(batch.token_ids, self.weights.embed) if inputs is None else inputs
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)

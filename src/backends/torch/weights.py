@@ -66,14 +66,29 @@ class LayerWeights:
 
 
 @attrs.frozen(eq=False)
+class ConditioningWeights:
+    """Time and self-conditioning of embedding inputs (:mod:`backends.torch.conditioning`):
+    the time MLP ``time_in [H, H]`` (+ bias) → SiLU → ``time_out [H, H]`` (+ bias), and the
+    self-condition projection ``self_condition [H, H]``; each None when the model lacks it."""
+
+    time_in: torch.Tensor | None = None
+    time_in_bias: torch.Tensor | None = None
+    time_out: torch.Tensor | None = None
+    time_out_bias: torch.Tensor | None = None
+    self_condition: torch.Tensor | None = None
+
+
+@attrs.frozen(eq=False)
 class ModelWeights:
     """``embed [V, H]``, the layers, the final ``norm [H]`` and ``lm_head [V, H]`` (the same
-    tensor as ``embed`` when the checkpoint ties them)."""
+    tensor as ``embed`` when the checkpoint ties them), and the embedding-input
+    ``conditioning`` of a continuous diffusion or flow model (None otherwise)."""
 
     embed: torch.Tensor
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
     lm_head: torch.Tensor
+    conditioning: ConditioningWeights | None = None
 
 
 def tensors(weights: ModelWeights) -> Iterator[torch.Tensor]:
@@ -89,7 +104,7 @@ def tensors(weights: ModelWeights) -> Iterator[torch.Tensor]:
             for item in value:
                 yield from walk(item)
         elif isinstance(value, (ModelWeights, LayerWeights, AttentionWeights, MlpWeights,
-                                MoeWeights)):
+                                MoeWeights, ConditioningWeights)):
             for item in attrs.astuple(value, recurse=False):
                 yield from walk(item)
 

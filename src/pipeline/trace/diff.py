@@ -3,7 +3,9 @@
 Owns :func:`diff` and :class:`DiffReport` (a :class:`Divergence` names the product). The walk
 follows the data products in causal order: the request's content → rendered bytes → token
 ids → positions, then for each
-step t: cache after prefill and raw logits z_t (model level) → processor order → processed
+step t: cache after prefill, an iterative strategy's passes over the block starting at t
+(each pass's time, state and logits, ``step.iteration``), raw logits z_t (model level) →
+processor order → processed
 distribution → RNG draw → selected token (selection level) → the run's ending at t (stop:
 selection; cancellation, deadline, failure: system) → emitted bytes (system) → cache after
 decode t (model); after the steps: client display and external effects (tool events).
@@ -135,6 +137,7 @@ def _step(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None
     if t == 1:
         pa, pb = a.payload("prefill.completed"), b.payload("prefill.completed")
         yield _same("cache after prefill", "model", t, pa.get("cache_len"), pb.get("cache_len"))
+    yield from _iterations(a, b, t, atol)
     raw_a, raw_b = raw_logits_at(a, t), raw_logits_at(b, t)
     raw_same, detail = logits_equal(raw_a, raw_b, atol)
     name = "prefill logits" if t == 1 else "raw logits"
@@ -153,6 +156,50 @@ def _step(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None
     yield _same("emitted bytes", "system", t, da_, db_,
                 f"text {_texts(a, t)!r} vs {_texts(b, t)!r}" if da_ != db_ else "")
     yield _same("cache after decode", "model", t, cache_after(a, t), cache_after(b, t))
+
+
+def iterations_at(trace: Trace, t: int) -> list[tuple[Mapping[str, Any], list[Any]]]:
+    """The ``step.iteration`` events of the block whose first token is t (an iterative
+    strategy's denoising passes), each with the logits records of the call it describes
+    (the ``decode.completed`` that follows it)."""
+    out: list[tuple[Mapping[str, Any], list[Any]]] = []
+    pending: Mapping[str, Any] | None = None
+    for event in trace.events:
+        if event.event_type == "step.iteration" and event.payload.get("step") == t:
+            pending = event.payload
+        elif event.event_type == "decode.completed" and pending is not None:
+            block = event.payload.get("block_logits")
+            out.append((pending, block if isinstance(block, list)
+                        else [event.payload.get("logits")]))
+            pending = None
+    return out
+
+
+def _iterations(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence | None]:
+    """An iterative strategy's passes over the block starting at token t, in order: each
+    pass's schedule (rule, block length, time), its inputs (the self-condition estimate, the
+    state fed) and its logits; the first that differs names the iteration."""
+    ia, ib = iterations_at(a, t), iterations_at(b, t)
+    if not ia and not ib:
+        return
+    for k in range(max(len(ia), len(ib))):
+        if k >= len(ia) or k >= len(ib):
+            yield Divergence("iterations", "selection", t, len(ia), len(ib),
+                             f"the block at token {t} took {len(ia)} vs {len(ib)} passes")
+            return
+        (pa, la), (pb, lb) = ia[k], ib[k]
+        where = (f"iteration {k + 1} of the block at token {t} "
+                 f"({pa.get('iterations')} vs {pb.get('iterations')} per block)")
+        for key, product in (("rule", "iteration rule"), ("length", "block length"),
+                             ("time", "iteration time"), ("x0_digest", "self-condition"),
+                             ("state_digest", "iteration state")):
+            yield _same(product, "selection", t, pa.get(key), pb.get(key), where)
+        for row, (ra, rb) in enumerate(zip(la, lb)):
+            same, detail = logits_equal(ra, rb, atol)
+            if not same:
+                yield Divergence("iteration logits", "model", t, ra, rb,
+                                 f"{where}, position {row}: {detail}")
+                return
 
 
 def _full(trace: Trace) -> bool:

@@ -137,7 +137,9 @@ def step_order(trace: Trace, _: Detokenize | None) -> Finding:
     """Invariant 3 (DESIGN §4): cache m after prefill, m+t-1 at selection t; a call at step t
     starts at m+t-1 and feeding y_t plus k drafts makes it m+t+k; a rollback drops exactly
     the positions it names; a token is selected only from logits whose fed prefix equals
-    the committed one (a draft before it must be the token committed there)."""
+    the committed one (a draft before it must be the token committed there). A call that
+    does not write (``"write": false``, an iterative strategy's pass over a block) must
+    leave the cache as it was; it fed no committed tokens, so the draft rule skips it."""
     problems: list[tuple[tuple[int, ...], str]] = []
     m = trace.payload("input.tokenized").get("tokens")
     prefill = trace.first("prefill.completed")
@@ -180,6 +182,11 @@ def _cache_walk(trace: Trace, m: int, selected: Mapping[int, Event]
             continue
         if event.event_type != "decode.completed" or not isinstance(p.get("step"), int):
             continue
+        if p.get("write") is False:  # an iterative strategy's pass over a block: no write
+            if p.get("cache_len") != cache:
+                out.append((_ids(event), f"a call that does not write changed the cache "
+                            f"from {cache} to {p.get('cache_len')}"))
+            continue
         t, ids = p["step"], fed(event)
         if cache != m + t - 1:
             out.append((_ids(event), f"decode {t} fed the cache at length {cache}; the prompt "
@@ -204,6 +211,8 @@ def _conditioned(t: int, event: Event, source: Event, selected: Mapping[int, Eve
     its position must be the token committed at that step."""
     s, ids = source.payload["step"], fed(source)
     out: list[tuple[tuple[int, ...], str]] = []
+    if source.payload.get("write") is False:  # it fed embeddings (placeholder ids), no drafts
+        return out
     for i in range(1, min(t - s, len(ids))):
         committed = selected.get(s + i)
         if committed is not None and committed.payload.get("token_id") != ids[i]:

@@ -55,8 +55,8 @@ def raw_logits_at(trace: Trace, t: int) -> Mapping[str, Any] | None:
 
 def cache_after(trace: Trace, t: int) -> Any:
     """The cache length right after y_t was written (m + t when the trace is sound): by the
-    call that fed it as its pending token, or by a verifying call that fed it as a draft
-    that was then accepted. None for a token never written, and for the token a finished
+    call that fed it as its pending token, by a verifying call that fed it as a draft
+    that was then accepted, or by the call that wrote its finished block. None for a token never written, and for the token a finished
     run ended at (the token that stops a run need not enter the model)."""
     end = trace.finished
     if end is not None and end.payload.get("completion_tokens") == t:
@@ -67,12 +67,28 @@ def cache_after(trace: Trace, t: int) -> Any:
         if source is None or source[0].event_type != "decode.completed":
             return None
         event = source[0]
+    if event.payload.get("write") is False:   # a pass over a block: the block's write has t
+        event = _writer(trace, t)
+        if event is None:
+            return None
     s, ids, length = event.payload.get("step"), fed(event), event.payload.get("cache_len")
     if s == t:
         return length - len(ids) + 1 if isinstance(length, int) else length
     if not isinstance(s, int) or not isinstance(length, int) or not 0 < t - s < len(ids):
         return None
     return length - len(ids) + (t - s) + 1
+
+
+def _writer(trace: Trace, t: int) -> Event | None:
+    """The last writing call whose fed positions include y_t (an iterative strategy writes
+    a finished block in one call after its passes, which do not write)."""
+    found = None
+    for event in trace.of("decode.completed"):
+        s = event.payload.get("step")
+        if event.payload.get("write") is not False and isinstance(s, int) \
+                and s <= t < s + len(fed(event)):
+            found = event
+    return found
 
 
 def processed_at(selected: Event) -> Mapping[str, Any] | None:

@@ -19,7 +19,8 @@ from pipeline.trace.load import Trace
 
 SUMMARY_KEYS = ("step", "seq", "slot", "token_id", "cache_len", "tokens", "start", "bytes",
                 "final", "candidates", "processors", "reason", "detail", "state", "seed",
-                "token_ids", "proposed", "accepted", "rejected", "positions",
+                "token_ids", "proposed", "accepted", "rejected", "positions", "write",
+                "block", "iteration", "time", "length",
                 "call_id", "name", "decision", "policy", "outcome", "error", "why")
 
 
