@@ -19,7 +19,7 @@ import attrs
 from pipeline.events import Tracer, digest_ids, digest_text
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.protocols import (
-    CacheLayout, Detokenizer, Plan, PrefillChunk, Row, StopContext, Stopper, StopVerdict,
+    Attention, CacheLayout, Detokenizer, Plan, PrefillChunk, Row, StopContext, Stopper, StopVerdict,
     Strategy, StrategyEvent, Taken,
 )
 from pipeline.forcing import Forcing
@@ -239,6 +239,10 @@ class Job:
                                    "cache_len": cache_len, "logits": logits[0]}
         if len(fed) > 1:
             payload["token_ids"] = list(fed)
+        if not self.plan.write:  # a denoising pass: it read the cache, wrote nothing
+            payload["write"] = False
+        if self.plan.attention is not Attention.CAUSAL:
+            payload["attention"] = self.plan.attention.value
         if len(logits) > 1:  # the first divergence may lie at any verified position
             payload["outputs"] = list(self.plan.outputs)
             payload["block_logits"] = list(logits)
