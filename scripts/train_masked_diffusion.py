@@ -83,9 +83,9 @@ class TrainConfig:
     intermediate_size: int = 512
     seq_len: int = 128
     batch_size: int = 16
-    steps: int = 1200
+    steps: int = 500
     lr: float = 3e-3
-    warmup_steps: int = 60
+    warmup_steps: int = 40
     weight_decay: float = 0.1
     min_mask_rate: float = 1e-3
     rope_theta: float = 10000.0
@@ -426,7 +426,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=TrainConfig.seed, help="the run's seed")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps,
                         help="optimiser steps (sets the learning-rate schedule)")
-    parser.add_argument("--minutes", type=float, default=22.0,
+    parser.add_argument("--minutes", type=float, default=28.0,
                         help="wall-clock guard for the optimiser loop (at most 30)")
     parser.add_argument("--threads", type=int, default=TrainConfig.threads,
                         help="torch threads (the weights depend on it)")
