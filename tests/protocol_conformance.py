@@ -16,6 +16,9 @@ from stages import detokenize, process, render, select, stop, tokenize
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
 from stages.select.proposers import NgramProposer, Proposer
+from stages.select.diffusion import (
+    DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
+)
 from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
@@ -48,7 +51,10 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     ngram: Proposer = NgramProposer()
     draft: Proposer = DraftModelProposer(backend, chain, 10)
     speculative: Strategy = SpeculativeStrategy(chain, selectors[1], ngram, 4)
+    masked = DiffusionSettings(mask_token_id=9)
+    diffusion: list[Strategy] = [LladaStrategy(chain, masked), FastDllmStrategy(chain, masked),
+                                 DiscreteFlowStrategy(chain, masked)]
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
-    del real, sync, asyncs, described, draft, speculative, paged, inspector
+    del real, sync, asyncs, described, draft, speculative, paged, inspector, diffusion
