@@ -71,7 +71,11 @@ class Job:
         """Prompt positions the prefix cache supplied at the job's first admission."""
         self.resumed = False
         """Preempted while decoding: the next prefill recomputes the prompt and the committed
-        output (but the pending token), and decoding goes on with the strategy's state."""
+        output the cache held, and decoding goes on with the strategy's state."""
+        self.uncached = 1
+        """Committed tokens the cache did not hold when the job was last preempted: the
+        pending token of autoregressive decoding; none while a masked-diffusion block is
+        denoised; a whole finished block before its write."""
         self.strategy: Strategy | None = None
         self.decode_state: Any = None
         """The strategy's loop state for this request (set at :meth:`start_decoding`)."""
@@ -161,9 +165,9 @@ class Job:
     @property
     def prefill_ids(self) -> tuple[int, ...]:
         """What prefill puts in the cache: the prompt, and after a preemption the committed
-        output but the pending token too."""
+        output the cache held then (all but the tokens it had not written yet)."""
         if self.resumed:
-            return (*self.prompt_ids, *self.output_ids[:-1])
+            return (*self.prompt_ids, *self.output_ids[:len(self.output_ids) - self.uncached])
         return tuple(self.prompt_ids)
 
     def prefix_hit(self, cached: int, blocks: int) -> None:
@@ -179,6 +183,8 @@ class Job:
         it waits at the head of the queue and recomputes its cache when readmitted."""
         self._emit("engine", "preempted", {"blocks": blocks, "cache_len": self.cache_len,
                                            "step": len(self.output_ids)})
+        if self.state is RequestState.DECODING:
+            self.uncached = len(self.prompt_ids) + len(self.output_ids) - self.cache_len
         self.resumed = self.resumed or self.state is RequestState.DECODING
         self.slot, self.plan = None, None
         self.done_prefill = self.cache_len = 0
