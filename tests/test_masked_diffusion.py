@@ -339,3 +339,28 @@ def test_settings_are_checked() -> None:
         scripted_pipe(backend, steps=2, options={"steps": 2})
     with pytest.raises(InvalidValueError, match="iterative strategies"):
         build_scripted(backend, steps=4)
+
+
+# --- the noise --------------------------------------------------------------------------------
+
+
+def test_uniforms_are_a_pure_function_of_key_and_index() -> None:
+    a = uniforms(5, 2, 9, (64, 300))
+    assert torch.equal(a, uniforms(5, 2, 9, (64, 300)))
+    assert torch.equal(a.flatten()[:300], uniforms(5, 2, 9, (300,)))     # shape-independent
+    for other in (uniforms(6, 2, 9, (64, 300)), uniforms(5, 3, 9, (64, 300)),
+                  uniforms(5, 2, 10, (64, 300))):
+        assert (other != a).float().mean() > 0.99
+
+
+def test_uniforms_are_uniform_and_uncorrelated() -> None:
+    u = uniforms(1234, 0, 0, (200_000,))
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    # Kolmogorov-Smirnov against U(0, 1): D < 1.63 / sqrt(n) at the 1% level.
+    ordered = torch.sort(u).values
+    n = ordered.numel()
+    grid = torch.arange(1, n + 1, dtype=torch.float64) / n
+    d = float(torch.maximum(grid - ordered, ordered - (grid - 1 / n)).max())
+    assert d < 1.63 / math.sqrt(n)
+    lag = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]
+    assert abs(float(lag)) < 0.01

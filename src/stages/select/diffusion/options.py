@@ -74,6 +74,9 @@ def diffusion_settings(name: str, allowed: Sequence[str], ctx: BuildContext
         raise InvalidValueError("strategy", name, f"is a masked-diffusion sampler; this model "
                                 f"is a {marker.get('family')!r} model ({GENERATION_KEY} in "
                                 "its config.json)")
+    if ctx.model_file is not None:
+        raise InvalidValueError("strategy", name, "is a masked-diffusion sampler; a GGUF file "
+                                "holds an autoregressive model (use strategy='autoregressive')")
     if marker is None and ctx.model_dir is not None:
         raise InvalidValueError("strategy", name, "is a masked-diffusion sampler; this model "
                                 f"has no {GENERATION_KEY} marker in its config.json, so it is "
