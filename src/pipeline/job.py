@@ -98,6 +98,7 @@ class Job:
         self._last = spec.last_event
         self._full = spec.request.recording is Recording.FULL
         self._order: tuple[str, ...] = ()
+        self._configured = False
         self.raw_digest: str | None = None  # of the latest raw logits z_t
         self.raw_digests: list[str | None] = []  # of each wanted output of the latest call
 
@@ -223,7 +224,11 @@ class Job:
             self._emit("backend", "prefill.chunk", payload)
 
     def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
-        """Record the strategy and the processor order applied at step 1 (before selecting)."""
+        """Record the strategy and the processor order applied at step 1 (before selecting),
+        once: an iterative strategy updates several times before its first token."""
+        if self._configured:
+            return
+        self._configured = True
         self._order = order
         self._emit("engine", "selection.configured", {
             "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
