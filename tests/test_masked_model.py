@@ -218,3 +218,13 @@ def test_preempted_requests_resume_mid_block_as_if_alone() -> None:
     assert any(e.event_type == "preempted" for d in done for e in d.trace)
     for d in done:
         assert check(d).ok, check(d).render()
+
+
+def test_logprobs_are_those_of_the_pass_that_committed_each_token(pipe) -> None:  # type: ignore[no-untyped-def]
+    done = pipe.generate(QUESTION, max_tokens=8, min_tokens=8, temperature=0, logprobs=True,
+                         top_logprobs=3)
+    assert done.logprobs is not None and len(done.logprobs) == 8
+    for token, record in zip(done.token_ids, done.logprobs):
+        assert record.token_id == token and record.logprob <= 0.0
+        assert len(record.top) == 3 and record.top[0].logprob >= record.logprob - 1e-6
+        assert record.top[0].token_id == token  # greedy: the pick is the most likely

@@ -46,6 +46,7 @@ from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.select.diffusion import rules
 from stages.select.diffusion.noise import uniforms
+from stages.select.logprobs import selection_logprobs
 
 GREEDY_BELOW = 1e-5
 """A temperature below this is greedy (as the temperature processor treats it)."""
@@ -94,7 +95,8 @@ class BlockState:
     first update); ``start`` the number of tokens committed before it; ``schedule`` the LLaDA
     counts still to run; ``passes`` the denoising passes run on it; ``final`` the committed
     block awaiting its cache write; ``blocks`` the blocks finished; ``iteration`` the model
-    calls of denoising so far (the RNG's counter); ``logprobs`` per position, once committed.
+    calls of denoising so far (the RNG's counter); ``logprobs`` per position, once committed
+    (under the processed distribution of the pass that committed it, when the request asks).
     """
 
     forcing: Forcing
@@ -105,7 +107,7 @@ class BlockState:
     final: tuple[int, ...] | None = None
     blocks: int = 0
     iteration: int = 0
-    logprobs: list[float | None] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
 
 
 class MaskedDiffusionStrategy:
@@ -196,11 +198,11 @@ class MaskedDiffusionStrategy:
         prefix = state.forcing.prefix
         state.block = [prefix[state.start + j] if state.start + j < len(prefix) else mask
                        for j in range(length)]
-        state.logprobs = [0.0 if b != mask else None for b in state.block]
+        state.logprobs = [None] * length
         masked = sum(1 for b in state.block if b == mask)
         state.schedule, state.passes = self.steps_for(masked), 0
         if masked == 0:  # wholly forced: final at once
-            return self._finalize(state, row, events, None)
+            return self._finalize(state, row, events)
         return Update(state, (), events=tuple(events))
 
     def _block_room(self, row: Row, start: int) -> int:
@@ -244,11 +246,16 @@ class MaskedDiffusionStrategy:
         chosen = self.choose(state, row, raw, predicted, masked) & masked
         fed = list(state.block)
         where = [int(j) for j in chosen.nonzero().flatten()]
-        logprobs = torch.log_softmax(processed.double(), -1) if row.config.logprobs else None
         for j in where:
             state.block[j] = int(predicted[j])
-            if logprobs is not None:
-                state.logprobs[j] = float(logprobs[j, state.block[j]])
+        if row.config.logprobs and where:
+            index = torch.tensor(where, device=processed.device)
+            found = selection_logprobs(Scores(processed.index_select(0, index)),
+                                       Batch(tuple(_at(row, j) for j in where),
+                                             processed.shape[1]),
+                                       predicted.index_select(0, index))
+            for j, logprob in zip(where, found):
+                state.logprobs[j] = logprob
         state.passes += 1
         state.iteration += 1
         event = ("step.denoised", {
@@ -258,10 +265,10 @@ class MaskedDiffusionStrategy:
             "input_digest": digest_ids(fed), "state_digest": digest_ids(state.block)})
         if mask in state.block:
             return Update(state, (), events=(event,))
-        return self._finalize(state, row, [event], logprobs)
+        return self._finalize(state, row, [event])
 
-    def _finalize(self, state: BlockState, row: Row, events: list[StrategyEvent],
-                  logprobs: torch.Tensor | None) -> Update[BlockState]:
+    def _finalize(self, state: BlockState, row: Row, events: list[StrategyEvent]
+                  ) -> Update[BlockState]:
         """The block is final: commit its tokens in order (a forced-token source may
         override them) and plan its cache write."""
         assert state.block is not None
@@ -271,9 +278,11 @@ class MaskedDiffusionStrategy:
             if forced is not None:
                 token = forced.token_id
             state.forcing.observe(token)
-            lp = state.logprobs[j]
-            logprob = (TokenLogprob(token, 0.0 if forced is not None or lp is None else lp)
-                       if row.config.logprobs else None)
+            logprob = state.logprobs[j] if forced is None else TokenLogprob(token, 0.0)
+            if not row.config.logprobs:
+                logprob = None
+            elif logprob is None:  # a position a forced prefix filled
+                logprob = TokenLogprob(token, 0.0)
             taken.append(Taken(token, logprob, None, None if forced is None else forced.event))
         state.final = tuple(t.token_id for t in taken)
         events.append(("step.block_final", {
