@@ -228,3 +228,15 @@ def test_logprobs_are_those_of_the_pass_that_committed_each_token(pipe) -> None:
         assert record.token_id == token and record.logprob <= 0.0
         assert len(record.top) == 3 and record.top[0].logprob >= record.logprob - 1e-6
         assert record.top[0].token_id == token  # greedy: the pick is the most likely
+
+
+def test_seeded_runs_on_the_model_are_the_same_alone_and_batched() -> None:
+    questions = ["What is a list comprehension?", "What does the json module do?",
+                 "Explain the with statement."]
+    config = GenerationConfig(max_tokens=16, min_tokens=16, temperature=0.9, seed=21)
+    with build("tiny-masked", strategy="llada", steps=4,
+               strategy_options={"remasking": "random"}) as p:
+        alone = [p.generate(q, config).token_ids for q in questions]
+        handles = [p.submit(q, config) for q in questions]
+        batched = [h.result().token_ids for h in handles]
+    assert batched == alone
