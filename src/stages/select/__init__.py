@@ -4,8 +4,8 @@ Owns the ``greedy`` and ``sample`` selectors (both satisfy
 :class:`pipeline.protocols.Selector`), the counter-based :func:`uniform` draw, and the
 strategies (:class:`pipeline.protocols.Strategy`): :class:`AutoregressiveStrategy` and
 :class:`SpeculativeStrategy` (its rejection rule in ``verify.py``, its proposers in
-``proposers.py`` and ``draft.py``, its options in ``spec_options.py``). :data:`SELECTORS`
-maps names to classes.
+``proposers.py`` and ``draft.py``, its options in ``spec_options.py``); the masked-diffusion
+strategies live in the ``diffusion`` subpackage. :data:`SELECTORS` maps names to classes.
 """
 
 from collections.abc import Mapping
