@@ -240,3 +240,24 @@ def test_seeded_runs_on_the_model_are_the_same_alone_and_batched() -> None:
         handles = [p.submit(q, config) for q in questions]
         batched = [h.result().token_ids for h in handles]
     assert batched == alone
+
+
+def test_cli_check_and_diff_on_the_model_s_traces(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A full trace of the real model passes every invariant, the safe-prefix one against its
+    own tokenizer; two runs with another number of steps part at the first pass."""
+    import json
+
+    from pipeline.cli import main
+    from pipeline.events import JsonlSink
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, steps in ((a, 8), (b, 2)):
+        with build("tiny-masked", steps=steps, sinks=[JsonlSink(path)]) as p:
+            p.generate(QUESTION, max_tokens=16, min_tokens=16, temperature=0, recording="full")
+    assert main(["trace", "check", str(a), "--model", str(TINY_MASKED_MODEL_DIR)]) == 0
+    out = capsys.readouterr().out
+    assert "no tokenizer" not in out and "is not the one" not in out
+    assert main(["trace", "diff", str(a), str(b), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["divergence"]["product"] == "denoised commits"
+    assert report["divergence"]["detail"].startswith("iteration 1 (block 0, pass 1)")
