@@ -364,3 +364,15 @@ def test_uniforms_are_uniform_and_uncorrelated() -> None:
     assert d < 1.63 / math.sqrt(n)
     lag = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]
     assert abs(float(lag)) < 0.01
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_the_prediction_is_llada_add_gumbel_noise_then_argmax(temperature: float) -> None:
+    """LLaDA: ``logits.exp() / (-log u) ** T`` in float64, argmax; ours takes the logits
+    already divided by T (the temperature processor) and the same uniforms."""
+    from stages.select.diffusion.rules import gumbel_argmax
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    u = uniforms(3, 0, 5, (64, 50))
+    llada = (logits.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    assert torch.equal(gumbel_argmax(logits / temperature, u), llada)
