@@ -29,6 +29,9 @@ from stages.select.continuous.integrators import (
 from stages.select.continuous.schedules import NoiseSchedule
 from stages.select.continuous.strategy import ContinuousStrategy
 from stages.select.continuous.updates import uniform_grid
+from stages.select.diffusion import (
+    DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
+)
 from stages.select.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
@@ -70,6 +73,9 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     integrators: list[Integrator] = [
         DiffusionIntegrator(NoiseSchedule.make(), 10), FlowIntegrator(uniform_grid(4), "heun")]
     continuous: Strategy = ContinuousStrategy("ddim", embedding, integrators[0], 16)
+    masked = DiffusionSettings(mask_token_id=9)
+    diffusion: list[Strategy] = [LladaStrategy(chain, masked), FastDllmStrategy(chain, masked),
+                                 DiscreteFlowStrategy(chain, masked)]
     sync: Transport[Iterator[Delta]] = InProcessTransport()
     asyncs: Transport[AsyncIterator[Delta]] = AsyncioTransport()
     del renderers, tokenizers, documents, detokenizers, selectors, strategy, stoppers, backend
@@ -79,4 +85,5 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     policies: list[ToolPolicy] = [AllowAll(), Rules({})]
     ledgers: list[Ledger] = [MemoryLedger(), JsonlLedger("ledger.jsonl")]
     del real, sync, asyncs, described, draft, speculative, paged, inspector, continuous
+    del diffusion, masked
     del parsers, readers, executor, policies, ledgers

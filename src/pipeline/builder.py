@@ -17,7 +17,8 @@ from pipeline.engine import Engine, EngineConfig
 from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.events import EventSink
 from pipeline.models import (
-    DEFAULT_MODEL, TINY_MODEL_DIR, ResolvedModel, is_gguf_file, resolve_model,
+    DEFAULT_MODEL, GENERATION_KEY, TINY_MODEL_DIR, ResolvedModel, generation_marker,
+    is_gguf_file, resolve_model,
 )
 from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline, Stages
@@ -43,6 +44,9 @@ DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
+AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
+"""The built-in strategies that need an autoregressive model (no ``pipeline_generation``)."""
+
 StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
 T = TypeVar("T")
 
@@ -58,7 +62,9 @@ def build(
     detokenizer: str | Detokenizer[Any] = "incremental",
     stoppers: Sequence[str | Stopper[Any]] | None = None,
     replace_stoppers: bool = False,
-    strategy: str = "autoregressive",
+    strategy: str | None = None,
+    steps: int | None = None,
+    block_length: int | None = None,
     strategy_options: Mapping[str, Any] | None = None,
     plugins: Sequence[object] = (),
     sinks: Sequence[EventSink] = (),
@@ -119,6 +125,16 @@ def build(
     run at the same token, the earlier one's reason is reported. ``replace_stoppers=True``
     makes ``stoppers`` the whole list.
 
+    ``strategy`` names how tokens are generated: ``"autoregressive"`` (the default for an
+    autoregressive model), ``"speculative"``, or an iterative sampler such as masked
+    diffusion's ``"llada"``, ``"fast_dllm"`` and ``"dfm"`` (docs/diffusion.md) or continuous
+    diffusion's and flow's ``"ddpm"``, ``"ddim"`` and ``"flow"`` (docs/continuous.md). A
+    model whose ``config.json`` carries a ``pipeline_generation`` marker is not autoregressive: without a
+    ``strategy`` it gets the marker's, and an autoregressive strategy on it is an error (as is
+    an iterative one on a model without the marker). ``steps`` (model calls per block) and
+    ``block_length`` (positions per block) configure iterative strategies; the strategy's
+    other settings go in ``strategy_options``.
+
     ``tool_parser`` names (or is) the reader of the model's tool calls (``"hermes"``,
     ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
     (:func:`pipeline.tools.parsing.choose_parser`).
@@ -132,8 +148,10 @@ def build(
     model_dir, model_file = found.directory, found.file
     if model_file is not None and not is_gguf_file(model_file):
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
+    strategy, strategy_settings = _strategy(model_dir, strategy, steps, block_length,
+                                            _mapping("strategy_options", strategy_options))
     context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file,
-                           strategy_options=_mapping("strategy_options", strategy_options))
+                           strategy_options=strategy_settings)
     tok = _tokenizer(registry, context, tokenizer)
     context = attrs.evolve(context, tokenizer=tok)
     procs = [_resolve(registry, "processor", p, context)
@@ -175,6 +193,34 @@ def build(
     where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
                     description={"model": str(where) if where else None}, registry=registry)
+
+
+def _strategy(model_dir: Path | None, strategy: str | None, steps: int | None,
+              block_length: int | None, options: Mapping[str, Any]
+              ) -> tuple[str, Mapping[str, Any]]:
+    """The strategy's name (the model marker's when none is given) and its options, with
+    ``steps`` and ``block_length`` folded in; an autoregressive strategy on a model marked
+    otherwise, or iterative settings for an autoregressive strategy, is refused."""
+    marker = generation_marker(model_dir)
+    if strategy is None:
+        strategy = str(marker.get("strategy")) if marker is not None else "autoregressive"
+    if not isinstance(strategy, str):
+        raise InvalidValueError("strategy", strategy, "must be a strategy's name")
+    if marker is not None and strategy in AUTOREGRESSIVE_STRATEGIES:
+        raise InvalidValueError("strategy", strategy, f"needs an autoregressive model; this "
+                                f"one is a {marker['family']!r} model ({GENERATION_KEY} in "
+                                f"its config.json: use strategy={marker.get('strategy')!r})")
+    given = {k: v for k, v in (("steps", steps), ("block_length", block_length))
+             if v is not None}
+    if given and strategy in AUTOREGRESSIVE_STRATEGIES:
+        raise InvalidValueError(", ".join(given), list(given.values()), "steps and "
+                                "block_length configure iterative strategies (diffusion, flow); "
+                                f"{strategy!r} takes neither")
+    for key in given:
+        if key in options:
+            raise InvalidValueError(key, given[key], f"given twice: as build({key}=...) and "
+                                    "in strategy_options")
+    return strategy, {**options, **given}
 
 
 def _chain_of(what: str, defaults: Sequence[str], given: Sequence[T] | None, replace: bool, *,

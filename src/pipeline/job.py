@@ -28,7 +28,7 @@ from pipeline.forcing import Forcing
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.job_spec import JobSpec
 from pipeline.protocols import (
-    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
+    Attention, CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
 )
 from pipeline.text_state import TextState
 from pipeline.types import (
@@ -238,8 +238,12 @@ class Job:
                                    "cache_len": cache_len, "logits": logits[0]}
         if len(fed) > 1:
             payload["token_ids"] = list(fed)
-        if not self.plan.write:  # a denoising pass: read the cache, wrote nothing
+        if not self.plan.write:  # a denoising pass: it read the cache, wrote nothing
             payload["write"] = False
+        if self.plan.attention is not Attention.CAUSAL:
+            payload["attention"] = self.plan.attention.value
+        if self.plan.embeddings is not None:  # the ids are placeholders for these vectors
+            payload["inputs"] = "embeddings"
         if len(logits) > 1:  # the first divergence may lie at any verified position
             payload["outputs"] = list(self.plan.outputs)
             payload["block_logits"] = list(logits)

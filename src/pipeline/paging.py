@@ -74,8 +74,9 @@ class Room(Generic[J]):
 
 def computed_tokens(job: PagedJob) -> list[int]:
     """The token ids of the positions of ``job``'s cache that are final: the prompt, then
-    every committed token but the last (the pending token, fed by the next call)."""
-    done = [*job.prompt_ids, *job.output_ids[:-1]]
+    the committed tokens the cache holds (all but the pending one under autoregressive
+    decoding; all of them while a masked-diffusion block is denoised)."""
+    done = [*job.prompt_ids, *job.output_ids]
     return done[:job.cache_len]
 
 

@@ -5,6 +5,9 @@ Owns small, exact stand-ins that satisfy the stage Protocols:
 - :class:`ScriptedBackend` — a model whose next-token logits come from a function of the
   tokens in the slot (use :func:`peaked` for "this token next" scripts, :func:`hashed_logits`
   for a deterministic pseudo-random model); it checks the DESIGN §4 cache invariants itself.
+  Given a ``denoise`` function it is also a denoiser: a call with ``Attention.BLOCK`` gets,
+  at each offset, ``denoise(cached tokens, block tokens, offset)`` (use
+  :func:`hashed_denoiser` for a deterministic pseudo-random one).
 - :class:`ByteTokenizer` — bytes 0–255 are tokens, plus a few ChatML special tokens.
 - :class:`ByteDetokenizer` — emits the longest valid UTF-8 prefix of the bytes so far.
 - :class:`ChatMLRenderer` — ChatML without jinja, with exact control/content spans.
@@ -33,13 +36,15 @@ from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from pipeline.events import digest_text
 from pipeline.handle import RequestHandle
 from pipeline.protocols import (
-    Batch, CacheLayout, ModelCall, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
+    Attention, Batch, CacheLayout, ModelCall, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
 )
 from pipeline.types import (
     Delta, FinishReason, Message, Rendered, Request, Span, SpanKind, TokenizedPrompt, ToolSpec,
 )
 
 LogitsFn = Callable[[Sequence[int]], torch.Tensor]
+DenoiseFn = Callable[[Sequence[int], Sequence[int], int], torch.Tensor]
+"""``(cached tokens, block tokens, offset) -> [V]`` logits at that offset of the block."""
 
 
 def peaked(vocab_size: int, choose: Callable[[Sequence[int]], int], height: float = 10.0
@@ -65,18 +70,33 @@ def hashed_logits(vocab_size: int, context: int = 4, scale: float = 3.0) -> Logi
     return logits
 
 
+def hashed_denoiser(vocab_size: int, scale: float = 3.0) -> DenoiseFn:
+    """A deterministic pseudo-random denoiser: logits seeded by the cached prefix's last
+    token, the whole block and the offset (so they change as the block fills in)."""
+
+    def logits(cached: Sequence[int], block: Sequence[int], offset: int) -> torch.Tensor:
+        key = hashlib.sha256(repr((tuple(cached[-1:]), tuple(block), offset)).encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+        return torch.randn(vocab_size, generator=gen) * scale
+
+    return logits
+
+
 class ScriptedBackend:
     """A fake model: each slot's "cache" is its token list; logits = ``fn(tokens)``.
 
     ``fail(tokens)`` returning true makes the call raise :class:`SlotError` for that slot
     (other rows unharmed). ``delay_s`` sleeps per call, to give cancellation a window.
-    ``calls`` logs every forward as ``("forward", [(slot, n_tokens), ...])``. It reports ``layers``
-    fake layers' key/value lengths (:class:`~pipeline.protocols.CacheInspector`).
+    ``calls`` logs every forward as ``("forward", [(slot, n_tokens), ...])``; ``model_calls``
+    keeps the calls themselves. It reports ``layers`` fake layers' key/value lengths
+    (:class:`~pipeline.protocols.CacheInspector`). ``denoise`` answers block-attention calls
+    (without it they get ``fn`` of the prefix, as causal calls do).
     """
 
     def __init__(self, vocab_size: int, fn: LogitsFn, *, num_slots: int = 8,
                  max_context: int = 4096, delay_s: float = 0.0,
-                 fail: Callable[[Sequence[int]], bool] | None = None, layers: int = 2) -> None:
+                 fail: Callable[[Sequence[int]], bool] | None = None, layers: int = 2,
+                 denoise: DenoiseFn | None = None) -> None:
         self.vocab_size = vocab_size
         self.num_slots = num_slots
         self.max_context = max_context
@@ -85,6 +105,8 @@ class ScriptedBackend:
         self.layers = layers
         self._fn = fn
         self._fail = fail
+        self._denoise = denoise
+        self.model_calls: list[ModelCall] = []
         self._cache: dict[int, list[int]] = {}
         self._lock = threading.Lock()
         self.calls: list[tuple[str, list[tuple[int, int]]]] = []
@@ -121,6 +143,7 @@ class ScriptedBackend:
     def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
         """Append each writing call's tokens; logits ``[N, V]`` at the wanted outputs."""
         self.calls.append(("forward", [(c.slot, len(c.token_ids)) for c in calls]))
+        self.model_calls.extend(calls)
         for c in calls:
             if c.start != len(self._cache[c.slot]):
                 raise AssertionError(f"call starts at {c.start}, cache has "
@@ -134,7 +157,11 @@ class ScriptedBackend:
         rows = []
         for c in calls:
             seq = [*self._cache[c.slot], *c.token_ids]
-            rows += [self._fn(seq[:c.start + o + 1]).float() for o in c.outputs]
+            if self._denoise is not None and c.attention is Attention.BLOCK:
+                cached = self._cache[c.slot]
+                rows += [self._denoise(cached, c.token_ids, o).float() for o in c.outputs]
+            else:
+                rows += [self._fn(seq[:c.start + o + 1]).float() for o in c.outputs]
             if c.write:
                 self._cache[c.slot] = seq
         if not rows:

@@ -105,6 +105,15 @@ def _autoregressive(ctx: BuildContext) -> Any:
     return AutoregressiveStrategy
 
 
+def _diffusion(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.select.diffusion import diffusion_maker
+
+        return diffusion_maker(name)(ctx)
+
+    return factory
+
+
 def _speculative(ctx: BuildContext) -> Any:
     from stages.select.spec_options import speculative_maker
 
@@ -160,6 +169,13 @@ def pipeline_components() -> list[Component]:
         Component("strategy", "autoregressive", _autoregressive, "one token per step"),
         Component("strategy", "speculative", _speculative,
                   "k drafts (n-gram lookup or a draft model) verified in one forward"),
+        Component("strategy", "llada", _diffusion("llada"),
+                  "masked diffusion: semi-autoregressive blocks, low-confidence or random "
+                  "remasking"),
+        Component("strategy", "fast_dllm", _diffusion("fast_dllm"),
+                  "masked diffusion: commit every position above a confidence threshold"),
+        Component("strategy", "dfm", _diffusion("dfm"),
+                  "discrete flow matching on tokens: mixture path, discrete Euler solver"),
     ]
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]

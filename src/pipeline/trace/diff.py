@@ -13,6 +13,13 @@ Within a step the ending and the emitted bytes come before the cache after decod
 the token that ends a run is never decoded, and the ending before the bytes because a stop
 or a cancel is what trims or closes that step's stream.
 
+For an iterative strategy (masked diffusion, DESIGN §10) the walk first goes through its
+iterations in order, after the input: for iteration k, the block fed to the denoiser, the
+logits of that pass (model level), then what the pass committed (positions and tokens;
+``rng`` when the seeds differ and the run draws), so the report names the first divergent
+iteration; the sampler's settings (``step.configured``) are declared differences. The
+per-token walk follows.
+
 Digest-level traces locate a divergence (digests differ); ``full`` traces explain it (texts,
 ids, top-k, draws) and let logits be compared within ``atol`` on their top-k. Differences in
 the execution instance (artifact digests, generation config, environment) are listed as
@@ -26,8 +33,8 @@ from typing import Any
 
 import attrs
 
-from pipeline.events import Event
-from pipeline.trace.load import Trace, TraceSource, load
+from pipeline.events import Event, digest_ids
+from pipeline.trace.load import Trace, TraceSource, fed, load
 from pipeline.trace.products import (
     LEVELS, Divergence, cache_after, ending, external_effects, logits_equal, processed_at,
     raw_logits_at, shown,
@@ -90,6 +97,11 @@ def declared(a: Trace, b: Trace) -> tuple[tuple[str, Any, Any], ...]:
     fb = {k: v for k, v in _flatten(b.instance).items() if k.split(".")[0] not in INSTANCE_SKIP}
     if fa.get("generation_config.seed") is None and fb.get("generation_config.seed") is None:
         fa.pop("seed", None), fb.pop("seed", None)  # derived from the request ids: not a cause
+    for key, value in _flatten(a.payload("step.configured"), "strategy.").items():
+        fa[key] = value
+    for key, value in _flatten(b.payload("step.configured"), "strategy.").items():
+        fb[key] = value
+    fa.pop("strategy.step", None), fb.pop("strategy.step", None)
     return tuple((k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
                  if fa.get(k) != fb.get(k))
 
@@ -275,10 +287,66 @@ def _display(trace: Trace) -> Any:
     return [d.payload.get("digest") for d in trace.of("stream.delta")]
 
 
+def passes(trace: Trace) -> list[tuple[Event, Event]]:
+    """An iterative run's iterations: each ``step.denoised`` with the model call it came
+    from (the latest non-writing ``decode.completed`` before it)."""
+    out, call = [], None
+    for event in trace.events:
+        if event.event_type == "decode.completed" and event.payload.get("write") is False:
+            call = event
+        elif event.event_type == "step.denoised" and call is not None:
+            out.append((call, event))
+    return out
+
+
+def _draws(trace: Trace) -> bool:
+    """Whether an iterative run consumes random numbers (sampling, random remasking, DFM)."""
+    temperature = float((trace.instance.get("generation_config") or {}).get("temperature", 1.0))
+    configured = trace.payload("step.configured")
+    return temperature > 0 or configured.get("remasking") == "random" or \
+        configured.get("sampler") == "dfm"
+
+
+def _commits(payload: Mapping[str, Any]) -> tuple[Any, Any]:
+    """What a pass committed: its positions and the digest of their tokens (the digest is
+    computed from the ids a ``full`` trace recorded, so levels compare)."""
+    ids = payload.get("ids")
+    return payload.get("positions"), (digest_ids(ids) if isinstance(ids, list)
+                                      else payload.get("ids_digest"))
+
+
+def _denoised(a: Trace, b: Trace) -> Iterator[Divergence | None]:
+    """Iteration by iteration: the block fed, the pass's logits, what it committed."""
+    seeds = (a.payload("selection.configured").get("seed"),
+             b.payload("selection.configured").get("seed"))
+    random = seeds[0] != seeds[1] and (_draws(a) or _draws(b))
+    for k, ((ca, sa), (cb, sb)) in enumerate(zip(passes(a), passes(b)), 1):
+        t = sa.payload.get("step")
+        where = (f"iteration {k} (block {sa.payload.get('block')}, pass "
+                 f"{sa.payload.get('block_step')})")
+        yield _same("denoiser input", "selection", t, sa.payload.get("input_digest"),
+                    sb.payload.get("input_digest"), f"{where}: the block fed to the model "
+                    f"differs: {fed(ca)} vs {fed(cb)}")
+        la = [r.get("digest") for r in ca.payload.get("block_logits", [])]
+        lb = [r.get("digest") for r in cb.payload.get("block_logits", [])]
+        yield _same("denoiser logits", "model", t, la, lb, f"{where}: the model's output "
+                    "for the same block differs")
+        ka, kb = _commits(sa.payload), _commits(sb.payload)
+        if ka != kb and random:
+            yield Divergence("rng", "selection", t, f"seed {seeds[0]}", f"seed {seeds[1]}",
+                             f"{where}: different random streams: committed positions "
+                             f"{ka[0]} vs {kb[0]}")
+        yield _same("denoised commits", "selection", t, ka, kb,
+                    f"{where}: committed positions {ka[0]} vs {kb[0]}")
+
+
 def _walk(a: Trace, b: Trace, atol: float) -> tuple[Divergence | None, int]:
     for found in _input(a, b):
         if found is not None:
             return found, 0
+    for found in _denoised(a, b):
+        if found is not None:
+            return found, found.step or 0
     steps = max(len(a.by_step("token.selected")), len(b.by_step("token.selected")))
     for t in range(1, steps + 1):
         for found in _step(a, b, t, atol):

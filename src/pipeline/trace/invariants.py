@@ -146,6 +146,8 @@ def step_order(trace: Trace, _: Detokenize | None) -> Finding:
     if prefill is not None and prefill.payload.get("cache_len") != m:
         problems.append((_ids(prefill), f"cache length {prefill.payload.get('cache_len')} right "
                          f"after prefill; the prompt has m={m} tokens"))
+    if iterative(trace):
+        return _block_step_order(trace, m or 0, problems)
     selected, decoded = trace.by_step("token.selected"), trace.by_step("decode.completed")
     sources = trace.sources()
     for t, event in sorted(selected.items()):
@@ -164,6 +166,80 @@ def step_order(trace: Trace, _: Detokenize | None) -> Finding:
         if isinstance(last, int) and last in decoded:
             problems.append((_ids(decoded[last]), f"the stopping token (step {last}) was decoded"))
     return Finding(tuple(problems))
+
+
+def iterative(trace: Trace) -> bool:
+    """Whether an iterative strategy (masked or continuous diffusion, flow) ran: some model call read the cache
+    without writing it, or attended within a block."""
+    return any(e.payload.get("write") is False or e.payload.get("attention") == "block"
+               for e in trace.of("decode.completed"))
+
+
+def _block_step_order(trace: Trace, m: int, problems: list[tuple[tuple[int, ...], str]]
+                      ) -> Finding:
+    """Invariant 3 for iterative strategies (DESIGN §10): denoising passes read the cache and
+    write nothing, and run only when the cache holds the prompt and every committed token (no
+    finished block recomputed, none missing); a writing call feeds exactly the last committed
+    tokens the cache lacks, then (a strategy that writes a block before committing all of it)
+    exactly the tokens committed right after it; a committed token comes from the pass
+    just before it, whose input held it or a mask at its position."""
+    mask = trace.payload("step.configured").get("mask_token_id")
+    cache, tokens = m, []
+    last_pass: Event | None = None
+    ahead: list[Any] = []  # written before being committed: the next tokens must be these
+    for event in trace.events:
+        p = event.payload
+        if event.event_type == "token.selected":
+            tokens.append(p.get("token_id"))
+            problems += _from_pass(event, len(tokens), last_pass, mask)
+            if ahead and ahead.pop(0) != p.get("token_id"):
+                problems.append((_ids(event), f"token {len(tokens)} is {p.get('token_id')}, "
+                                 "not the token written for it before it was committed"))
+        elif event.event_type == "cache.rollback" and isinstance(p.get("cache_len"), int):
+            cache = p["cache_len"]
+        elif event.event_type == "decode.completed":
+            ids, t = fed(event), len(tokens)
+            if p.get("write") is False:
+                if cache != m + t or p.get("cache_len") != cache:
+                    problems.append((_ids(event), f"a denoising pass after {t} committed tokens "
+                                     f"saw cache length {p.get('cache_len')} (walked: {cache}); "
+                                     f"the cache must hold exactly m+{t}={m + t}"))
+                last_pass = event
+                continue
+            lacks = m + t - cache  # committed tokens the cache does not hold yet
+            if (ahead or not 0 <= lacks <= len(ids)
+                    or list(ids[:lacks]) != tokens[len(tokens) - lacks:]):
+                problems.append((_ids(event), f"a cache write of {len(ids)} tokens at cache "
+                                 f"length {cache} after {t} committed tokens: it must first write "
+                                 f"the last {lacks} committed tokens, the ones the cache lacks"))
+            ahead = list(ids[max(lacks, 0):])  # the rest: the block's tokens committed next
+            if p.get("cache_len") != cache + len(ids):
+                problems.append((_ids(event), f"cache length {p.get('cache_len')} after writing "
+                                 f"{len(ids)} tokens at {cache}"))
+            cache = p["cache_len"] if isinstance(p.get("cache_len"), int) else cache
+    steps = sorted(trace.by_step("token.selected"))
+    if steps != list(range(1, len(steps) + 1)):
+        problems.append(((), f"selected steps {steps} are not 1..{len(steps)}"))
+    return Finding(tuple(problems), ("iterative strategy: checked the block-wise cache walk "
+                                     "in place of one token per step",))
+
+
+def _from_pass(event: Event, t: int, last: Event | None, mask: Any
+               ) -> list[tuple[tuple[int, ...], str]]:
+    """Token t must come from the latest denoising pass over its block (and, where the pass
+    fed token ids rather than embeddings, be the id it held there or a mask)."""
+    if last is None:
+        return [(_ids(event), f"token {t} was committed before any denoising pass")]
+    s, ids = last.payload.get("step"), fed(last)
+    if not isinstance(s, int) or not s < t <= s + len(ids):
+        return [(_ids(last, event), f"token {t} was committed after a pass over positions "
+                 f"{s}+1..{s}+{len(ids)}, which do not include it")]
+    if last.payload.get("inputs") == "embeddings":  # placeholder ids: nothing to compare
+        return []
+    if ids[t - s - 1] not in (event.payload.get("token_id"), mask):
+        return [(_ids(last, event), f"token {t} is {event.payload.get('token_id')}, but the "
+                 f"pass it came from held {ids[t - s - 1]} there")]
+    return []
 
 
 def _cache_walk(trace: Trace, m: int, selected: Mapping[int, Event]

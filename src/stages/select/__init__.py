@@ -4,8 +4,9 @@ Owns the ``greedy`` and ``sample`` selectors (both satisfy
 :class:`pipeline.protocols.Selector`), the counter-based :func:`uniform` draw, and the
 strategies (:class:`pipeline.protocols.Strategy`): :class:`AutoregressiveStrategy` and
 :class:`SpeculativeStrategy` (its rejection rule in ``verify.py``, its proposers in
-``proposers.py`` and ``draft.py``, its options in ``spec_options.py``); the continuous
-strategies ``ddpm``, ``ddim`` and ``flow`` live in :mod:`stages.select.continuous`.
+``proposers.py`` and ``draft.py``, its options in ``spec_options.py``); the masked-diffusion
+strategies ``llada``, ``fast_dllm`` and ``dfm`` live in :mod:`stages.select.diffusion`, the
+continuous strategies ``ddpm``, ``ddim`` and ``flow`` in :mod:`stages.select.continuous`.
 :data:`SELECTORS` maps names to classes.
 """
 

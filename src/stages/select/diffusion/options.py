@@ -1,0 +1,108 @@
+"""How ``build()`` makes a masked-diffusion strategy: options, model marker, checks.
+
+Owns :func:`diffusion_maker` (the registered factories of ``llada``, ``fast_dllm`` and
+``dfm``) and :data:`OPTIONS`. A strategy's settings come, each key from the first that has
+it, from ``build(strategy_options=...)`` (where ``build``'s ``steps`` and ``block_length``
+land too), then the model's ``pipeline_generation`` marker in ``config.json``, then
+:class:`~stages.select.diffusion.strategy.DiffusionSettings`' defaults. A model that is not
+a masked-diffusion model is refused, as is an option the sampler does not take (with the
+closest known name). A backend given as an instance has no marker: ``mask_token_id`` must
+then be among the options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pipeline.errors import InvalidValueError, UnknownFieldError
+from pipeline.models import GENERATION_KEY, generation_marker
+from pipeline.protocols import LogitProcessor, Selector
+from pipeline.registry import BuildContext
+from stages.select.diffusion.strategy import (
+    DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
+    MaskedDiffusionStrategy,
+)
+
+FAMILY = "masked_diffusion"
+"""The ``pipeline_generation.family`` these samplers run."""
+COMMON = ("steps", "block_length", "mask_token_id")
+OPTIONS: Mapping[str, tuple[type[MaskedDiffusionStrategy], tuple[str, ...]]] = {
+    "llada": (LladaStrategy, (*COMMON, "remasking")),
+    "fast_dllm": (FastDllmStrategy, (*COMMON, "threshold")),
+    "dfm": (DiscreteFlowStrategy, (*COMMON, "kappa_power")),
+}
+"""Each sampler's class and the options it takes."""
+_MARKER_KEYS = ("steps", "block_length", "mask_token_id")
+_TYPES: Mapping[str, tuple[type, ...]] = {
+    "steps": (int,), "block_length": (int,), "mask_token_id": (int,), "remasking": (str,),
+    "threshold": (int, float), "kappa_power": (int, float)}
+
+Maker = Callable[[Sequence[LogitProcessor], Selector], MaskedDiffusionStrategy]
+
+
+def diffusion_maker(name: str) -> Callable[[BuildContext], Maker]:
+    """The registry factory of sampler ``name`` (one of :data:`OPTIONS`)."""
+    cls, allowed = OPTIONS[name]
+
+    def factory(ctx: BuildContext) -> Maker:
+        settings = diffusion_settings(name, allowed, ctx)
+
+        def make(processors: Sequence[LogitProcessor], selector: Selector
+                 ) -> MaskedDiffusionStrategy:
+            return cls(processors, settings)
+
+        return make
+
+    return factory
+
+
+def diffusion_settings(name: str, allowed: Sequence[str], ctx: BuildContext
+                       ) -> DiffusionSettings:
+    """The sampler's settings from the options, the model's marker and the defaults."""
+    options = dict(ctx.strategy_options)
+    for key in options:
+        if key not in allowed:
+            raise UnknownFieldError(f"strategy_options of {name!r}", key, allowed)
+    for key, value in options.items():
+        if value is None:
+            continue
+        if type(value) is bool or not isinstance(value, _TYPES[key]):
+            raise InvalidValueError(key, value, f"must be {_TYPES[key][0].__name__}")
+    marker = generation_marker(ctx.model_dir)
+    if marker is not None and marker.get("family") != FAMILY:
+        raise InvalidValueError("strategy", name, f"is a masked-diffusion sampler; this model "
+                                f"is a {marker.get('family')!r} model ({GENERATION_KEY} in "
+                                "its config.json)")
+    if ctx.model_file is not None:
+        raise InvalidValueError("strategy", name, "is a masked-diffusion sampler; a GGUF file "
+                                "holds an autoregressive model (use strategy='autoregressive')")
+    if marker is None and ctx.model_dir is not None:
+        raise InvalidValueError("strategy", name, "is a masked-diffusion sampler; this model "
+                                f"has no {GENERATION_KEY} marker in its config.json, so it is "
+                                "autoregressive (use strategy='autoregressive')")
+    merged: dict[str, Any] = {k: marker[k] for k in _MARKER_KEYS
+                              if marker is not None and k in marker}
+    merged.update({k: v for k, v in options.items() if v is not None})
+    if "mask_token_id" not in merged:
+        raise InvalidValueError("strategy_options", dict(options), f"{name!r} needs "
+                                "mask_token_id (a model folder's marker supplies it)")
+    _check_mask(merged["mask_token_id"], ctx)
+    given = {k for k, v in options.items() if v is not None}
+    if "block_length" in given and "steps" not in given:  # the marker's steps, if they fit
+        merged["steps"] = min(merged.get("steps", merged["block_length"]),
+                              merged["block_length"])
+    if "steps" in merged and "block_length" not in merged:
+        merged["block_length"] = max(merged["steps"], DiffusionSettings.block_length)
+    if "block_length" in merged and "steps" not in merged:
+        merged["steps"] = merged["block_length"]  # one token per pass
+    max_context = ctx.backend.max_context if ctx.backend is not None else None
+    return DiffusionSettings(max_context=max_context, **merged)
+
+
+def _check_mask(mask: int, ctx: BuildContext) -> None:
+    """The mask id must be a token of the backend's vocabulary."""
+    vocab = ctx.backend.vocab_size if ctx.backend is not None else None
+    if mask < 0 or (vocab is not None and mask >= vocab):
+        raise InvalidValueError("mask_token_id", mask, f"must be a token id below the "
+                                f"model's vocabulary of {vocab}")

@@ -1,0 +1,384 @@
+"""Masked-diffusion strategies: semi-autoregressive blocks refined over several model calls
+(DESIGN §6 second edition, §10).
+
+Owns :class:`MaskedDiffusionStrategy` (the block loop every masked sampler shares), its three
+samplers :class:`LladaStrategy`, :class:`FastDllmStrategy` and :class:`DiscreteFlowStrategy`,
+their settings :class:`DiffusionSettings`, and the per-request loop state
+:class:`BlockState`.
+
+The loop, per request (the engine has prefilled the prompt; the cache holds m positions):
+
+1. the first ``update`` gets the prompt's last logits and commits nothing: it opens a block of
+   ``block_length`` ``<|mask|>`` positions (shorter when ``max_tokens`` or the context window
+   leaves less room; positions under a forced prefix start as the forced tokens);
+2. each *denoising pass* plans the block with ``Attention.BLOCK`` and ``write=False``: every
+   position sees the cached prefix and the whole block, and the cache stays as it was. The
+   sampler's rule commits some masked positions (``rules.py``) and the trace gets a
+   ``step.denoised`` event (iteration, block, positions committed, digests of the state);
+3. when no mask is left the block is *final*: its tokens are committed in order (the text
+   stages see them now: EOS, stop strings and ``max_tokens`` act on them), then one
+   ``write=True`` call with causal attention puts them in the cache, exactly as a prompt
+   prefill would (the model is trained block-causally, so the cached keys and values of a
+   finished block are the ones it was trained to read: the cache is exact, never recomputed);
+4. the update after that write opens the next block.
+
+Randomness is counter-based: iteration k of a request draws from
+:func:`~stages.select.diffusion.noise.uniforms` at (seed, stream, 4k + purpose), so a run is
+the same alone and in any batch. The request's processors (temperature, top-k, penalties, ...)
+shape each position's distribution; temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from pipeline.errors import InvalidValueError
+from pipeline.events import digest_ids
+from pipeline.forcing import Forcing
+from pipeline.protocols import (
+    Attention, Batch, LogitProcessor, Plan, Row, Scores, StrategyEvent, Taken, Update,
+)
+from pipeline.types import TokenLogprob
+from stages.process.chain import ProcessorChain
+from stages.select.diffusion import rules
+from stages.select.diffusion.noise import uniforms
+from stages.select.logprobs import selection_logprobs
+
+GREEDY_BELOW = 1e-5
+"""A temperature below this is greedy (as the temperature processor treats it)."""
+REMASKING = ("low_confidence", "random")
+_GUMBEL, _REMASK, _JUMP = 0, 1, 2  # the purposes of an iteration's draws
+
+
+@attrs.frozen
+class DiffusionSettings:
+    """What every masked sampler is built with.
+
+    ``mask_token_id`` is the model's ``<|mask|>``; ``block_length`` positions per block;
+    ``steps`` denoising passes per block (at most ``block_length``; the threshold sampler takes
+    as many as it needs, at most one per masked position); ``remasking`` is LLaDA's rule;
+    ``threshold`` Fast-dLLM's confidence bar; ``kappa_power`` the exponent n of discrete flow
+    matching's scheduler ``κ(t) = t**n``; ``max_context`` the backend's window.
+    """
+
+    mask_token_id: int
+    block_length: int = 8
+    steps: int = 8
+    remasking: str = "low_confidence"
+    threshold: float = 0.9
+    kappa_power: float = 1.0
+    max_context: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.block_length <= 1024:
+            raise InvalidValueError("block_length", self.block_length, "must be in 1..1024")
+        if not 1 <= self.steps <= self.block_length:
+            raise InvalidValueError("steps", self.steps, f"must be in 1..block_length "
+                                    f"({self.block_length}): each step commits a token at least")
+        if self.remasking not in REMASKING:
+            raise InvalidValueError("remasking", self.remasking, f"must be one of {REMASKING}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise InvalidValueError("threshold", self.threshold, "must be in [0, 1)")
+        if not 1.0 <= self.kappa_power <= 16.0:
+            raise InvalidValueError("kappa_power", self.kappa_power, "must be in [1, 16]")
+
+
+@attrs.define
+class BlockState:
+    """One sequence's loop state.
+
+    ``block`` is the current block (``mask_token_id`` where still masked; None before the
+    first update); ``start`` the number of tokens committed before it; ``schedule`` the LLaDA
+    counts still to run; ``passes`` the denoising passes run on it; ``final`` the committed
+    block awaiting its cache write; ``blocks`` the blocks finished; ``iteration`` the model
+    calls of denoising so far (the RNG's counter); ``logprobs`` per position, once committed
+    (under the processed distribution of the pass that committed it, when the request asks).
+    """
+
+    forcing: Forcing
+    block: list[int] | None = None
+    start: int = 0
+    schedule: list[int] = attrs.field(factory=list)
+    passes: int = 0
+    final: tuple[int, ...] | None = None
+    blocks: int = 0
+    iteration: int = 0
+    logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+
+
+class MaskedDiffusionStrategy:
+    """The block loop of masked diffusion; subclasses supply :meth:`choose`, the rule that
+    picks which masked positions a pass commits.
+
+    ``chain`` is a :class:`ProcessorChain` or the processors to build one from (in order).
+    """
+
+    name: str = "masked_diffusion"
+
+    def __init__(self, chain: ProcessorChain | Sequence[LogitProcessor],
+                 settings: DiffusionSettings) -> None:
+        self.chain = chain if isinstance(chain, ProcessorChain) else ProcessorChain(chain)
+        self.settings = settings
+
+    # --- the Strategy protocol -------------------------------------------------------------
+
+    def order(self, row: Row) -> tuple[str, ...]:
+        """Names of the processors applied to ``row``, in application order."""
+        return self.chain.order_for(row)
+
+    def start(self, row: Row, forcing: Forcing) -> BlockState:
+        """Nothing yet: the first update (the prompt's last logits) opens the first block."""
+        return BlockState(forcing)
+
+    def plan(self, state: BlockState) -> Plan:
+        """A finished block is written (causal, ``write=True``); otherwise the block is
+        denoised (block attention over the cache, ``write=False``), logits everywhere."""
+        if state.final is not None:
+            return Plan(state.final, (len(state.final) - 1,))
+        if state.block is None:
+            raise ValueError("nothing to denoise: the sequence has no block yet")
+        return Plan(tuple(state.block), tuple(range(len(state.block))), Attention.BLOCK,
+                    write=False)
+
+    def update(self, states: Sequence[BlockState], rows: Sequence[Row],
+               logits: Sequence[torch.Tensor]) -> list[Update[BlockState]]:
+        """Open a block (after the prompt or a block's write), or run one denoising pass."""
+        out: list[Update[BlockState] | None] = [None] * len(states)
+        passes = []
+        for i, (state, row) in enumerate(zip(states, rows)):
+            if state.block is None or state.final is not None:
+                out[i] = self._open(state, row)
+            else:
+                passes.append(i)
+        if passes:
+            done = self._denoise([states[i] for i in passes], [rows[i] for i in passes],
+                                 [logits[i] for i in passes])
+            for i, update in zip(passes, done):
+                out[i] = update
+        return [u for u in out if u is not None]
+
+    def finish(self, state: BlockState) -> None:
+        """Nothing to release: the state is a few small lists."""
+
+    # --- what subclasses define ------------------------------------------------------------
+
+    def steps_for(self, masked: int) -> list[int]:
+        """The commit schedule of a new block with ``masked`` masked positions (LLaDA's
+        ``get_num_transfer_tokens``); samplers that do not follow one ignore it."""
+        return rules.num_transfer_tokens(masked, min(self.settings.steps, max(masked, 1)))
+
+    def choose(self, state: BlockState, row: Row, logits: torch.Tensor,
+               predicted: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """``[L]`` bool: the masked positions this pass commits (to ``predicted``)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """The sampler's settings, for the trace's ``step.configured`` event."""
+        s = self.settings
+        return {"sampler": self.name, "block_length": s.block_length, "steps": s.steps,
+                "mask_token_id": s.mask_token_id}
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def _open(self, state: BlockState, row: Row) -> Update[BlockState]:
+        """Start the next block (the previous one, if any, is in the cache now)."""
+        events: list[StrategyEvent] = []
+        if state.block is None:
+            events.append(("step.configured", {"step": row.step, **self.describe()}))
+        else:
+            state.start += len(state.final or ())
+            state.blocks += 1
+        state.final = None
+        length = self._block_room(row, state.start)
+        mask = self.settings.mask_token_id
+        prefix = state.forcing.prefix
+        state.block = [prefix[state.start + j] if state.start + j < len(prefix) else mask
+                       for j in range(length)]
+        state.logprobs = [None] * length
+        masked = sum(1 for b in state.block if b == mask)
+        state.schedule, state.passes = self.steps_for(masked), 0
+        if masked == 0:  # wholly forced: final at once
+            return self._finalize(state, row, events)
+        return Update(state, (), events=tuple(events))
+
+    def _block_room(self, row: Row, start: int) -> int:
+        """Positions the next block may have: ``block_length``, within what ``max_tokens``
+        leaves and what the context window holds after the cached prefix."""
+        room = min(self.settings.block_length, row.config.max_tokens - start)
+        if self.settings.max_context is not None:
+            room = min(room, self.settings.max_context - len(row.prompt_ids) - start)
+        return max(room, 1)
+
+    def _denoise(self, states: Sequence[BlockState], rows: Sequence[Row],
+                 logits: Sequence[torch.Tensor]) -> list[Update[BlockState]]:
+        """One pass for each sequence: processors over every position of every block at
+        once, then each sequence's rule."""
+        sizes = [len(s.block or ()) for s in states]
+        for z, n in zip(logits, sizes):
+            if z.shape[0] != n:
+                raise ValueError(f"{z.shape[0]} logits rows for a block of {n} positions")
+        z = torch.cat(list(logits)).float()                                   # [N, V]
+        z[:, self.settings.mask_token_id] = float("-inf")  # the mask is never a prediction
+        positions = [_at(row, j) for row, n in zip(rows, sizes) for j in range(n)]
+        batch = Batch(tuple(positions), z.shape[1])
+        processed = self.chain(Scores(z), batch).to_dense(z.shape[1])         # [N, V]
+        out, at = [], 0
+        for state, row, n in zip(states, rows, sizes):
+            out.append(self._pass(state, row, z[at:at + n], processed[at:at + n]))
+            at += n
+        return out
+
+    def _pass(self, state: BlockState, row: Row, raw: torch.Tensor,
+              processed: torch.Tensor) -> Update[BlockState]:
+        """Predict every position, commit what the rule picks, record the iteration."""
+        assert state.block is not None
+        mask = self.settings.mask_token_id
+        block = torch.tensor(state.block, device=raw.device)
+        masked = block == mask                                                # [L]
+        noise = None
+        if row.config.temperature >= GREEDY_BELOW:
+            noise = self.draws(state, row, _GUMBEL, tuple(processed.shape), raw.device)
+        predicted = rules.gumbel_argmax(processed, noise)                     # [L]
+        chosen = self.choose(state, row, raw, predicted, masked) & masked
+        fed = list(state.block)
+        where = [int(j) for j in chosen.nonzero().flatten()]
+        for j in where:
+            state.block[j] = int(predicted[j])
+        if row.config.logprobs and where:
+            index = torch.tensor(where, device=processed.device)
+            found = selection_logprobs(Scores(processed.index_select(0, index)),
+                                       Batch(tuple(_at(row, j) for j in where),
+                                             processed.shape[1]),
+                                       predicted.index_select(0, index))
+            for j, logprob in zip(where, found):
+                state.logprobs[j] = logprob
+        state.passes += 1
+        state.iteration += 1
+        event = ("step.denoised", {
+            "step": row.step, "iteration": state.iteration, "block": state.blocks,
+            "block_step": state.passes, "masked": int(masked.sum()), "committed": len(where),
+            "positions": where, "ids": [state.block[j] for j in where],
+            "input_digest": digest_ids(fed), "state_digest": digest_ids(state.block)})
+        if mask in state.block:
+            return Update(state, (), events=(event,))
+        return self._finalize(state, row, [event])
+
+    def _finalize(self, state: BlockState, row: Row, events: list[StrategyEvent]
+                  ) -> Update[BlockState]:
+        """The block is final: commit its tokens in order (a forced-token source may
+        override them) and plan its cache write."""
+        assert state.block is not None
+        taken = []
+        for j, token in enumerate(state.block):
+            forced = state.forcing.force(row.step + j, token)
+            if forced is not None:
+                token = forced.token_id
+            state.forcing.observe(token)
+            logprob = state.logprobs[j] if forced is None else TokenLogprob(token, 0.0)
+            if not row.config.logprobs:
+                logprob = None
+            elif logprob is None:  # a position a forced prefix filled
+                logprob = TokenLogprob(token, 0.0)
+            taken.append(Taken(token, logprob, None, None if forced is None else forced.event))
+        state.final = tuple(t.token_id for t in taken)
+        events.append(("step.block_final", {
+            "step": row.step, "block": state.blocks, "tokens": len(taken),
+            "passes": state.passes, "ids": list(state.final)}))
+        return Update(state, tuple(taken), events=tuple(events))
+
+    def draws(self, state: BlockState, row: Row, purpose: int, shape: tuple[int, ...],
+              device: torch.device) -> torch.Tensor:
+        """This iteration's uniforms for ``purpose`` (a pure function of seed, stream,
+        iteration and purpose)."""
+        return uniforms(row.seed, row.stream, 4 * state.iteration + purpose, shape, device)
+
+
+class LladaStrategy(MaskedDiffusionStrategy):
+    """LLaDA's sampler: each pass commits the schedule's count of masked positions, the most
+    confident ones (``low_confidence``: the model's probability of its prediction) or
+    random ones (``random``).
+
+    Example::
+
+        llada = LladaStrategy(chain, DiffusionSettings(mask_token_id=6144, block_length=8))
+        state = llada.start(row, Forcing.none())
+        llada.update([state], [row], [z1])     # opens a block of 8 masks
+        llada.plan(state)                      # Plan(8 masks, range(8), BLOCK, write=False)
+    """
+
+    name = "llada"
+
+    def choose(self, state: BlockState, row: Row, logits: torch.Tensor,
+               predicted: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """The schedule's count for this pass, by confidence or at random."""
+        k = state.schedule[state.passes] if state.passes < len(state.schedule) else 1
+        if self.settings.remasking == "random":
+            scores = self.draws(state, row, _REMASK, tuple(masked.shape), logits.device)
+        else:
+            scores = rules.confidence(logits, predicted)
+        return rules.top_confidence(scores, masked, k)
+
+    def describe(self) -> dict[str, Any]:
+        """Settings, with the remasking rule."""
+        return {**super().describe(), "remasking": self.settings.remasking}
+
+
+class FastDllmStrategy(MaskedDiffusionStrategy):
+    """Fast-dLLM's confidence-aware parallel decoding: each pass commits every masked
+    position whose confidence exceeds ``threshold``, and at least the most confident one;
+    a block takes as many passes as that needs (``steps`` is not used)."""
+
+    name = "fast_dllm"
+
+    def choose(self, state: BlockState, row: Row, logits: torch.Tensor,
+               predicted: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """Every masked position above the threshold (one at least)."""
+        return rules.above_threshold(rules.confidence(logits, predicted), masked,
+                                     self.settings.threshold)
+
+    def describe(self) -> dict[str, Any]:
+        """Settings, with the threshold."""
+        return {**super().describe(), "threshold": self.settings.threshold}
+
+
+class DiscreteFlowStrategy(MaskedDiffusionStrategy):
+    """Discrete flow matching on a block (mixture path from the mask source, κ(t) = t**n):
+    ``steps`` discrete Euler steps over t in [0, 1) with h = 1/steps; at step i (t = i*h)
+    each masked position jumps to its sampled token with probability
+    ``1 - exp(-h * dκ/(1-κ))``; the last step sets every remaining position to its sample
+    (the solver's ``x_t = x_1``; unmasked positions keep their token, which is what the
+    mask-source posterior says of them)."""
+
+    name = "dfm"
+
+    def steps_for(self, masked: int) -> list[int]:
+        """No count schedule: the jump probabilities are the schedule."""
+        return []
+
+    def choose(self, state: BlockState, row: Row, logits: torch.Tensor,
+               predicted: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """Jumps by the Euler step's probability; everything on the last step."""
+        steps = self.settings.steps
+        if state.passes >= steps - 1:
+            return masked.clone()
+        h = 1.0 / steps
+        p = rules.jump_probability(state.passes * h, h, self.settings.kappa_power)
+        u = self.draws(state, row, _JUMP, tuple(masked.shape), logits.device)
+        return rules.dfm_jumps(masked, u, p)
+
+    def describe(self) -> dict[str, Any]:
+        """Settings, with the scheduler's exponent."""
+        return {**super().describe(), "kappa_power": self.settings.kappa_power}
+
+
+def _at(row: Row, j: int) -> Row:
+    """The row of block position j: the committed tokens, ``step`` moved on by j (so
+    step-dependent processors such as ``min_tokens`` see the position's index)."""
+    if j == 0:
+        return row
+    return Row(row.request_id, row.config, row.prompt_ids, row.output_ids, row.step + j,
+               row.seed, row.eos_token_ids, row.stream)
