@@ -11,7 +11,7 @@ greedy, ``ignore_eos``, the question "Why is the sky usually blue?":
 - ``digest+jsonl``: the default plus a :class:`~pipeline.events.JsonlSink` writing the trace.
 
 Three figures per run. The share of the run's wall time spent inside the recording hooks
-(the engine's ``_logits_records`` and ``_processed_records`` and, for ``digest+jsonl``, the
+(the engine's ``_logits_records`` and the committer's ``_processed_records`` and, for ``digest+jsonl``, the
 sink's ``emit``), timed in the same run: the direct cost, and the steadiest figure on a
 shared machine. Then decode throughput in wall time, from the trace itself ((tokens - 1) over
 the time from the first to the last ``token.selected``), and generated tokens per CPU second
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from pipeline import build
+from pipeline.commit import Committer
 from pipeline.engine import Engine
 from pipeline.events import JsonlSink
 from pipeline.pipe import Pipeline
@@ -60,16 +61,16 @@ CONFIGS = ("off", "digest", "full", "digest+jsonl")
 @contextmanager
 def recording_off() -> Iterator[None]:
     """Swap the engine's logits-recording hooks for ones that record nothing."""
-    logits, processed = Engine.__dict__["_logits_records"], Engine.__dict__["_processed_records"]
+    logits, processed = Engine.__dict__["_logits_records"], Committer.__dict__["_processed_records"]
     Engine._logits_records = staticmethod(  # type: ignore
         lambda done: [[{} for _ in rows] for _, rows in done])
-    Engine._processed_records = lambda self, updates, items: [  # type: ignore
+    Committer._processed_records = lambda self, updates, items: [  # type: ignore
         [None] * len(u.taken) for u in updates]
     try:
         yield
     finally:
         setattr(Engine, "_logits_records", logits)  # the staticmethod object itself
-        setattr(Engine, "_processed_records", processed)
+        setattr(Committer, "_processed_records", processed)
 
 
 class HookClock:
@@ -80,7 +81,7 @@ class HookClock:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        logits, processed = Engine.__dict__["_logits_records"], Engine.__dict__["_processed_records"]
+        logits, processed = Engine.__dict__["_logits_records"], Committer.__dict__["_processed_records"]
         emit = JsonlSink.__dict__["emit"]
 
         def timed(fn: Any) -> Any:
@@ -93,13 +94,13 @@ class HookClock:
             return run
 
         setattr(Engine, "_logits_records", staticmethod(timed(logits.__func__)))
-        setattr(Engine, "_processed_records", timed(processed))
+        setattr(Committer, "_processed_records", timed(processed))
         setattr(JsonlSink, "emit", timed(emit))
         try:
             yield
         finally:
             setattr(Engine, "_logits_records", logits)
-            setattr(Engine, "_processed_records", processed)
+            setattr(Committer, "_processed_records", processed)
             setattr(JsonlSink, "emit", emit)
 
 

@@ -18,9 +18,9 @@ Owns the scheduler and the step loop. Each step it
    makes one batched ``backend.forward`` for that plan: every decode token and every prefill
    chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
    decode token and at a prompt's last chunk's last token; the block table with each),
-5. for every request with fresh logits z_t: processor chain → selector (overridden by a
-   ``forced_prefix`` or a spent reasoning budget: :mod:`pipeline.forcing`) → stoppers →
-   detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
+5. for every request with fresh logits z_t (:class:`~pipeline.commit.Committer`): its
+   strategy's processor chain → selector (overridden by a ``forced_prefix`` or a spent
+   reasoning budget: :mod:`pipeline.forcing`) → stoppers → detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
    next step's forward writes into the cache (cache length m + t) — the DESIGN §4 order;
    over a paged backend the blocks that filled up are then published to the prefix cache.
 
@@ -65,10 +65,10 @@ from pipeline.job import Job
 from pipeline.pacing import Pacer
 from pipeline.paging import Paging
 from pipeline.protocols import (
-    Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, Row, Strategy,
-    Update, split_outputs,
+    Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, Strategy,
+    split_outputs,
 )
-from pipeline.recording import logits_record, processed_record, record_rows, same_bits
+from pipeline.commit import Committer, logits_records
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
@@ -141,6 +141,7 @@ class Engine:
         self._inspector = backend if isinstance(backend, CacheInspector) else None
         self._paging = (Paging(backend, backend.snapshot)
                         if isinstance(backend, PagedBackend) else None)
+        self._committer = Committer(backend, self._paging, self._cache, self._fail, self._release)
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
@@ -300,7 +301,7 @@ class Engine:
             plan = self._make_room(plan, self._paging)
         ready = self._forward(plan)
         if ready:
-            self._update(ready)
+            self._committer.update(ready)
         paging = self._paging
         if paging is not None:
             for job in list(self._active):
@@ -470,19 +471,8 @@ class Engine:
         layout = self._inspector.cache_layout(job.slot_id) if self._inspector else None
         return self.backend.cache_length(job.slot_id), layout
 
-    @staticmethod
-    def _logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[list[dict[str, Any]]]:
-        """Digest (and, for ``full`` jobs, top-k) of each wanted row of each job's fresh raw
-        logits (z_t; z_t .. z_{t+k} after k drafts)."""
-        if not done:
-            return []
-        rows = record_rows(torch.cat([logits for _, logits in done]))  # [sum outputs, V]
-        flat = logits_record(rows, [job.full for job, logits in done for _ in logits])
-        out, at = [], 0
-        for _, logits in done:
-            out.append(flat[at:at + len(logits)])
-            at += len(logits)
-        return out
+    _logits_records = staticmethod(logits_records)
+    """Each fresh job's raw-logits records (a class attribute, so a benchmark can time it)."""
 
     def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor],
               calls: dict[Job, ModelCall]) -> list[tuple[Job, torch.Tensor]]:
@@ -514,116 +504,6 @@ class Engine:
                 return []
             return list(zip(jobs, split_outputs(mine, logits)))
         return []
-
-    def _update(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
-        """Hand each strategy its sequences' logits; commit what it took, roll back what it
-        dropped. One batched ``update`` per strategy (per processor order)."""
-        groups: dict[int, list[tuple[Job, torch.Tensor]]] = {}
-        for job, rows in ready:
-            groups.setdefault(id(job.strategy), []).append((job, rows))
-        for items in groups.values():
-            strategy = items[0][0].strategy
-            assert strategy is not None
-            states = {job: job.row() for job, _ in items}  # one Row per job per step
-            orders: dict[Job, tuple[str, ...] | None] = {}
-            kept = []
-            for job, rows in items:
-                def configure() -> None:
-                    orders[job] = self._configure(job, states[job], strategy)
-                if self._guarded(job, "configuring selection", configure):
-                    kept.append((job, rows))
-            items = kept
-            if not items:
-                continue
-            try:
-                updates = list(strategy.update([j.decode_state for j, _ in items],
-                                               [states[j] for j, _ in items],
-                                               [rows for _, rows in items]))
-            except Exception as exc:
-                for job, _ in items:
-                    self._fail(job, f"selection failed: {exc!r}")
-                continue
-            bad = self._bad_updates(updates, len(items))
-            if bad is not None:
-                for job, _ in items:
-                    self._fail(job, f"selection failed: {bad}")
-                continue
-            processed = self._processed_records(updates, items)
-            for (job, _), update, records in zip(items, updates, processed):
-                self._commit(job, update, records, orders[job])
-
-    def _commit(self, job: Job, update: Update[Any], records: list[dict[str, Any] | None],
-                order: tuple[str, ...] | None) -> None:
-        """Take the update's tokens in order (stopping at the first that ends the request),
-        then roll the cache back if the strategy dropped fed positions."""
-        try:
-            job.decode_state = update.state
-            job.noted(update.events)
-            for k, taken in enumerate(update.taken):
-                reason = job.take(taken, self.backend.max_context, records[k],
-                                  order if k == 0 else None)
-                if reason is not None:
-                    self._release(job)
-                    return
-            if update.rollback:
-                self.backend.truncate(job.slot_id, job.cache_len - update.rollback)
-                job.rolled_back(update.rollback, self._cache(job))
-                if self._paging is not None:
-                    self._paging.truncate(job)
-        except Exception as exc:  # this request's state is broken, not the others'
-            self._fail(job, f"taking token failed: {exc!r}")
-
-    @staticmethod
-    def _configure(job: Job, state: Row, strategy: Strategy) -> tuple[str, ...] | None:
-        """The processor order to record for this step (and the step-1 configuration event).
-        It is recorded at step 1, and at every step for ``full`` recordings (it costs ~20 µs
-        per row; an order can change, e.g. with min_tokens)."""
-        order = strategy.order(state) if state.step == 1 or job.full else None
-        if state.step == 1:
-            job.configured(strategy, order or ())
-        return order
-
-    def _bad_updates(self, updates: list[Update[Any]], rows: int) -> str | None:
-        """Why ``updates`` is not one update per sequence committing token ids of the
-        vocabulary (None when it is)."""
-        if len(updates) != rows:
-            return f"the strategy returned {len(updates)} updates for {rows} sequences"
-        vocab = self.backend.vocab_size
-        for update in updates:
-            for taken in update.taken:
-                token = taken.token_id
-                if type(token) is not int or not 0 <= token < vocab:
-                    return f"the selector returned {token!r}, not a token id below {vocab}"
-            if update.rollback < 0:
-                return f"the strategy asked to roll back {update.rollback} positions"
-        return None
-
-    def _processed_records(self, updates: list[Update[Any]],
-                           items: list[tuple[Job, torch.Tensor]]
-                           ) -> list[list[dict[str, Any] | None]]:
-        """Per update, per taken token: digest (and top-k for ``full`` jobs) of the processed
-        distribution it was chosen from."""
-        out: list[list[dict[str, Any] | None]] = [[None] * len(u.taken) for u in updates]
-        having = [(i, u) for i, u in enumerate(updates) if u.processed is not None and u.taken]
-        if not having:
-            return out
-        rows = record_rows(torch.cat([u.processed for _, u in having
-                                    if u.processed is not None]))             # [sum taken, V]
-        full, known, where = [], [], []
-        at = 0
-        for i, update in having:
-            job, raw = items[i]
-            for k in range(len(update.taken)):
-                full.append(job.full)
-                # A row no processor changed is its raw logits: reuse that digest (an
-                # equality test costs a fraction of a sha256 pass).
-                digest = job.raw_digests[k] if k < len(job.raw_digests) else None
-                known.append(digest if digest and same_bits(rows[at], raw[k]) else None)
-                where.append((i, k))
-                at += 1
-        for (i, k), record in zip(where, processed_record(rows, full, known)):
-            out[i][k] = record
-        return out
 
     # --- endings ---------------------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""From a step's logits to committed tokens: the half of an engine step after the forward.
+
+Owns :class:`Committer` (DESIGN §4, §6): one batched :meth:`~pipeline.protocols.Strategy.update`
+per strategy (per processor order) over the sequences that got logits, the check that each
+update commits token ids of the vocabulary, the records of the processed distributions the
+tokens were chosen from (digests, top-k at ``full``), and each update's commit through its
+:class:`~pipeline.job.Job`: tokens in order, stopping at the first that ends the request, then
+the rollback of positions the strategy dropped (the backend's ``truncate`` and, over a paged
+backend, the block tables). Also :func:`logits_records`, the records of the raw logits of every
+wanted output. Failures stay contained: a strategy that raises or answers nonsense fails its
+group, a job whose commit raises fails alone, through the engine's ``fail`` and ``release``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipeline.job import Job
+from pipeline.paging import Paging
+from pipeline.protocols import Backend, CacheLayout, Row, Strategy, Update
+from pipeline.recording import logits_record, processed_record, record_rows, same_bits
+
+
+def logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[list[dict[str, Any]]]:
+    """Digest (and, for ``full`` jobs, top-k) of each wanted row of each job's fresh raw
+    logits (z_t; z_t .. z_{t+k} after k drafts)."""
+    if not done:
+        return []
+    rows = record_rows(torch.cat([logits for _, logits in done]))  # [sum outputs, V]
+    flat = logits_record(rows, [job.full for job, logits in done for _ in logits])
+    out, at = [], 0
+    for _, logits in done:
+        out.append(flat[at:at + len(logits)])
+        at += len(logits)
+    return out
+
+
+
+class Committer:
+    """The engine's commit half; called on the engine thread only."""
+
+    def __init__(self, backend: Backend, paging: Paging | None,
+                 cache: Callable[[Job], tuple[int, CacheLayout | None]],
+                 fail: Callable[[Job, str], None], release: Callable[[Job], None]) -> None:
+        self._backend = backend
+        self._paging = paging
+        self._cache = cache
+        self._fail = fail
+        self._release = release
+
+    def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` for ``job``; if it raises, fail that job alone. True when it ran."""
+        try:
+            fn()
+        except Exception as exc:  # this request's state is broken, not the others'
+            self._fail(job, f"{what} failed: {exc!r}")
+            return False
+        return True
+
+    def update(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
+        """Hand each strategy its sequences' logits; commit what it took, roll back what it
+        dropped. One batched ``update`` per strategy (per processor order)."""
+        groups: dict[int, list[tuple[Job, torch.Tensor]]] = {}
+        for job, rows in ready:
+            groups.setdefault(id(job.strategy), []).append((job, rows))
+        for items in groups.values():
+            strategy = items[0][0].strategy
+            assert strategy is not None
+            states = {job: job.row() for job, _ in items}  # one Row per job per step
+            orders: dict[Job, tuple[str, ...] | None] = {}
+            kept = []
+            for job, rows in items:
+                def configure() -> None:
+                    orders[job] = _configure(job, states[job], strategy)
+                if self._guarded(job, "configuring selection", configure):
+                    kept.append((job, rows))
+            items = kept
+            if not items:
+                continue
+            try:
+                updates = list(strategy.update([j.decode_state for j, _ in items],
+                                               [states[j] for j, _ in items],
+                                               [rows for _, rows in items]))
+            except Exception as exc:
+                for job, _ in items:
+                    self._fail(job, f"selection failed: {exc!r}")
+                continue
+            bad = _bad_updates(updates, len(items), self._backend.vocab_size)
+            if bad is not None:
+                for job, _ in items:
+                    self._fail(job, f"selection failed: {bad}")
+                continue
+            processed = self._processed_records(updates, items)
+            for (job, _), update, records in zip(items, updates, processed):
+                self._commit(job, update, records, orders[job])
+
+    def _commit(self, job: Job, update: Update[Any], records: list[dict[str, Any] | None],
+                order: tuple[str, ...] | None) -> None:
+        """Take the update's tokens in order (stopping at the first that ends the request),
+        then roll the cache back if the strategy dropped fed positions."""
+        try:
+            job.decode_state = update.state
+            job.noted(update.events)
+            for k, taken in enumerate(update.taken):
+                reason = job.take(taken, self._backend.max_context, records[k],
+                                  order if k == 0 else None)
+                if reason is not None:
+                    self._release(job)
+                    return
+            if update.rollback:
+                self._backend.truncate(job.slot_id, job.cache_len - update.rollback)
+                job.rolled_back(update.rollback, self._cache(job))
+                if self._paging is not None:
+                    self._paging.truncate(job)
+        except Exception as exc:  # this request's state is broken, not the others'
+            self._fail(job, f"taking token failed: {exc!r}")
+
+    def _processed_records(self, updates: list[Update[Any]],
+                           items: list[tuple[Job, torch.Tensor]]
+                           ) -> list[list[dict[str, Any] | None]]:
+        """Per update, per taken token: digest (and top-k for ``full`` jobs) of the processed
+        distribution it was chosen from."""
+        out: list[list[dict[str, Any] | None]] = [[None] * len(u.taken) for u in updates]
+        having = [(i, u) for i, u in enumerate(updates) if u.processed is not None and u.taken]
+        if not having:
+            return out
+        rows = record_rows(torch.cat([u.processed for _, u in having
+                                    if u.processed is not None]))             # [sum taken, V]
+        full, known, where = [], [], []
+        at = 0
+        for i, update in having:
+            job, raw = items[i]
+            for k in range(len(update.taken)):
+                full.append(job.full)
+                # A row no processor changed is its raw logits: reuse that digest (an
+                # equality test costs a fraction of a sha256 pass).
+                digest = job.raw_digests[k] if k < len(job.raw_digests) else None
+                known.append(digest if digest and same_bits(rows[at], raw[k]) else None)
+                where.append((i, k))
+                at += 1
+        for (i, k), record in zip(where, processed_record(rows, full, known)):
+            out[i][k] = record
+        return out
+
+
+def _configure(job: Job, state: Row, strategy: Strategy) -> tuple[str, ...] | None:
+    """The processor order to record for this step (and the step-1 configuration event).
+    It is recorded at step 1, and at every step for ``full`` recordings (it costs ~20 µs
+    per row; an order can change, e.g. with min_tokens)."""
+    order = strategy.order(state) if state.step == 1 or job.full else None
+    if state.step == 1:
+        job.configured(strategy, order or ())
+    return order
+
+
+def _bad_updates(updates: list[Update[Any]], rows: int, vocab: int) -> str | None:
+    """Why ``updates`` is not one update per sequence committing token ids of the
+    vocabulary (None when it is)."""
+    if len(updates) != rows:
+        return f"the strategy returned {len(updates)} updates for {rows} sequences"
+    for update in updates:
+        for taken in update.taken:
+            token = taken.token_id
+            if type(token) is not int or not 0 <= token < vocab:
+                return f"the selector returned {token!r}, not a token id below {vocab}"
+        if update.rollback < 0:
+            return f"the strategy asked to roll back {update.rollback} positions"
+    return None
