@@ -176,9 +176,10 @@ def _choice(settings: Sequence[tuple[str, str]]) -> StrategyChoice:
             options[key] = value
             continue
         field = next(f for f, name in _FLAGS.items() if name == flag)
+        value = text if field == "strategy" else _count(flag, text)
         if field in fields:
-            raise InvalidValueError(flag, text, f"given twice ({fields[field]!r} before)")
-        fields[field] = text if field == "strategy" else _count(flag, text)
+            raise InvalidValueError(flag, value, f"given twice (first {fields[field]})")
+        fields[field] = value
     try:
         return StrategyChoice(**fields, options=options)
     except InvalidValueError as exc:  # the value checks its fields; say which flag it was
