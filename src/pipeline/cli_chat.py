@@ -174,7 +174,9 @@ class Terminal:
             return
         info = pipe.model_info()
         what = f"{info.summary()}, " if info else ""
-        self.note(f"pipeline chat: {model} ({what}window {window} tokens). "
+        strategy = pipe.description.get("strategy")
+        how = f", strategy {strategy}" if strategy else ""
+        self.note(f"pipeline chat: {model} ({what}window {window} tokens{how}). "
                   "/help for commands, Ctrl-D to end.")
 
 
