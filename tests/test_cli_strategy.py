@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -104,6 +105,47 @@ def test_run_a_flow_model_with_its_solver_option(capsys: pytest.CaptureFixture[s
     heun = StrategyChoice(steps=5, options={"solver": "heun"})
     assert text == library(heun, "tiny-flow", seed=3, max_tokens=16)
     assert text != library(StrategyChoice(steps=5), "tiny-flow", seed=3, max_tokens=16)
+
+
+# --- the value -----------------------------------------------------------------------------
+
+
+def test_a_choice_is_what_build_takes_and_merges_key_by_key() -> None:
+    base = StrategyChoice("fast_dllm", 4, 8, {"threshold": 0.9, "mask_token_id": 6144})
+    assert base.build_args() == {"strategy": "fast_dllm", "steps": 4, "block_length": 8,
+                                 "strategy_options": {"threshold": 0.9, "mask_token_id": 6144}}
+    assert StrategyChoice().build_args()["strategy_options"] is None and StrategyChoice().empty
+    assert StrategyChoice(steps=2, options={"threshold": 0.5}).over(base) == StrategyChoice(
+        "fast_dllm", 2, 8, {"threshold": 0.5, "mask_token_id": 6144})
+    assert base.settings() == "steps=4 block_length=8 mask_token_id=6144 threshold=0.9"
+    assert StrategyChoice(options={"solver": "heun", "x": [1]}).settings() == 'solver=heun x=[1]'
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"steps": 0}, "steps=0: must be an integer >= 1"),
+    ({"block_length": True}, "block_length=True: must be an integer >= 1"),
+    ({"strategy": ""}, "strategy='': must be a strategy's name"),
+    ({"options": {"steps": 3}}, "steps is a field of its own"),
+    ({"options": [("a", 1)]}, "must be a mapping"),
+])
+def test_a_choice_refuses_what_it_can_tell_alone(fields: dict[str, Any], says: str) -> None:
+    with pytest.raises(InvalidValueError, match=re.escape(says)):
+        StrategyChoice(**fields)
+
+
+def test_server_config_holds_a_choice_per_served_model(tmp_path: Path) -> None:
+    from transports.http import Gateway, ServerConfig
+
+    masked = StrategyChoice("fast_dllm", steps=4)
+    config = ServerConfig(models={"m": Path("tiny-masked"), "t": Path("tiny")},
+                          strategies={"m": masked}, data_dir=tmp_path)
+    assert config.strategy("m") == masked and config.strategy("t").empty
+    with pytest.raises(InvalidValueError, match="no served model has that name"):
+        ServerConfig(models={"m": None}, strategies={"x": masked}, data_dir=tmp_path)
+    with pytest.raises(InvalidValueError, match="must be a StrategyChoice"):
+        ServerConfig(models={"m": None}, strategies={"m": {"steps": 4}}, data_dir=tmp_path)
+    with pytest.raises(InvalidValueError, match="choose the strategy there"):
+        Gateway(config, lambda folder, cfg: build(folder))
 
 
 # --- reading the flags ---------------------------------------------------------------------
