@@ -225,6 +225,21 @@ def test_bad_strategy_flags_are_one_line_naming_the_flag(
         assert part in line
 
 
+def test_an_autoregressive_models_strategy_and_its_options(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "--model", "tiny", QUESTION, "--temperature", "0", "--max-tokens",
+                     "12", "--strategy", "speculative", "--strategy-option",
+                     "num_draft_tokens=3"]) == 0
+    speculative = StrategyChoice("speculative", options={"num_draft_tokens": 3})
+    assert capsys.readouterr().out == library(speculative, "tiny", temperature=0,
+                                              max_tokens=12) + "\n"
+    assert cli.main(["run", "--model", "tiny", "hi", "--strategy", "speculative",
+                     "--strategy-option", "num_draft=3"]) == 1
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pipeline run: --strategy-option='num_draft': 'speculative' has no "
+                           "option 'num_draft' (did you mean 'num_draft_tokens'?)")
+
+
 def test_iterative_settings_on_an_autoregressive_model(capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
     assert cli.main(["run", "--model", "tiny", "hi", "--steps", "4", "--block-length",

@@ -48,7 +48,7 @@ _OPTION = "--strategy-option"
 def add_strategy(parser: Any, *, per_model: bool = False) -> None:
     """The four strategy flags; ``per_model`` (``pipeline serve``) allows a ``NAME:`` prefix."""
     group = parser.add_argument_group(
-        "generation strategy (DESIGN §10; default: the model's own)",
+        "generation strategy (default: the model's own)",
         "autoregressive for an autoregressive model; an iterative model (masked diffusion, "
         "continuous diffusion, flow) names its default in its config.json"
         + ("; NAME:VALUE applies a setting to the model served as NAME only, over the "
@@ -113,7 +113,7 @@ def flag_error(exc: PipelineError, choice: StrategyChoice) -> PipelineError:
     about none of them)."""
     if isinstance(exc, UnknownNameError) and exc.kind == "strategy":
         return _unknown_strategy(exc.name, exc.available)
-    if isinstance(exc, UnknownFieldError) and "strategy_options" in exc.type_name:
+    if isinstance(exc, UnknownFieldError) and exc.field in choice.options:
         hint = f" (did you mean {exc.suggestion!r}?)" if exc.suggestion else ""
         takes = [o for o in exc.allowed if o not in RESERVED_OPTIONS]
         which = repr(choice.strategy) if choice.strategy else "the model's strategy"
