@@ -201,8 +201,10 @@ def test_serve_settings_refused(argv: list[str], says: str) -> None:
       "'threshold'?); its options: ", "threshold"]),
     (["--strategy-option", "remasking=sometimes"],
      ["--strategy-option remasking='sometimes'", "low_confidence", "random"]),
-    (["--strategy-option", "slover=heun"], ["--strategy-option='slover'", "the model's "
-                                            "strategy has no option", "did you mean 'solver'?"]),
+    (["--strategy-option", "slover=heun"], ["--strategy-option='slover': 'flow' has no "
+                                            "option 'slover' (did you mean 'solver'?)"]),
+    (["--strategy-option", "threshold=0.5"], ["--strategy-option='threshold': 'llada' has no "
+                                              "option 'threshold'; its options: "]),
     (["--steps", "0"], ["--steps=0: must be an integer >= 1"]),
     (["--steps", "four"], ["--steps='four': must be an integer >= 1"]),
     (["--steps", "20"], ["--steps=20: must be in 1..block_length (8)"]),
@@ -210,7 +212,7 @@ def test_serve_settings_refused(argv: list[str], says: str) -> None:
     (["--strategy-option", "threshold"], ["--strategy-option='threshold': write KEY=VALUE"]),
     (["--strategy-option", "steps=4"], ["--strategy-option='steps=4': use --steps for steps"]),
     (["--strategy", "autoregressive"], ["--strategy='autoregressive': needs an autoregressive "
-                                        "model", "use strategy='llada'"]),
+                                        "model", "use --strategy llada)"]),
     (["--strategy", "ddim"], ["--strategy='ddim': needs a model trained for it"]),
 ])
 def test_bad_strategy_flags_are_one_line_naming_the_flag(
@@ -247,6 +249,10 @@ def test_iterative_settings_on_an_autoregressive_model(capsys: pytest.CaptureFix
     line, = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("pipeline run: --steps, --block-length=[4, 8]: ")
     assert "configure iterative strategies" in line
+    assert cli.main(["run", "--model", "tiny", "hi", "--strategy-option", "threshold=0.9"]) == 1
+    line, = capsys.readouterr().err.strip().splitlines()
+    assert line == ("pipeline run: --strategy-option={'threshold': 0.9}: the autoregressive "
+                    "strategy takes no options (did you mean --strategy speculative?)")
 
 
 def test_chat_takes_the_flags_and_refuses_bad_ones_before_reading(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,32 +103,56 @@ def build_with(model: str | Path | None, choice: StrategyChoice, **kwargs: Any) 
     try:
         return build(model, **choice.build_args(), **kwargs)
     except PipelineError as exc:
-        flagged = flag_error(exc, choice)
+        flagged = flag_error(exc, choice, choice.strategy or _model_strategy(model))
         if flagged is exc:
             raise
         raise flagged from exc
 
 
-def flag_error(exc: PipelineError, choice: StrategyChoice) -> PipelineError:
+def flag_error(exc: PipelineError, choice: StrategyChoice,
+               strategy: str | None = None) -> PipelineError:
     """``exc`` reworded to name the flag whose value it is about (``exc`` itself when it is
-    about none of them)."""
+    about none of them); ``strategy`` is the one that ran (None: not known)."""
     if isinstance(exc, UnknownNameError) and exc.kind == "strategy":
         return _unknown_strategy(exc.name, exc.available)
     if isinstance(exc, UnknownFieldError) and exc.field in choice.options:
         hint = f" (did you mean {exc.suggestion!r}?)" if exc.suggestion else ""
         takes = [o for o in exc.allowed if o not in RESERVED_OPTIONS]
-        which = repr(choice.strategy) if choice.strategy else "the model's strategy"
+        which = repr(strategy) if strategy else "the strategy"
         return InvalidValueError(_OPTION, exc.field, f"{which} has no option {exc.field!r}"
                                  f"{hint}; its options: {', '.join(takes) or '(none)'}")
     if not isinstance(exc, InvalidValueError):
         return exc
+    if exc.field == "strategy_options" and choice.options:
+        return InvalidValueError(_OPTION, exc.value, _flag_words(exc.reason))
     keys = [part.strip().rpartition(".")[2] for part in exc.field.split(",")]
     given = choice.build_args()
     flags = [_FLAGS[k] if k in _FLAGS and given[k] is not None
              else f"{_OPTION} {k}" if k in choice.options else None for k in keys]
     if any(f is None for f in flags):
         return exc
-    return InvalidValueError(", ".join(str(f) for f in flags), exc.value, exc.reason)
+    return InvalidValueError(", ".join(str(f) for f in flags), exc.value,
+                             _flag_words(exc.reason))
+
+
+def _flag_words(reason: str) -> str:
+    """``build()``'s advice in the command line's words: ``strategy='llada'`` is
+    ``--strategy llada``."""
+    return re.sub(r"\bstrategy='([^']*)'", r"--strategy \1", reason)
+
+
+def _model_strategy(model: str | Path | None) -> str | None:
+    """The strategy ``build(model)`` picks without one (its marker's, else autoregressive);
+    None when the model cannot be read (its own error says why)."""
+    from pipeline.models import generation_marker, resolve_model
+
+    if model is None:
+        return "autoregressive"
+    try:
+        marker = generation_marker(resolve_model(model).directory)
+    except PipelineError:
+        return None
+    return str(marker.get("strategy")) if marker is not None else "autoregressive"
 
 
 def check_strategies(choices: Iterable[StrategyChoice], known: Sequence[str]) -> None:
