@@ -80,8 +80,10 @@ def test_run_takes_the_models_strategy_from_its_marker(tmp_path: Path) -> None:
       "--strategy-option", "threshold=0.1"],
      StrategyChoice("fast_dllm", 4, 8, {"threshold": 0.1}),
      {"sampler": "fast_dllm", "steps": 4, "block_length": 8, "threshold": 0.1}),
-    (["--strategy", "llada", "--steps", "4", "--block-length", "8"],
-     StrategyChoice("llada", 4, 8), {"sampler": "llada", "steps": 4, "block_length": 8}),
+    (["--strategy", "llada", "--steps", "4", "--block-length", "8", "--strategy-option",
+      "remasking=random"],
+     StrategyChoice("llada", 4, 8, {"remasking": "random"}),
+     {"sampler": "llada", "steps": 4, "block_length": 8, "remasking": "random"}),
     (["--block-length", "4"], StrategyChoice(block_length=4),
      {"sampler": "llada", "steps": 4, "block_length": 4}),
 ])
@@ -90,10 +92,10 @@ def test_run_flags_change_the_output_and_reach_the_trace(
         choice: StrategyChoice, recorded: dict[str, Any]) -> None:
     trace = tmp_path / "flags.jsonl"
     assert cli.main(["run", "--model", "tiny-masked", QUESTION, "--temperature", "0",
-                     "--max-tokens", "16", "--trace", str(trace), *flags]) == 0
+                     "--seed", "7", "--max-tokens", "16", "--trace", str(trace), *flags]) == 0
     out = capsys.readouterr().out
-    assert out == library(choice, temperature=0, max_tokens=16) + "\n"
-    assert out != library(StrategyChoice(), temperature=0, max_tokens=16) + "\n"
+    assert out == library(choice, temperature=0, seed=7, max_tokens=16) + "\n"
+    assert out != library(StrategyChoice(), temperature=0, seed=7, max_tokens=16) + "\n"
     got = configured(trace)
     assert {k: got[k] for k in recorded} == recorded
 
