@@ -167,7 +167,12 @@ class Flight:
 
 
 class Gateway:
-    """Everything between a parsed HTTP request and a pipeline. Thread-safe."""
+    """Everything between a parsed HTTP request and a pipeline. Thread-safe.
+
+    Each served model is built by :func:`default_builder` with its
+    :meth:`ServerConfig.strategy`, unless ``builder`` is given: that builds every model its
+    own way, so a config that also chooses strategies is refused.
+    """
 
     def __init__(self, config: ServerConfig, builder: Builder | None = None) -> None:
         if builder is not None and config.strategies:
