@@ -192,7 +192,8 @@ def build(
         eng = Engine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
     where = model_dir or model_file
     return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
-                    description={"model": str(where) if where else None}, registry=registry)
+                    description={"model": str(where) if where else None,
+                                 "strategy": strategy}, registry=registry)
 
 
 def _strategy(model_dir: Path | None, strategy: str | None, steps: int | None,

@@ -20,6 +20,7 @@ import attrs
 
 from pipeline.cli_chat import add_parser as add_chat_parser
 from pipeline.cli_run import add_parser as add_run_parser
+from pipeline.cli_strategy import add_strategy
 from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
 
@@ -82,6 +83,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
+    from pipeline.cli_strategy import check_strategies, registered_strategies, served_choices
     from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
     from transports.http.limits import Limits
@@ -90,8 +92,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         keys = load_api_keys(args.api_key_env, args.api_key_file)
         limits = Limits(**{f.name: getattr(args, f.name) for f in attrs.fields(Limits)})
+        models = parse_models(args.model)
+        strategies = served_choices(args, models)
+        check_strategies(strategies.values(), registered_strategies())
         config = ServerConfig(
-            models=parse_models(args.model), api_keys=keys, data_dir=args.data_dir,
+            models=models, strategies=strategies, api_keys=keys, data_dir=args.data_dir,
             num_slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
             context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
             reasoning_budget_tokens=args.reasoning_budget, limits=limits,
@@ -183,6 +188,7 @@ def _add_serve(sub: Any) -> None:
                        help="time a request's headers may take to arrive (then 408, close)")
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="time a request's body may take to arrive (then 408, close)")
+    add_strategy(serve, per_model=True)
     _add_limits(serve)
     serve.set_defaults(run=_serve)
 

@@ -4,7 +4,8 @@
 Owns the read-answer loop and its slash commands. Each line typed is a user turn: the whole
 conversation so far (system prompt, earlier turns, this line) goes through the model's chat
 template and the answer streams to standard output. ``--model``, ``--system``, the
-sampling flags, ``--device`` and ``--dtype`` are ``pipeline run``'s.
+sampling flags, ``--device``, ``--dtype`` and the strategy flags (``--strategy``,
+``--steps``, ``--block-length``, ``--strategy-option``) are ``pipeline run``'s.
 
 - ``/reset`` forgets the turns (the system prompt stays); ``/system TEXT`` sets or replaces
   the system prompt (alone: shows it); ``/save FILE`` writes the conversation as JSON, a list
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.cli_run import add_backend, add_sampling, backend_options, sampling_params
+from pipeline.cli_strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import ArtifactError, PipelineError
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
@@ -69,6 +71,7 @@ def add_parser(sub: Any) -> None:
     chat.add_argument("--system", default=None, help="the system prompt to start with")
     add_sampling(chat)
     add_backend(chat)
+    add_strategy(chat)
     chat.add_argument("--max-context", type=int, default=None, metavar="N",
                       help="cap the model's window at N tokens")
     chat.add_argument("--trace", type=Path, default=None, metavar="FILE",
@@ -77,15 +80,15 @@ def add_parser(sub: Any) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from pipeline.builder import build
     from pipeline.events import JsonlSink
 
     params = sampling_params(args)
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not at the 1st turn
     options = backend_options(args, max_context=args.max_context)
+    choice = strategy_choice(args)
     sinks = [JsonlSink(args.trace)] if args.trace is not None else []
     terminal = Terminal(sys.stdin.isatty() and sys.stdout.isatty())
-    with build(args.model, sinks=sinks, options=options) as pipe:
+    with build_with(args.model, choice, sinks=sinks, options=options) as pipe:
         session = Session(pipe, Conversation(args.system or None), params, terminal)
         terminal.banner(args.model or "SmolLM2-135M-Instruct", pipe, session.window)
         return session.run()
@@ -171,7 +174,9 @@ class Terminal:
             return
         info = pipe.model_info()
         what = f"{info.summary()}, " if info else ""
-        self.note(f"pipeline chat: {model} ({what}window {window} tokens). "
+        strategy = pipe.description.get("strategy")
+        how = f", strategy {strategy}" if strategy else ""
+        self.note(f"pipeline chat: {model} ({what}window {window} tokens{how}). "
                   "/help for commands, Ctrl-D to end.")
 
 

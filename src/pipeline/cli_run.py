@@ -5,14 +5,17 @@ Owns the command's options (the sampling fields people use, in the spellings of
 :class:`~pipeline.options.BackendOptions`, checked before the model loads) and its output:
 the text as it streams, or with ``--json`` one JSON object (text, finish reason, usage,
 timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace. The prompt
-is the argument, or standard input when the argument is ``-`` or absent. ``pipeline chat``
-takes the same flags through :func:`add_sampling`, :func:`sampling_params`,
-:func:`add_backend` and :func:`backend_options`.
+is the argument, or standard input when the argument is ``-`` or absent. The strategy flags
+(``--strategy``, ``--steps``, ``--block-length``, ``--strategy-option``) are
+:mod:`pipeline.cli_strategy`'s. ``pipeline chat`` takes the same flags through
+:func:`add_sampling`, :func:`sampling_params`, :func:`add_backend` and
+:func:`backend_options`.
 
 Example::
 
     pipeline run "Why is the sky blue?" --temperature 0 --max-tokens 64
     echo "2+2?" | pipeline run --model tiny --json
+    pipeline run --model tiny-masked --strategy fast_dllm --steps 4 "What is a list?"
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.cli_strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
 
 if TYPE_CHECKING:  # importing it imports torch: the command line loads that only when used
@@ -51,6 +55,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--system", default=None, help="a system message before the prompt")
     add_sampling(run)
     add_backend(run)
+    add_strategy(run)
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--trace", type=Path, default=None, metavar="FILE",
                      help="write the request's trace as JSONL to FILE")
@@ -100,13 +105,13 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.builder import build
     from pipeline.events import JsonlSink
 
     options = backend_options(args)
+    choice = strategy_choice(args)
     messages = _messages(args)
     sinks = [JsonlSink(args.trace)] if args.trace is not None else []
-    with build(args.model, sinks=sinks, options=options) as pipe:
+    with build_with(args.model, choice, sinks=sinks, options=options) as pipe:
         handle = pipe.submit(messages, **sampling_params(args))
         try:
             for delta in handle.deltas():

@@ -1,7 +1,9 @@
-"""Server settings: which models to serve and the gateway's limits, as one value.
+"""Server settings: which models to serve, how each generates, and the gateway's limits, as
+one value.
 
-Owns :class:`ServerConfig` and :func:`load_api_keys` (keys from an environment variable and/or
-a file, one per line or comma-separated).
+Owns :class:`ServerConfig` (each served model's strategy among them) and
+:func:`load_api_keys` (keys from an environment variable and/or a file, one per line or
+comma-separated).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import attrs
 
 from pipeline.errors import InvalidValueError
 from pipeline.options import BackendOptions, device_name, dtype_name
+from pipeline.strategy_choice import StrategyChoice
 from transports.http.limits import Limits
 from transports.http.timeouts import Timeouts
 
@@ -37,6 +40,16 @@ def _models(value: Any) -> Mapping[str, Path | None]:
                              for k, v in value.items()})
 
 
+def _strategies(value: Any) -> Mapping[str, StrategyChoice]:
+    if not isinstance(value, Mapping):
+        raise InvalidValueError("strategies", value, "must map served names to a "
+                                "StrategyChoice")
+    for name, choice in value.items():
+        if not isinstance(choice, StrategyChoice):
+            raise InvalidValueError(f"strategies[{name!r}]", choice, "must be a StrategyChoice")
+    return MappingProxyType(dict(value))
+
+
 def _keys(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
 
@@ -46,7 +59,10 @@ class ServerConfig:
     """What a server serves and the limits of its gateway.
 
     ``models`` maps a served name to a model (a folder, a GGUF file, a name or a cached repo
-    id; ``None``: the default model, SmolLM2-135M-Instruct).
+    id; ``None``: the default model, SmolLM2-135M-Instruct). ``strategies`` maps a served
+    name to the :class:`~pipeline.strategy_choice.StrategyChoice` it is built with (a name
+    missing from it gets the model's own strategy: autoregressive, or its
+    ``pipeline_generation`` marker's); :meth:`strategy` is a model's choice.
     ``api_keys`` empty means no authentication. Per model, at most ``num_slots`` requests run
     and ``max_queue`` more wait; beyond that a request is refused as overloaded. ``max_context``
     caps each model's window (``None``: the model's own); ``context_slack`` tokens of it are
@@ -66,6 +82,8 @@ class ServerConfig:
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
+    strategies: Mapping[str, StrategyChoice] = attrs.field(factory=dict, converter=_strategies,
+                                                           eq=False)
     api_keys: frozenset[str] = attrs.field(default=frozenset(), converter=_keys)
     data_dir: Path = attrs.field(default=Path("pipeline-data"), converter=Path)
     num_slots: int = attrs.field(default=8, validator=_positive)
@@ -89,6 +107,14 @@ class ServerConfig:
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads
+        unknown = sorted(set(self.strategies) - set(self.models))
+        if unknown:
+            raise InvalidValueError("strategies", unknown, "no served model has that name "
+                                    f"(served: {', '.join(self.models)})")
+
+    def strategy(self, name: str) -> StrategyChoice:
+        """The strategy the model served as ``name`` is built with (empty: its own)."""
+        return self.strategies.get(name, StrategyChoice())
 
     def backend_options(self) -> BackendOptions:
         """The options every served model is built with (slots, window, device, dtype)."""

@@ -35,11 +35,12 @@ import attrs
 
 from pipeline.builder import build
 from pipeline.errors import (
-    AuthenticationError, ContextWindowError, ModelLoadingError, ModelNotFoundError,
-    OverloadedError,
+    AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
+    ModelNotFoundError, OverloadedError,
 )
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
+from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion, Request
 from transports.http import logs
 from transports.http.choices import Choices, total_usage
@@ -54,9 +55,12 @@ Builder = Callable[[Path | None, ServerConfig], Pipeline]
 log = logging.getLogger("pipeline.serve")
 
 
-def default_builder(folder: Path | None, config: ServerConfig) -> Pipeline:
-    """``build()`` for a model (None: the default model) with the server's backend options."""
-    return build(folder, options=config.backend_options())
+def default_builder(folder: Path | None, config: ServerConfig,
+                    strategy: StrategyChoice | None = None) -> Pipeline:
+    """``build()`` for a model (None: the default model) with the server's backend options
+    and the model's ``strategy`` (None: its own)."""
+    args = strategy.build_args() if strategy is not None else {}
+    return build(folder, options=config.backend_options(), **args)
 
 
 def token_upper_bound(text: str) -> int:
@@ -163,9 +167,18 @@ class Flight:
 
 
 class Gateway:
-    """Everything between a parsed HTTP request and a pipeline. Thread-safe."""
+    """Everything between a parsed HTTP request and a pipeline. Thread-safe.
 
-    def __init__(self, config: ServerConfig, builder: Builder = default_builder) -> None:
+    Each served model is built by :func:`default_builder` with its
+    :meth:`ServerConfig.strategy`, unless ``builder`` is given: that builds every model its
+    own way, so a config that also chooses strategies is refused.
+    """
+
+    def __init__(self, config: ServerConfig, builder: Builder | None = None) -> None:
+        if builder is not None and config.strategies:
+            raise InvalidValueError("strategies", sorted(config.strategies), "a gateway given "
+                                    "its own builder builds each model as that builder says: "
+                                    "choose the strategy there")
         self.config = config
         self._builder = builder
         self.models = {name: ServedModel(name, folder) for name, folder in config.models.items()}
@@ -210,7 +223,10 @@ class Gateway:
         logs.model_loading(served.name, source, self.config.device)
         start = time.perf_counter()
         try:
-            served.pipeline = self._builder(served.folder, self.config)
+            served.pipeline = (
+                self._builder(served.folder, self.config) if self._builder is not None
+                else default_builder(served.folder, self.config,
+                                     self.config.strategy(served.name)))
             self._supervise(served)
             served.token_chars  # the prompt-size bound needs it; compute it before serving
             served.state = ModelState.READY
@@ -222,7 +238,8 @@ class Gateway:
         pipe = served.pipe
         assert pipe.engine is not None, "served pipelines have a backend"
         logs.model_loaded(served.name, pipe.model_info(), time.perf_counter() - start,
-                          self.window(served), pipe.engine.backend.num_slots)
+                          self.window(served), pipe.engine.backend.num_slots,
+                          pipe.description.get("strategy"), self.config.strategy(served.name))
 
     @property
     def failed(self) -> dict[str, str]:

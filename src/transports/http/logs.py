@@ -1,7 +1,8 @@
 """What the HTTP server writes to its log (DESIGN §14): the ``pipeline.serve`` loggers.
 
 Owns the server's lines and their wording: where it listens, each model's load (what it is,
-its memory, how long it took) or failure, and the access log, one line per HTTP request
+its memory, how long it took, the strategy it generates with and the settings given for it)
+or failure, and the access log, one line per HTTP request
 written by :class:`AccessLog`, an ASGI middleware around the whole app, when the response
 has ended (for a stream: after its last event, with the real token counts). :func:`configure`
 sends these loggers (and uvicorn's warnings and errors) to standard error in one format; the
@@ -11,7 +12,8 @@ Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.acc
 (requests, at INFO). The lines::
 
     2025-01-31 12:00:00.123 INFO pipeline.serve: loading model 'tiny' (tiny) on cpu
-    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots
+    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy autoregressive
+    2025-01-31 12:00:00.903 INFO pipeline.serve: model 'masked' ready in 0.36 s: Qwen3ForCausalLM, 2.8M parameters (2803968), bfloat16 on cpu, weights 5.3 MiB (5607936 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy fast_dllm (steps=4 block_length=8 threshold=0.1)
     2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000 (models: tiny)
     2025-01-31 12:00:03.002 INFO pipeline.serve.access: POST /v1/chat/completions 200 412.3ms model=tiny prompt_tokens=17 completion_tokens=32 finish=length request_id=chatcmpl-6c1f... client=127.0.0.1:50412
 """
@@ -31,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.errors import PipelineError
 from pipeline.protocols import ModelInfo, human_bytes, human_count
+from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion
 from transports.http.choices import total_usage
 
@@ -89,11 +92,22 @@ def model_loading(name: str, source: str, device: str) -> None:
 
 
 def model_loaded(name: str, info: ModelInfo | None, seconds: float, window: int,
-                 slots: int) -> None:
-    """A model is ready to serve."""
+                 slots: int, strategy: str | None = None,
+                 choice: StrategyChoice | None = None) -> None:
+    """A model is ready to serve; ``strategy`` is the one it runs (None: not known) and
+    ``choice`` what the server was told about it (its settings are written beside it)."""
     what = describe(info) if info is not None else "the backend does not describe its model"
-    log.info("model %r ready in %.2f s: %s, window %d tokens, %d slots", name, seconds, what,
-             window, slots)
+    log.info("model %r ready in %.2f s: %s, window %d tokens, %d slots%s", name, seconds, what,
+             window, slots, strategy_words(strategy, choice))
+
+
+def strategy_words(strategy: str | None, choice: StrategyChoice | None) -> str:
+    """``, strategy fast_dllm (steps=4 block_length=8)`` for the load line: the strategy and
+    the settings given for it (the rest are the model's or the strategy's defaults)."""
+    if strategy is None:
+        return ""
+    settings = choice.settings() if choice is not None else ""
+    return f", strategy {strategy}" + (f" ({settings})" if settings else "")
 
 
 def model_failed(name: str, exc: BaseException) -> None:
