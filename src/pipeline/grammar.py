@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -94,7 +94,7 @@ class Grammar:
             return str(llguidance.grammar_from("lark", self.source))
         schema: Any = {"type": "object"} if self.kind == "json_object" else json.loads(self.source)
         text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                             defaults=JSON_LAYOUT)
+                                                             overrides=cast(Any, JSON_LAYOUT))
         return str(text)
 
 

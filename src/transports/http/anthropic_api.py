@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from pipeline.errors import InvalidValueError
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
@@ -180,8 +182,13 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     if metadata is not None:
         user = metadata.get("user_id", "string")
         metadata.done()
-    anthropic_fields(body)
+    grammar = anthropic_fields(body)
     body.done()
+    if grammar is not None:
+        if forced is not None:
+            raise InvalidValueError("output_config.format", "json_schema",
+                                    "cannot be combined with a required tool call")
+        config = attrs.evolve(config, grammar=grammar)
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {},

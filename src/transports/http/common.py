@@ -72,12 +72,17 @@ class Parsed:
 
 
 def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokenizer) -> Request:
-    """``request`` whose output must open a tool call (of ``forced_tool`` when it names one),
-    through the engine's ``forced_prefix``; unchanged when no call is required."""
+    """``request`` whose output must be a tool call (of ``forced_tool`` when it names one):
+    its opening through the engine's ``forced_prefix``, the whole call, arguments valid for
+    the tool's schema, through the ``grammar`` (:mod:`stages.grammar.tools`); unchanged when
+    no call is required."""
     if forced_tool is None:
         return request
+    from stages.grammar.tools import tool_call_grammar
+
     ids = tuple(tokenizer.encode_text(tool_call_prefix(forced_tool), special=True))
-    config = attrs.evolve(request.generation_config, forced_prefix=ids)
+    grammar = tool_call_grammar(request.tool_catalog, forced_tool)
+    config = attrs.evolve(request.generation_config, forced_prefix=ids, grammar=grammar)
     return attrs.evolve(request, generation_config=config)
 
 

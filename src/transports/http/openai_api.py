@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from pipeline.errors import InvalidValueError
 from pipeline.protocols import Tokenizer
 from pipeline.types import (
@@ -26,7 +28,9 @@ from pipeline.types import (
 )
 from transports.http.choices import total_usage
 from transports.http.common import Parsed, ServerDefaults, config_from, text_content
-from transports.http.documented import openai_chat_ignored, openai_chat_refused, openai_ignored
+from transports.http.documented import (
+    openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
+)
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, ToolCallPart
 from transports.sse import SSEEvent, encode
@@ -201,7 +205,13 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     openai_ignored(body)
     effort = openai_chat_ignored(body)
     openai_chat_refused(body)
+    grammar = response_format(body)
     body.done()
+    if grammar is not None:
+        if forced is not None:
+            raise InvalidValueError("response_format", body.value["response_format"],
+                                    "cannot be combined with a required tool call")
+        config = attrs.evolve(config, grammar=grammar)
     thinking = {} if effort is None else {"enable_thinking": effort != "none"}
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
