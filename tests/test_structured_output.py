@@ -171,3 +171,17 @@ def test_a_required_tool_grammar_gives_a_valid_call(tiny: Any) -> None:
         call = json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])
         assert call["name"] == "get_weather"
         jsonschema.validate(call["arguments"], tools[0].to_template()["function"]["parameters"])
+
+
+def test_min_tokens_and_a_grammar_do_not_mix(tiny: Any) -> None:
+    with pytest.raises(InvalidValueError, match="min_tokens"):
+        tiny.generate(ASK, json_object=True, min_tokens=3)
+
+
+def test_a_grammar_reads_back_from_the_recorded_config(tiny: Any) -> None:
+    # the execution instance records the config as JSON; it must rebuild the same grammar
+    done = tiny.generate(ASK, json_schema=POINT, max_tokens=32, seed=2)
+    normalized = next(e for e in done.trace if e.event_type == "request.normalized")
+    recorded = json.loads(json.dumps(normalized.payload["generation_config"]))
+    rebuilt = GenerationConfig.from_dict({**recorded, "logit_bias": {}})
+    assert rebuilt.grammar == Grammar.json_schema(POINT)

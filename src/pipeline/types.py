@@ -392,6 +392,11 @@ class GenerationConfig:
     def _top_logprobs(self, _: attrs.Attribute[Any], value: int) -> None:
         _check(value == 0 or self.logprobs, "top_logprobs", value, "needs logprobs=True")
 
+    @grammar.validator
+    def _grammar(self, _: attrs.Attribute[Any], value: Any) -> None:
+        _check(value is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+               "cannot be combined with a grammar: the grammar decides where the output ends")
+
     @allowed_token_ids.validator
     def _allowed(self, _: attrs.Attribute[Any], value: Any) -> None:
         _check(value is None or len(value) > 0, "allowed_token_ids", value,

@@ -17,7 +17,7 @@ A row whose ids leave the grammar (a draft the grammar forbids, seen by the veri
 positions after it; or forced tokens) gets EOS only: the strategy discards a rejected
 draft's row, and a committed output that broke the grammar should end rather than go on.
 EOS (any of the row's EOS ids) is allowed exactly when the output is a whole sentence of the
-grammar; ``ignore_eos`` rows keep EOS as their other processors see it.
+grammar (with ``ignore_eos`` too: an EOS mid-sentence would leave the grammar).
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ class GrammarProcessor:
         bitmask = torch.zeros(len(rows), bitmask_words(values.shape[1]), dtype=torch.int32)
         for k, i in enumerate(rows):
             self._fill(batch.rows[i], values.shape[1], bitmask[k])
+        if len(rows) == len(batch.rows):
+            apply_bitmask(values, bitmask)
+            return Scores(values)
         index = torch.tensor(rows, dtype=torch.long, device=values.device)
         sub = values.index_select(0, index)                      # [R, V]
         apply_bitmask(sub, bitmask)
@@ -102,7 +105,7 @@ class GrammarProcessor:
         accepting = track.broken or m.is_accepting() or m.is_stopped()
         for eos in row.eos_token_ids:
             if eos < vocab:
-                _set_bit(out, eos, accepting or row.config.ignore_eos)
+                _set_bit(out, eos, accepting)
 
     def _sync(self, row: Row, vocab: int) -> _Track:
         """The row's matcher, having consumed exactly ``row.output_ids``."""
