@@ -102,6 +102,9 @@ class GrammarProcessor:
         m = track.matcher
         if not track.broken:
             m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+            track.broken = bool(m.is_error())   # e.g. a parser limit: end the output
+        if track.broken:
+            out.zero_()
         accepting = track.broken or m.is_accepting() or m.is_stopped()
         for eos in row.eos_token_ids:
             if eos < vocab:
