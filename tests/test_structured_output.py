@@ -185,3 +185,19 @@ def test_a_grammar_reads_back_from_the_recorded_config(tiny: Any) -> None:
     recorded = json.loads(json.dumps(normalized.payload["generation_config"]))
     rebuilt = GenerationConfig.from_dict({**recorded, "logit_bias": {}})
     assert rebuilt.grammar == Grammar.json_schema(POINT)
+
+
+def test_a_prompt_that_opens_thinking_leaves_the_reasoning_free(tiny: Any) -> None:
+    # the prompt ends in "<think>\n", as templates that start the reasoning write it; the
+    # reasoning budget forces "</think>", after which the answer follows the schema
+    from pipeline.types import Request
+
+    tok = tiny.stages.tokenizer
+    rendered = "<|im_start|>user\nDescribe a point.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    ids = tuple(tok.encode_text(rendered, special=True))
+    for seed in range(3):
+        done = tiny.generate(Request(prompt_ids=ids), json_schema=POINT, max_tokens=64,
+                             seed=seed, reasoning_budget_tokens=8)
+        reasoning, answer = done.text.split("</think>", 1)
+        assert len(tok.encode_text(reasoning)) >= 4    # free text, not JSON-constrained
+        jsonschema.validate(json.loads(answer), POINT)

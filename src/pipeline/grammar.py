@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -87,15 +88,28 @@ class Grammar:
         return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()[:32]
 
     def engine_source(self) -> str:
-        """The grammar in the form llguidance compiles."""
+        """The grammar in the form llguidance compiles (its JSON grammar list)."""
         import llguidance
 
         if self.kind == "lark":
-            return str(llguidance.grammar_from("lark", self.source))
+            return json.dumps({"grammars": [{"name": "main", "lark_grammar": self.source}]})
         schema: Any = {"type": "object"} if self.kind == "json_object" else json.loads(self.source)
         text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                              overrides=cast(Any, JSON_LAYOUT))
         return str(text)
+
+
+def after_thinking(engine_source: str, close: str) -> str:
+    """``engine_source`` preceded by free reasoning up to the first ``close`` marker (then at
+    most two newlines): for an output that starts inside a thinking block the prompt opened,
+    which the grammar must not constrain."""
+    grammars = json.loads(engine_source)["grammars"]
+    grammars[0]["name"] = "answer"
+    marker = re.escape(close).replace("/", "\\/")
+    top = {"name": "thinking", "lark_grammar": (
+        "start: REASONING /\\n{0,2}/ @answer\n"
+        f"REASONING: /(?s:.*){marker}/ & ~/(?s:.*){marker}(?s:.+)/\n")}
+    return json.dumps({"grammars": [top, *grammars]})
 
 
 def check(engine_source: str, field: str) -> None:

@@ -13,6 +13,10 @@ batches mixing constrained and unconstrained rows, for a request whose rows come
 preemption, and under speculative decoding, where each verified position is a row of its own
 whose ids end in that position's drafts.
 
+When the prompt ends inside an open ``<think>`` block (templates that start the model's
+reasoning for it), the output is reasoning first: the grammar then allows any text up to the
+first ``</think>`` and applies after it (:func:`~pipeline.grammar.after_thinking`).
+
 A row whose ids leave the grammar (a draft the grammar forbids, seen by the verified
 positions after it; or forced tokens) gets EOS only: the strategy discards a rejected
 draft's row, and a committed output that broke the grammar should end rather than go on.
@@ -30,7 +34,7 @@ import llguidance
 import torch
 
 from pipeline.errors import InvalidValueError
-from pipeline.grammar import Grammar
+from pipeline.grammar import Grammar, after_thinking
 from pipeline.protocols import Batch, Row, Scores, Tokenizer
 from stages.grammar.bitmask import apply_bitmask, bitmask_words
 from stages.grammar.vocab import ll_tokenizer, token_table
@@ -45,7 +49,7 @@ evicted one is rebuilt from the row's ids when its request comes back)."""
 class _Track:
     """One request stream's matcher and the ids it has consumed."""
 
-    def __init__(self, matcher: Any, key: tuple[str, int]) -> None:
+    def __init__(self, matcher: Any, key: tuple[str, int, bool]) -> None:
         self.matcher = matcher
         self.key = key
         self.ids: list[int] = []
@@ -73,7 +77,8 @@ class GrammarProcessor:
         self._tok = tokenizer
         self._table: list[bytes] | None = None
         self._ll: dict[int, Any] = {}
-        self._compiled: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, int, bool], Any] = OrderedDict()
+        self._think: tuple[int, str] | None | bool = False   # False: not looked up yet
         self._tracks: OrderedDict[tuple[str, int], _Track] = OrderedDict()
 
     def active(self, row: Row) -> bool:
@@ -117,12 +122,13 @@ class GrammarProcessor:
         key = (row.request_id, row.stream)
         track = self._tracks.pop(key, None)
         ids = row.output_ids
-        if track is None or track.key != (grammar.digest, vocab):
-            track = self._fresh(grammar, vocab)
+        compiled = (grammar.digest, vocab, self._opens_thinking(row.prompt_ids))
+        if track is None or track.key != compiled:
+            track = self._fresh(grammar, compiled)
         common = _common_prefix(track.ids, ids)
         back = len(track.ids) - common
         if back and (track.broken or not track.matcher.rollback(back)):
-            track, common = self._fresh(grammar, vocab), 0
+            track, common = self._fresh(grammar, compiled), 0
         elif back:
             del track.ids[common:]
         self._consume(track, ids[common:])
@@ -141,15 +147,19 @@ class GrammarProcessor:
             track.broken = True   # ids the grammar forbids: kept so a rollback rebuilds
             track.ids.extend(new[took:])
 
-    def _fresh(self, grammar: Grammar, vocab: int) -> _Track:
-        return _Track(self._matcher(grammar, vocab).deep_copy(), (grammar.digest, vocab))
+    def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
+        return _Track(self._matcher(grammar, key).deep_copy(), key)
 
-    def _matcher(self, grammar: Grammar, vocab: int) -> Any:
-        """The pristine compiled matcher of ``grammar`` at vocabulary width ``vocab``."""
-        key = (grammar.digest, vocab)
+    def _matcher(self, grammar: Grammar, key: tuple[str, int, bool]) -> Any:
+        """The pristine compiled matcher of ``grammar`` at vocabulary width ``key[1]``, after
+        a reasoning block when ``key[2]``."""
         found = self._compiled.pop(key, None)
         if found is None:
-            found = llguidance.LLMatcher(self._ll_tokenizer(vocab), grammar.engine_source())
+            source = grammar.engine_source()
+            if key[2]:
+                assert isinstance(self._think, tuple)
+                source = after_thinking(source, self._think[1])
+            found = llguidance.LLMatcher(self._ll_tokenizer(key[1]), source)
             if found.is_error():
                 raise InvalidValueError(grammar.field, "(grammar)",
                                         f"is not supported here: {found.get_error()}")
@@ -157,6 +167,28 @@ class GrammarProcessor:
         while len(self._compiled) > MAX_COMPILED:
             self._compiled.popitem(last=False)
         return found
+
+    def _opens_thinking(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` ends in an open ``<think>`` (then blank tokens): the output
+        starts as reasoning, which the grammar leaves free up to ``</think>``."""
+        if self._think is False:
+            self._think = self._think_markers()
+        if not isinstance(self._think, tuple):
+            return False
+        assert self._tok is not None
+        for token in reversed(prompt[-8:]):
+            if token == self._think[0]:
+                return True
+            if token >= self._tok.vocab_size or self._tok.token_bytes(token).strip():
+                return False
+        return False
+
+    def _think_markers(self) -> tuple[int, str] | None:
+        """The ``<think>`` id and the closing marker's text, when ``<think>`` is one token."""
+        if self._tok is None:
+            return None
+        ids = self._tok.encode_text("<think>", special=True)
+        return (ids[0], "</think>") if len(ids) == 1 else None
 
     def _ll_tokenizer(self, vocab: int) -> Any:
         if self._tok is None:
