@@ -47,13 +47,20 @@ evicted one is rebuilt from the row's ids when its request comes back)."""
 
 
 class _Track:
-    """One request stream's matcher and the ids it has consumed."""
+    """One request stream's matcher: the ids it was brought to, of which the first ``valid``
+    were consumed (the rest the grammar refused), and whether the matcher itself failed."""
 
     def __init__(self, matcher: Any, key: tuple[str, int, bool]) -> None:
         self.matcher = matcher
         self.key = key
         self.ids: list[int] = []
-        self.broken = False
+        self.valid = 0
+        self.failed = False
+
+    @property
+    def broken(self) -> bool:
+        """The ids left the grammar (or the matcher failed): only EOS may follow."""
+        return self.failed or len(self.ids) > self.valid
 
 
 class GrammarProcessor:
@@ -107,7 +114,7 @@ class GrammarProcessor:
         m = track.matcher
         if not track.broken:
             m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-            track.broken = bool(m.is_error())   # e.g. a parser limit: end the output
+            track.failed = bool(m.is_error())   # e.g. a parser limit: end the output
         if track.broken:
             out.zero_()
         accepting = track.broken or m.is_accepting() or m.is_stopped()
@@ -126,11 +133,11 @@ class GrammarProcessor:
         if track is None or track.key != compiled:
             track = self._fresh(grammar, compiled)
         common = _common_prefix(track.ids, ids)
-        back = len(track.ids) - common
-        if back and (track.broken or not track.matcher.rollback(back)):
+        if track.failed or (common < track.valid
+                            and not track.matcher.rollback(track.valid - common)):
             track, common = self._fresh(grammar, compiled), 0
-        elif back:
-            del track.ids[common:]
+        track.valid = min(track.valid, common)
+        del track.ids[common:]
         self._consume(track, ids[common:])
         self._tracks[key] = track
         while len(self._tracks) > MAX_TRACKS:
@@ -138,14 +145,11 @@ class GrammarProcessor:
         return track
 
     def _consume(self, track: _Track, new: Sequence[int]) -> None:
-        if not new or track.broken:
-            track.ids.extend(new)
-            return
-        took = track.matcher.try_consume_tokens(list(new))
-        track.ids.extend(new[:took])
-        if took < len(new):
-            track.broken = True   # ids the grammar forbids: kept so a rollback rebuilds
-            track.ids.extend(new[took:])
+        """Extend ``track`` by ``new``: the matcher takes what the grammar allows of it, up
+        to the first refused id; ids after a refused one are only recorded."""
+        if new and not track.broken:
+            track.valid += track.matcher.try_consume_tokens(list(new))
+        track.ids.extend(new)
 
     def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
         return _Track(self._matcher(grammar, key).deep_copy(), key)
