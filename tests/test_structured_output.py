@@ -25,6 +25,7 @@ from stages.grammar.bitmask import apply_bitmask
 from stages.grammar.tools import tool_call_grammar
 from stages.tokenize import HFTokenizer
 from pipeline.models import TINY_MODEL_DIR
+from pipeline.trace import check
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -77,13 +78,20 @@ def test_speculative_decoding_under_a_grammar_equals_autoregressive() -> None:
     prompt = [{"role": "user", "content": 'Copy: {"name": "Ada", "age": 36, "role": "admin"}'}]
     with build("tiny") as plain, build(
             "tiny", strategy="speculative", strategy_options={"num_draft_tokens": 4}) as spec:
+        proposed = accepted = 0
         for seed in range(3):
             args: dict[str, Any] = dict(json_schema=PERSON, max_tokens=48, temperature=0,
                                         seed=seed)
             want = plain.generate(prompt, **args).text
-            got = spec.generate(prompt, **args)
+            got = spec.generate(prompt, **args, recording="full")
             assert got.text == want
             jsonschema.validate(json.loads(got.text), PERSON)
+            assert check(got).ok, check(got).render()     # DESIGN §8 on the engine's trace
+            verified = [e.payload for e in got.trace if e.event_type == "spec.verified"]
+            proposed += sum(v["proposed"] for v in verified)
+            accepted += sum(v["accepted"] for v in verified)
+    # drafts were made, and the grammar let some through and refused others
+    assert proposed > accepted > 0
 
 
 def test_the_mask_allows_only_what_the_grammar_can_continue_with() -> None:
