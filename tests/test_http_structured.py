@@ -127,3 +127,22 @@ def test_bad_formats_are_400s_naming_the_field(oai: openai.OpenAI,
     with pytest.raises(anthropic.BadRequestError, match="schema"):
         claude.messages.create(model="default", max_tokens=4, messages=ASK,  # type: ignore[arg-type]
                                output_config={"format": {"type": "json_schema"}})
+
+
+def test_streamed_and_batched_formats_match_the_plain_answer(oai: openai.OpenAI,
+                                                             claude: anthropic.Anthropic) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}}
+    args: dict[str, Any] = dict(model="default", messages=ASK, max_tokens=40, seed=11,
+                                response_format=fmt)
+    whole = oai.chat.completions.create(**args).choices[0].message.content
+    chunks = oai.chat.completions.create(**args, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    jsonschema.validate(json.loads(whole or ""), POINT)
+    several = oai.chat.completions.create(**{**args, "n": 3})
+    for choice in several.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), POINT)
+    output: Any = {"format": {"type": "json_schema", "schema": POINT}}
+    with claude.messages.stream(model="default", max_tokens=40, messages=ASK,  # type: ignore[arg-type]
+                                output_config=output) as stream:
+        text = stream.get_final_text()
+    jsonschema.validate(json.loads(text), POINT)
