@@ -114,10 +114,6 @@ def test_bad_formats_are_400s_naming_the_field(oai: openai.OpenAI,
         oai.chat.completions.create(model="default", messages=ASK, max_tokens=4,
                                     response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
     assert err.value.body["param"] == "response_format.json_schema"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="tool call") as err:
-        oai.chat.completions.create(model="default", messages=ASK, max_tokens=4, tools=[TOOL],
-                                    tool_choice="required",
-                                    response_format={"type": "json_object"})
     with pytest.raises(openai.BadRequestError, match="not supported here") as err:
         oai.chat.completions.create(
             model="default", messages=ASK, max_tokens=4, tools=[{"type": "function", "function": {
@@ -146,3 +142,54 @@ def test_streamed_and_batched_formats_match_the_plain_answer(oai: openai.OpenAI,
                                 output_config=output) as stream:
         text = stream.get_final_text()
     jsonschema.validate(json.loads(text), POINT)
+
+
+def test_a_required_call_wins_over_a_response_format(oai: openai.OpenAI) -> None:
+    done = oai.chat.completions.create(model="default", messages=ASK, max_tokens=48, seed=5,
+                                       tools=[TOOL], tool_choice="required",
+                                       response_format={"type": "json_object"})
+    (call,) = done.choices[0].message.tool_calls or []
+    jsonschema.validate(json.loads(call.function.arguments), POINT)
+
+
+def test_with_tools_to_choose_from_the_answer_is_a_valid_call_or_the_format(
+        oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}}
+    kinds = set()
+    for seed in range(8):
+        done = oai.chat.completions.create(model="default", messages=ASK, max_tokens=48,
+                                           seed=seed, tools=[TOOL], response_format=fmt)
+        message = done.choices[0].message
+        if message.tool_calls:
+            (call,) = message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), POINT)
+            kinds.add("call")
+        else:
+            jsonschema.validate(json.loads(message.content or ""), POINT)
+            kinds.add("answer")
+    assert kinds    # (this model, asked with a tool, calls it; the mask test in
+    # test_structured_output.py shows both openings stay allowed)
+    tools: Any = [{"name": "locate", "description": "Find a place", "input_schema": POINT}]
+    output: Any = {"format": {"type": "json_schema", "schema": POINT}}
+    done = claude.messages.create(model="default", max_tokens=48, messages=ASK, tools=tools,
+                                  output_config=output)
+    for block in done.content:
+        if block.type == "tool_use":
+            jsonschema.validate(block.input, POINT)
+        else:
+            assert block.type == "text"
+            jsonschema.validate(json.loads(block.text), POINT)
+
+
+def test_strict_tools_make_every_call_valid_and_leave_text_free(oai: openai.OpenAI) -> None:
+    strict: Any = {"type": "function", "function": {**TOOL["function"], "strict": True}}
+    calls = texts = 0
+    for seed in range(10):
+        done = oai.chat.completions.create(model="default", messages=ASK, max_tokens=64,
+                                           seed=seed, tools=[strict], temperature=1.0)
+        message = done.choices[0].message
+        for call in message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), POINT)
+            calls += 1
+        texts += bool(message.content) and "<tool_call>" not in (message.content or "")
+    assert calls and texts

@@ -214,3 +214,18 @@ def test_a_prompt_that_opens_thinking_leaves_the_reasoning_free(tiny: Any) -> No
         reasoning, answer = done.text.split("</think>", 1)
         assert len(tok.encode_text(reasoning)) >= 4    # free text, not JSON-constrained
         jsonschema.validate(json.loads(answer), POINT)
+
+
+def test_with_tools_and_a_format_both_openings_stay_allowed() -> None:
+    from stages.grammar.tools import tools_grammar
+
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    tools = [ToolSpec("f", "", POINT)]
+    proc = GrammarProcessor(tok)
+    for answer, opening in ((Grammar.json_schema(POINT), "{"), (None, "Hello")):
+        config = GenerationConfig(grammar=tools_grammar(tools, answer))
+        row = Row("t" + opening, config, (1,), (), 1, 0, tok.eos_token_ids)
+        out = proc(Scores(torch.zeros(1, tok.vocab_size)), Batch((row,), tok.vocab_size))
+        finite = set((out.values[0] > float("-inf")).nonzero().flatten().tolist())
+        assert tok.encode_text("<tool_call>", special=True)[0] in finite
+        assert tok.encode_text(opening)[0] in finite

@@ -21,7 +21,9 @@ from pipeline.errors import InvalidValueError
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolSpec,
 )
-from transports.http.common import Parsed, ServerDefaults, config_from, text_content
+from transports.http.common import (
+    Parsed, ServerDefaults, config_from, output_grammar, text_content,
+)
 from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, ToolCallPart
@@ -184,11 +186,8 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
         metadata.done()
     grammar = anthropic_fields(body)
     body.done()
-    if grammar is not None:
-        if forced is not None:
-            raise InvalidValueError("output_config.format", "json_schema",
-                                    "cannot be combined with a required tool call")
-        config = attrs.evolve(config, grammar=grammar)
+    strict = any(t.get("strict") is True for t in body.value["tools"]) if tools else False
+    config = attrs.evolve(config, grammar=output_grammar(grammar, tools, forced, strict))
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {},

@@ -230,8 +230,9 @@ def _container(body: Obj) -> None:
 
 
 def anthropic_tool(tool: Obj) -> None:
-    """A custom tool's fields with no meaning here (type-checked, ignored); a server tool
-    (any other ``type``) is refused."""
+    """A custom tool's fields with no meaning here (type-checked, ignored; ``strict`` is
+    type-checked here and read by the dialect, which then constrains the tool's calls); a
+    server tool (any other ``type``) is refused."""
     kind = tool.get("type", "string", "custom")
     if kind != "custom":
         raise unsupported(tool.at("type"), kind, _SERVER_TOOLS)

@@ -27,7 +27,9 @@ from pipeline.types import (
     ToolSpec, Usage, token_text,
 )
 from transports.http.choices import total_usage
-from transports.http.common import Parsed, ServerDefaults, config_from, text_content
+from transports.http.common import (
+    Parsed, ServerDefaults, config_from, output_grammar, text_content,
+)
 from transports.http.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
 )
@@ -207,11 +209,9 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     openai_chat_refused(body)
     grammar = response_format(body)
     body.done()
-    if grammar is not None:
-        if forced is not None:
-            raise InvalidValueError("response_format", body.value["response_format"],
-                                    "cannot be combined with a required tool call")
-        config = attrs.evolve(config, grammar=grammar)
+    strict = any(t.get("function", {}).get("strict") is True for t in body.value["tools"]
+                 ) if tools else False
+    config = attrs.evolve(config, grammar=output_grammar(grammar, tools, forced, strict))
     thinking = {} if effort is None else {"enable_thinking": effort != "none"}
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
