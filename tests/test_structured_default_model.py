@@ -1,8 +1,8 @@
 """Structured output with the default model (SmolLM2-135M) through the official SDKs, over HTTP.
 
-For ``SEEDS`` seeds each (see there): OpenAI ``response_format`` ``json_schema`` (strict) output parsed by
-the SDK's own ``chat.completions.parse`` into a pydantic model and validated by ``jsonschema``;
-OpenAI ``tool_choice="required"`` and a named tool choice, Anthropic ``tool_choice`` ``any``
+For ``SEEDS`` seeds each (see there): OpenAI ``response_format`` ``json_schema`` (strict)
+output parsed by the SDK's own ``chat.completions.parse`` into a pydantic model and
+validated by ``jsonschema``; OpenAI ``tool_choice="required"`` and a named tool choice, Anthropic ``tool_choice`` ``any``
 and ``output_config.format``: every answer is a call to an allowed tool whose arguments
 validate (``jsonschema``), or JSON that validates, as the SDKs read it. Requests go eight at
 a time, so the engine batches them. Short schemas (bounded strings and numbers) and
@@ -116,9 +116,9 @@ def test_anthropic_any_tool_and_output_format(base_url: str) -> None:
     schemas = {t["name"]: t["input_schema"] for t in tools}
 
     def call(seed: int) -> Any:
-        return claude.messages.create(model="default", messages=ASK, tools=tools,  # type: ignore[arg-type]
-                                      tool_choice={"type": "any"}, max_tokens=48,
-                                      extra_body={"seed": seed})
+        return claude.messages.create(
+            model="default", messages=ASK, tools=tools,  # type: ignore[arg-type]
+            tool_choice={"type": "any"}, max_tokens=48, extra_body={"seed": seed})
 
     for done in each_seed(call):
         uses = [b for b in done.content if b.type == "tool_use"]

@@ -28,8 +28,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component", "Delta",
-    "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig", "Grammar", "LogitProcessor",
-    "Message",
+    "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig", "Grammar",
+    "LogitProcessor", "Message",
     "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request", "RequestHandle",
     "RequestState", "Row", "RuntimeLimits", "Scores", "Selection", "Selector", "Stopper",
     "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall", "ToolSpec",

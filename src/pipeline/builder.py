@@ -29,7 +29,8 @@ from pipeline.registry import BuildContext, Registry
 from pipeline.types import Delta, GenerationConfig
 
 DEFAULT_PROCESSORS = (
-    "grammar", "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
+    "grammar",
+    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
     "typical_p",
 )
