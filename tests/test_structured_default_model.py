@@ -1,12 +1,12 @@
 """Structured output with the default model (SmolLM2-135M) through the official SDKs, over HTTP.
 
 For ``SEEDS`` seeds each (see there): OpenAI ``response_format`` ``json_schema`` (strict)
-output parsed by the SDK's own ``chat.completions.parse`` into a pydantic model and
-validated by ``jsonschema``; OpenAI ``tool_choice="required"`` and a named tool choice,
-Anthropic ``tool_choice`` ``any`` and ``output_config.format``: every answer is a call to an allowed tool whose arguments
-validate (``jsonschema``), or JSON that validates, as the SDKs read it. Requests go eight at
-a time, so the engine batches them. Short schemas (bounded strings and numbers) and
-``max_tokens`` keep each generation short.
+output parsed by the SDK's own ``chat.completions.parse`` into a pydantic model and validated
+by ``jsonschema``; OpenAI ``tool_choice="required"`` and a named tool choice, Anthropic
+``tool_choice`` ``any`` and ``output_config.format``: every answer is a call to an allowed tool
+whose arguments validate (``jsonschema``), or JSON that validates, as the SDKs read it.
+Requests go eight at a time, so the engine batches them. Short schemas (bounded strings and
+numbers) and ``max_tokens`` keep each generation short.
 """
 
 from __future__ import annotations
