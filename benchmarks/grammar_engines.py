@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from stages.grammar.bitmask import apply_bitmask   # the grammar processor's own
 from stages.grammar.vocab import ll_tokenizer, token_table
 from stages.tokenize import HFTokenizer
 
@@ -169,9 +170,6 @@ class OutlinesCore(Engine):
 
     def advance(self, m: Any, token: int) -> None:
         m.advance(token, return_tokens=False)
-
-
-from stages.grammar.bitmask import apply_bitmask  # noqa: E402  (the processor's own)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
