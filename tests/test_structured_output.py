@@ -229,3 +229,17 @@ def test_with_tools_and_a_format_both_openings_stay_allowed() -> None:
         finite = set((out.values[0] > float("-inf")).nonzero().flatten().tolist())
         assert tok.encode_text("<tool_call>", special=True)[0] in finite
         assert tok.encode_text(opening)[0] in finite
+
+
+def test_a_draft_model_drafts_under_the_grammar_too() -> None:
+    # the draft model runs the same processor chain: its drafts obey the grammar, so a draft
+    # model equal to the target has every draft accepted, and the output is plain decoding's
+    with build("tiny") as plain, build("tiny", strategy="speculative", strategy_options={
+            "draft_model": "tiny", "num_draft_tokens": 3}) as spec:
+        args: dict[str, Any] = dict(json_schema=PERSON, max_tokens=48, temperature=0, seed=0)
+        want = plain.generate(ASK, **args).text
+        got = spec.generate(ASK, **args)
+        verified = [e.payload for e in got.trace if e.event_type == "spec.verified"]
+        assert got.text == want
+        assert sum(v["proposed"] for v in verified) == sum(v["accepted"] for v in verified) > 0
+        jsonschema.validate(json.loads(got.text), PERSON)
