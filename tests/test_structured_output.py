@@ -21,7 +21,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.protocols import Batch, Row, Scores
 from pipeline.types import GenerationConfig
 from stages.grammar import GrammarProcessor
-from stages.grammar.bitmask import apply_bitmask
+from stages.grammar.bitmask import apply_bitmask, unpack_bits
 from stages.grammar.tools import tool_call_grammar
 from stages.tokenize import HFTokenizer
 from pipeline.models import TINY_MODEL_DIR
@@ -159,6 +159,8 @@ def test_apply_bitmask_is_the_plain_definition() -> None:
         want = torch.where(bits, logits, torch.tensor(float("-inf")))
         apply_bitmask(logits, words)
         assert torch.equal(logits, want)
+        # the accelerator path (torch shifts on the logits' device), run here on the CPU
+        assert torch.equal(unpack_bits(words, vocab), bits)
 
 
 def test_unsupported_schema_features_are_errors_that_name_them(tiny: Any) -> None:
