@@ -1,12 +1,13 @@
 """``Grammar``: the value that says what shape a request's output must have (DESIGN §11).
 
 Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, its named
-constructors (a JSON schema, any JSON object, a tool call in a model family's format via
-:mod:`stages.grammar.tools`, or a grammar in llguidance's Lark dialect), and its check: every
+constructors (a JSON schema, any JSON object, or a grammar in llguidance's Lark dialect, as
+the tool-call grammars of :mod:`stages.grammar.tools` are), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
 schema feature the engine does not support (``if``/``then``, an unknown ``format``, a
 dangling ``$ref``) is an :class:`~pipeline.errors.InvalidValueError` naming it when the request
-is made, never a failure mid-generation. The per-token masking is in :mod:`stages.grammar`.
+is made, never a failure mid-generation. :func:`after_thinking` prefixes a grammar with free
+reasoning up to ``</think>``. The per-token masking is in :mod:`stages.grammar`.
 
 JSON is generated in the layout of Python's ``json.dumps`` (``", "`` between items, ``": "``
 after keys, no other whitespace): the layout chat templates render tool calls in, and one

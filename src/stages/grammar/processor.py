@@ -1,7 +1,7 @@
 """The ``grammar`` logit processor: only tokens the request's grammar allows next survive.
 
 Owns :class:`GrammarProcessor` and its two caches. Compiled grammars are kept per
-(grammar, vocabulary width) for the tokenizer the processor was built with: a pristine
+(grammar, vocabulary width, whether the output starts as reasoning) for the tokenizer the processor was built with: a pristine
 llguidance matcher, deep-copied for each request (a copy costs microseconds; a compilation
 about a millisecond per small schema). Per request stream, the matcher that has consumed that
 row's output so far is kept too, but only as a cache of a pure function of
