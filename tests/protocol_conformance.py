@@ -20,6 +20,7 @@ from pipeline.tools import (
 )
 from stages.tools import HermesParser, Llama3Parser, MistralParser
 from stages import detokenize, process, render, select, stop, tokenize
+from stages.grammar import GrammarProcessor
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
 from stages.select.proposers import NgramProposer, Proposer
@@ -53,7 +54,7 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
         process.AllowedTokens(), process.BannedTokens(), process.LogitBias(), process.MinTokens(),
         process.RepetitionPenalty(), process.PresencePenalty(), process.FrequencyPenalty(),
         process.Temperature(), process.TopK(), process.TopP(), process.MinP(), process.TypicalP(),
-        testing.BanTokenProcessor(3)]
+        testing.BanTokenProcessor(3), GrammarProcessor(tok)]
     selectors: list[Selector] = [select.GreedySelector(), select.SamplingSelector(),
                                  testing.ScriptedSelector(lambda row: 0)]
     strategy: Strategy = select.AutoregressiveStrategy(process.ProcessorChain(processors),

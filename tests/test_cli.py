@@ -145,3 +145,23 @@ def test_every_option_of_every_command_has_help_text() -> None:
 
     walk(parsers[0], "pipeline")
     assert missing == []
+
+
+def test_run_with_a_json_schema_answers_valid_json(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for given in (json.dumps(schema), str(path)):
+        assert cli.main(["run", "--model", "tiny", "Answer.", "--json-schema", given,
+                         "--seed", "3", "--max-tokens", "40"]) == 0
+        jsonschema.validate(json.loads(capsys.readouterr().out), schema)
+    done = subprocess.run(RUN + ["run", "--model", "tiny", "x", "--json-schema",
+                                 str(tmp_path / "missing.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--json-schema" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -125,7 +125,7 @@ MESSAGES: dict[str, dict[str, Any]] = {
     "stream": {"stream": True},
 }
 COUNT: dict[str, dict[str, Any]] = {**SHARED, "output_format": {"output_format": Answer}}
-COUNT_REFUSED = {"output_format"}
+COUNT_REFUSED: set[str] = set()  # output_format: the SDK sends it as output_config.format
 BETA: dict[str, dict[str, Any]] = {
     "betas": {"betas": ["context-management-2025-06-27"]},
     "billing_policy": {"billing_policy": {"type": "billing_policy", "bill_to": "self"}},
@@ -220,12 +220,13 @@ def test_every_beta_messages_parameter(claude: anthropic.Anthropic) -> None:
 
 
 REFUSALS = [
-    ("openai", {"response_format": {"type": "json_object"}}, "response_format.type"),
-    ("openai", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.type"),
+    ("openai", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}}}}},
+     "response_format.json_schema.schema"),
     ("openai", {"modalities": ["text", "audio"]}, "modalities[1]"),
-    ("anthropic", {"output_config": {"format": {"type": "json_schema", "schema": WEATHER}}},
-     "output_config.format"),
+    ("anthropic", {"output_config": {"format": {"type": "json_schema",
+                                                "schema": {"type": "string", "format": "nope"}}}},
+     "output_config.format.schema"),
     ("anthropic", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools[0].type"),
 ]

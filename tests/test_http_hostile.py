@@ -488,3 +488,25 @@ def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) 
         again = client.post("/v1/chat/completions", json=chat(max_tokens=3))
         assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == "aaa"
         assert backend.busy_slots == 0 and pipe.engine.active_slots == 0
+
+
+def test_response_format_schemas_are_bounded_and_cannot_stall_the_server(server: Any) -> None:
+    client, _ = server
+    big = {"type": "object", "description": "d" * 70_000}
+    r = send(client, "/v1/chat/completions", chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": big}}))
+    assert r.status_code == 400 and error(r)["limit"] == "max_tool_schema_bytes"
+    assert error(r)["param"] == "response_format.json_schema.schema"
+    r = send(client, "/v1/messages", {"model": "default", "max_tokens": 3, "messages": [
+        {"role": "user", "content": "hi"}], "output_config": {"format": {
+            "type": "json_schema", "schema": big}}})
+    assert r.status_code == 400 and r.json()["error"]["limit"] == "max_tool_schema_bytes"
+    # a pattern whose deterministic automaton is exponential, and a schema nested deeply:
+    # the grammar engine's own limits answer (a 400, or an output cut short), quickly
+    for schema in ({"type": "string", "pattern": "^(a|b)*a(a|b){40}$"},
+                   {"type": "string", "pattern": "^(x+x+)+y$"},
+                   {"type": "array", "items": {"enum": [f"v{i}" for i in range(3000)]}}):
+        started = time.monotonic()
+        r = send(client, "/v1/chat/completions", chat(max_tokens=16, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+        assert r.status_code in (200, 400) and time.monotonic() - started < 10, r.text

@@ -79,7 +79,7 @@ def test_the_builder_defaults_name_what_the_stages_define() -> None:
     from stages.process import DEFAULT_ORDER
     from stages.stop import DEFAULT_STOPPERS
 
-    assert builder.DEFAULT_PROCESSORS == tuple(DEFAULT_ORDER)
+    assert builder.DEFAULT_PROCESSORS == ("grammar", *DEFAULT_ORDER)
     assert builder.DEFAULT_STOPPERS == tuple(DEFAULT_STOPPERS)
     registry = Registry()
     assert set(builder.DEFAULT_PROCESSORS) <= set(registry.names("processor"))

@@ -79,6 +79,7 @@ def test_public_names_are_pinned() -> None:
     assert sorted(pipeline.__all__) == sorted([
         "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component",
         "Delta", "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig",
+        "Grammar",
         "LogitProcessor", "Message",
         "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
         "RequestHandle", "RequestState", "Row", "RuntimeLimits", "Scores", "Selection",

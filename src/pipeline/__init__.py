@@ -9,6 +9,7 @@ module (``pipeline.events``, ``pipeline.testing``, ``pipeline.errors``).
 from pipeline.builder import build
 from pipeline.engine import EngineConfig
 from pipeline.events import Event
+from pipeline.grammar import Grammar
 from pipeline.handle import RequestHandle, RequestState
 from pipeline.hookspecs import hookimpl
 from pipeline.options import BackendOptions
@@ -27,8 +28,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component", "Delta",
-    "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig", "LogitProcessor",
-    "Message",
+    "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig", "Grammar",
+    "LogitProcessor", "Message",
     "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request", "RequestHandle",
     "RequestState", "Row", "RuntimeLimits", "Scores", "Selection", "Selector", "Stopper",
     "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall", "ToolSpec",

@@ -31,11 +31,13 @@ from pipeline.tools.parsing import choose_parser
 from pipeline.types import Delta, GenerationConfig
 
 DEFAULT_PROCESSORS = (
+    "grammar",
     "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
     "typical_p",
 )
-"""The built-in processors of the default chain, in order (``stages.process.DEFAULT_ORDER``)."""
+"""The built-in processors of the default chain, in order: ``grammar`` (built with the
+tokenizer, :mod:`stages.grammar`), then ``stages.process.DEFAULT_ORDER``."""
 ADDED_PROCESSORS_BEFORE = "temperature"
 """Where ``build(processors=[...])`` inserts its processors: after every mask, bias and
 penalty, before temperature and truncation (see :func:`build`)."""
@@ -90,23 +92,25 @@ def build(
     The processor chain runs in this order (a request may reorder it with
     ``GenerationConfig.processor_order``; the trace records the order used):
 
-    1. ``allowed_tokens`` — everything outside ``allowed_token_ids`` is removed
-    2. ``banned_tokens`` — ``banned_token_ids`` are removed
-    3. ``logit_bias`` — the per-token biases are added
-    4. ``min_tokens`` — EOS and stop tokens are removed until ``min_tokens`` outputs exist
-    5. ``repetition_penalty`` — over prompt and output tokens (divide positive, multiply negative)
-    6. ``presence_penalty`` — over output tokens, once per distinct token
-    7. ``frequency_penalty`` — over output tokens, per occurrence
-    8. the ``processors`` you pass, in the order given
-    9. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
-    10. ``top_k`` — keep the k most likely
-    11. ``top_p`` — keep the smallest set with mass >= p
-    12. ``min_p`` — keep tokens with probability >= min_p × the top probability
-    13. ``typical_p`` — locally typical sampling
+    1. ``grammar`` — tokens the request's ``grammar`` does not allow next are removed
+    2. ``allowed_tokens`` — everything outside ``allowed_token_ids`` is removed
+    3. ``banned_tokens`` — ``banned_token_ids`` are removed
+    4. ``logit_bias`` — the per-token biases are added
+    5. ``min_tokens`` — EOS and stop tokens are removed until ``min_tokens`` outputs exist
+    6. ``repetition_penalty`` — over prompt and output tokens (divide positive, multiply negative)
+    7. ``presence_penalty`` — over output tokens, once per distinct token
+    8. ``frequency_penalty`` — over output tokens, per occurrence
+    9. the ``processors`` you pass, in the order given
+    10. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
+    11. ``top_k`` — keep the k most likely
+    12. ``top_p`` — keep the smallest set with mass >= p
+    13. ``min_p`` — keep tokens with probability >= min_p × the top probability
+    14. ``typical_p`` — locally typical sampling
 
-    Masks and biases come first so that penalties and truncation see the allowed vocabulary;
+    Masks and biases come first so that penalties and truncation see the allowed vocabulary (the
+    grammar first: what it forbids can never be chosen, whatever the biases);
     temperature comes before truncation, as in vLLM, SGLang and transformers, so ``top_p``
-    acts on the distribution that is sampled. Your processors (step 8) join the default chain
+    acts on the distribution that is sampled. Your processors (step 9) join the default chain
     rather than replace it, so the request's temperature, top-k, top-p and penalties keep
     working. They run on logits with every mask, bias and penalty applied, at the logits'
     own scale (a bias of +5 means what ``logit_bias`` of +5 means, whatever the

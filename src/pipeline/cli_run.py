@@ -4,7 +4,8 @@ Owns the command's options (the sampling fields people use, in the spellings of
 ``llama-cli`` and ``mlx_lm.generate``; ``--device`` and ``--dtype``, which become the build's
 :class:`~pipeline.options.BackendOptions`, checked before the model loads) and its output:
 the text as it streams, or with ``--json`` one JSON object (text, finish reason, usage,
-timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace. The prompt
+timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace;
+``--json-schema`` constrains the answer to a JSON schema (a file or inline JSON). The prompt
 is the argument, or standard input when the argument is ``-`` or absent. The strategy flags
 (``--strategy``, ``--steps``, ``--block-length``, ``--strategy-option``) are
 :mod:`pipeline.cli_strategy`'s. ``pipeline chat`` takes the same flags through
@@ -53,6 +54,9 @@ def add_parser(sub: Any) -> None:
                      help="a model folder, GGUF file, name (smollm2, tiny) or cached repo id "
                           "(default: SmolLM2-135M-Instruct)")
     run.add_argument("--system", default=None, help="a system message before the prompt")
+    run.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                     help="a JSON schema the answer must validate against (by construction): "
+                          "a file, or the schema itself as JSON")
     add_sampling(run)
     add_backend(run)
     add_strategy(run)
@@ -104,6 +108,25 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
     return messages + [{"role": "user", "content": prompt}]
 
 
+def _schema(value: str | None) -> Any:
+    """``--json-schema``: the schema itself when it parses as JSON, else a file of one."""
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        pass
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InvalidValueError("--json-schema", value,
+                                f"is neither JSON nor a readable file ({e.strerror})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidValueError("--json-schema", value, f"the file is not JSON: {e}") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from pipeline.events import JsonlSink
 
@@ -112,7 +135,8 @@ def _run(args: argparse.Namespace) -> int:
     messages = _messages(args)
     sinks = [JsonlSink(args.trace)] if args.trace is not None else []
     with build_with(args.model, choice, sinks=sinks, options=options) as pipe:
-        handle = pipe.submit(messages, **sampling_params(args))
+        handle = pipe.submit(messages, json_schema=_schema(args.json_schema),
+                             **sampling_params(args))
         try:
             for delta in handle.deltas():
                 if not args.json:

@@ -23,6 +23,7 @@ import torch
 from pipeline.engine import Engine
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
 from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_text
+from pipeline.grammar import Grammar
 from pipeline.handle import RequestHandle
 from pipeline.job import Job
 from pipeline.job_spec import JobSpec
@@ -146,15 +147,21 @@ class Pipeline:
                 limits: RuntimeLimits | None = None,
                 tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
                 request_id: str | None = None, recording: Recording | str | None = None,
-                template_kwargs: Mapping[str, Any] | None = None, **params: Any) -> Request:
+                template_kwargs: Mapping[str, Any] | None = None,
+                json_schema: Mapping[str, Any] | bool | None = None, json_object: bool = False,
+                **params: Any) -> Request:
         """Normalize what ``generate`` accepts into a :class:`Request` (not yet submitted).
 
         ``params`` are :class:`GenerationConfig` fields (``max_tokens=20, temperature=0``) laid
         over ``config`` or the pipeline's defaults; an unknown name is an error.
+        ``json_schema=`` (a JSON schema) and ``json_object=True`` (any JSON object) set the
+        config's ``grammar``: the output then parses and validates by construction
+        (:mod:`pipeline.grammar`; a schema feature the engine lacks is an error here).
         """
         fields: dict[str, Any] = {}
         base = config or (prompt.generation_config if isinstance(prompt, Request)
                           else self.defaults)
+        params = _with_grammar(params, json_schema, json_object)
         if params:
             from_mapping(GenerationConfig, params)  # rejects unknown names with our error
             base = attrs.evolve(base, **params)
@@ -399,3 +406,20 @@ class Pipeline:
             raise InvalidValueError("prompt", len(prompt),
                                     f"prompt is too long: {len(prompt)} tokens >= {limit} "
                                     "maximum context (no room for one output token)")
+
+
+def _with_grammar(params: dict[str, Any], json_schema: Mapping[str, Any] | bool | None,
+                  json_object: bool) -> dict[str, Any]:
+    """``params`` with the ``grammar`` that ``json_schema`` / ``json_object`` ask for."""
+    asked = [n for n, v in (("json_schema", json_schema is not None),
+                            ("json_object", json_object), ("grammar", "grammar" in params)) if v]
+    if len(asked) > 1:
+        raise InvalidValueError(asked[1], True, f"give one of json_schema=, json_object=True "
+                                f"and grammar=, not {' and '.join(asked)}")
+    if json_schema is not None:
+        return {**params, "grammar": Grammar.json_schema(json_schema)}
+    if json_object is True:
+        return {**params, "grammar": Grammar.json_object()}
+    if json_object is not False:
+        raise InvalidValueError("json_object", json_object, "must be True or False")
+    return params

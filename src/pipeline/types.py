@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
+from pipeline.grammar import Grammar, grammar_value
 
 if TYPE_CHECKING:
     from pipeline.events import Event
@@ -326,6 +327,8 @@ class GenerationConfig:
     ``<think>`` block: at the budget the engine forces the template's end-of-thinking marker.
     ``forced_prefix`` are token ids the output must begin with (e.g. a tool-call opening when
     a tool call is required); the engine takes them in place of the selector's choices.
+    ``grammar`` (a :class:`~pipeline.grammar.Grammar`) constrains the output to a JSON schema
+    or another grammar, by construction (the ``grammar`` processor, DESIGN §11).
 
     Numeric edges follow rules, not float accidents: a temperature below ``GREEDY_BELOW``
     (1e-5) is greedy too; ``top_p`` and ``typical_p`` keep at least the most likely (most
@@ -364,6 +367,7 @@ class GenerationConfig:
         default=None, validator=attrs.validators.optional(_range(0, MAX_COUNT, integer=True)))
     forced_prefix: tuple[int, ...] = attrs.field(
         default=(), converter=_tuple_of_ints, validator=_token_ids)
+    grammar: Grammar | None = attrs.field(default=None, converter=grammar_value)
 
     @stop.validator
     def _stop(self, _: attrs.Attribute[Any], value: Any) -> None:
@@ -387,6 +391,11 @@ class GenerationConfig:
     @top_logprobs.validator
     def _top_logprobs(self, _: attrs.Attribute[Any], value: int) -> None:
         _check(value == 0 or self.logprobs, "top_logprobs", value, "needs logprobs=True")
+
+    @grammar.validator
+    def _grammar(self, _: attrs.Attribute[Any], value: Any) -> None:
+        _check(value is None or self.min_tokens == 0, "min_tokens", self.min_tokens,
+               "cannot be combined with a grammar: the grammar decides where the output ends")
 
     @allowed_token_ids.validator
     def _allowed(self, _: attrs.Attribute[Any], value: Any) -> None:

@@ -48,6 +48,12 @@ def _processor(name: str) -> Any:
     return factory
 
 
+def _grammar(ctx: BuildContext) -> Any:
+    from stages.grammar import GrammarProcessor
+
+    return GrammarProcessor(ctx.tokenizer)
+
+
 def _stopper(name: str) -> Any:
     def factory(ctx: BuildContext) -> Any:
         from stages.stop import make_stopper
@@ -177,6 +183,8 @@ def pipeline_components() -> list[Component]:
         Component("strategy", "dfm", _diffusion("dfm"),
                   "discrete flow matching on tokens: mixture path, discrete Euler solver"),
     ]
+    comps.append(Component("processor", "grammar", _grammar,
+                           "remove tokens the request's grammar (JSON schema) forbids next"))
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
     comps += [Component("tool_parser", n, _tool_parser(n), s)

@@ -17,12 +17,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from pipeline.errors import InvalidValueError
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolCallDelta,
     ToolCallEnd, ToolSpec, Usage,
 )
-from transports.http.common import Parsed, ServerDefaults, config_from, text_content
+from transports.http.common import (
+    Parsed, ServerDefaults, config_from, output_grammar, text_content,
+)
 from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart
@@ -184,8 +188,10 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     if metadata is not None:
         user = metadata.get("user_id", "string")
         metadata.done()
-    anthropic_fields(body)
+    grammar = anthropic_fields(body)
     body.done()
+    strict = any(t.get("strict") is True for t in body.value["tools"]) if tools else False
+    config = attrs.evolve(config, grammar=output_grammar(grammar, tools, forced, strict))
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {},

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.errors import InvalidValueError
+from pipeline.grammar import Grammar
 from transports.http.fields import Obj, check
 
 _OPENAI_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
@@ -104,22 +105,33 @@ def openai_chat_refused(body: Obj) -> None:
     if body.has("web_search_options"):
         raise unsupported("web_search_options", body.value["web_search_options"],
                           "no web search")
-    response_format(body)
 
 
-def response_format(body: Obj) -> None:
-    """``response_format``: ``{"type": "text"}`` is accepted; JSON formats are refused (no
-    constrained decoding yet)."""
+def response_format(body: Obj) -> Grammar | None:
+    """``response_format``: ``text`` (None), ``json_object`` (any JSON object) or
+    ``json_schema`` (``{"name", "description"?, "schema"?, "strict"?}``: output valid for
+    ``schema``, by construction whether ``strict`` or not; no schema means any JSON object),
+    as the request's grammar. A schema feature the grammar engine lacks is a 400 naming it."""
     fmt = body.obj("response_format")
     if fmt is None:
-        return
+        return None
     kind = one_of(fmt, "type", ("text", "json_object", "json_schema"))
     if kind is None:
         raise InvalidValueError("response_format.type", None, "is required")
-    if kind != "text":
-        raise unsupported("response_format.type", kind,
-                          "the output cannot be constrained to JSON yet")
+    grammar = None if kind == "text" else Grammar.json_object()
+    spec = fmt.obj("json_schema") if kind == "json_schema" else None
+    if kind == "json_schema" and spec is None:
+        raise InvalidValueError("response_format.json_schema", None, "is required")
+    if spec is not None:
+        spec.need("name", "string")
+        spec.get("description", "string")
+        spec.get("strict", "boolean")
+        schema = spec.get("schema", "object")
+        if schema is not None:
+            grammar = Grammar.json_schema(schema, field="response_format.json_schema.schema")
+        spec.done()
     fmt.done()
+    return grammar
 
 
 # --- Anthropic -----------------------------------------------------------------------------
@@ -138,17 +150,24 @@ _BETA_IGNORED: dict[str, tuple[tuple[str, ...], str | None]] = {
 _SERVER_TOOLS = "only custom (client) tools exist here, no server tools"
 
 
-def anthropic_fields(body: Obj) -> None:
+def anthropic_fields(body: Obj) -> Grammar | None:
     """Anthropic fields with no meaning here (type-checked, ignored) and ones asking for
     what is not here (refused), of ``/v1/messages`` and ``/v1/messages/count_tokens`` alike
-    (a count takes a Messages body without ``max_tokens``, ``stream`` and ``metadata``)."""
+    (a count takes a Messages body without ``max_tokens``, ``stream`` and ``metadata``).
+    Returns the grammar ``output_config.format`` asks for (``{"type": "json_schema",
+    "schema": {...}}``), if any."""
     _cache_control(body)
     output = body.obj("output_config")
+    grammar = None
     if output is not None:
         one_of(output, "effort", ("low", "medium", "high", "xhigh", "max"))
-        if output.has("format"):
-            raise unsupported("output_config.format", output.value["format"],
-                              "the output cannot be constrained to a JSON schema yet")
+        fmt = output.obj("format")
+        if fmt is not None:
+            if one_of(fmt, "type", ("json_schema",)) is None:
+                raise InvalidValueError("output_config.format.type", None, "is required")
+            grammar = Grammar.json_schema(fmt.need("schema", "object"),
+                                          field="output_config.format.schema")
+            fmt.done()
         output.done()
     one_of(body, "speed", ("standard", "fast"))
     body.get("user_profile_id", "string")
@@ -165,6 +184,7 @@ def anthropic_fields(body: Obj) -> None:
             raise unsupported(name, body.value[name], why)
     for name, (kinds, literal) in _BETA_IGNORED.items():
         _loosely(body, name, kinds, literal)
+    return grammar
 
 
 def _loosely(body: Obj, name: str, kinds: tuple[str, ...], literal: str | None) -> None:
@@ -210,8 +230,9 @@ def _container(body: Obj) -> None:
 
 
 def anthropic_tool(tool: Obj) -> None:
-    """A custom tool's fields with no meaning here (type-checked, ignored); a server tool
-    (any other ``type``) is refused."""
+    """A custom tool's fields with no meaning here (type-checked, ignored; ``strict`` is
+    type-checked here and read by the dialect, which then constrains the tool's calls); a
+    server tool (any other ``type``) is refused."""
     kind = tool.get("type", "string", "custom")
     if kind != "custom":
         raise unsupported(tool.at("type"), kind, _SERVER_TOOLS)

@@ -15,7 +15,10 @@ setting                     default      what it bounds (error)
                                          at most the library's own cap of 16)
 ``max_stop_chars``          1024         characters of each stop string (400)
 ``max_tools``               128          ``tools`` entries (400)
-``max_tool_schema_bytes``   65536        each tool's definition, as compact JSON (400)
+``max_tool_schema_bytes``   65536        each tool's definition, and the JSON schema of a
+                                         ``response_format`` or ``output_config.format``,
+                                         as compact JSON (400; each is compiled to a
+                                         grammar when a call or format is required)
 ``max_logit_bias``          2048         ``logit_bias`` entries (400; each is work on every
                                          step of the request's batch)
 ``max_prompt_chars``        1,000,000    characters of all text (keys included) in
@@ -70,7 +73,8 @@ class Limits:
     max_stop: int = _limit(16, "stop strings in one request")
     max_stop_chars: int = _limit(1024, "characters in one stop string")
     max_tools: int = _limit(128, "tools in one request")
-    max_tool_schema_bytes: int = _limit(64 * 1024, "bytes of one tool's compact JSON definition")
+    max_tool_schema_bytes: int = _limit(64 * 1024, "bytes of one tool's compact JSON definition "
+                                               "or of a response format's JSON schema")
     max_prompt_chars: int = _limit(1_000_000, "characters of prompt text, before tokenizing")
     max_logit_bias: int = _limit(2048, "logit_bias entries in one request")
     max_n: int = _limit(16, "choices in one request (n, times the prompts of a batched "
@@ -90,6 +94,7 @@ class Limits:
         for name in ("stop", "stop_sequences"):
             self._stops(name, body.get(name))
         self._tools(body.get("tools"))
+        self._formats(body)
         chars = sum(_text_chars(body.get(name))
                     for name in ("messages", "system", "prompt", "tools"))
         if chars > self.max_prompt_chars:
@@ -134,12 +139,32 @@ class Limits:
         if not isinstance(tools, list):
             return
         for i, tool in enumerate(tools):
-            # the door already refused lone surrogates, so the text encodes
-            size = len(json.dumps(tool, separators=(",", ":"), ensure_ascii=False).encode())
+            size = _compact_size(tool)
             if size > self.max_tool_schema_bytes:
                 raise LimitExceededError(f"tools[{i}]", "max_tool_schema_bytes", size,
                                          self.max_tool_schema_bytes,
                                          "bytes of tool definition JSON")
+
+
+    def _formats(self, body: dict[str, Any]) -> None:
+        """The JSON schema of ``response_format`` (OpenAI) and ``output_config.format``
+        (Anthropic), bounded as a tool's definition is."""
+        fmt, output = body.get("response_format"), body.get("output_config")
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+        for field, holder in (("response_format.json_schema.schema", spec),
+                              ("output_config.format.schema",
+                               output.get("format") if isinstance(output, dict) else None)):
+            if isinstance(holder, dict) and "schema" in holder:
+                size = _compact_size(holder["schema"])
+                if size > self.max_tool_schema_bytes:
+                    raise LimitExceededError(field, "max_tool_schema_bytes", size,
+                                             self.max_tool_schema_bytes,
+                                             "bytes of JSON schema")
+
+
+def _compact_size(value: Any) -> int:
+    """Bytes of ``value`` as compact JSON (the door already refused lone surrogates)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
 
 def _message_units(messages: Any) -> int:

@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from pipeline.errors import InvalidValueError
 from pipeline.protocols import Tokenizer
 from pipeline.types import (
@@ -25,8 +27,12 @@ from pipeline.types import (
     ToolCallDelta, ToolCallEnd, ToolSpec, Usage, token_text,
 )
 from transports.http.choices import total_usage
-from transports.http.common import Parsed, ServerDefaults, config_from, text_content
-from transports.http.documented import openai_chat_ignored, openai_chat_refused, openai_ignored
+from transports.http.common import (
+    Parsed, ServerDefaults, config_from, output_grammar, text_content,
+)
+from transports.http.documented import (
+    openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
+)
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, calls_of
 from transports.sse import SSEEvent, encode
@@ -201,7 +207,11 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     openai_ignored(body)
     effort = openai_chat_ignored(body)
     openai_chat_refused(body)
+    grammar = response_format(body)
     body.done()
+    strict = any(t.get("function", {}).get("strict") is True for t in body.value["tools"]
+                 ) if tools else False
+    config = attrs.evolve(config, grammar=output_grammar(grammar, tools, forced, strict))
     thinking = {} if effort is None else {"enable_thinking": effort != "none"}
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
                       request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",

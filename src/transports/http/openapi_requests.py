@@ -202,8 +202,15 @@ def _chat_request(max_n: int) -> Schema:
                                               "off, any other value on"),
          "verbosity": enum("low", "medium", "high", description="accepted, ignored"),
          "prediction": {**prediction, "description": "accepted, ignored (a latency hint)"},
-         "response_format": request_object({"type": {"const": "text"}}, description=(
-             "only text: JSON formats are not supported here (a 400)")),
+         "response_format": {"oneOf": [
+             request_object({"type": {"const": "text"}}),
+             request_object({"type": {"const": "json_object"}}),
+             request_object({"type": {"const": "json_schema"}, "json_schema": request_object(
+                 {"name": STRING}, {"description": STRING, "schema": OBJECT,
+                                    "strict": BOOLEAN})})],
+             "description": "json_object / json_schema: the output is one JSON object (valid "
+                            "for the schema) by construction, strict or not; a schema feature "
+                            "the grammar engine lacks is a 400"},
          "modalities": {**array({"const": "text"}), "description": "only text comes out"},
          "audio": refused("audio output"),
          "functions": refused("deprecated; send `tools`"),
@@ -319,7 +326,10 @@ def _count_fields() -> tuple[Schema, Schema]:
         "cache_control": _cache_control(),
         "output_config": request_object({}, {
             "effort": enum(*EFFORT, description="accepted, ignored"),
-            "format": refused("no constrained decoding to a JSON schema yet")}),
+            "format": request_object(
+                {"type": {"const": "json_schema"}, "schema": OBJECT},
+                description="the text is JSON valid for the schema, by construction; a schema "
+                            "feature the grammar engine lacks is a 400")}),
         "speed": enum("standard", "fast"), "user_profile_id": STRING, "workspace_id": STRING,
         "service_tier": enum("auto", "standard_only"), "inference_geo": STRING,
         "diagnostics": request_object({}, {"previous_message_id": STRING}),

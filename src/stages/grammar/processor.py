@@ -1,0 +1,224 @@
+"""The ``grammar`` logit processor: only tokens the request's grammar allows next survive.
+
+Owns :class:`GrammarProcessor` and its two caches. Compiled grammars are kept per
+(grammar, vocabulary width, whether the output starts as reasoning) for the tokenizer the processor was built with: a pristine
+llguidance matcher, deep-copied for each request (a copy costs microseconds; a compilation
+about a millisecond per small schema). Per request stream, the matcher that has consumed that
+row's output so far is kept too, but only as a cache of a pure function of
+(grammar, ``row.output_ids``): each step it is brought to the row's ids by rolling back
+what the row no longer has and consuming what it has new, and rebuilt from nothing when
+that is impossible or it was evicted. So the processor stays a function of
+(scores, batch), as :class:`~pipeline.protocols.LogitProcessor` asks, and is correct for
+batches mixing constrained and unconstrained rows, for a request whose rows come back after
+preemption, and under speculative decoding, where each verified position is a row of its own
+whose ids end in that position's drafts.
+
+When the prompt ends inside an open ``<think>`` block (templates that start the model's
+reasoning for it), the output is reasoning first: the grammar then allows any text up to the
+first ``</think>`` and applies after it (:func:`~pipeline.grammar.after_thinking`).
+
+A row whose ids leave the grammar (a draft the grammar forbids, seen by the verified
+positions after it; or forced tokens) gets EOS only: the strategy discards a rejected
+draft's row, and a committed output that broke the grammar should end rather than go on.
+EOS (any of the row's EOS ids) is allowed exactly when the output is a whole sentence of the
+grammar (with ``ignore_eos`` too: an EOS mid-sentence would leave the grammar).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import torch
+
+from pipeline.errors import InvalidValueError
+from pipeline.grammar import Grammar, after_thinking
+from pipeline.protocols import Batch, Row, Scores, Tokenizer
+from stages.grammar.bitmask import apply_bitmask, bitmask_words
+from stages.grammar.vocab import ll_tokenizer, token_table
+
+MAX_COMPILED = 64
+"""Compiled grammars kept (least recently used evicted)."""
+MAX_TRACKS = 1024
+"""Request streams whose matcher is kept between steps (least recently used evicted; an
+evicted one is rebuilt from the row's ids when its request comes back)."""
+
+
+class _Track:
+    """One request stream's matcher: the ids it was brought to, of which the first ``valid``
+    were consumed (the rest the grammar refused), and whether the matcher itself failed."""
+
+    def __init__(self, matcher: Any, key: tuple[str, int, bool]) -> None:
+        self.matcher = matcher
+        self.key = key
+        self.ids: list[int] = []
+        self.valid = 0
+        self.failed = False
+
+    @property
+    def broken(self) -> bool:
+        """The ids left the grammar (or the matcher failed): only EOS may follow."""
+        return self.failed or len(self.ids) > self.valid
+
+
+class GrammarProcessor:
+    """``grammar``: masks every token ``row.config.grammar`` does not allow next.
+
+    Built once per pipeline with its tokenizer; active for rows with a grammar. Not
+    argmax-invariant. Raises :class:`~pipeline.errors.InvalidValueError` when a grammar row
+    reaches a processor built without a tokenizer.
+
+    Example::
+
+        proc = GrammarProcessor(tokenizer)
+        row = attrs.evolve(row, config=GenerationConfig(grammar=Grammar.json_object()))
+        scores = proc(Scores(logits), Batch((row,), vocab_size=V))   # only "{" (or " {")
+    """
+
+    name: str = "grammar"
+    argmax_invariant: bool = False
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tok = tokenizer
+        self._table: list[bytes] | None = None
+        self._ll: dict[int, Any] = {}
+        self._compiled: OrderedDict[tuple[str, int, bool], Any] = OrderedDict()
+        self._think: tuple[int, str] | None | bool = False   # False: not looked up yet
+        self._tracks: OrderedDict[tuple[str, int], _Track] = OrderedDict()
+
+    def active(self, row: Row) -> bool:
+        """Active when the row's config has a grammar."""
+        return row.config.grammar is not None
+
+    def __call__(self, scores: Scores, batch: Batch) -> Scores:
+        """Remove, in each grammar row, the tokens its grammar forbids next."""
+        values = scores.to_dense(batch.vocab_size)              # [B, V]
+        rows = [i for i, r in enumerate(batch.rows) if self.active(r)]
+        bitmask = torch.zeros(len(rows), bitmask_words(values.shape[1]), dtype=torch.int32)
+        for k, i in enumerate(rows):
+            self._fill(batch.rows[i], values.shape[1], bitmask[k])
+        if len(rows) == len(batch.rows):
+            apply_bitmask(values, bitmask)
+            return Scores(values)
+        index = torch.tensor(rows, dtype=torch.long, device=values.device)
+        sub = values.index_select(0, index)                      # [R, V]
+        apply_bitmask(sub, bitmask)
+        values.index_copy_(0, index, sub)
+        return Scores(values)
+
+    def _fill(self, row: Row, vocab: int, out: torch.Tensor) -> None:
+        """Write ``row``'s allowed next tokens into ``out`` (one int32 row of bits)."""
+        track = self._sync(row, vocab)
+        m = track.matcher
+        if not track.broken:
+            m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
+            track.failed = bool(m.is_error())   # e.g. a parser limit: end the output
+        if track.broken:
+            out.zero_()
+        accepting = track.broken or m.is_accepting() or m.is_stopped()
+        for eos in row.eos_token_ids:
+            if eos < vocab:
+                _set_bit(out, eos, accepting)
+
+    def _sync(self, row: Row, vocab: int) -> _Track:
+        """The row's matcher, having consumed exactly ``row.output_ids``."""
+        grammar = row.config.grammar
+        assert grammar is not None
+        key = (row.request_id, row.stream)
+        track = self._tracks.pop(key, None)
+        ids = row.output_ids
+        compiled = (grammar.digest, vocab, self._opens_thinking(row.prompt_ids))
+        if track is None or track.key != compiled:
+            track = self._fresh(grammar, compiled)
+        common = _common_prefix(track.ids, ids)
+        if track.failed or (common < track.valid
+                            and not track.matcher.rollback(track.valid - common)):
+            track, common = self._fresh(grammar, compiled), 0
+        track.valid = min(track.valid, common)
+        del track.ids[common:]
+        self._consume(track, ids[common:])
+        self._tracks[key] = track
+        while len(self._tracks) > MAX_TRACKS:
+            self._tracks.popitem(last=False)
+        return track
+
+    def _consume(self, track: _Track, new: Sequence[int]) -> None:
+        """Extend ``track`` by ``new``: the matcher takes what the grammar allows of it, up
+        to the first refused id; ids after a refused one are only recorded."""
+        if new and not track.broken:
+            track.valid += track.matcher.try_consume_tokens(list(new))
+        track.ids.extend(new)
+
+    def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
+        return _Track(self._matcher(grammar, key).deep_copy(), key)
+
+    def _matcher(self, grammar: Grammar, key: tuple[str, int, bool]) -> Any:
+        """The pristine compiled matcher of ``grammar`` at vocabulary width ``key[1]``, after
+        a reasoning block when ``key[2]``."""
+        found = self._compiled.pop(key, None)
+        if found is None:
+            source = grammar.engine_source()
+            if key[2]:
+                assert isinstance(self._think, tuple)
+                source = after_thinking(source, self._think[1])
+            found = llguidance.LLMatcher(self._ll_tokenizer(key[1]), source)
+            if found.is_error():
+                raise InvalidValueError(grammar.field, "(grammar)",
+                                        f"is not supported here: {found.get_error()}")
+        self._compiled[key] = found
+        while len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return found
+
+    def _opens_thinking(self, prompt: Sequence[int]) -> bool:
+        """Whether ``prompt`` ends in an open ``<think>`` (then blank tokens): the output
+        starts as reasoning, which the grammar leaves free up to ``</think>``."""
+        if self._think is False:
+            self._think = self._think_markers()
+        if not isinstance(self._think, tuple):
+            return False
+        assert self._tok is not None
+        for token in reversed(prompt[-8:]):
+            if token == self._think[0]:
+                return True
+            if token >= self._tok.vocab_size or self._tok.token_bytes(token).strip():
+                return False
+        return False
+
+    def _think_markers(self) -> tuple[int, str] | None:
+        """The ``<think>`` id and the closing marker's text, when ``<think>`` is one token."""
+        if self._tok is None:
+            return None
+        ids = self._tok.encode_text("<think>", special=True)
+        return (ids[0], "</think>") if len(ids) == 1 else None
+
+    def _ll_tokenizer(self, vocab: int) -> Any:
+        if self._tok is None:
+            raise InvalidValueError("grammar", "(grammar)",
+                                    "needs a pipeline with a tokenizer")
+        if vocab not in self._ll:
+            if self._table is None:
+                self._table = token_table(self._tok)
+            self._ll[vocab] = ll_tokenizer(self._tok, self._table, n_vocab=vocab)
+        return self._ll[vocab]
+
+
+def _common_prefix(a: list[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share (the usual case, ``b`` extends ``a``, is one
+    list comparison)."""
+    if len(b) >= len(a) and list(b[:len(a)]) == a:
+        return len(a)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _set_bit(row: torch.Tensor, token: int, on: bool) -> None:
+    word, bit = divmod(token, 32)
+    value = int(row[word]) & 0xFFFFFFFF
+    value = value | (1 << bit) if on else value & ~(1 << bit)
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value
