@@ -271,6 +271,8 @@ def test_pipeline_serve_takes_keep_traces(monkeypatch: pytest.MonkeyPatch,
 
     served: list[ServerConfig] = []
     monkeypatch.setattr(transports.http, "serve", lambda c, *args: served.append(c))
+    # serve's logging would stay installed on this test's captured (soon closed) stderr
+    monkeypatch.setattr("transports.http.logs.configure", lambda *args, **kwargs: None)
     assert cli.main(["serve", "--model", "tiny", "--keep-traces", "7"]) == 0
     assert [c.keep_traces for c in served] == [7]
     assert cli.main(["serve", "--model", "tiny", "--keep-traces", "-1"]) == 2
