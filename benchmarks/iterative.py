@@ -18,6 +18,9 @@ per setting, summed over the prompts:
   the share of distinct token bigrams in the outputs (low: repetition, which a perplexity
   rewards).
 
+``EXTRA_SETTINGS`` (shorter ``ddim`` blocks, with and without self-conditioning) run only when
+named with ``--settings``.
+
 Then the held-out likelihood of each family where it has one (``iterative_bounds.py``): the
 AR model's exact NLL per token and the masked model's diffusion bound (Monte Carlo, with its
 standard error) on the held-out conversations of the training scripts; none for continuous
@@ -144,10 +147,9 @@ def generate_round(pipe: Any, setting: Setting, prompts: Sequence[str],
 def run_setting(setting: Setting, prompts: Sequence[str], max_tokens: int, rounds: int,
                 scorer: TorchBackend) -> dict[str, Any]:
     """All prompts through one setting, ``rounds`` times; counts, times, quality, replies."""
-    kw = {k: v for k, v in (("steps", setting.steps), ("block_length", setting.block_length))
-          if v is not None}
-    with build(setting.model, strategy=setting.strategy,
-               strategy_options=setting.options or None, **kw) as pipe:
+    with build(setting.model, strategy=setting.strategy, steps=setting.steps,
+               block_length=setting.block_length,
+               strategy_options=setting.options or None) as pipe:
         pipe.generate("warm up", max_tokens=4, seed=0)
         runs = [generate_round(pipe, setting, prompts, max_tokens) for _ in range(rounds)]
         prompt_ids = [list(pipe.tokenize([{"role": "user", "content": p}]).input_ids)

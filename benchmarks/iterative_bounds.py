@@ -58,6 +58,8 @@ CORPUS_SEED = 1234   # the seed both training scripts build the conversations wi
 class ForwardBackend(Protocol):
     """What these measurements need of a backend (a subset of ``pipeline.protocols.Backend``)."""
 
+    vocab_size: int
+
     def allocate(self) -> int: ...
     def release(self, slot: int) -> None: ...
     def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor: ...
@@ -74,6 +76,10 @@ def ar_nll(backend: ForwardBackend, context: Sequence[int], target: Sequence[int
     if not target:
         return 0.0
     ids = tuple(context) + tuple(target)
+    outside = sorted({i for i in ids if not 0 <= i < backend.vocab_size})
+    if outside:
+        raise ValueError(f"token ids {outside} are outside the scoring model's vocabulary "
+                         f"(0..{backend.vocab_size - 1})")
     slot = backend.allocate()
     try:
         wanted = tuple(range(len(context) - 1, len(ids) - 1))
@@ -157,7 +163,9 @@ def held_out_conversations(limit: int | None = None) -> tuple[list[list[int]], d
     model's training log): the standard library's docstrings vary between Python versions."""
     from tokenizers import Tokenizer
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
     import train_default_model as corpus
 
     sections = corpus.topic_sections() + corpus.docstring_sections(corpus.stdlib_module_names())

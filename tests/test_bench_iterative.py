@@ -47,6 +47,8 @@ def test_ar_nll_is_the_sum_of_causal_next_token_losses() -> None:
     assert iterative_bounds.ar_nll(backend, context, []) == 0.0
     with pytest.raises(ValueError, match="context"):
         iterative_bounds.ar_nll(backend, [], target)
+    with pytest.raises(ValueError, match=r"\[11\] are outside"):
+        iterative_bounds.ar_nll(backend, context, [1, VOCAB])
 
 
 def test_masked_bound_of_blocks_of_one_is_the_exact_nll() -> None:
