@@ -157,7 +157,7 @@ def test_script_runs_end_to_end(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "iterative.py"), "--settings", "AR greedy",
          "dfm L8 S8", "ddim L16 S20", "--prompts", "1", "--max-tokens", "6", "--rounds", "2",
-         "--held-out-docs", "2", "--draws", "2", "--out", str(out)],
+         "--held-out-docs", "2", "--held-out-window", "16", "--draws", "2", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
@@ -167,9 +167,12 @@ def test_script_runs_end_to_end(tmp_path: Path) -> None:
     held = report["held_out"]
     assert held["data"]["conversations"] == 2
     assert isinstance(held["data"]["corpus_matches_training"], bool)
-    assert held["models"]["tiny"]["tokens"] == held["models"]["tiny-masked"]["tokens"]
-    assert held["models"]["tiny-masked"]["standard_error"] > 0
-    assert held["models"]["tiny-flow"] == {"bound": "none computed"}
+    whole, cut = held["scopes"]["whole conversations"], held["scopes"]["first 16 tokens"]
+    assert whole["tiny"]["tokens"] == whole["tiny-masked"]["tokens"] \
+        == held["data"]["tokens"] - 2
+    assert cut["tiny"]["tokens"] == cut["tiny-masked"]["tokens"] == 2 * 15
+    assert whole["tiny-masked"]["standard_error"] > 0
+    assert held["none_computed"] == ["tiny-continuous", "tiny-flow"]
     for label in ("AR greedy", "dfm L8 S8", "ddim L16 S20", "held out:", "load average"):
         assert label in done.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "iterative.py"),
