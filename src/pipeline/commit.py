@@ -44,21 +44,15 @@ class Committer:
 
     def __init__(self, backend: Backend, paging: Paging | None,
                  cache: Callable[[Job], tuple[int, CacheLayout | None]],
-                 fail: Callable[[Job, str], None], release: Callable[[Job], None]) -> None:
+                 fail: Callable[[Job, str], None], release: Callable[[Job], None],
+                 guarded: Callable[[Job, str, Callable[[], Any]], bool]) -> None:
         self._backend = backend
         self._paging = paging
         self._cache = cache
         self._fail = fail
         self._release = release
-
-    def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
-        """Run ``fn`` for ``job``; if it raises, fail that job alone. True when it ran."""
-        try:
-            fn()
-        except Exception as exc:  # this request's state is broken, not the others'
-            self._fail(job, f"{what} failed: {exc!r}")
-            return False
-        return True
+        self._guarded = guarded
+        """Run a callable for a job; if it raises, fail that job alone (True when it ran)."""
 
     def update(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
         """Hand each strategy its sequences' logits; commit what it took, roll back what it

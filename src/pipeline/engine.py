@@ -141,7 +141,8 @@ class Engine:
         self._inspector = backend if isinstance(backend, CacheInspector) else None
         self._paging = (Paging(backend, backend.snapshot)
                         if isinstance(backend, PagedBackend) else None)
-        self._committer = Committer(backend, self._paging, self._cache, self._fail, self._release)
+        self._committer = Committer(backend, self._paging, self._cache, self._fail,
+                                    self._release, self._guarded)
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []

@@ -186,7 +186,7 @@ class ToolCall:
                    "must be a mapping with name and arguments")
             data = {**function, **({"id": data["id"]} if data.get("id") is not None else {})}
         if isinstance(data, Mapping) and isinstance(data.get("arguments"), Mapping):
-            data = {**data, "arguments": json.dumps(_thaw(data["arguments"]),
+            data = {**data, "arguments": json.dumps(thaw(data["arguments"]),
                                                     ensure_ascii=False)}
         return from_mapping(cls, data)
 
@@ -284,14 +284,16 @@ class ToolSpec:
         """The OpenAI-style tool mapping chat templates iterate over."""
         return {"type": "function", "function": {
             "name": self.name, "description": self.description,
-            "parameters": _thaw(self.parameters)}}
+            "parameters": thaw(self.parameters)}}
 
 
-def _thaw(value: Any) -> Any:
+def thaw(value: Any) -> Any:
+    """``value`` with every mapping a ``dict`` and every sequence a ``list`` (frozen values
+    back to plain JSON-shaped data)."""
     if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
+        return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
+        return [thaw(v) for v in value]
     return value
 
 

@@ -33,7 +33,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.events import Tracer, digest_json, digest_text
 from pipeline.tools.executor import Decision, ToolExecutor, ToolPolicy, Verdict
 from pipeline.tools.ledger import Entry, Ledger
-from pipeline.types import ToolCall
+from pipeline.types import ToolCall, thaw
 
 Ask = Callable[[ToolCall, Verdict], bool]
 """Answers a policy's question about a call: True allows it."""
@@ -78,7 +78,7 @@ class ToolBoundary:
 
         self._validators: dict[str, Any] = {}
         for name, tool in self.tools.items():
-            schema = dict(_thaw(tool.spec.parameters))
+            schema = dict(thaw(tool.spec.parameters))
             try:
                 jsonschema.Draft202012Validator.check_schema(schema)
             except jsonschema.SchemaError as exc:
@@ -102,7 +102,7 @@ class ToolBoundary:
             emit("invalid", errors=errors)
             return CallOutcome(call, key, "invalid", error="; ".join(errors))
         emit("validated", valid=True, schema_digest=digest_json(
-            _thaw(self.tools[call.name].spec.parameters)))
+            thaw(self.tools[call.name].spec.parameters)))
         verdict = self._authorize(call, arguments, emit)
         if verdict is not None:
             return CallOutcome(call, key, "denied", error=verdict.reason or "not allowed")
@@ -208,11 +208,3 @@ def _parsed_event(tracer: Tracer, call: ToolCall) -> int | None:
 def _where(error: Any) -> str:
     path = "/".join(str(p) for p in error.path)
     return f"{path}: " if path else ""
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
