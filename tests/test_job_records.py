@@ -18,6 +18,7 @@ import pytest
 from pipeline import build
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Tracer, digest_ids
+from pipeline.grammar import Grammar
 from pipeline.handle import RequestHandle
 from pipeline.job import Job
 from pipeline.job_spec import JobSpec
@@ -59,7 +60,9 @@ def specimens() -> list[JobSpec]:
                    model_snapshot="sha256:m", template_version="sha256:t",
                    tokenizer_version="sha256:k", recording=Recording.FULL)
     text = Request(prompt="once upon", request_id="req-text",
-                   generation_config=GenerationConfig(temperature=0, stop="x"))
+                   generation_config=GenerationConfig(
+                       temperature=0, stop="x", grammar=Grammar.json_schema(
+                           {"type": "object", "properties": {"a": {"type": "integer"}}})))
     ids = Request(prompt_ids=(1, 2, 3), request_id="req-ids",
                   runtime_limits=RuntimeLimits(deadline_s=1.0))
     prompt = TokenizedPrompt((11, 12, 13, 14), "sha256:tok", "sha256:text", (0, 1, 5, 6))

@@ -126,10 +126,12 @@ def check(engine_source: str, field: str) -> None:
 
 def grammar_value(value: Any) -> Grammar | None:
     """``GenerationConfig.grammar``'s converter: a :class:`Grammar`, None, or a mapping
-    ``{"kind": ..., "source": ...}`` (how a config written out as JSON reads back)."""
+    ``{"kind": ..., "source": ..., "field"?: ...}`` (how a config written out as JSON reads
+    back)."""
     if value is None or isinstance(value, Grammar):
         return value
     if isinstance(value, Mapping) and set(value) <= {"kind", "source", "field"}:
-        return Grammar(str(value.get("kind")), str(value.get("source", "")))
+        return Grammar(str(value.get("kind")), str(value.get("source", "")),
+                       str(value.get("field", "grammar")))
     raise InvalidValueError("grammar", value, "must be a Grammar (pipeline.Grammar.json_schema"
                             "(...), .json_object(), .lark(...))")
