@@ -245,3 +245,13 @@ def test_a_draft_model_drafts_under_the_grammar_too() -> None:
         assert got.text == want
         assert sum(v["proposed"] for v in verified) == sum(v["accepted"] for v in verified) > 0
         jsonschema.validate(json.loads(got.text), PERSON)
+
+
+@pytest.mark.parametrize("model", ["tiny-masked", "tiny-flow"])
+def test_a_grammar_on_a_strategy_that_commits_blocks_is_refused(model: str) -> None:
+    # masked diffusion once answered json_object with "{{{{{": the grammar masked each
+    # position of a block alone, so the committed block was no prefix of any JSON text
+    from pipeline.errors import InvalidValueError
+
+    with build(model) as pipe, pytest.raises(InvalidValueError, match="cannot constrain"):
+        pipe.generate("hi", json_object=True, max_tokens=8)

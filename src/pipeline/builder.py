@@ -21,7 +21,7 @@ from pipeline.models import (
     is_gguf_file, resolve_model,
 )
 from pipeline.options import BackendOptions
-from pipeline.pipe import Pipeline, Stages
+from pipeline.pipe import AUTOREGRESSIVE_STRATEGIES, Pipeline, Stages
 from pipeline.protocols import (
     Backend, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
     ToolCallParser, Transport,
@@ -46,8 +46,6 @@ DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
-AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
-"""The built-in strategies that need an autoregressive model (no ``pipeline_generation``)."""
 
 StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
 T = TypeVar("T")
