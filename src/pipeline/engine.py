@@ -40,6 +40,15 @@ handle is completed with a bare failure, so the caller still gets an answer. Sho
 thread end all the same (a ``BaseException``), it completes every handle it holds, refuses new
 work with :class:`~pipeline.errors.EngineClosed` naming why (``failure``), and calls
 ``on_stop``; :meth:`Engine.fresh` gives a new engine over the same backend.
+
+Stalls. A step that does not return (a wedged kernel, a grammar that never ends, a deadlock)
+holds every request of the engine. :meth:`Engine.stall` says how long the step in progress
+has run, its number, its phase and its requests; a supervisor (the HTTP gateway's) that finds
+it over its limit calls :meth:`Engine.abandon`: every request held fails at once with the
+reason, new work is refused, and ``on_stop`` is called as for a dead loop. The stuck thread
+cannot be killed: when its step returns it frees what its requests held and ends without
+touching them again, and only then can :meth:`Engine.fresh` start a new engine over the
+backend (before that it raises :class:`~pipeline.errors.StepStillRunning`).
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ import attrs
 import torch
 
 from pipeline.errors import (
-    CapacityError, EngineClosed, InvalidValueError, SlotError,
+    CapacityError, EngineClosed, InvalidValueError, SlotError, StepStillRunning,
 )
 from pipeline.events import Tracer
 from pipeline.handle import RequestHandle, RequestState
@@ -105,6 +114,28 @@ class EngineConfig:
             raise InvalidValueError("max_prefill_chunk", value, "must be >= 1")
 
 
+ENGINE_DOWN = "the engine stopped"
+"""How the error of every request an engine failed as a whole begins (its loop died or its
+step stalled): the request was not at fault, and a retry on a fresh engine may succeed."""
+
+
+@attrs.frozen
+class Stall:
+    """The step in progress: its number, how long it has run, what it is doing and for
+    which requests."""
+
+    step: int
+    running_s: float
+    phase: str
+    request_ids: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line for logs, ``/health`` and the failed requests' errors."""
+        ids = ", ".join(self.request_ids[:4]) + (" ..." if len(self.request_ids) > 4 else "")
+        return (f"step {self.step} has run {self.running_s:.1f} s in {self.phase} "
+                f"({len(self.request_ids)} requests: {ids})")
+
+
 @attrs.frozen
 class _Plan:
     decode: list[Job]
@@ -121,7 +152,8 @@ class Engine:
     def __init__(self, backend: Backend, strategies: StrategyFactory,
                  config: EngineConfig | None = None,
                  on_stop: Callable[[str], None] | None = None,
-                 decodable_vocab: int | None = None) -> None:
+                 decodable_vocab: int | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.backend = backend
         self.decodable_vocab = decodable_vocab
         """Ids at or above this the tokenizer cannot decode (a model vocabulary padded beyond
@@ -150,6 +182,11 @@ class Engine:
         self._active: list[Job] = []
         self._held: set[int] = set()  # slots allocated and not yet released
         self._closed = False
+        self._clock = clock
+        self._steps = 0
+        self._step_started: int | None = None  # clock reading while a step runs
+        self._phase = "idle"
+        self._abandoned = False
         self._thread = threading.Thread(target=self._loop, name="pipeline-engine", daemon=True)
         self._thread.start()
 
@@ -182,16 +219,54 @@ class Engine:
         """True while the loop thread runs and the engine takes work."""
         return self._thread.is_alive() and self.failure is None and not self._closed
 
-    def fresh(self) -> Engine:
-        """A new engine over the same backend, strategies, config and ``on_stop``, after this
-        one stopped. Slots this engine still holds (a release that failed as it died) are
-        released first, so the fresh engine has the backend's every slot."""
+    @property
+    def stepping(self) -> bool:
+        """True while the loop thread runs (an abandoned one too, until its step returns)."""
+        return self._thread.is_alive()
+
+    def fresh(self, clock: Callable[[], int] | None = None) -> Engine:
+        """A new engine over the same backend, strategies, config and ``on_stop`` (and
+        ``clock``, unless another is given), after this one stopped. Slots this engine still
+        holds (a release that failed as it died) are released first, so the fresh engine has
+        the backend's every slot."""
         for slot in sorted(self._held):
             with contextlib.suppress(Exception):
                 self.backend.release(slot)
         self._held.clear()
+        if self._thread.is_alive():
+            raise StepStillRunning(f"the abandoned engine's step {self._steps} has not "
+                                   "returned yet; a fresh engine would share its backend")
         return Engine(self.backend, self._strategies, self.config, self.on_stop,
-                      self.decodable_vocab)
+                      self.decodable_vocab, clock or self._clock)
+
+    def stall(self) -> Stall | None:
+        """The step in progress now (None between steps and while idle). Any thread."""
+        started = self._step_started
+        if started is None:
+            return None
+        with self._cv:
+            ids = tuple(j.request.request_id for j in self._active)
+        return Stall(self._steps, (self._clock() - started) / 1e9, self._phase, ids)
+
+    def abandon(self, why: str) -> None:
+        """Give up on a stalled step (any thread): fail every request held with ``why``,
+        refuse new work and call ``on_stop``, as for a loop that died. The stuck thread
+        frees its requests' resources if its step ever returns, then ends."""
+        with self._cv:
+            if self.failure is not None or self._closed:
+                return
+            self.failure, self._abandoned = why, True
+            jobs = list(self._incoming) + list(self._queue) + list(self._active)
+            self._queue.extend(self._incoming)
+            self._incoming.clear()
+        log.error("abandoning the engine: %s", why)
+        for job in jobs:
+            job.abort(f"{ENGINE_DOWN}: {why}")
+        if self.on_stop is not None:
+            try:
+                self.on_stop(why)
+            except Exception:  # the supervisor's failure must not hide the stall
+                log.exception("the engine's on_stop failed")
 
     @property
     def kv_blocks(self) -> BlockStats | None:
@@ -242,12 +317,20 @@ class Engine:
                 self._cancel_all()
                 continue
             try:
+                self._steps += 1
+                self._step_started = self._clock()
                 started = time.perf_counter()
                 shape = self._step()
                 if shape is not None and self._pacer is not None:
                     self._pacer.observe(time.perf_counter() - started, *shape)
             except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
-                self._recover(exc)
+                if not self._abandoned:
+                    self._recover(exc)
+            finally:
+                self._step_started, self._phase = None, "idle"
+            if self._abandoned:
+                self._free_abandoned()
+                return
             self._idle_wait()
 
     def _recover(self, exc: Exception) -> None:
@@ -258,6 +341,17 @@ class Engine:
         for job in list(self._queue):
             if job.state.terminal:
                 self._release(job)
+
+    def _free_abandoned(self) -> None:
+        """The abandoned step returned: free every slot and block its requests held (their
+        callers were answered by :meth:`abandon`), so a fresh engine gets the backend whole."""
+        with self._cv:
+            jobs = list(self._queue) + list(self._active)
+        for job in jobs:
+            with contextlib.suppress(Exception):
+                self._release(job)
+        log.warning("the abandoned engine's step %d returned; its resources are free",
+                    self._steps)
 
     def _stopped(self, why: str) -> None:
         """The loop is ending abnormally: refuse new work, end every job it holds. Whatever
@@ -270,9 +364,9 @@ class Engine:
         try:
             for job in jobs:
                 try:
-                    self._fail(job, f"the engine stopped: {why}")
+                    self._fail(job, f"{ENGINE_DOWN}: {why}")
                 except BaseException as exc:  # the backend keeps failing: end the job bare
-                    job.abort(f"the engine stopped: {why}; then {exc!r}")
+                    job.abort(f"{ENGINE_DOWN}: {why}; then {exc!r}")
         finally:
             if self.on_stop is not None:
                 with contextlib.suppress(BaseException):  # nothing more to do on this thread
@@ -293,17 +387,25 @@ class Engine:
 
     def _step(self) -> tuple[int, int] | None:
         """One step; returns its shape (decoding sequences, prefilled tokens) for pacing."""
+        self._phase = "settling"
         self._settle()
+        self._phase = "admitting"
         self._admit()
+        self._phase = "planning"
         plan = self._plan()
         if not plan.decode and not plan.prefill:
             return None
         if self._paging is not None:
             plan = self._make_room(plan, self._paging)
+        self._phase = "the model's forward"
         ready = self._forward(plan)
+        if self._abandoned:  # its requests were failed meanwhile: touch them no more
+            return None
+        self._phase = "selection and commit"
         if ready:
             self._committer.update(ready)
         paging = self._paging
+        self._phase = "publishing blocks"
         if paging is not None:
             for job in list(self._active):
                 self._guarded(job, "publishing blocks", lambda: paging.publish(job))
@@ -566,4 +668,5 @@ class Engine:
                 job.abort("the request ended without a completion")
 
 
-__all__ = ["Engine", "EngineConfig", "RequestHandle", "RequestState", "Tracer"]
+__all__ = ["ENGINE_DOWN", "Engine", "EngineConfig", "RequestHandle", "RequestState", "Stall",
+           "Tracer"]

@@ -26,6 +26,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     │   ├── RequestFailed                        the request ended in state ``failed``
     │   └── RequestCancelled                     the request ended in state ``cancelled``
     ├── EngineClosed                           the engine no longer accepts work
+    │   └── StepStillRunning                     an abandoned engine's step has not returned
     ├── InvariantViolation                     a live-checked trace broke a DESIGN §8 invariant
     └── ServingError                           the HTTP gateway refused a request
         ├── AuthenticationError                  missing or wrong API key
@@ -237,7 +238,14 @@ class RequestCancelled(RequestError):
 
 
 class EngineClosed(PipelineError):
-    """The engine was closed; it accepts no new requests."""
+    """The engine was closed, or stopped (its loop died or its step stalled); it accepts no
+    new requests. Also what a request failed with the engine as a whole is raised as over
+    HTTP: a 503 the client may retry."""
+
+
+class StepStillRunning(EngineClosed):
+    """An abandoned engine's stalled step has not returned: a fresh engine over the same
+    backend cannot start yet."""
 
 
 class InvariantViolation(PipelineError):

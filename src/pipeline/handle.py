@@ -149,6 +149,8 @@ class RequestHandle:
 
     def _push(self, delta: Delta) -> None:
         with self._cond:
+            if self._completion is not None:  # answered already (an abandoned engine's
+                return                        # step returning late): the stream has ended
             self._deltas.append(delta)
             listeners = tuple(self._listeners)
             self._cond.notify_all()

@@ -43,9 +43,10 @@ from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from pipeline.engine import ENGINE_DOWN
 from pipeline.errors import (
-    InvalidValueError, LimitExceededError, ModelNotFoundError, PayloadTooLargeError,
-    PipelineError,
+    EngineClosed, InvalidValueError, LimitExceededError, ModelNotFoundError,
+    PayloadTooLargeError, PipelineError,
 )
 from pipeline.types import Completion
 from transports.http import anthropic_api, completions_api, generation, openai_api
@@ -76,7 +77,11 @@ def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
     return JSONResponse(error_body(info, dialect), status_for(info, dialect))
 
 
-def _failed(completion: Completion) -> RuntimeError:
+def _failed(completion: Completion) -> Exception:
+    """What a failed completion is raised as: a 503 the client may retry when the engine as a
+    whole went down under it, else a 500."""
+    if completion.error is not None and completion.error.startswith(ENGINE_DOWN):
+        return EngineClosed(f"generation failed: {completion.error}; retry the request")
     return RuntimeError(f"generation failed: {completion.error}")
 
 
@@ -341,7 +346,9 @@ class Server:
         """``GET /health``: 200 when every model is loaded and its engine runs, else 503 with
         each model's state (``restarting`` while a stopped engine waits for a fresh one),
         ``engine_failures`` naming why an engine stopped, and ``restarts`` counting fresh
-        engines per model once there were any."""
+        engines per model once there were any. ``problems`` names every worker that is down
+        (an engine that stopped or stalled, a usage store that cannot write) with why; a usage
+        store alone down is ``degraded``: answers still flow, their records wait in memory."""
         states, failures = {}, {}
         for name, m in self.gateway.models.items():
             failure = m.engine_failure if m.state is ModelState.READY else None
@@ -349,13 +356,18 @@ class Server:
             if failure is not None:
                 failures[name] = failure
         ok = self.gateway.ready
-        status = "ok" if ok else ("engine_stopped" if failures else "loading")
+        problems = self.gateway.problems()
+        loading = any(m.state is not ModelState.READY for m in self.gateway.models.values())
+        status = ("ok" if ok else "engine_stopped" if failures else "loading" if loading
+                  else "degraded")
         body: dict[str, Any] = {"status": status, "models": states}
         restarts = {n: m.restarts for n, m in self.gateway.models.items() if m.restarts}
         if restarts:
             body["restarts"] = restarts
         if failures:
             body["engine_failures"] = failures
+        if problems:
+            body["problems"] = problems
         return JSONResponse(body, 200 if ok else 503)
 
     async def metrics(self, http: HTTPRequest) -> Response:

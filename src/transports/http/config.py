@@ -79,6 +79,10 @@ class ServerConfig:
     error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
     The traces of the last ``keep_traces`` finished requests are kept in memory for
     ``GET /traces/{request_id}`` (:mod:`transports.http.traces`; 0 keeps none).
+    An engine step that runs longer than ``stall_timeout_s`` (None: never checked) is a
+    stall: ``/health`` says so, its requests fail with a 503 and the engine is replaced as a
+    dead one is. A response waits at most ``usage_wait_s`` for its usage record to be durable
+    (:mod:`transports.http.usage`: a record the database will not take is kept and retried).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -104,6 +108,8 @@ class ServerConfig:
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
     keep_traces: int = attrs.field(default=100, validator=_non_negative)
+    stall_timeout_s: float | None = attrs.field(default=120.0)
+    usage_wait_s: float = attrs.field(default=5.0)
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads
@@ -125,6 +131,18 @@ class ServerConfig:
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:
         if not isinstance(value, (int, float)) or not 0 <= value < 3600:
             raise InvalidValueError("restart_delay_s", value, "must be in [0, 3600) seconds")
+
+    @stall_timeout_s.validator
+    def _stall(self, _: attrs.Attribute[float | None], value: float | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 86400):
+            raise InvalidValueError("stall_timeout_s", value,
+                                    "must be in (0, 86400] seconds, or None (unchecked)")
+
+    @usage_wait_s.validator
+    def _usage_wait(self, _: attrs.Attribute[float], value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 600:
+            raise InvalidValueError("usage_wait_s", value, "must be in [0, 600] seconds")
 
 
 def load_api_keys(env_var: str | None = "PIPELINE_API_KEYS",

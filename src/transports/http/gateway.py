@@ -6,10 +6,16 @@ state (503 while loading; each load and each failure logged as it happens), rout
 only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
 :class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
-committed durably, its admission place given back, its metrics counted, its choices' traces
-kept for the keys that made it), and supervision:
+committed durably, or spilled for a retry after ``usage_wait_s`` at most; its admission place
+given back, its metrics counted, its choices' traces kept for the keys that made it), and
+supervision:
 when a model's engine loop stops after an internal error, the model answers 503 (its queued
-requests already failed) and a fresh engine replaces it ``restart_delay_s`` later.
+requests already failed) and a fresh engine replaces it ``restart_delay_s`` later. A
+watchdog thread checks every engine's step in progress: one that has run longer than
+``stall_timeout_s`` is abandoned (:meth:`~pipeline.engine.Engine.abandon`: its requests fail
+with a 503, the model is ``restarting``), and the fresh engine starts once the stuck step has
+returned. :meth:`Gateway.problems` names every worker that is down (an abandoned or dead
+engine, a usage store that cannot write) for ``/health``.
 
 Keys: ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` are both accepted. When a request
 sends both (or repeats one), every value must be a valid key: a wrong one is a 401 naming its
@@ -21,6 +27,7 @@ a request's trace is readable with those keys only (:mod:`transports.http.traces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import hmac
@@ -36,7 +43,7 @@ import attrs
 from pipeline.builder import build
 from pipeline.errors import (
     AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
-    ModelNotFoundError, OverloadedError,
+    ModelNotFoundError, OverloadedError, StepStillRunning,
 )
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
@@ -184,12 +191,18 @@ class Gateway:
         self.models = {name: ServedModel(name, folder) for name, folder in config.models.items()}
         self.metrics = Metrics(self.pipelines, tuple(self.models))
         self.usage = UsageStore(config.data_dir)
+        self.metrics.watch_usage(self.usage.health)
         self.traces = TraceStore(config.keep_traces)
         self._loaders: list[threading.Thread] = []
         self._closed = threading.Event()
         self._lifecycle = threading.Lock()  # orders engine restarts against close()
         self.flights: dict[str, Flight] = {}
         """Requests admitted and not yet finished, by request id (for inspection)."""
+        self._watchdog: threading.Thread | None = None
+        if config.stall_timeout_s is not None:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name="engine-watchdog")
+            self._watchdog.start()
 
     # --- models ------------------------------------------------------------------------------
 
@@ -265,12 +278,56 @@ class Gateway:
         timer.daemon = True
         timer.start()
 
+    def _watch(self) -> None:
+        """The watchdog thread: a few looks per ``stall_timeout_s`` until :meth:`close`."""
+        limit = self.config.stall_timeout_s
+        assert limit is not None
+        while not self._closed.wait(min(limit / 4, 1.0)):
+            try:
+                self.check_stalls()
+            except Exception:  # the watchdog must outlive a bug in one look
+                log.exception("the engine watchdog's check failed")
+
+    def check_stalls(self) -> list[str]:
+        """Abandon every engine whose step in progress has run past ``stall_timeout_s``;
+        returns the served names abandoned (the watchdog calls this; so may a test)."""
+        limit, abandoned = self.config.stall_timeout_s, []
+        for served in self.models.values():
+            engine = served.pipeline.engine if served.pipeline is not None else None
+            stall = engine.stall() if engine is not None and engine.alive else None
+            if engine is None or stall is None or limit is None or stall.running_s <= limit:
+                continue
+            log.error("model %r: the engine stalled: %s (limit %.1f s); its requests fail and "
+                      "a fresh engine starts once the step returns", served.name,
+                      stall.describe(), limit)
+            engine.abandon(f"stalled: {stall.describe()}")
+            abandoned.append(served.name)
+        return abandoned
+
+    def problems(self) -> dict[str, str]:
+        """What is down now, by worker (``engine:<model>``, ``usage_store``), with why."""
+        down = {f"engine:{name}": failure for name, m in self.models.items()
+                if m.state is ModelState.READY and (failure := m.engine_failure) is not None}
+        usage = self.usage.health()
+        if usage.down is not None:
+            down["usage_store"] = (f"{usage.down} (for {usage.down_for_s:.1f} s; "
+                                   f"{usage.spill_depth} records waiting, retried)")
+        return down
+
     def _restart(self, served: ServedModel) -> None:
         with self._lifecycle:  # never after close(): a fresh engine nobody would close
             if self._closed.is_set() or served.pipeline is None:
                 return
             try:
                 served.pipeline.restart_engine()
+            except StepStillRunning as exc:  # a stalled step holds the backend: wait for it
+                log.warning("model %r: %s; trying again in %.1f s", served.name, exc,
+                            max(self.config.restart_delay_s, 1.0))
+                timer = threading.Timer(max(self.config.restart_delay_s, 1.0), self._restart,
+                                        (served,))
+                timer.daemon = True
+                timer.start()
+                return
             except Exception as exc:
                 served.error = f"restarting the engine failed: {exc!r}"
                 served.state = ModelState.FAILED
@@ -295,9 +352,10 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        """True when every model is loaded and its engine runs."""
-        return all(m.state is ModelState.READY and m.engine_failure is None
-                   for m in self.models.values())
+        """True when every model is loaded, its engine runs, and usage records are written."""
+        return (all(m.state is ModelState.READY and m.engine_failure is None
+                    for m in self.models.values())
+                and self.usage.health().down is None)
 
     # --- keys --------------------------------------------------------------------------------
 
@@ -455,15 +513,18 @@ class Gateway:
                 if not flight.done.done():
                     flight.done.set_result(completion)
 
-        def durable() -> None:
-            try:
+        def bounded() -> None:  # on the event loop: the store gets usage_wait_s at most
+            loop.call_later(self.config.usage_wait_s, resolve)
+
+        def done(_durable: bool) -> None:  # durable or spilled: the response may end now
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
                 loop.call_soon_threadsafe(resolve)
-            except RuntimeError:  # the loop is gone: nobody waits any more
-                pass
 
         record = UsageRecord.of_choices(record_id, completions, total_usage(completions, n),
-                                        served.name, endpoint)
-        self.usage.append(record, durable)
+                                        served.name, endpoint, owners)
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(bounded)
+        self.usage.append(record, done)
 
     def close(self) -> None:
         """Stop every engine (cancelling what runs), then flush the usage store."""

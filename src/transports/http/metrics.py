@@ -3,8 +3,9 @@
 Owns :class:`Metrics`: request counts by model, endpoint and status; prompt and completion
 token counts; the prefix cache's hits (generations that reused cached blocks, and the prompt
 tokens read from the cache, a part of the prompt count); time-to-first-token and inter-token
-latency histograms; and gauges of active slots and queue depth read from the engines at
-scrape time. Labels come from bounded sets:
+latency histograms; gauges of active slots and queue depth read from the engines at
+scrape time; and the usage store's state (records made durable, spilled for a retry, dropped
+from a full spill; the spill's depth; whether the writer is up). Labels come from bounded sets:
 a ``model`` label is a served name or ``other`` (a client choosing model names must not grow
 the exposition, nor put undecodable text in it).
 """
@@ -14,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pipeline.pipe import Pipeline
 from pipeline.types import Usage
+from transports.http.usage import StoreHealth
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -40,6 +42,29 @@ class _EngineGauges(Collector):
                 active.add_metric([name], pipe.engine.active_slots)
                 queued.add_metric([name], pipe.engine.queue_depth)
         return [active, queued]
+
+
+class _UsageGauges(Collector):
+    """The usage store's counters, read when scraped."""
+
+    def __init__(self, health: Callable[[], StoreHealth]) -> None:
+        self._health = health
+
+    def collect(self) -> Iterable[Metric]:
+        h = self._health()
+        records = CounterMetricFamily(
+            "pipeline_usage_records", "Usage records by outcome: durable (committed), spilled "
+            "(a write failed; kept in memory and retried), dropped (the spill was full)",
+            labels=["outcome"])
+        for outcome, count in (("durable", h.durable), ("spilled", h.spilled),
+                               ("dropped", h.dropped)):
+            records.add_metric([outcome], count)
+        depth = GaugeMetricFamily("pipeline_usage_spill_depth",
+                                  "Usage records waiting in memory for a retry", value=h.spill_depth)
+        up = GaugeMetricFamily("pipeline_usage_store_up",
+                               "1 while usage records are written, 0 while writes fail",
+                               value=0 if h.down is not None else 1)
+        return [records, depth, up]
 
 
 class Metrics:
@@ -67,6 +92,10 @@ class Metrics:
                                      "Time between streamed deltas", ["model"],
                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_EngineGauges(pipelines))
+
+    def watch_usage(self, health: Callable[[], StoreHealth]) -> None:
+        """Expose the usage store's state (:class:`_UsageGauges`) from now on."""
+        self.registry.register(_UsageGauges(health))
 
     def label(self, model: str) -> str:
         """The ``model`` label for a name a request gave: itself if served, else ``other``."""

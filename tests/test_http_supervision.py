@@ -1,0 +1,330 @@
+"""Supervised workers: the usage writer under a real SQLite lock, a full disk and a read-only
+one; the engine watchdog under a step that blocks. Oracles: SQLite itself (another
+connection's ``BEGIN EXCLUSIVE``, the kernel's ENOSPC and EROFS on a small tmpfs), the rows a
+separate connection reads back, the HTTP statuses and ``/metrics`` as Prometheus parses them.
+No verdict rests on a duration: each wait is a bound on something that must happen."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import sqlite3
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.builder import build
+from pipeline.errors import EngineClosed, InvalidValueError, RequestFailed, StepStillRunning
+from pipeline.models import TINY_MODEL_DIR
+from pipeline.pipe import Pipeline
+from pipeline.protocols import ModelCall
+from pipeline.testing import ScriptedBackend, peaked
+from stages.tokenize import HFTokenizer
+from tests.http_support import config, running
+from transports.http import Gateway, ServerConfig
+from transports.http.usage import SPILL_FILE, UsageRecord, UsageStore, read_records
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def record(i: int) -> UsageRecord:
+    return UsageRecord(f"req-{i}", "m", "chat", 3, 4, 0, "stop", None, 0.0, 0.1, 0.2,
+                       time.time(), "abc")
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[sqlite3.Connection]:
+    """Another connection holding the database's exclusive lock, as a backup job would."""
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("BEGIN EXCLUSIVE")
+    try:
+        yield db
+    finally:
+        db.execute("COMMIT")
+        db.close()
+
+
+def append_all(store: UsageStore, ids: range) -> list[bool]:
+    """Append records ``ids``; the outcome each callback reported, once all reported."""
+    outcomes: dict[int, bool] = {}
+    done = threading.Event()
+
+    def on_done(i: int, durable: bool) -> None:
+        outcomes[i] = durable
+        if len(outcomes) == len(ids):
+            done.set()
+
+    for i in ids:
+        store.append(record(i), lambda durable, i=i: on_done(i, durable))
+    assert done.wait(30), "a record's callback never ran"
+    return [outcomes[i] for i in ids]
+
+
+def test_a_lock_past_the_busy_timeout_spills_then_every_record_lands(tmp_path: Path) -> None:
+    store = UsageStore(tmp_path, busy_timeout_s=0.2, backoff_s=0.05, max_backoff_s=0.2)
+    try:
+        assert append_all(store, range(3)) == [True] * 3
+        with exclusive(store.path):
+            assert append_all(store, range(3, 8)) == [False] * 5  # answered, not blocked
+            health = store.health()
+            assert health.down is not None and "locked" in health.down
+            assert health.spill_depth == 5 and health.spilled == 5
+        # the lock is gone: the writer's own retry writes the spill, nothing new needed
+        wait_for(lambda: len(read_records(store.path)) == 8)
+        wait_for(lambda: store.health().down is None)
+        assert store.health().durable == 8 and store.health().spill_depth == 0
+        assert {r.request_id for r in read_records(store.path)} == {f"req-{i}" for i in range(8)}
+        assert all(r.api_keys == "abc" for r in read_records(store.path))
+    finally:
+        store.close()
+
+
+def test_a_full_spill_drops_the_oldest_and_counts_them(tmp_path: Path) -> None:
+    store = UsageStore(tmp_path, busy_timeout_s=0.05, spill_limit=3, backoff_s=60)
+    with exclusive(store.path):
+        assert append_all(store, range(5)) == [False] * 5
+        assert store.health().dropped == 2 and store.health().spill_depth == 3
+    store.close()
+    kept = {r.request_id for r in read_records(store.path)}
+    assert kept == {"req-2", "req-3", "req-4"}  # close's last try wrote the spill
+
+
+def test_a_spill_the_database_never_takes_goes_to_a_file_at_close(tmp_path: Path) -> None:
+    store = UsageStore(tmp_path, busy_timeout_s=0.05, backoff_s=60)
+    with exclusive(store.path):
+        assert append_all(store, range(2)) == [False, False]
+        store.close()
+    lines = (tmp_path / SPILL_FILE).read_text().splitlines()
+    assert [json.loads(line)["request_id"] for line in lines] == ["req-0", "req-1"]
+
+
+def test_an_older_database_gains_the_key_column(tmp_path: Path) -> None:
+    db = sqlite3.connect(str(tmp_path / "usage.sqlite3"))
+    db.execute("CREATE TABLE usage (request_id TEXT PRIMARY KEY, model TEXT NOT NULL, "
+               "endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens "
+               "INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, finish_reason TEXT NOT NULL, "
+               "error TEXT, queued_s REAL NOT NULL, first_token_s REAL, total_s REAL NOT NULL, "
+               "finished_at REAL NOT NULL)")
+    db.execute("INSERT INTO usage VALUES ('old', 'm', 'chat', 1, 1, 0, 'stop', NULL, 0, NULL, "
+               "0, 0)")
+    db.commit()
+    db.close()
+    store = UsageStore(tmp_path)
+    assert append_all(store, range(1)) == [True]
+    store.close()
+    rows = {r.request_id: r.api_keys for r in read_records(store.path)}
+    assert rows == {"old": "", "req-0": "abc"}
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str = "2m") -> Iterator[Path]:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_disk_spills_and_the_rows_land_once_there_is_room(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "data") as data:
+        store = UsageStore(data, backoff_s=0.05, max_backoff_s=0.2)
+        try:
+            assert append_all(store, range(2)) == [True, True]
+            filler = data / "filler"
+            with open(filler, "wb") as out, contextlib.suppress(OSError):
+                while True:  # until the kernel says ENOSPC
+                    out.write(b"\0" * 65536)
+                    out.flush()
+            outcomes = append_all(store, range(2, 202))
+            assert False in outcomes
+            health = store.health()
+            assert health.down is not None and "full" in health.down, health
+            filler.unlink()
+            wait_for(lambda: len(read_records(store.path)) == 202)
+            wait_for(lambda: store.health().down is None)
+        finally:
+            store.close()
+
+
+def test_a_read_only_disk_spills_and_the_rows_land_once_writable(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "data") as data:
+        # a long backoff: after a failure the writer closes its connection and waits 3 s, the
+        # window in which nothing holds the file open and the kernel lets it go read-only
+        store = UsageStore(data, busy_timeout_s=0.05, backoff_s=3.0, max_backoff_s=3.0)
+        try:
+            assert append_all(store, range(2)) == [True, True]
+            with exclusive(store.path):
+                assert append_all(store, range(2, 3)) == [False]
+            subprocess.run(["mount", "-o", "remount,ro", str(data)], check=True)
+            assert append_all(store, range(3, 6)) == [False] * 3
+            health = store.health()
+            # SQLite's words for a read-only directory in WAL mode (no -shm file can be made)
+            assert health.down is not None and "unable to open" in health.down, health
+            subprocess.run(["mount", "-o", "remount,rw", str(data)], check=True)
+            wait_for(lambda: len(read_records(store.path)) == 6)
+        finally:
+            store.close()
+
+
+def test_an_unwritable_data_directory_is_refused_at_start(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "data") as data:
+        subprocess.run(["mount", "-o", "remount,ro", str(data)], check=True)
+        with pytest.raises(sqlite3.OperationalError):
+            UsageStore(data)
+
+
+# --- through HTTP ------------------------------------------------------------------------------
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+def ask(url: str, i: int, stream: bool) -> tuple[int, str]:
+    body = {"model": "default", "max_tokens": 3, "temperature": 0, "stream": stream,
+            "messages": [{"role": "user", "content": f"q{i}"}]}
+    with httpx.Client(timeout=60) as client:
+        if not stream:
+            r = client.post(f"{url}/v1/chat/completions", json=body)
+            return r.status_code, r.text
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            return r.status_code, "".join(r.iter_lines())
+
+
+def test_a_locked_usage_database_never_holds_a_response(tmp_path: Path) -> None:
+    gateway = Gateway(config(tmp_path, usage_wait_s=30))
+    with running(gateway) as url:
+        path = tmp_path / "usage.sqlite3"
+        with exclusive(path):
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                answers = list(pool.map(lambda i: ask(url, i, bool(i % 2)), range(12)))
+            assert [status for status, _ in answers] == [200] * 12
+            assert all("[DONE]" in text for status, text in answers[1::2])
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+            assert "locked" in health.json()["problems"]["usage_store"]
+            assert metric(url, "pipeline_usage_store_up") == 0
+            assert metric(url, "pipeline_usage_records_total", outcome="spilled") == 12
+        wait_for(lambda: len(read_records(path)) == 12)
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+        assert metric(url, "pipeline_usage_records_total", outcome="durable") == 12
+
+
+# --- the engine watchdog -----------------------------------------------------------------------
+
+class GatedBackend(ScriptedBackend):
+    """A scripted backend whose forwards block, once ``block`` is set, until ``release``."""
+
+    def __init__(self, vocab: int, a: int) -> None:
+        super().__init__(vocab, peaked(vocab, lambda ids: a, 30.0), num_slots=4)
+        self.block = threading.Event()
+        self.release_gate = threading.Event()
+        self.blocked = threading.Event()
+
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        if self.block.is_set():
+            self.blocked.set()
+            self.release_gate.wait(120)
+        return super().forward(calls)
+
+
+def gated_model() -> tuple[Pipeline, GatedBackend]:
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    backend = GatedBackend(tok.vocab_size, tok.encode_text("a")[0])
+    return build(TINY_MODEL_DIR, backend=backend), backend
+
+
+def test_a_stalled_step_fails_its_requests_and_a_fresh_engine_takes_over(tmp_path: Path) -> None:
+    pipe, backend = gated_model()
+    gateway = Gateway(config(tmp_path, stall_timeout_s=0.3, restart_delay_s=0.0),
+                      lambda f, c: pipe)
+    try:
+        with running(gateway) as url:
+            assert ask(url, 0, False)[0] == 200
+            backend.block.set()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                stuck = [pool.submit(ask, url, i, bool(i % 2)) for i in range(1, 5)]
+                assert backend.blocked.wait(30)
+                answers = [f.result(timeout=60) for f in stuck]  # the watchdog answers them
+            streamed, plain = answers[0::2], answers[1::2]  # i odd streams
+            assert [status for status, _ in plain] == [503, 503]
+            assert all("stalled" in json.loads(text)["error"]["message"] for _, text in plain)
+            # a stream had begun: its error comes as the last event
+            assert all(status == 200 and "stalled" in text for status, text in streamed)
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503
+            assert health.json()["models"]["default"] == "restarting"
+            assert "stalled: step" in health.json()["problems"]["engine:default"]
+            assert ask(url, 9, False)[0] == 503  # no fresh engine while the step holds on
+            backend.block.clear()
+            backend.release_gate.set()  # the step returns; the fresh engine starts
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+            assert ask(url, 10, False)[0] == 200
+            assert gateway.models["default"].restarts == 1
+            assert backend.busy_slots == 0  # the abandoned requests' slots came back
+    finally:
+        backend.release_gate.set()
+        gateway.close()
+
+
+def test_a_stall_timeout_is_validated() -> None:
+    for bad in (0, -1, True, "5"):
+        with pytest.raises(InvalidValueError, match="stall_timeout_s"):
+            ServerConfig(models={"d": None}, stall_timeout_s=bad)  # type: ignore[arg-type]
+
+
+def test_the_engine_reports_the_step_in_progress_by_its_own_clock() -> None:
+    now = [0]
+    pipe, backend = gated_model()
+    assert pipe.engine is not None
+    pipe.engine.close()
+    clocked = pipe.engine = pipe.engine.fresh(clock=lambda: now[0])
+    stopped: list[str] = []
+    clocked.on_stop = stopped.append
+    try:
+        assert clocked.stall() is None
+        backend.block.set()
+        handle = pipe.submit("hi", max_tokens=2)
+        assert backend.blocked.wait(30)
+        now[0] = 7_500_000_000
+        stall = clocked.stall()
+        assert stall is not None and stall.running_s == 7.5
+        assert stall.phase == "the model's forward" and stall.request_ids == (handle.request_id,)
+        clocked.abandon(f"stalled: {stall.describe()}")
+        with pytest.raises(RequestFailed, match="the engine stopped: stalled: step"):
+            handle.result(timeout=10)
+        assert stopped and stopped[0].startswith("stalled: step")
+        with pytest.raises(EngineClosed):
+            pipe.submit("again", max_tokens=2)
+        with pytest.raises(StepStillRunning):
+            clocked.fresh()
+        backend.release_gate.set()
+        wait_for(lambda: not clocked.stepping)
+        assert backend.busy_slots == 0  # the step returned and freed its request's slot
+        pipe.engine = clocked.fresh()
+        backend.block.clear()
+        assert pipe.generate("hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        backend.release_gate.set()
+        pipe.close()
