@@ -328,3 +328,31 @@ def test_the_engine_reports_the_step_in_progress_by_its_own_clock() -> None:
     finally:
         backend.release_gate.set()
         pipe.close()
+
+
+def test_a_client_that_leaves_frees_its_admission_place_before_the_next_step(
+        tmp_path: Path) -> None:
+    pipe, backend = gated_model()
+    gateway = Gateway(config(tmp_path, num_slots=1, max_queue=0), lambda f, c: pipe)
+    try:
+        with running(gateway) as url:
+            body = {"model": "default", "max_tokens": 500, "stream": True,
+                    "messages": [{"role": "user", "content": "go"}]}
+            with httpx.Client(timeout=30) as client:
+                with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    assert sum(1 for _, line in zip(range(4), lines) if line) >= 2
+                    backend.block.set()  # the step in progress now holds on
+                    assert backend.blocked.wait(30)
+            # the client left while the engine cannot notice: its place is free already
+            served = gateway.models["default"]
+            wait_for(lambda: served.inflight == 0)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                later = pool.submit(ask, url, 1, False)
+                wait_for(lambda: len(gateway.flights) == 2 or later.done())
+                backend.block.clear()
+                backend.release_gate.set()
+                assert later.result(timeout=60)[0] == 200
+    finally:
+        backend.release_gate.set()
+        gateway.close()

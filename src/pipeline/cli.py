@@ -102,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
             reasoning_budget_tokens=args.reasoning_budget, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
             restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
+            stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype)
         config.backend_options().check_device()
@@ -171,6 +172,12 @@ def _add_serve(sub: Any) -> None:
                        help="requests that may wait for those threads before a 429")
     serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                        help="wait before a stopped engine is replaced by a fresh one")
+    serve.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                       help="an engine step running longer is a stall: its requests fail "
+                            "with a 503 and the engine is replaced (0: never checked)")
+    serve.add_argument("--usage-wait", type=float, default=5.0, metavar="SECONDS",
+                       help="the longest a response waits for its usage record to be "
+                            "durable (a record not yet written is kept and retried)")
     serve.add_argument("--keep-traces", type=int, default=100, metavar="N",
                        help="keep the last N requests' traces in memory for GET "
                             "/traces/{request_id} (0: none)")

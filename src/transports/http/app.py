@@ -48,10 +48,11 @@ from pipeline.errors import (
     EngineClosed, InvalidValueError, LimitExceededError, ModelNotFoundError,
     PayloadTooLargeError, PipelineError,
 )
+from pipeline.handle import RequestHandle
 from pipeline.types import Completion
 from transports.http import anthropic_api, completions_api, generation, openai_api
 from transports.http.choices import merged
-from transports.http.common import Parsed, ServerDefaults, traceparent
+from transports.http.common import Parsed, ServerDefaults, StreamEncoder, traceparent
 from transports.http.errors import Dialect, classify, error_body, route_error, status_for
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Gateway, ModelState, ServedModel
@@ -59,7 +60,7 @@ from transports.http.generation import Started
 from transports.http.logs import CLIENT_CLOSED, AccessLog, record_generation
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
-from transports.http.output import Part
+from transports.http.output import OutputSplitter, Part
 from transports.http.page import MEDIA_TYPE as HTML, ChatPage
 from transports.http.traces import MEDIA_TYPE as JSONL
 from transports.http.work import Checkpoint, Workers, disconnected
@@ -221,8 +222,27 @@ class Server:
         if opening:
             yield opening
         histogram = self.gateway.metrics.inter_token.labels(served.name)
-        last: dict[int, float] = {}
         handles = [f.handle for f in started.flights]
+        try:
+            async for chunk in self._stream_deltas(handles, splitters, encoder, parsed,
+                                                   dialect, histogram):
+                yield chunk
+        finally:  # the client left mid-stream: cancel, and free the admission places now
+            if not all(h.done() for h in handles):
+                started.cancel()
+        completions = await asyncio.gather(*(f.done for f in started.flights))
+        failed = next((c for c in completions if c.error is not None), None)
+        if failed is not None:
+            yield self._stream_error(_failed(failed), dialect)
+            return
+        yield encoder.end(completions)
+
+    async def _stream_deltas(self, handles: list[RequestHandle],
+                             splitters: list[OutputSplitter], encoder: StreamEncoder,
+                             parsed: Parsed, dialect: Dialect,
+                             histogram: Any) -> AsyncIterator[bytes]:
+        """The stream's chunks while its choices produce deltas (pings while idle)."""
+        last: dict[int, float] = {}
         async for item in merged(handles, self.gateway.config.ping_interval_s):
             if item is None:  # idle (queued): keep the connection alive
                 yield anthropic_api.PING if dialect is Dialect.ANTHROPIC else KEEP_ALIVE
@@ -240,12 +260,6 @@ class Server:
             chunk = encoder.delta(index, parts, delta)
             if chunk:
                 yield chunk
-        completions = await asyncio.gather(*(f.done for f in started.flights))
-        failed = next((c for c in completions if c.error is not None), None)
-        if failed is not None:
-            yield self._stream_error(_failed(failed), dialect)
-            return
-        yield encoder.end(completions)
 
     @staticmethod
     def _stream_error(exc: BaseException, dialect: Dialect) -> bytes:

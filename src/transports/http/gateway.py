@@ -116,6 +116,13 @@ class ServedModel:
         """Fresh engines started after the engine loop stopped."""
         self._token_chars: int | None = None
 
+    def leave(self, flight: Flight) -> None:
+        """Give ``flight``'s admission place back (once, whoever calls first)."""
+        with self.lock:
+            if flight.admitted:
+                flight.admitted = False
+                self.inflight -= 1
+
     @property
     def engine_failure(self) -> str | None:
         """Why the engine loop stopped, while no fresh engine has replaced it."""
@@ -171,6 +178,14 @@ class Flight:
     model: ServedModel
     request: Request
     done: asyncio.Future[Completion]
+    admitted: bool = True
+    """True while the flight holds one of its model's admission places."""
+
+    def cancel(self) -> None:
+        """Cancel the request and give its admission place back now: the engine ends it at
+        its next step, but a client that left must not keep a newcomer out meanwhile."""
+        self.handle.cancel()
+        self.model.leave(self)
 
 
 class Gateway:
@@ -495,8 +510,11 @@ class Gateway:
                   index: int) -> None:
         """On the engine thread: free the admission place and count; the last choice to
         finish keeps the request's traces and writes its usage record."""
-        self._leave(served)
-        self.flights.pop(completion.request_id, None)
+        flight = self.flights.pop(completion.request_id, None)
+        if flight is not None:
+            served.leave(flight)
+        else:  # not registered: submit failed half-way and gave the places back itself
+            self._leave(served)
         self.metrics.finished(served.name, completion.usage, completion.timings.first_token_s)
         choices.add(index, completion)
 

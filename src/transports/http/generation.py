@@ -42,9 +42,9 @@ class Started:
     echoes: tuple[str, ...] = ()
 
     def cancel(self) -> None:
-        """Cancel every choice still running."""
+        """Cancel every choice still running; their admission places are free at once."""
         for flight in self.flights:
-            flight.handle.cancel()
+            flight.cancel()
 
 
 def _tokenizer(served: ServedModel) -> Tokenizer:
