@@ -299,9 +299,14 @@ def test_compensation_is_a_separate_explicit_action() -> None:
     tracer = Tracer("t2")
     assert boundary.compensate("k1", tracer) == {"refunded": 1}
     assert [e.event_type for e in tracer.events] == ["tool.compensated"]
-    assert counter.undone == [{"receipt": 1}] and boundary.ledger.get("k1").state == "compensated"
-    with pytest.raises(InvalidValueError, match="no executed call"):
+    assert counter.undone == [{"receipt": 1}]
+    # the compensation is a record of its own: the call's outcome stays as it was
+    assert boundary.ledger.get("k1").state == "executed"
+    assert boundary.ledger.compensation("k1").result == {"refunded": 1}
+    with pytest.raises(InvalidValueError, match="compensated already"):
         boundary.compensate("k1", tracer)
+    with pytest.raises(InvalidValueError, match="no executed call"):
+        boundary.compensate("k-never", tracer)
     undo_fn = FunctionTool(transfer, undo=lambda result, to, amount: f"refund {amount} to {to}")
     assert undo_fn.compensate({"to": "bob", "amount": 5}, {}) == "refund 5 to bob"
     with pytest.raises(NotImplementedError):

@@ -4,6 +4,12 @@ Owns the :class:`Event` value type, content digests, the sinks that receive even
 JSON lines) and :class:`Tracer`, which numbers the events of one request. ``event_id`` is
 monotonic per trace and *is* the causal order; ``monotonic_ns`` is for latency only. Payloads
 hold versions, shapes, lengths and digests; text and tensors only at ``Recording.FULL``.
+
+Also owns how long a written trace lasts (:data:`DURABILITY`): by default :class:`JsonlSink`
+hands every event to the operating system as it is emitted and fsyncs the tool boundary's
+commits and outcomes (:data:`LEDGER_EVENTS`) as the ledger does, the commit before the effect
+runs, so the trace of a killed process still shows every call that crossed the commit
+boundary, as the tool ledger does.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +25,8 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import attrs
+
+from pipeline.errors import InvalidValueError
 
 PAYLOAD_SCHEMA_VERSION = 1
 
@@ -120,25 +129,121 @@ class MemorySink:
             return list(self._events)
 
 
-class JsonlSink:
-    """Appends each event as one JSON line to a file (``pipeline trace`` reads these)."""
+DURABILITY = ("none", "flush", "fsync-boundary", "fsync")
+"""How hard a :class:`JsonlSink` works to keep its events, weakest first:
 
-    def __init__(self, path: str | Path) -> None:
+- ``none``: events go through a write buffer, written when it fills and on ``close``; a
+  process that is killed loses up to a buffer of events and may leave a torn last line.
+- ``flush``: each event is handed to the operating system (one ``write``) before ``emit``
+  returns: the trace survives the process being killed (SIGKILL, the OOM killer), not a
+  power loss or a kernel crash.
+- ``fsync-boundary`` (the default): ``flush``, and each event the tool ledger also records
+  (:data:`LEDGER_EVENTS`: a commit, an outcome, a compensation) is fsynced, with everything
+  written before it, before ``emit`` returns. ``tool.committed`` is emitted before the
+  effect runs, so the call's validation, authorization and commit are on disk before it;
+  the trace is as durable as the ledger at each of the ledger's writes, and survives a power
+  loss where the ledger does.
+- ``fsync``: every event is fsynced (for audits; the slowest).
+
+``benchmarks/trace_durability.py`` measures what each costs per event, per decode step and
+per tool call.
+"""
+
+LEDGER_EVENTS = frozenset({"tool.committed", "tool.executed", "tool.failed",
+                           "tool.compensated"})
+"""The tool boundary's events that match a durable record of the tool ledger
+(:mod:`pipeline.tools.ledger`): the ones ``fsync-boundary`` fsyncs."""
+
+
+class JsonlSink:
+    """Appends each event as one JSON line to a file (``pipeline trace`` reads these), as
+    durably as ``durability`` says (one of :data:`DURABILITY`).
+
+    Opening a file whose last line a crash left unfinished cuts that line off (a line that is
+    whole but for its newline is finished instead), so appending after a crash never glues
+    two events together. A file has one writer at a time, or several at ``flush`` or above
+    (their lines are single writes, so they interleave whole).
+    """
+
+    def __init__(self, path: str | Path, *, durability: str = "fsync-boundary") -> None:
+        if durability not in DURABILITY:
+            raise InvalidValueError("durability", durability,
+                                    "must be one of " + ", ".join(DURABILITY))
         self.path = Path(path)
-        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+        self.durability = durability
+        self._unsynced_folder = _mend_tail(self.path)
+        self._file: IO[bytes] = self.path.open("ab", buffering=-1 if durability == "none"
+                                               else 0)
         self._lock = threading.Lock()
 
     def emit(self, event: Event) -> None:
-        """Write ``event`` as a line."""
-        line = event_line(event)
+        """Write ``event`` as a line, as durably as the sink's level says."""
+        data = (event_line(event) + "\n").encode("utf-8")
+        sync = self.durability == "fsync" or (self.durability == "fsync-boundary"
+                                              and event.event_type in LEDGER_EVENTS)
         with self._lock:
-            self._file.write(line + "\n")
+            view = memoryview(data)
+            while view:  # unbuffered writes may be partial
+                written = self._file.write(view)
+                view = view[written if written is not None else len(view):]
+            if sync:
+                self._sync()
+
+    def _sync(self) -> None:
+        os.fsync(self._file.fileno())
+        if self._unsynced_folder:  # a new file's name is durable once its folder is synced
+            _sync_folder(self.path.parent)
+            self._unsynced_folder = False
 
     def close(self) -> None:
-        """Flush and close the file."""
+        """Flush (and at the fsync levels, fsync) and close the file."""
         with self._lock:
             if not self._file.closed:
+                self._file.flush()
+                if self.durability.startswith("fsync"):
+                    self._sync()
                 self._file.close()
+
+
+def _mend_tail(path: Path) -> bool:
+    """Finish or cut off a last line a crash left unfinished; True when there is no file
+    yet (its folder then needs a sync for the file to be durable)."""
+    try:
+        f = path.open("r+b")
+    except FileNotFoundError:
+        return True
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        at = end
+        while at > 0:  # back to the last newline, a block at a time
+            size = min(65536, at)
+            f.seek(at - size)
+            block = f.read(size)
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                at = at - size + newline + 1
+                break
+            at -= size
+        if at == end:
+            return False
+        f.seek(at)
+        try:
+            json.loads(f.read())
+        except ValueError:
+            f.truncate(at)
+        else:
+            f.write(b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return False
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def event_line(event: Event) -> str:
@@ -148,7 +253,8 @@ def event_line(event: Event) -> str:
 
 
 def read_jsonl(path: str | Path) -> list[Event]:
-    """Events of a JSONL trace file, in file order."""
+    """Events of a JSONL trace file, in file order (its last line must be whole: open a
+    :class:`JsonlSink` on a crashed process's file first to mend it)."""
     with Path(path).open(encoding="utf-8") as f:
         return [Event.from_json(json.loads(line)) for line in f if line.strip()]
 
