@@ -32,7 +32,9 @@ RUN = [sys.executable, "-m", "pipeline", "serve", "--host", "127.0.0.1", "--port
 KEY = "sk-test-logs"
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO|WARNING|ERROR) "
                   r"(pipeline\.serve(?:\.access)?|uvicorn\.\w+): (.*)$")
-ACCESS = re.compile(r"^(GET|HEAD|POST) (\S+) (\d{3}) (\d+\.\d)ms((?: \w+=\S+)*)$")
+# a field's value is one token, or a JSON string (``reason=``: a 4xx's message, escaped)
+FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]\S*)')
+ACCESS = re.compile(rf"^(GET|HEAD|POST) (\S+) (\d{{3}}) (\d+\.\d)ms((?: {FIELD.pattern})*)$")
 LISTEN = re.compile(r"listening on (http://127\.0\.0\.1:(\d+)) \(models: (.*)\)$")
 
 
@@ -90,7 +92,8 @@ class Log:
             if parsed.group(2) == "pipeline.serve.access":
                 found = ACCESS.match(parsed.group(3))
                 assert found, f"a malformed access line: {line!r}"
-                fields = dict(f.split("=", 1) for f in found.group(5).split())
+                fields = {name: json.loads(value) if value.startswith('"') else value
+                          for name, value in FIELD.findall(found.group(5))}
                 out.append((found.group(1), found.group(2), int(found.group(3)), fields))
         return out
 
@@ -183,6 +186,11 @@ def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int,
     unanswered = [f for _, _, s, f in lines if s in (404, 401)]
     assert len(unanswered) == 2
     assert all(f["request_id"] == "-" and "prompt_tokens" not in f for f in unanswered)
+    # each 4xx says why: what its error body told the client
+    whys = {s: (f.get("error"), f.get("reason")) for _, _, s, f in lines if s >= 400}
+    assert whys[404] == ("not_found", missing.json()["error"]["message"])
+    assert whys[401] == ("invalid_api_key", refused.json()["error"]["message"])
+    assert whys[499] == ("client_closed_request", None)
 
 
 def test_access_lines_of_choices_completions_traces_and_the_page(tmp_path: Path) -> None:

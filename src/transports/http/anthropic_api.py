@@ -1,7 +1,9 @@
 """The Anthropic dialect: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
 Owns :func:`parse_messages` (a Messages body → :class:`~transports.http.common.Parsed`:
-system prompt, ``text`` / ``tool_use`` / ``tool_result`` / ``thinking`` blocks, tools,
+system prompt, ``text`` / ``tool_use`` / ``tool_result`` / ``thinking`` blocks (each block's
+``cache_control`` checked as the top level's and a tool's are: ``{"type": "ephemeral",
+"ttl"?}``, a 400 naming its path otherwise), tools,
 ``tool_choice``, ``thinking.budget_tokens`` as the reasoning budget), :func:`message_body` (the
 non-stream answer) and :class:`MessageStream` (``message_start``, ``content_block_start`` /
 ``delta`` / ``stop`` for ``thinking``, ``text`` and ``tool_use`` with ``input_json_delta``,
@@ -27,14 +29,17 @@ from pipeline.types import (
 from transports.http.common import (
     Parsed, ServerDefaults, config_from, output_grammar, text_content,
 )
-from transports.http.documented import anthropic_fields, anthropic_tool, one_of, unsupported
+from transports.http.documented import (
+    _cache_control as cache_control, anthropic_fields, anthropic_tool, one_of, unsupported,
+)
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 
 def _tool_result(path: str, block: Obj) -> Message:
-    content = text_content(f"{path}.content", block.value.get("content"), "text") or ""
+    content = text_content(f"{path}.content", block.value.get("content"), "text",
+                           cache_control) or ""
     block.has("content")
     if block.get("is_error", "boolean", False):
         content = f"Error: {content}"
@@ -50,7 +55,7 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
         at = f"{path}[{i}]"
         block = Obj(raw, at)
         kind = block.need("type", "string")
-        block.get("cache_control", "object")
+        cache_control(block)
         if kind == "text":
             texts.append(block.need("text", "string"))
             block.get("citations", "array")
@@ -81,7 +86,7 @@ def _messages(body: Obj) -> list[Message]:
     system = body.value.get("system")
     body.has("system")
     if system is not None:
-        out.append(Message("system", text_content("system", system, "text")))
+        out.append(Message("system", text_content("system", system, "text", cache_control)))
     for path, raw in body.items("messages", required=True):
         o = Obj(raw, path)
         role = o.need("role", "string")

@@ -11,7 +11,7 @@ plus how to answer it), :class:`RawPrompts` (a completions request's prompts),
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -129,8 +129,11 @@ def config_from(fields: dict[str, Any], max_tokens: int | None,
     return GenerationConfig.from_dict(fields)
 
 
-def text_content(path: str, value: Any, text_type: str) -> str | None:
-    """Message content as text: a string, or a list of ``{"type": text_type, "text"}`` parts."""
+def text_content(path: str, value: Any, text_type: str,
+                 cache_control: Callable[[Obj], None] | None = None) -> str | None:
+    """Message content as text: a string, or a list of ``{"type": text_type, "text"}`` parts.
+    A part's ``cache_control`` is checked by ``cache_control`` (a dialect's rule for the
+    hint), else only as an object."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -143,7 +146,10 @@ def text_content(path: str, value: Any, text_type: str) -> str | None:
             raise InvalidValueError(f"{path}[{i}].type", kind,
                                     f"is not supported here: only '{text_type}' parts")
         pieces.append(part.need("text", "string"))
-        part.get("cache_control", "object")
+        if cache_control is None:
+            part.get("cache_control", "object")
+        else:
+            cache_control(part)
         part.done()
     return "".join(pieces)
 

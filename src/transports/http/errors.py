@@ -27,6 +27,10 @@ ClientGone                     499     client_closed_request       client_closed
 anything else                  500     server_error                api_error
 =============================  ======  ==========================  ==========================
 
+Two refusals happen below the app, before a request exists to raise anything: a request head
+over ``max_header_bytes`` or ``max_headers`` (:func:`head_too_large`, 431, written by
+:mod:`transports.http.wire`) and a read deadline (408, :mod:`transports.http.timeouts`).
+
 Every string of an error body is valid Unicode (a lone surrogate a client sent is written as
 its ``\\uXXXX`` escape), so echoing hostile input can never make the error itself fail.
 """
@@ -125,6 +129,16 @@ def route_error(status: int, method: str, path: str) -> ErrorInfo:
                          f"{method} is not allowed on {path}", code="method_not_allowed")
     return ErrorInfo(404, "invalid_request_error", "not_found_error",
                      f"no such endpoint: {method} {path}", code="not_found")
+
+
+def head_too_large(limit: str, value: int, maximum: int, what: str) -> ErrorInfo:
+    """A request head over the server's limit ``limit`` (a setting's name): 431, Request
+    Header Fields Too Large. ``value`` is what was counted when it was refused (bytes: at
+    least that many)."""
+    return ErrorInfo(431, "invalid_request_error", "invalid_request_error",
+                     f"request header fields too large: {value} {what} exceeds the limit of "
+                     f"{maximum} (server setting {limit})", code="header_fields_too_large",
+                     extras={"limit": limit, "value": value, "maximum": maximum})
 
 
 def status_for(info: ErrorInfo, dialect: Dialect) -> int:

@@ -1,10 +1,12 @@
 """Reading JSON request bodies: typed field access that names the field in every error.
 
 Owns :func:`parse_json` (bytes → a JSON value; malformed JSON, ``NaN`` and ``Infinity``, a
-lone UTF-16 surrogate in any string or key, and nesting deeper than ``max_depth`` are errors:
-text is checked once, here at the door) and :class:`Obj`, a view of one JSON object whose getters check type and range and
-record which keys were read, so :meth:`Obj.done` can reject every key nobody asked for. Every
-error is an :class:`~pipeline.errors.InvalidValueError` or
+key given twice in one object (at any depth: JSON leaves which one counts undefined, so a
+proxy that reads the first would judge another request than the one served), a lone UTF-16
+surrogate in any string or key, and nesting deeper than ``max_depth`` are errors: text is
+checked once, here at the door) and :class:`Obj`, a view of one JSON object whose getters
+check type and range and record which keys were read, so :meth:`Obj.done` can reject every key
+nobody asked for. Every error is an :class:`~pipeline.errors.InvalidValueError` or
 :class:`~pipeline.errors.UnknownFieldError` whose field is the JSON path
 (``messages[2].content``), which the transport turns into a 400.
 """
@@ -36,11 +38,73 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+class _DuplicateKey(Exception):
+    """A JSON object of the body holds ``key`` twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _repeat(pairs: list[tuple[str, Any]]) -> str | None:
+    """The first key of a JSON object's members given a second time, if any."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members as a dict, unless a key repeats: JSON leaves which one counts
+    undefined, and Python keeps the last where a proxy in front may keep the first, and judge
+    another request than the one served."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _DuplicateKey(_repeat(pairs) or "")
+    return obj
+
+
+class _Repeated(dict[str, Any]):
+    """An object that held ``key`` twice (built only to say where, after a refusal)."""
+
+    key = ""
+
+
+def _marking(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    marked = _Repeated(obj)
+    marked.key = _repeat(pairs) or ""
+    return marked
+
+
+def _duplicate(text: str, key: str) -> InvalidValueError:
+    """The 400 for a body known to repeat ``key`` somewhere, naming a repeated key's JSON
+    path (a second parse, on this error only, finds where)."""
+    field = _ascii(key)
+    try:
+        value = json.loads(text, object_pairs_hook=_marking, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # too deep to walk: the key alone
+        value = None
+    path, holder = _find(value, lambda item, _: isinstance(item, _Repeated))
+    if isinstance(holder, _Repeated):
+        key, field = holder.key, _ascii(holder.key)
+        field = f"{path}.{field}" if path != "body" else field
+    return InvalidValueError(field, key, "is given twice in one JSON object; each key may "
+                             "appear once (which one counts would be ambiguous)")
+
+
 def parse_json(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
     """Decode a request body; anything but strict UTF-8 JSON of valid Unicode text, nested
-    at most ``max_depth`` deep, is a 400 naming where."""
+    at most ``max_depth`` deep, each object's keys distinct, is a 400 naming where."""
     try:
-        value = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        text = raw.decode("utf-8")
+        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique)
+    except _DuplicateKey as exc:
+        raise _duplicate(text, exc.key) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise InvalidValueError("body", raw[:80].decode("utf-8", "replace"),
                                 f"malformed JSON: {exc}") from None

@@ -27,9 +27,14 @@ setting                     default      what it bounds (error)
 ``max_n``                   16           choices one request asks for: ``n``, times the
                                          prompts of a batched ``/v1/completions`` request
                                          (400; each choice is a generation of its own)
+``max_header_bytes``        64 KiB       a request's head: its request line and header
+                                         fields (431 and close, while they arrive)
+``max_headers``             100          header fields of one request (431 and close)
 ==========================  ===========  ===================================================
 
-Every refusal is a :class:`~pipeline.errors.LimitExceededError` (or
+The two head limits are enforced below the app, in uvicorn's protocols, while the head
+arrives (:mod:`transports.http.wire`): the app never sees such a request. Every other refusal
+is a :class:`~pipeline.errors.LimitExceededError` (or
 :class:`~pipeline.errors.PayloadTooLargeError`) naming the field, the value, the limit and the
 setting. A prompt within ``max_prompt_chars`` can still be too long for the model's window:
 the gateway refuses it, still before tokenizing, when its characters cannot fit even at the
@@ -79,6 +84,9 @@ class Limits:
     max_logit_bias: int = _limit(2048, "logit_bias entries in one request")
     max_n: int = _limit(16, "choices in one request (n, times the prompts of a batched "
                             "completions request)")
+    max_header_bytes: int = _limit(64 * 1024, "bytes of a request's request line and header "
+                                              "fields (431)")
+    max_headers: int = _limit(100, "header fields in one request (431)")
 
     def check(self, body: Any) -> None:
         """Raise for the first limit ``body`` (parsed JSON of any endpoint) exceeds. Fields

@@ -4,7 +4,10 @@ Owns the server's lines and their wording: where it listens, each model's load (
 its memory, how long it took, the strategy it generates with and the settings given for it)
 or failure, and the access log, one line per HTTP request
 written by :class:`AccessLog`, an ASGI middleware around the whole app, when the response
-has ended (for a stream: after its last event, with the real token counts). :func:`configure`
+has ended (for a stream: after its last event, with the real token counts; for a 4xx, why),
+or by :func:`refused` for a request refused below the app (:mod:`transports.http.wire`).
+Client-chosen text in a line is escaped and cut (:func:`clean`, :func:`quoted`): no request
+can end a line or forge one. :func:`configure`
 sends these loggers (and uvicorn's warnings and errors) to standard error in one format; the
 library itself never configures logging, so an application embedding the server decides.
 
@@ -16,11 +19,14 @@ Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.acc
     2025-01-31 12:00:00.903 INFO pipeline.serve: model 'masked' ready in 0.36 s: Qwen3ForCausalLM, 2.8M parameters (2803968), bfloat16 on cpu, weights 5.3 MiB (5607936 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy fast_dllm (steps=4 block_length=8 threshold=0.1)
     2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000 (models: tiny)
     2025-01-31 12:00:03.002 INFO pipeline.serve.access: POST /v1/chat/completions 200 412.3ms model=tiny prompt_tokens=17 completion_tokens=32 finish=length request_id=chatcmpl-6c1f... client=127.0.0.1:50412
+    2025-01-31 12:00:04.310 INFO pipeline.serve.access: POST /v1/messages 400 3.1ms error=invalid_request_error reason="messages[0].role='system': must be 'user' or 'assistant'" request_id=- client=127.0.0.1:50414
+    2025-01-31 12:00:05.020 INFO pipeline.serve.access: - - 431 - error=header_fields_too_large reason="request header fields too large: 70012 bytes of request line and header fields exceeds the limit of 65536 (server setting max_header_bytes)" request_id=- client=127.0.0.1:50416
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -48,6 +54,10 @@ CLIENT_CLOSED = 499
 """nginx's "client closed request": the status of a request whose client left before its
 response started (the app answers it so, and the access log writes it whatever the app
 answered to nobody); a stream the client leaves keeps the 200 it was sent."""
+REASON_CHARS = 160
+"""Characters of an error's message an access line keeps."""
+ERROR_BODY_BYTES = 16 * 1024
+"""Bytes of a 4xx response's body the access log reads for its error (ours are far less)."""
 USAGE_WAIT_S = 10.0
 """How long the access line waits for the usage of a generation the client left (its cancel
 takes effect at the engine's next step)."""
@@ -153,6 +163,44 @@ def clean(text: str, limit: int = 200) -> str:
     return text
 
 
+def quoted(text: str, limit: int = REASON_CHARS) -> str:
+    """Text that may hold client input (an error message echoing a value) as one quoted
+    token of a log line: at most ``limit`` characters (then ``...``), every quote, backslash,
+    control and non-ASCII character escaped, so no input can end the line or fake a field."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return json.dumps(cut)
+
+
+def error_fields(body: bytes) -> list[str]:
+    """``error=`` and ``reason=`` for a 4xx response's JSON error body, as the client was
+    told it (either dialect's shape: the OpenAI ``code``, else the error's ``type``; the
+    message); nothing for a body that is not one."""
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return []
+    error = value.get("error") if isinstance(value, dict) else None
+    if not isinstance(error, dict):
+        return []
+    kind = error.get("code") or error.get("type")
+    fields = [f"error={clean(kind, 60)}"] if isinstance(kind, str) and kind else []
+    message = error.get("message")
+    if isinstance(message, str):
+        fields.append(f"reason={quoted(message)}")
+    return fields
+
+
+def refused(status: int, error: str, reason: str, client: tuple[str, int] | None) -> None:
+    """The access line of a request refused below the app, while its head arrived (no method
+    or path known to the app, no latency): ``- - 431 - error=... reason="..."``."""
+    access_log.info("- - %d - error=%s reason=%s request_id=- client=%s", status,
+                    clean(error, 60), quoted(reason), _client(client))
+
+
+def _client(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "-"
+
+
 class AccessLog:
     """ASGI middleware: one ``pipeline.serve.access`` line per HTTP request, once its
     response has ended.
@@ -162,6 +210,9 @@ class AccessLog:
     real counts, also for a stream or a client that left; for a request of several choices
     the request's usage as its response reports it, each prompt once and the completions
     summed, and the choices' finish reasons joined by commas in choice order),
+    ``error=`` and ``reason=`` for a 4xx answer (what its JSON error body told the client:
+    the error's code or type, and its message quoted and cut, see :func:`error_fields`; a
+    client that left is ``error=client_closed_request``),
     ``request_id=`` (the id its ``x-request-id`` header carries, ``-`` for a request that
     started no generation) and ``client=``. A client that left
     before its response started is logged as 499 whatever the app answered to nobody; an
@@ -177,6 +228,7 @@ class AccessLog:
             return
         start = time.perf_counter()
         status: list[int] = []
+        error = bytearray()  # the start of a 4xx answer's body
 
         async def receiving() -> Message:
             message = await receive()
@@ -187,17 +239,22 @@ class AccessLog:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(int(message["status"]))
+            elif (message["type"] == "http.response.body" and status and 400 <= status[0] < 500
+                  and len(error) < ERROR_BODY_BYTES):
+                error.extend(message.get("body", b"")[:ERROR_BODY_BYTES - len(error)])
             await send(message)
 
         try:
             await self.app(scope, receiving, sending)
         except BaseException:
             # no waiting on this path (the task may be cancelled): counts known by now only
-            await self._line(scope, status[0] if status else 500, start, wait=False)
+            await self._line(scope, status[0] if status else 500, start, bytes(error),
+                             wait=False)
             raise
-        await self._line(scope, status[0] if status else 0, start, wait=True)
+        await self._line(scope, status[0] if status else 0, start, bytes(error), wait=True)
 
-    async def _line(self, scope: Scope, status: int, start: float, *, wait: bool) -> None:
+    async def _line(self, scope: Scope, status: int, start: float, error: bytes, *,
+                    wait: bool) -> None:
         elapsed = time.perf_counter() - start
         if not access_log.isEnabledFor(logging.INFO):
             return
@@ -216,9 +273,11 @@ class AccessLog:
                 fields += [f"prompt_tokens={usage.prompt_tokens}",
                            f"completion_tokens={usage.completion_tokens}",
                            f"finish={finish}"]
-        client = scope.get("client")
-        fields += [f"request_id={request_id}",
-                   f"client={client[0]}:{client[1]}" if client else "client=-"]
+        if status == CLIENT_CLOSED:
+            fields.append("error=client_closed_request")
+        elif 400 <= status < 500:
+            fields += error_fields(error)
+        fields += [f"request_id={request_id}", f"client={_client(scope.get('client'))}"]
         access_log.info("%s %s %s %.1fms %s", scope["method"], clean(scope["path"]),
                         status or "-", elapsed * 1e3, " ".join(fields))
 

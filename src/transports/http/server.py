@@ -2,7 +2,8 @@
 
 Owns :func:`serve` (blocking; what ``pipeline serve`` calls) and :func:`parse_models`
 (``--model DIR`` / ``--model NAME=DIR`` arguments into served names). uvicorn's configuration,
-request read deadlines included, is :func:`transports.http.timeouts.uvicorn_config`'s; what
+request read deadlines and the bounds on a request's head included (the server's
+``limits``), is :func:`transports.http.timeouts.uvicorn_config`'s; what
 the server logs is :mod:`transports.http.logs`'s. Models load while the server already
 listens (503 until ready); when every one of them failed, the server stops and :func:`serve`
 raises.
@@ -78,13 +79,15 @@ class _Server(uvicorn.Server):
 def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "warning") -> None:
     """Load the models (in the background) and serve until interrupted; a request's headers
-    and body must each arrive within ``config.timeouts``. Raises
+    and body must each arrive within ``config.timeouts``, and its head keep within
+    ``config.limits`` (431). Raises
     :class:`~pipeline.errors.ArtifactError` when no model could be loaded (the server stops
     as soon as that is known). Logging is left to the caller
     (:func:`transports.http.logs.configure`); ``log_level`` is uvicorn's own."""
     gateway = Gateway(config)
     server = _Server(uvicorn_config(create_app(gateway), host, port, log_level,
-                                    config.timeouts, log_config=None), list(gateway.models))
+                                    config.timeouts, log_config=None, limits=config.limits),
+                     list(gateway.models))
 
     def loaded() -> None:
         if not gateway.pipelines():

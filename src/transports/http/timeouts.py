@@ -7,8 +7,9 @@ slowloris. Each connection has its own timer on the event loop, so a stalled cli
 others nothing.
 
 Owns :class:`Timeouts` (the two limits, validated), :func:`protocol_class` (uvicorn's httptools
-or h11 protocol with the deadlines enforced) and :func:`uvicorn_config`, the one uvicorn
-configuration that ``serve()`` and the tests both run.
+or h11 protocol with the deadlines enforced, over :mod:`transports.http.wire`'s head limits and
+HTTP/1.0 framing) and :func:`uvicorn_config`, the one uvicorn configuration that ``serve()``
+and the tests both run.
 
 The clocks:
 
@@ -45,6 +46,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pipeline.errors import InvalidValueError
 from transports.http.errors import Dialect, ErrorInfo, error_body
+from transports.http.limits import Limits
+from transports.http.wire import WireH11Protocol, WireHttpToolsProtocol
 
 Phase = Literal["headers", "body"]
 HTTPImpl = Literal["httptools", "h11"]
@@ -247,22 +250,29 @@ class TimedH11Protocol(H11Protocol):
         _abandon(self.transport, cycle, response)
 
 
-def protocol_class(timeouts: Timeouts, http: HTTPImpl = "httptools") -> type[asyncio.Protocol]:
-    """A uvicorn HTTP protocol class (for ``uvicorn.Config(http=...)``) enforcing ``timeouts``;
+def protocol_class(timeouts: Timeouts, http: HTTPImpl = "httptools",
+                   limits: Limits = Limits()) -> type[asyncio.Protocol]:
+    """A uvicorn HTTP protocol class (for ``uvicorn.Config(http=...)``) enforcing ``timeouts``,
+    and the head limits and HTTP/1.0 framing of :mod:`transports.http.wire` with ``limits``;
     uvicorn builds one per connection with its own arguments, so the limits ride on the class."""
     base = TimedHttpToolsProtocol if http == "httptools" else TimedH11Protocol
+    wire = WireHttpToolsProtocol if http == "httptools" else WireH11Protocol
     return cast("type[asyncio.Protocol]",
-                type(base.__name__, (base,), {"timeouts": timeouts}))
+                type(base.__name__, (base, wire), {"timeouts": timeouts, "limits": limits}))
 
 
 def uvicorn_config(app: ASGIApp, host: str, port: int, log_level: str = "warning",
                    timeouts: Timeouts = Timeouts(), http: HTTPImpl = "httptools",
-                   log_config: dict[str, Any] | None = LOGGING_CONFIG
-                   ) -> uvicorn.Config:
+                   log_config: dict[str, Any] | None = LOGGING_CONFIG,
+                   limits: Limits = Limits()) -> uvicorn.Config:
     """The uvicorn configuration the server runs (and the tests, identically): lifespan on,
-    five seconds of graceful shutdown, and ``timeouts`` on every request. uvicorn's access log
-    is off: the app writes its own (:class:`transports.http.logs.AccessLog`). ``log_config``
-    is uvicorn's logging setup (``None``: leave logging to the application)."""
+    five seconds of graceful shutdown, ``timeouts`` on every request, and ``limits``' bounds
+    on every request's head (:mod:`transports.http.wire`; h11's own bound on an incomplete
+    event is the same). uvicorn's access log is off: the app writes its own
+    (:class:`transports.http.logs.AccessLog`). ``log_config`` is uvicorn's logging setup
+    (``None``: leave logging to the application)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=5, http=protocol_class(timeouts, http),
+                          timeout_graceful_shutdown=5,
+                          http=protocol_class(timeouts, http, limits),
+                          h11_max_incomplete_event_size=limits.max_header_bytes,
                           access_log=False, log_config=log_config)
