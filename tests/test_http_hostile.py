@@ -471,7 +471,8 @@ def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) 
     with running(gateway) as url, httpx.Client(base_url=url, timeout=10) as client:
         armed.set()
         failed = client.post("/v1/chat/completions", json=chat(max_tokens=50))
-        assert failed.status_code == 500 and "internal" in failed.text  # no detail leaks
+        assert failed.status_code == 503 and "retry" in failed.text  # a retryable 503
+        assert "vanished" not in failed.text  # no detail leaks
         health = client.get("/health")
         assert health.status_code == 503
         assert health.json()["status"] == "engine_stopped"

@@ -81,8 +81,11 @@ def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
 def _failed(completion: Completion) -> Exception:
     """What a failed completion is raised as: a 503 the client may retry when the engine as a
     whole went down under it, else a 500."""
-    if completion.error is not None and completion.error.startswith(ENGINE_DOWN):
-        return EngineClosed(f"generation failed: {completion.error}; retry the request")
+    error = completion.error
+    if error is not None and error.startswith(ENGINE_DOWN):  # no detail leaks: the log has it
+        why = "its step stalled" if error.startswith(f"{ENGINE_DOWN}: stalled") else "it failed"
+        return EngineClosed(f"generation failed: the model's engine stopped ({why}); a fresh "
+                            "one is starting: retry the request")
     return RuntimeError(f"generation failed: {completion.error}")
 
 
