@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from pipeline.engine import EngineConfig
 from pipeline.errors import InvalidValueError
 from pipeline.handle import RequestState
 from pipeline.pacing import Pacer
+from pipeline.pipe import Pipeline
 from pipeline.protocols import ModelCall
 from pipeline.testing import ScriptedBackend, build_scripted, hashed_logits
 
@@ -41,12 +43,34 @@ def test_a_bad_ratio_is_refused() -> None:
 
 
 class CostlyBackend(ScriptedBackend):
-    """A scripted model whose forward sleeps 20 ms plus 1 ms per prompt token."""
+    """A scripted model whose forward costs 20 ms plus 1 ms per prompt token, on a clock of
+    its own (nanoseconds) that the engine steps by: no sleep, so the machine's load cannot
+    change a measurement."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.now = 0
+        self.hold_after: int | None = None  # calls after which forward waits for ``go``
+        self.go = threading.Event()
+
+    def clock(self) -> int:
+        return self.now
 
     def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        if self.hold_after is not None and len(self.calls) >= self.hold_after:
+            self.go.wait(60)
         prefill = sum(len(c.token_ids) for c in calls if len(c.token_ids) > 1)
-        time.sleep(0.020 + 0.001 * prefill)
+        self.now += 20_000_000 + 1_000_000 * prefill
         return super().forward(calls)
+
+
+def paced(backend: CostlyBackend, **options: object) -> Pipeline:
+    """A scripted pipeline whose engine times its steps by ``backend``'s clock."""
+    pipe = build_scripted(backend, **options)  # type: ignore[arg-type]
+    assert pipe.engine is not None
+    pipe.engine.close()
+    pipe.engine = pipe.engine.fresh(clock=backend.clock)
+    return pipe
 
 
 def _chunks(backend: ScriptedBackend, decoding_slot: int) -> list[int]:
@@ -55,14 +79,22 @@ def _chunks(backend: ScriptedBackend, decoding_slot: int) -> list[int]:
             for s, n in rows if s != decoding_slot]
 
 
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.001)
+
+
 def test_a_long_prompt_beside_decoding_goes_in_latency_sized_chunks() -> None:
     backend = CostlyBackend(V, hashed_logits(V))
-    with build_scripted(backend) as pipe:  # default engine: step_latency_ratio 1.5
-        short = pipe.submit("s", max_tokens=5000, temperature=0, ignore_eos=True)
-        while short.state is not RequestState.DECODING:
-            time.sleep(0.01)
-        time.sleep(0.3)  # decode-only steps measured
+    backend.hold_after = 12  # decode-only steps measured; then wait for the long prompt
+    with paced(backend) as pipe:  # default engine: step_latency_ratio 1.5
+        short = pipe.submit("s", max_tokens=3000, temperature=0, ignore_eos=True)
+        wait_for(lambda: len(backend.calls) >= 12)
         long = pipe.submit("L" * 600, max_tokens=2, temperature=0)
+        wait_for(lambda: pipe.engine is not None and pipe.engine.queue_depth == 1)
+        backend.go.set()
         assert long.result(timeout=60).finish_reason.value == "length"
         short.cancel()
         short.result(timeout=10)
@@ -75,15 +107,14 @@ def test_a_long_prompt_beside_decoding_goes_in_latency_sized_chunks() -> None:
 def test_without_pacing_or_decoding_the_token_caps_alone_apply() -> None:
     backend = CostlyBackend(V, hashed_logits(V))
     cfg = EngineConfig(token_budget=256, max_prefill_chunk=256, step_latency_ratio=None)
-    with build_scripted(backend, engine=cfg) as pipe:
+    with paced(backend, engine=cfg) as pipe:
         short = pipe.submit("s", max_tokens=5000, temperature=0, ignore_eos=True)
-        while short.state is not RequestState.DECODING:
-            time.sleep(0.01)
+        wait_for(lambda: short.state is RequestState.DECODING)
         pipe.generate("L" * 600, max_tokens=2, temperature=0)
         short.cancel()
         short.result(timeout=10)
     assert max(_chunks(backend, 0)) == 255  # the budget minus the decode token
     backend = CostlyBackend(V, hashed_logits(V))
-    with build_scripted(backend) as pipe:  # paced, but nothing decodes beside the prompt
+    with paced(backend) as pipe:  # paced, but nothing decodes beside the prompt
         pipe.generate("L" * 600, max_tokens=2, temperature=0)
     assert max(n for _, rows in backend.calls for _, n in rows) == 512

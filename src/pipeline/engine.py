@@ -318,11 +318,10 @@ class Engine:
                 continue
             try:
                 self._steps += 1
-                self._step_started = self._clock()
-                started = time.perf_counter()
+                self._step_started = started = self._clock()
                 shape = self._step()
                 if shape is not None and self._pacer is not None:
-                    self._pacer.observe(time.perf_counter() - started, *shape)
+                    self._pacer.observe((self._clock() - started) / 1e9, *shape)
             except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
                 if not self._abandoned:
                     self._recover(exc)
