@@ -356,3 +356,19 @@ def test_a_client_that_leaves_frees_its_admission_place_before_the_next_step(
     finally:
         backend.release_gate.set()
         gateway.close()
+
+
+def test_a_server_deadline_ends_a_request_with_what_it_wrote(tmp_path: Path) -> None:
+    from tests.http_support import endless_model
+    pipe, _ = endless_model(delay_s=0.01)
+    gateway = Gateway(config(tmp_path, request_deadline_s=0.3), lambda f, c: pipe)
+    with running(gateway) as url:
+        body = {"model": "default", "max_tokens": 3000,
+                "messages": [{"role": "user", "content": "go"}]}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        (choice,) = answer["choices"]
+        assert choice["finish_reason"] == "length"
+        assert 0 < answer["usage"]["completion_tokens"] < 3000
+        assert choice["message"]["content"] == "a" * answer["usage"]["completion_tokens"]
+    with pytest.raises(InvalidValueError, match="request_deadline_s"):
+        ServerConfig(models={"d": None}, request_deadline_s=0)

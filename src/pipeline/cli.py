@@ -83,12 +83,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
+    from backends.torch.native_memory import bound_native_caches
     from pipeline.cli_strategy import check_strategies, registered_strategies, served_choices
     from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
     from transports.http.limits import Limits
     from transports.http.timeouts import Timeouts
 
+    bound_native_caches()  # a long-running process: memory must not grow with traffic's variety
     try:
         keys = load_api_keys(args.api_key_env, args.api_key_file)
         limits = Limits(**{f.name: getattr(args, f.name) for f in attrs.fields(Limits)})
@@ -103,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
             work_threads=args.work_threads, work_queue=args.work_queue,
             restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
+            request_deadline_s=args.request_deadline,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype)
         config.backend_options().check_device()
@@ -175,6 +178,9 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="an engine step running longer is a stall: its requests fail "
                             "with a 503 and the engine is replaced (0: never checked)")
+    serve.add_argument("--request-deadline", type=float, default=None, metavar="SECONDS",
+                       help="end a request that has run this long since it was accepted "
+                            "(queueing included) with what it wrote so far")
     serve.add_argument("--usage-wait", type=float, default=5.0, metavar="SECONDS",
                        help="the longest a response waits for its usage record to be "
                             "durable (a record not yet written is kept and retried)")

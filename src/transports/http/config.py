@@ -83,6 +83,8 @@ class ServerConfig:
     stall: ``/health`` says so, its requests fail with a 503 and the engine is replaced as a
     dead one is. A response waits at most ``usage_wait_s`` for its usage record to be durable
     (:mod:`transports.http.usage`: a record the database will not take is kept and retried).
+    ``request_deadline_s`` (None: none) ends a request that has run that long since it was
+    accepted, queueing included, with what it wrote so far (``finish_reason`` ``length``).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -110,6 +112,7 @@ class ServerConfig:
     keep_traces: int = attrs.field(default=100, validator=_non_negative)
     stall_timeout_s: float | None = attrs.field(default=120.0)
     usage_wait_s: float = attrs.field(default=5.0)
+    request_deadline_s: float | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads
@@ -138,6 +141,13 @@ class ServerConfig:
                                   or not 0 < value <= 86400):
             raise InvalidValueError("stall_timeout_s", value,
                                     "must be in (0, 86400] seconds, or None (unchecked)")
+
+    @request_deadline_s.validator
+    def _deadline(self, _: attrs.Attribute[float | None], value: float | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 86400):
+            raise InvalidValueError("request_deadline_s", value,
+                                    "must be in (0, 86400] seconds, or None (no deadline)")
 
     @usage_wait_s.validator
     def _usage_wait(self, _: attrs.Attribute[float], value: float) -> None:

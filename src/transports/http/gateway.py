@@ -423,8 +423,10 @@ class Gateway:
         """
         pipe, config = served.pipe, request.generation_config
         window = self.window(served)
+        limits = request.runtime_limits
         request = attrs.evolve(request, runtime_limits=attrs.evolve(
-            request.runtime_limits, max_context_tokens=window))
+            limits, max_context_tokens=window,
+            deadline_s=limits.deadline_s or self.config.request_deadline_s))
         if request.prompt_ids is not None:  # counted already: its length
             return self._fit_count(request, len(request.prompt_ids), window, False,
                                    max_tokens_given)
