@@ -1,0 +1,72 @@
+"""Bounds on the native memory a long-running CPU process keeps outside Python's heap.
+
+Owns :func:`bound_native_caches`, which a server calls once at start, before any model loads.
+Two caches grow with the variety of traffic rather than its volume (``benchmarks/
+serve_memory.py``; ``docs/performance.md``):
+
+1. oneDNN's primitive cache: a compiled kernel (with its scratch buffers) per distinct matrix
+   shape, 1,024 entries by default. :mod:`backends.torch.packed` runs products on a few row
+   buckets; the cache is capped to ``primitive_cache`` entries, enough for those buckets
+   times the model's distinct weight shapes. oneDNN reads the cap from
+   ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` when it makes its first primitive, so it is set in the
+   environment here (a value the operator set is kept).
+2. glibc malloc's dynamic mmap threshold: after a large block is freed the threshold rises
+   to its size, so later blocks of every size up to it come from the arenas, whose free
+   pages a fragmented heap seldom returns. A fixed threshold (``mmap_threshold`` bytes)
+   keeps large tensors in their own mappings, returned to the system when freed.
+
+Elsewhere than glibc the second is skipped; both are process-wide, which is why the server
+(a process of its own) applies them and :func:`~pipeline.builder.build` does not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+import attrs
+
+log = logging.getLogger("pipeline.memory")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
+M_TRIM_THRESHOLD = -1
+
+
+@attrs.frozen
+class NativeBounds:
+    """What :func:`bound_native_caches` set: the primitive cache's capacity (as oneDNN will
+    read it) and the malloc thresholds (None where glibc's ``mallopt`` is not available)."""
+
+    primitive_cache: int | None
+    mmap_threshold: int | None
+
+
+def bound_native_caches(primitive_cache: int = 256,
+                        mmap_threshold: int = 256 * 1024) -> NativeBounds:
+    """Cap oneDNN's primitive cache (unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set) and
+    fix glibc's mmap and trim thresholds at ``mmap_threshold`` bytes. Call before any model
+    loads; idempotent."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
+    try:
+        capacity: int | None = int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
+    except ValueError:
+        capacity = None
+    return NativeBounds(capacity, _mallopt(mmap_threshold))
+
+
+def _mallopt(threshold: int) -> int | None:
+    """Fix glibc's mmap and trim thresholds; None where that is not glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(M_MMAP_THRESHOLD, threshold) and mallopt(M_TRIM_THRESHOLD, threshold)):
+        log.warning("mallopt refused a threshold of %d bytes; malloc keeps its own", threshold)
+        return None
+    return threshold
