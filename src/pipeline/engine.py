@@ -220,6 +220,11 @@ class Engine:
         return self._thread.is_alive() and self.failure is None and not self._closed
 
     @property
+    def steps(self) -> int:
+        """Steps begun so far."""
+        return self._steps
+
+    @property
     def stepping(self) -> bool:
         """True while the loop thread runs (an abandoned one too, until its step returns)."""
         return self._thread.is_alive()

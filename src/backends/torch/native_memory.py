@@ -17,6 +17,9 @@ serve_memory.py``; ``docs/performance.md``):
 
 Elsewhere than glibc the second is skipped; both are process-wide, which is why the server
 (a process of its own) applies them and :func:`~pipeline.builder.build` does not.
+
+:func:`release_free_memory` hands the pages malloc holds free back to the system
+(``malloc_trim``); the server calls it when its engines fall idle after work.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class NativeBounds:
     mmap_threshold: int | None
 
 
-def bound_native_caches(primitive_cache: int = 256,
+def bound_native_caches(primitive_cache: int = 128,
                         mmap_threshold: int = 256 * 1024) -> NativeBounds:
     """Cap oneDNN's primitive cache (unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set) and
     fix glibc's mmap and trim thresholds at ``mmap_threshold`` bytes. Call before any model
@@ -55,15 +58,33 @@ def bound_native_caches(primitive_cache: int = 256,
     return NativeBounds(capacity, _mallopt(mmap_threshold))
 
 
-def _mallopt(threshold: int) -> int | None:
-    """Fix glibc's mmap and trim thresholds; None where that is not glibc."""
+def release_free_memory() -> bool:
+    """Return the free pages of malloc's heaps to the system (glibc's ``malloc_trim``); a few
+    milliseconds, so for idle moments. False where that is not available."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def _mallopt(threshold: int) -> int | None:
+    """Fix glibc's mmap and trim thresholds; None where that is not glibc."""
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if mallopt is None:
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not (mallopt(M_MMAP_THRESHOLD, threshold) and mallopt(M_TRIM_THRESHOLD, threshold)):

@@ -85,6 +85,8 @@ class ServerConfig:
     (:mod:`transports.http.usage`: a record the database will not take is kept and retried).
     ``request_deadline_s`` (None: none) ends a request that has run that long since it was
     accepted, queueing included, with what it wrote so far (``finish_reason`` ``length``).
+    ``release_idle_memory`` hands malloc's free pages back to the system when the engines
+    fall idle after work (:func:`~backends.torch.native_memory.release_free_memory`).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -113,6 +115,7 @@ class ServerConfig:
     stall_timeout_s: float | None = attrs.field(default=120.0)
     usage_wait_s: float = attrs.field(default=5.0)
     request_deadline_s: float | None = attrs.field(default=None)
+    release_idle_memory: bool = True
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads

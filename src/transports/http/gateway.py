@@ -40,6 +40,7 @@ from pathlib import Path
 
 import attrs
 
+from backends.torch.native_memory import release_free_memory
 from pipeline.builder import build
 from pipeline.errors import (
     AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
@@ -213,11 +214,10 @@ class Gateway:
         self._lifecycle = threading.Lock()  # orders engine restarts against close()
         self.flights: dict[str, Flight] = {}
         """Requests admitted and not yet finished, by request id (for inspection)."""
-        self._watchdog: threading.Thread | None = None
-        if config.stall_timeout_s is not None:
-            self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                              name="engine-watchdog")
-            self._watchdog.start()
+        self._steps_seen: dict[str, int] = {}
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name="engine-watchdog")
+        self._watchdog.start()
 
     # --- models ------------------------------------------------------------------------------
 
@@ -294,14 +294,28 @@ class Gateway:
         timer.start()
 
     def _watch(self) -> None:
-        """The watchdog thread: a few looks per ``stall_timeout_s`` until :meth:`close`."""
+        """The watchdog thread, until :meth:`close`: a few looks per ``stall_timeout_s`` (at
+        least one a second) for stalls, and free memory handed back once the engines fall
+        idle after work."""
         limit = self.config.stall_timeout_s
-        assert limit is not None
-        while not self._closed.wait(min(limit / 4, 1.0)):
+        while not self._closed.wait(min(limit / 4, 1.0) if limit is not None else 1.0):
             try:
                 self.check_stalls()
+                if self.config.release_idle_memory and self._fell_idle():
+                    release_free_memory()
             except Exception:  # the watchdog must outlive a bug in one look
                 log.exception("the engine watchdog's check failed")
+
+    def _fell_idle(self) -> bool:
+        """True when every engine is idle and some stepped since the last look that was."""
+        engines = {name: m.pipeline.engine for name, m in self.models.items()
+                   if m.pipeline is not None and m.pipeline.engine is not None}
+        if any(e.active_slots or e.queue_depth for e in engines.values()):
+            return False
+        steps = {name: e.steps for name, e in engines.items()}
+        moved = steps != self._steps_seen
+        self._steps_seen = steps
+        return moved
 
     def check_stalls(self) -> list[str]:
         """Abandon every engine whose step in progress has run past ``stall_timeout_s``;
