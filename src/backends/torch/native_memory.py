@@ -5,11 +5,14 @@ Two caches grow with the variety of traffic rather than its volume (``benchmarks
 serve_memory.py``; ``docs/performance.md``):
 
 1. oneDNN's primitive cache: a compiled kernel (with its scratch buffers) per distinct matrix
-   shape, 1,024 entries by default. :mod:`backends.torch.packed` runs products on a few row
-   buckets; the cache is capped to ``primitive_cache`` entries, enough for those buckets
-   times the model's distinct weight shapes. oneDNN reads the cap from
-   ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` when it makes its first primitive, so it is set in the
-   environment here (a value the operator set is kept).
+   shape, 1,024 entries by default, and a serving engine's row count (decode tokens plus
+   prefill chunk lengths) takes hundreds of values. The cache is capped to
+   ``primitive_cache`` entries: the shapes a decode batch repeats stay in it, and a new
+   prefill shape costs a primitive's creation, well under a millisecond. (Padding the rows to
+   a few buckets instead kept the cache warm but cost prefill 5–20 % for no memory gained:
+   ``docs/performance.md``.) oneDNN reads the cap from ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
+   when it makes its first primitive, so it is set in the environment here (a value the
+   operator set is kept).
 2. glibc malloc's dynamic mmap threshold: after a large block is freed the threshold rises
    to its size, so later blocks of every size up to it come from the arenas, whose free
    pages a fragmented heap seldom returns. A fixed threshold (``mmap_threshold`` bytes)

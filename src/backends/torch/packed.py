@@ -13,16 +13,6 @@ with no packed copy (another dtype, another device, a build without oneDNN) goes
 ``F.linear``. Packing is float32-on-CPU only: oneDNN's bfloat16 path needs AVX-512 or
 AVX-NE-CONVERT. The packed copies take as much memory again as the weights they copy.
 
-Row buckets. oneDNN builds (and caches) a primitive for every distinct shape it multiplies,
-and a serving engine's row count ``T`` (decode tokens plus prefill chunk lengths) takes
-hundreds of values: left alone, resident memory grows with the variety of traffic until the
-cache's 1,024 entries are full (``benchmarks/serve_memory.py``). So every product that goes
-to oneDNN (the packed path, and ``F.linear`` in bfloat16 or float16 on the CPU) runs on
-:func:`row_bucket` rows: up to 8 as they are, then 16, 32, 64 and multiples of 64, the
-padding rows zero and their results dropped. A row's result never depends on the other rows,
-so the padding changes nothing but the kernel's shape; :mod:`backends.torch.native_memory`
-caps the cache to what the buckets need.
-
 Example::
 
     linears = Linears.pack(model_weights)          # Linears.plain() packs nothing
@@ -42,31 +32,6 @@ from backends.torch.weights import MlpWeights, ModelWeights, MoeWeights
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``fn(x [T, in], bias) -> [T, out]``: a weight's own matrix product (e.g. one that keeps
 the weight quantized and dequantizes it chunk by chunk)."""
-
-
-def row_bucket(rows: int) -> int:
-    """The row count a product of ``rows`` rows runs at: ``rows`` up to 8, then the next of
-    16, 32, 64, then the next multiple of 64 (at most 63 padding rows, a few percent of a
-    long prefill chunk; a decode batch of up to 8 is never padded)."""
-    if rows <= 8:
-        return rows
-    if rows <= 64:
-        return 1 << (rows - 1).bit_length()
-    return -(-rows // 64) * 64
-
-
-def _bucketed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` computed on :func:`row_bucket` rows of ``x [T, in]``: ``[T, out]``."""
-    rows = x.shape[0]
-    padded = row_bucket(rows)
-    if padded == rows:
-        return fn(x)
-    return fn(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
-
-
-def _onednn_plain(x: torch.Tensor) -> bool:
-    """Whether ``F.linear`` on ``x`` goes to oneDNN (half precision on the CPU)."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -128,24 +93,17 @@ class Linears:
             return own(x, bias)
         packed = self._packed.get((id(weight), -1))
         if packed is None:
-            if _onednn_plain(x) and x.dim() == 2:
-                return _bucketed(lambda rows: F.linear(rows, weight, bias), x)
             return F.linear(x, weight, bias)
-        return _bucketed(lambda rows: _pointwise(rows, packed, bias), x)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out
 
     def expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
         """``x [n, in] @ stack[e].T`` for a stack of expert matrices ``[E, out, in]``."""
         packed = self._packed.get((id(stack), e))
         if packed is None:
-            if _onednn_plain(x) and x.dim() == 2:
-                return _bucketed(lambda rows: F.linear(rows, stack[e]), x)
             return F.linear(x, stack[e])
-        return _bucketed(lambda rows: _pointwise(rows, packed, None), x)
-
-
-def _pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return out
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
 
 
 def _matrices(weights: ModelWeights, experts: bool) -> Iterator[tuple[tuple[int, int], torch.Tensor]]:
