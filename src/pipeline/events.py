@@ -192,7 +192,7 @@ class JsonlSink:
     def _sync(self) -> None:
         os.fsync(self._file.fileno())
         if self._unsynced_folder:  # a new file's name is durable once its folder is synced
-            _sync_folder(self.path.parent)
+            sync_folder(self.path.parent)
             self._unsynced_folder = False
 
     def close(self) -> None:
@@ -238,7 +238,8 @@ def _mend_tail(path: Path) -> bool:
     return False
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
+    """fsync ``folder``, so the names of files just made in it survive a power loss."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -41,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from pipeline.errors import ArtifactError, InvalidValueError
+from pipeline.events import sync_folder
 
 STATES = ("committed", "executed", "failed", "compensated")
 OUTCOMES = ("executed", "failed")
@@ -251,7 +252,7 @@ class JsonlLedger:
         with self._locked():
             pass  # creates the file, takes it in
         if created:
-            _sync_folder(self.path.parent)  # so the file itself survives a power loss
+            sync_folder(self.path.parent)  # so the file itself survives a power loss
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -422,10 +423,3 @@ class JsonlLedger:
         finally:
             os.close(fd)
 
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

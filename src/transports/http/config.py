@@ -9,7 +9,7 @@ comma-separated).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +31,16 @@ def _positive(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
 def _non_negative(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidValueError(attribute.name, value, "must be an integer >= 0")
+
+
+def _seconds_or_none(meaning_of_none: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """A validator of a duration in (0, 86400] seconds, or None (``meaning_of_none``)."""
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 86400):
+            raise InvalidValueError(attribute.name, value, "must be in (0, 86400] seconds, or "
+                                    f"None ({meaning_of_none})")
+    return check
 
 
 def _models(value: Any) -> Mapping[str, Path | None]:
@@ -112,9 +122,11 @@ class ServerConfig:
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
     keep_traces: int = attrs.field(default=100, validator=_non_negative)
-    stall_timeout_s: float | None = attrs.field(default=120.0)
+    stall_timeout_s: float | None = attrs.field(default=120.0,
+                                                validator=_seconds_or_none("unchecked"))
     usage_wait_s: float = attrs.field(default=5.0)
-    request_deadline_s: float | None = attrs.field(default=None)
+    request_deadline_s: float | None = attrs.field(default=None,
+                                                   validator=_seconds_or_none("no deadline"))
     release_idle_memory: bool = True
 
     def __attrs_post_init__(self) -> None:
@@ -137,20 +149,6 @@ class ServerConfig:
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:
         if not isinstance(value, (int, float)) or not 0 <= value < 3600:
             raise InvalidValueError("restart_delay_s", value, "must be in [0, 3600) seconds")
-
-    @stall_timeout_s.validator
-    def _stall(self, _: attrs.Attribute[float | None], value: float | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value <= 86400):
-            raise InvalidValueError("stall_timeout_s", value,
-                                    "must be in (0, 86400] seconds, or None (unchecked)")
-
-    @request_deadline_s.validator
-    def _deadline(self, _: attrs.Attribute[float | None], value: float | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value <= 86400):
-            raise InvalidValueError("request_deadline_s", value,
-                                    "must be in (0, 86400] seconds, or None (no deadline)")
 
     @usage_wait_s.validator
     def _usage_wait(self, _: attrs.Attribute[float], value: float) -> None:
