@@ -4,15 +4,17 @@ Owns :func:`bound_native_caches`, which a server calls once at start, before any
 Two caches grow with the variety of traffic rather than its volume (``benchmarks/
 serve_memory.py``; ``docs/performance.md``):
 
-1. oneDNN's primitive cache: a compiled kernel (with its scratch buffers) per distinct matrix
-   shape, 1,024 entries by default, and a serving engine's row count (decode tokens plus
-   prefill chunk lengths) takes hundreds of values. The cache is capped to
-   ``primitive_cache`` entries: the shapes a decode batch repeats stay in it, and a new
-   prefill shape costs a primitive's creation, well under a millisecond. (Padding the rows to
-   a few buckets instead kept the cache warm but cost prefill 5–20 % for no memory gained:
-   ``docs/performance.md``.) oneDNN reads the cap from ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``
-   when it makes its first primitive, so it is set in the environment here (a value the
-   operator set is kept).
+1. oneDNN's primitive caches: a compiled kernel (with its buffers) per distinct matrix shape,
+   1,024 entries by default in each of oneDNN's own cache (bfloat16 and float16 products
+   through ``F.linear``) and ideep's (the packed float32 products of
+   :mod:`backends.torch.packed`), and a serving engine's row count (decode tokens plus
+   prefill chunk lengths) takes hundreds of values. Both are capped to ``primitive_cache``
+   entries: the shapes a decode batch repeats stay in them, and a prefill shape that fell out
+   is created again. (Padding the rows to a few buckets instead kept the caches warm but
+   made prefill slower by up to a fifth: ``docs/performance.md``.) Each
+   library reads its cap from the environment when it makes its first primitive
+   (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``), so they are set there
+   (a value the operator set is kept).
 2. glibc malloc's dynamic mmap threshold: after a large block is freed the threshold rises
    to its size, so later blocks of every size up to it come from the arenas, whose free
    pages a fragmented heap seldom returns. A fixed threshold (``mmap_threshold`` bytes)
@@ -41,8 +43,8 @@ M_TRIM_THRESHOLD = -1
 
 @attrs.frozen
 class NativeBounds:
-    """What :func:`bound_native_caches` set: the primitive cache's capacity (as oneDNN will
-    read it) and the malloc thresholds (None where glibc's ``mallopt`` is not available)."""
+    """What :func:`bound_native_caches` set: oneDNN's primitive cache's capacity (as it will
+    read it; ideep's is set alike) and the malloc thresholds (None where glibc's ``mallopt`` is not available)."""
 
     primitive_cache: int | None
     mmap_threshold: int | None
@@ -50,10 +52,11 @@ class NativeBounds:
 
 def bound_native_caches(primitive_cache: int = 128,
                         mmap_threshold: int = 256 * 1024) -> NativeBounds:
-    """Cap oneDNN's primitive cache (unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set) and
+    """Cap oneDNN's and ideep's primitive caches (unless their variables are set) and
     fix glibc's mmap and trim thresholds at ``mmap_threshold`` bytes. Call before any model
     loads; idempotent."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_cache))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(primitive_cache))  # ideep's
     try:
         capacity: int | None = int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
     except ValueError:
