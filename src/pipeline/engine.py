@@ -53,10 +53,12 @@ backend (before that it raises :class:`~pipeline.errors.StepStillRunning`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -189,6 +191,18 @@ class Engine:
         self._abandoned = False
         self._thread = threading.Thread(target=self._loop, name="pipeline-engine", daemon=True)
         self._thread.start()
+        # A script that ends without closing its pipeline must not leave this thread inside
+        # torch while the interpreter finalizes (the C++ runtime then aborts the process):
+        # close at exit, holding the engine only weakly so it can still be collected.
+        ref = weakref.ref(self)
+
+        def close_at_exit() -> None:
+            engine = ref()
+            if engine is not None:
+                engine.close(timeout=5.0)
+
+        self._close_at_exit = close_at_exit
+        atexit.register(close_at_exit)
 
     # --- public ----------------------------------------------------------------------------
 
@@ -293,10 +307,12 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel what is left, stop the thread, and wait for it."""
+        atexit.unregister(self._close_at_exit)
         with self._cv:
             self._closed = True
             self._cv.notify()
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     # --- loop ------------------------------------------------------------------------------
 
