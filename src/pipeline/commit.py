@@ -8,7 +8,9 @@ tokens were chosen from (digests, top-k at ``full``), and each update's commit t
 the rollback of positions the strategy dropped (the backend's ``truncate`` and, over a paged
 backend, the block tables). Also :func:`logits_records`, the records of the raw logits of every
 wanted output. Failures stay contained: a strategy that raises or answers nonsense fails its
-group, a job whose commit raises fails alone, through the engine's ``fail`` and ``release``.
+group (the step's jobs of one strategy; a job with a grammar is a group of its own, so a
+grammar the engine fails on fails only its request), a job whose commit raises fails alone,
+through the engine's ``fail`` and ``release``.
 """
 
 from __future__ import annotations
@@ -57,9 +59,9 @@ class Committer:
     def update(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
         """Hand each strategy its sequences' logits; commit what it took, roll back what it
         dropped. One batched ``update`` per strategy (per processor order)."""
-        groups: dict[int, list[tuple[Job, torch.Tensor]]] = {}
+        groups: dict[tuple[int, int], list[tuple[Job, torch.Tensor]]] = {}
         for job, rows in ready:
-            groups.setdefault(id(job.strategy), []).append((job, rows))
+            groups.setdefault(_group(job), []).append((job, rows))
         for items in groups.values():
             strategy = items[0][0].strategy
             assert strategy is not None
@@ -138,6 +140,15 @@ class Committer:
         for (i, k), record in zip(where, processed_record(rows, full, known)):
             out[i][k] = record
         return out
+
+
+def _group(job: Job) -> tuple[int, int]:
+    """The update ``job`` shares: one per strategy, but a job with a grammar updates alone.
+    A grammar is the client's input, and the grammar engine may still fail on one that
+    passed its checks (a parser limit): that must fail the one request, not every request
+    batched beside it. Draws are per row (:mod:`stages.select.rng`), so the tokens are those
+    a batched update would choose."""
+    return id(job.strategy), id(job) if job.config.grammar is not None else 0
 
 
 def _configure(job: Job, state: Row, strategy: Strategy) -> tuple[str, ...] | None:

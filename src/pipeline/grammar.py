@@ -6,8 +6,12 @@ the tool-call grammars of :mod:`stages.grammar.tools` are), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
 schema feature the engine does not support (``if``/``then``, an unknown ``format``, a
 dangling ``$ref``) is an :class:`~pipeline.errors.InvalidValueError` naming it when the request
-is made, never a failure mid-generation. :func:`after_thinking` prefixes a grammar with free
-reasoning up to ``</think>``. The per-token masking is in :mod:`stages.grammar`.
+is made, never a failure mid-generation. A JSON schema is also checked for a finite value
+(:func:`check_finite`): one that requires itself (``{"properties": {"a": {"$ref": "#"}},
+"required": ["a"], "type": "object"}``) compiles, but every output would be infinitely deep,
+and the engine would fail at the first token (its parser's item limit), so it is refused
+naming the cycle. :func:`after_thinking` prefixes a grammar with free reasoning up to
+``</think>``. The per-token masking is in :mod:`stages.grammar`.
 
 JSON is generated in the layout of Python's ``json.dumps`` (``", "`` between items, ``": "``
 after keys, no other whitespace): the layout chat templates render tool calls in, and one
@@ -21,6 +25,7 @@ import json
 import re
 from collections.abc import Mapping
 from typing import Any, cast
+from urllib.parse import unquote
 
 import attrs
 
@@ -58,6 +63,8 @@ class Grammar:
 
     def __attrs_post_init__(self) -> None:
         check(self.engine_source(), self.field)
+        if self.kind == "json_schema":
+            check_finite(json.loads(self.source), self.field)
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool | str, *,
@@ -122,6 +129,163 @@ def check(engine_source: str, field: str) -> None:
     if is_error:
         reason = messages[0] if messages else "the grammar engine cannot compile it"
         raise InvalidValueError(field, "(schema)", f"is not supported here: {reason}")
+
+
+def check_finite(schema: Any, field: str) -> None:
+    """:class:`InvalidValueError` when no finite JSON value satisfies ``schema``: a required
+    property, a non-empty array's item or every alternative leads back to where it started
+    (or to ``false``), so the engine could only ever force the same opening again.
+
+    The analysis is conservative: it follows local references (``$ref``), ``properties`` named in
+    ``required``, ``items``/``prefixItems`` under ``minItems``, ``allOf``, ``anyOf`` and
+    ``oneOf``, and takes anything else (other types, ``enum``, remote references) as
+    satisfiable, so it never refuses a schema some finite value satisfies."""
+    nodes: dict[str, _Need] = {}
+    users: dict[str, list[str]] = {}  # pointer -> the schemas whose need names it
+    todo = ["#"]
+    while todo:
+        pointer = todo.pop()
+        if pointer not in nodes:
+            nodes[pointer] = need = _needs(schema, pointer)
+            for used in _pointers(need):
+                users.setdefault(used, []).append(pointer)
+                todo.append(used)
+    # least fixpoint: a schema is finite once what it needs is; each schema is looked at
+    # again only when one it names became finite (linear in the schema's size)
+    finite: set[str] = set()
+    look = list(nodes)
+    while look:
+        pointer = look.pop()
+        if pointer not in finite and _holds(nodes[pointer], finite):
+            finite.add(pointer)
+            look.extend(users.get(pointer, ()))
+    if "#" not in finite:
+        chain = _cycle(nodes, finite)
+        raise InvalidValueError(field, "(schema)", "is not supported here: no finite JSON value "
+                                f"satisfies it: {chain}")
+
+
+_Need = bool | str | tuple[str, tuple["_Need", ...]]
+"""What a schema needs to have a finite value: always/never, the schema at a pointer, or
+``("and" | "or", needs)``."""
+
+
+def _needs(root: Any, pointer: str) -> _Need:
+    """What the schema at ``pointer`` needs (see :data:`_Need`)."""
+    node = _resolve(root, pointer)
+    if not isinstance(node, Mapping):
+        return node is not False
+    parts: list[_Need] = [_own(node, pointer)]
+    ref = node.get("$ref")
+    if isinstance(ref, str) and _resolve(root, ref) is not None:
+        parts.append(ref)
+    for word in ("allOf", "anyOf", "oneOf"):
+        subs = node.get(word)
+        if isinstance(subs, list) and subs:
+            needs = tuple(f"{pointer}/{word}/{i}" for i in range(len(subs)))
+            parts.append(("and" if word == "allOf" else "or", needs))
+    return ("and", tuple(parts))
+
+
+def _own(node: Mapping[str, Any], pointer: str) -> _Need:
+    """What the schema's ``type`` needs: an object its required properties, a non-empty
+    array its first items; any other type (or none given) nothing."""
+    types = node.get("type")
+    kinds = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+    if kinds is None or any(k not in ("object", "array") for k in kinds):
+        return True
+    options: list[_Need] = []
+    if "object" in kinds:
+        props = node.get("properties")
+        props = props if isinstance(props, Mapping) else {}
+        required = node.get("required")
+        names = ([n for n in required if isinstance(n, str) and n in props]
+                 if isinstance(required, list) else [])
+        options.append(("and", tuple(f"{pointer}/properties/{_escape(n)}" for n in names)))
+    if "array" in kinds:
+        options.append(_items(node, pointer))
+    return ("or", tuple(options))
+
+
+def _items(node: Mapping[str, Any], pointer: str) -> _Need:
+    """What a non-empty array needs: its first ``minItems`` items' schemas."""
+    least = node.get("minItems")
+    count = least if isinstance(least, int) and not isinstance(least, bool) else 0
+    prefix = node.get("prefixItems")
+    prefix = prefix if isinstance(prefix, list) else []
+    needs: list[_Need] = [f"{pointer}/prefixItems/{i}" for i in range(min(count, len(prefix)))]
+    if count > len(prefix) and isinstance(node.get("items"), (Mapping, bool)):
+        needs.append(f"{pointer}/items")
+    return ("and", tuple(needs))
+
+
+def _holds(need: _Need, finite: set[str]) -> bool:
+    if isinstance(need, bool):
+        return need
+    if isinstance(need, str):
+        return need in finite
+    word, parts = need
+    return (all if word == "and" else any)(_holds(p, finite) for p in parts)
+
+
+def _pointers(need: _Need) -> list[str]:
+    if isinstance(need, bool):
+        return []
+    if isinstance(need, str):
+        return [need]
+    return [p for part in need[1] for p in _pointers(part)]
+
+
+def _blocking(need: _Need, finite: set[str]) -> str | None:
+    """The first schema ``need`` waits for that has no finite value (None: it is ``false``)."""
+    if isinstance(need, str):
+        return need
+    if isinstance(need, bool):
+        return None
+    for part in need[1]:
+        if not _holds(part, finite):
+            return _blocking(part, finite)
+    return None
+
+
+def _cycle(nodes: dict[str, _Need], finite: set[str]) -> str:
+    """Why the root has no finite value: the path of required schemas that leads back into
+    itself (``# -> #/properties/a -> #``), or to one that allows no value."""
+    path, at = ["#"], _blocking(nodes["#"], finite)
+    while at is not None and at not in path:
+        path.append(at)
+        at = _blocking(nodes[at], finite)
+    if at is None:
+        return f"{_arrows(path)}, which allows no value"
+    return f"{at} requires itself ({_arrows([*path, at])}), so every value would be infinitely deep"
+
+
+def _arrows(path: list[str]) -> str:
+    """``a -> b -> c``, the middle of a long path elided (it may run through every
+    definition of a large schema)."""
+    shown = path if len(path) <= 8 else [*path[:4], f"... {len(path) - 7} more ...", *path[-3:]]
+    return " -> ".join(shown)
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _resolve(root: Any, pointer: str) -> Any:
+    """The schema at a local JSON pointer (``#``, ``#/$defs/x``); None for anything else
+    (a remote reference, an anchor, a path that is not there)."""
+    if pointer != "#" and not pointer.startswith("#/"):
+        return None
+    node = root
+    for raw in pointer[2:].split("/") if pointer != "#" else []:
+        key = unquote(raw).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def grammar_value(value: Any) -> Grammar | None:

@@ -22,6 +22,12 @@ positions after it; or forced tokens) gets EOS only: the strategy discards a rej
 draft's row, and a committed output that broke the grammar should end rather than go on.
 EOS (any of the row's EOS ids) is allowed exactly when the output is a whole sentence of the
 grammar (with ``ignore_eos`` too: an EOS mid-sentence would leave the grammar).
+
+A matcher that fails (llguidance's error state: a parser limit, as a grammar whose forced
+continuation never ends reaches) is not a sentence that ended: the processor raises
+:class:`~pipeline.errors.InvalidValueError` naming the request and the engine's reason, and
+the engine fails the request (never an EOS that would pass a cut output off as finished).
+The engine's own logging is off (``log_level=0``): the error reaches the caller instead.
 """
 
 from __future__ import annotations
@@ -68,7 +74,8 @@ class GrammarProcessor:
 
     Built once per pipeline with its tokenizer; active for rows with a grammar. Not
     argmax-invariant. Raises :class:`~pipeline.errors.InvalidValueError` when a grammar row
-    reaches a processor built without a tokenizer.
+    reaches a processor built without a tokenizer, and when the grammar engine fails on a row
+    (the engine then fails that request: see the module docstring).
 
     Example::
 
@@ -109,12 +116,16 @@ class GrammarProcessor:
         return Scores(values)
 
     def _fill(self, row: Row, vocab: int, out: torch.Tensor) -> None:
-        """Write ``row``'s allowed next tokens into ``out`` (one int32 row of bits)."""
+        """Write ``row``'s allowed next tokens into ``out`` (one int32 row of bits); raises
+        :class:`InvalidValueError` when the grammar engine fails on the row."""
         track = self._sync(row, vocab)
         m = track.matcher
         if not track.broken:
             m.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
-            track.failed = bool(m.is_error())   # e.g. a parser limit: end the output
+            track.failed = bool(m.is_error())   # e.g. a parser limit
+        if track.failed:
+            self._tracks.pop((row.request_id, row.stream), None)
+            raise _engine_failed(row, m)
         if track.broken:
             out.zero_()
         accepting = track.broken or m.is_accepting() or m.is_stopped()
@@ -149,6 +160,7 @@ class GrammarProcessor:
         to the first refused id; ids after a refused one are only recorded."""
         if new and not track.broken:
             track.valid += track.matcher.try_consume_tokens(list(new))
+            track.failed = bool(track.matcher.is_error())
         track.ids.extend(new)
 
     def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
@@ -163,7 +175,7 @@ class GrammarProcessor:
             if key[2]:
                 assert isinstance(self._think, tuple)
                 source = after_thinking(source, self._think[1])
-            found = llguidance.LLMatcher(self._ll_tokenizer(key[1]), source)
+            found = llguidance.LLMatcher(self._ll_tokenizer(key[1]), source, log_level=0)
             if found.is_error():
                 raise InvalidValueError(grammar.field, "(grammar)",
                                         f"is not supported here: {found.get_error()}")
@@ -203,6 +215,18 @@ class GrammarProcessor:
                 self._table = token_table(self._tok)
             self._ll[vocab] = ll_tokenizer(self._tok, self._table, n_vocab=vocab)
         return self._ll[vocab]
+
+
+def _engine_failed(row: Row, matcher: Any) -> InvalidValueError:
+    """The error for a row whose matcher failed: the grammar's field, the request, how far
+    its output had come and the engine's reason (its first line; the rest is a dump of the
+    parser's state)."""
+    grammar = row.config.grammar
+    assert grammar is not None
+    reason = (str(matcher.get_error()).strip().splitlines() or ["no reason given"])[0]
+    return InvalidValueError(grammar.field, "(grammar)",
+                             f"the grammar engine failed on request {row.request_id!r} after "
+                             f"{len(row.output_ids)} output tokens: {reason}")
 
 
 def _common_prefix(a: list[int], b: Sequence[int]) -> int:

@@ -7,8 +7,9 @@ only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
 :class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
 committed durably, or spilled for a retry after ``usage_wait_s`` at most; its admission place
-given back, its metrics counted, its choices' traces kept for the keys that made it), and
-supervision:
+given back, its metrics counted, its choices' traces kept for the keys that made it; a failed
+one's error logged with its id, streamed or not, since the client only hears "internal server
+error"), and supervision:
 when a model's engine loop stops after an internal error, the model answers 503 (its queued
 requests already failed) and a fresh engine replaces it ``restart_delay_s`` later. A
 watchdog thread checks every engine's step in progress: one that has run longer than
@@ -556,6 +557,9 @@ class Gateway:
 
         record = UsageRecord.of_choices(record_id, completions, total_usage(completions, n),
                                         served.name, endpoint, owners)
+        if record.error is not None:  # the client is told "internal error"; the log says what
+            log.error("request %s to model %r failed: %s", record_id, served.name,
+                      record.error)
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(bounded)
         self.usage.append(record, done)
