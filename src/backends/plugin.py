@@ -38,7 +38,8 @@ def _torch(ctx: BuildContext) -> Any:
         ctx.model_dir, num_slots=opts.num_slots, max_context=opts.max_context,
         dtype=opts.torch_dtype, device=opts.device, pack=opts.pack,
         moe=moe_function(opts.moe, opts.moe_configs), kv_blocks=opts.kv_blocks,
-        kv_cache_bytes=opts.kv_cache_bytes, block_size=opts.block_size)
+        kv_cache_bytes=opts.kv_cache_bytes, block_size=opts.block_size,
+        batch_invariant=opts.invariant)
     if opts.moe == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 

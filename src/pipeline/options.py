@@ -152,6 +152,10 @@ class BackendOptions:
     - ``moe``: the routed-experts function of MoE layers, ``"torch"`` (the reference),
       ``"triton"`` (fused kernels) or a callable with ``moe_forward``'s signature;
       ``moe_configs``: folders of tuned Triton launch tables;
+    - ``batch_invariant``: a sequence's results independent of the batch it runs in and of how
+      its prompt was cut into chunks, in every dtype (fixed-size product tiles, grid-aligned
+      prompt attention; ``docs/performance.md`` has the cost); None (the default) turns it on
+      for CPU devices and off for others (:attr:`invariant` is the resolved value);
     - ``extra``: options for a third-party backend, passed to it as given (the built-in
       backends refuse any).
 
@@ -171,6 +175,8 @@ class BackendOptions:
     quantized: bool = attrs.field(validator=_flag)
     moe: MoeChoice = attrs.field(converter=_moe, eq=False)
     moe_configs: tuple[Path, ...] = attrs.field(converter=_paths)
+    batch_invariant: bool | None = attrs.field(
+        validator=attrs.validators.optional(_flag))
     extra: Mapping[str, Any] = attrs.field(converter=_extra, eq=False)
 
     def __init__(self, *, device: str | torch.device = "cpu",
@@ -178,14 +184,15 @@ class BackendOptions:
                  max_context: int | None = None, kv_cache_bytes: int | None = None,
                  kv_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  pack: bool = True, quantized: bool = False, moe: MoeChoice = "torch",
-                 moe_configs: Iterable[str | Path] = (), extra: Mapping[str, Any] | None = None,
-                 **unknown: Never) -> None:
+                 moe_configs: Iterable[str | Path] = (), batch_invariant: bool | None = None,
+                 extra: Mapping[str, Any] | None = None, **unknown: Never) -> None:
         if unknown:
             raise UnknownFieldError("BackendOptions", sorted(unknown)[0], field_names())
         self.__attrs_init__(
             device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_cache_bytes=kv_cache_bytes, kv_blocks=kv_blocks, block_size=block_size,
-            pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs, extra=extra)
+            pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs,
+            batch_invariant=batch_invariant, extra=extra)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BackendOptions:
@@ -208,6 +215,13 @@ class BackendOptions:
             return cls.from_dict(value)
         raise InvalidValueError("options", value,
                                 "must be a BackendOptions or a mapping of its fields")
+
+    @property
+    def invariant(self) -> bool:
+        """``batch_invariant`` resolved: as given, else on for a CPU device."""
+        if self.batch_invariant is not None:
+            return self.batch_invariant
+        return torch.device(self.device).type == "cpu"
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -108,6 +108,10 @@ class Pipeline:
         self.description = dict(description or {})
         self._sinks = tuple(sinks)
         self._environment = environment_id()
+        self._invariant: bool | None = (getattr(engine.backend, "batch_invariant", None)
+                                        if engine is not None else None)
+        """Whether the backend declares its rows independent of their batch (None: says
+        nothing), recorded in every trace's instance as ``batch_invariant``."""
         self._think: tuple[int, int] | tuple[()] | None = None
 
     # --- artifacts without a model ---------------------------------------------------------
@@ -372,7 +376,8 @@ class Pipeline:
             "generation_config": config, "processor_chain": list(self.stages.processor_names),
             "seed": seed, "rng": "counter:splitmix64(seed,stream,step)",
             "runtime_limits": attrs.asdict(request.runtime_limits),
-            "environment": self._environment, "recording": request.recording.value,
+            "environment": self._environment, "batch_invariant": self._invariant,
+            "recording": request.recording.value,
             **trace_context(request),
         }
 

@@ -463,6 +463,11 @@ class ModelCall:
     ``[len(token_ids), d]``) condition a model that was trained with them
     (:class:`EmbeddingInputs`). All three default to None: a plain call.
 
+    ``prompt`` marks a prompt chunk (:meth:`chunk` sets it): a batch-invariant backend computes
+    a prompt position the same way whichever chunk it arrives in (whole, cut by the token
+    budget, or after a prefix-cache hit), as it computes a decode token the same way in any
+    batch.
+
     Example::
 
         ModelCall(slot, (y_t,), start=m + t - 1, outputs=(0,))        # a decode step
@@ -482,12 +487,13 @@ class ModelCall:
     embeddings: torch.Tensor | None = attrs.field(default=None, eq=False)
     time: float | None = None
     self_condition: torch.Tensor | None = attrs.field(default=None, eq=False)
+    prompt: bool = False
 
     @classmethod
     def chunk(cls, chunk: PrefillChunk) -> ModelCall:
         """The call for a prefill chunk: logits at its last token when it ends its prompt."""
         return cls(chunk.slot, chunk.token_ids, chunk.start,
-                   (len(chunk.token_ids) - 1,) if chunk.last else ())
+                   (len(chunk.token_ids) - 1,) if chunk.last else (), prompt=True)
 
 
 def split_outputs(calls: Sequence[ModelCall], logits: torch.Tensor) -> list[torch.Tensor]:

@@ -72,7 +72,8 @@ def gguf_backend(ctx: BuildContext) -> Any:
     loaded = load_weights(f, spec, dtype=opts.torch_dtype or torch.float32, device=opts.device,
                           quantized=opts.quantized)
     model = Transformer(spec, loaded.weights, moe=moe_function(opts.moe, opts.moe_configs),
-                        pack=opts.pack, own_products=loaded.products)
+                        pack=opts.pack, own_products=loaded.products,
+                        batch_invariant=opts.invariant)
     budget = KV_CACHE_BYTES if opts.kv_cache_bytes is None else opts.kv_cache_bytes
     window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget)
     return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window,

@@ -105,6 +105,8 @@ class TorchBackend:
                                     f"positions ({self.window_blocks} blocks of {block_size})")
         self.model = model
         self.snapshot = snapshot
+        self.batch_invariant = model.batch_invariant
+        """Whether a sequence's logits are independent of its batch (the trace records it)."""
         self.num_slots = num_slots
         self.vocab_size = spec.vocab_size
         self.block_size = block_size
@@ -123,7 +125,8 @@ class TorchBackend:
                  device: torch.device | str = "cpu",
                  moe: MoeFunction = moe_forward, pack: bool = True,
                  kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> TorchBackend:
+                 block_size: int = DEFAULT_BLOCK_SIZE,
+                 batch_invariant: bool = False) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the default pool
@@ -132,7 +135,9 @@ class TorchBackend:
         (:func:`fitting_context`); ``dtype`` defaults to the checkpoint's; ``moe`` computes
         MoE layers' routed experts; ``pack`` gives float32 CPU weights oneDNN-packed copies
         (:mod:`backends.torch.packed`; twice the weight memory); ``kv_blocks`` (or the byte
-        budget ``kv_cache_bytes``) and ``block_size`` size the KV pool. Raises
+        budget ``kv_cache_bytes``) and ``block_size`` size the KV pool; ``batch_invariant``
+        makes each sequence's logits independent of its batch (:mod:`backends.torch.invariant`).
+        Raises
         :class:`~pipeline.errors.InvalidValueError` for a device this machine lacks (before
         reading anything) and :class:`~pipeline.errors.ArtifactError` for an unusable folder.
         """
@@ -140,7 +145,8 @@ class TorchBackend:
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
-        model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack)
+        model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack,
+                            batch_invariant=batch_invariant)
         if max_context is None and kv_cache_bytes is not None:
             max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes)
         return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context,
@@ -280,7 +286,7 @@ class TorchBackend:
             [(c.slot, c.start, c.token_ids) for c in calls], tables=tables,
             block_size=self.block_size, device=self.cache.device, outputs=outputs,
             bidirectional=[c.attention is Attention.BLOCK for c in calls],
-            writes=[c.write for c in calls])
+            writes=[c.write for c in calls], prompts=[c.prompt for c in calls])
         self.cache.discard()
         logits = self.model.forward(self.cache, batch, self._inputs(calls, batch))  # [N, V]
         self.cache.commit(batch)

@@ -190,7 +190,9 @@ class RaggedBatch:
     ``offsets`` (each sequence's first token in ``[T]``) are per-sequence Python ints, which
     the attention loop slices with; ``bidirectional[b]`` makes sequence b's new tokens attend
     to each other both ways; ``writes[b]`` false leaves its slot's length unchanged at
-    :meth:`KVCache.commit` and its keys unwritten. ``write_rows [W]`` are the flattened-pool
+    :meth:`KVCache.commit` and its keys unwritten; ``prompts[b]`` marks a prompt chunk (a
+    batch-invariant model attends it with :func:`~backends.torch.invariant.grid_attention`).
+    ``write_rows [W]`` are the flattened-pool
     rows of the written tokens, which are rows ``write_tokens [W]`` of ``[T]`` (None: all of
     them, in order); ``reads[b]`` is sequence b's :class:`ReadPlan`; ``gather_blocks [G]``
     the blocks, in order, of the sequences read by gathering (None: none is). Build with
@@ -206,6 +208,7 @@ class RaggedBatch:
     offsets: tuple[int, ...]
     bidirectional: tuple[bool, ...]
     writes: tuple[bool, ...]
+    prompts: tuple[bool, ...]
     write_rows: torch.Tensor
     write_tokens: torch.Tensor | None
     reads: tuple[ReadPlan, ...]
@@ -217,12 +220,14 @@ class RaggedBatch:
               device: torch.device | str = "cpu",
               outputs: Sequence[Sequence[int]] | None = None,
               bidirectional: Sequence[bool] | None = None,
-              writes: Sequence[bool] | None = None) -> RaggedBatch:
+              writes: Sequence[bool] | None = None,
+              prompts: Sequence[bool] | None = None) -> RaggedBatch:
         """From ``(slot, start, token_ids)`` per sequence (each with at least one token) and
         its block table (covering ``start + len`` positions, ``start`` if it does not write).
 
         ``outputs[b]`` are the offsets into sequence b's tokens whose logits are wanted
-        (default: its last token); ``bidirectional``/``writes`` default to causal and writing.
+        (default: its last token); ``bidirectional``/``writes`` default to causal and writing;
+        ``prompts[b]`` marks a prompt chunk (default: none is).
         """
         lengths = [len(ids) for _, _, ids in seqs]
         if not seqs or min(lengths) < 1:
@@ -250,7 +255,9 @@ class RaggedBatch:
                    lengths=tuple(lengths), offsets=tuple(offsets),
                    bidirectional=(tuple(bidirectional) if bidirectional is not None
                                   else (False,) * b),
-                   writes=writes, write_rows=cut[3],
+                   writes=writes,
+                   prompts=tuple(prompts) if prompts is not None else (False,) * b,
+                   write_rows=cut[3],
                    write_tokens=(None if len(written) == len(ids)
                                  else torch.tensor(written, dtype=torch.int64, device=device)),
                    reads=tuple(plans), gather_blocks=cut[4] if gather else None)

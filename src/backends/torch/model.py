@@ -11,7 +11,10 @@ keys and values :meth:`~backends.torch.kv.KVCache.read` gives (its own new keys 
 from position 0, a view of one run of blocks, or a gather of scattered ones) with the same
 :func:`attend`: a decode token folds its query heads onto their key/value head; a prompt from
 position 0 uses the causal kernel; a later chunk, or a sliding window that cuts in, gets an
-explicit ``[Lq, Lk]`` mask.
+explicit ``[Lq, Lk]`` mask. A batch-invariant model (``Transformer(batch_invariant=True)``)
+runs every product on fixed tiles of rows and attends prompt chunks with
+:func:`~backends.torch.invariant.grid_attention`, so no row depends on its batch
+(:mod:`backends.torch.invariant`).
 
 The forward writes new keys and values into blocks but does not change the slots' lengths:
 :meth:`~backends.torch.kv.KVCache.commit` does, after the call succeeded, so a call that
@@ -29,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -36,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
+from backends.torch.invariant import RowTiles, grid_attention
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.moe import RoutingSpec, moe_forward
 from backends.torch.packed import LinearFn, Linears
@@ -79,20 +84,25 @@ class Transformer:
     experts' too when ``moe`` is the default; ``pack=False`` multiplies with ``F.linear``.
     ``own_products`` pairs weights (placeholders in ``weights``) with the function that
     multiplies by them, e.g. a GGUF weight kept quantized in memory, and the bytes that
-    function holds.
+    function holds. ``batch_invariant`` makes each row's logits independent of the rest of
+    the batch and of how its prompt was cut into chunks (:mod:`backends.torch.invariant`).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
                  moe: MoeFunction = moe_forward, pack: bool = True,
-                 own_products: Sequence[tuple[torch.Tensor, LinearFn, int]] = ()) -> None:
+                 own_products: Sequence[tuple[torch.Tensor, LinearFn, int]] = (),
+                 batch_invariant: bool = False) -> None:
         self.spec = spec
         self.weights = weights
+        self.batch_invariant = batch_invariant
         default_moe = moe is moe_forward
         self.linears = (Linears.pack(weights, experts=default_moe) if pack
                         else Linears.plain())
         for placeholder, multiply, nbytes in own_products:
             self.linears.register(placeholder, multiply, nbytes)
-        self.moe = self._packed_moe if default_moe and len(self.linears) else moe
+        self.linears.invariant = batch_invariant
+        self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant)
+                    else moe)
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]
 
@@ -107,6 +117,8 @@ class Transformer:
         ``inputs [T, H]`` replaces the token embeddings as the first hidden states (embedding
         inputs, :mod:`backends.torch.conditioning`)."""
         h = F.embedding(batch.token_ids, self.weights.embed) if inputs is None else inputs
+        if self.batch_invariant:
+            self.linears.plans = _row_plans(batch, h.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)
@@ -138,6 +150,9 @@ class Transformer:
         outs = []
         for b, (start, n, at) in enumerate(zip(batch.starts, batch.lengths, batch.offsets)):
             keys, values = cache.read(i, batch, b, k[at:at + n], v[at:at + n])  # [1, Hkv, L, D]
+            if self.batch_invariant and batch.prompts[b] and not batch.bidirectional[b]:
+                outs.append(grid_attention(q[at:at + n], keys, values, start, window))
+                continue
             outs.append(attend(q[at:at + n], keys, values, start, window,
                                batch.bidirectional[b]))                        # [n, Hq, D]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)                    # [T, Hq, D]
@@ -159,6 +174,19 @@ class Transformer:
         """:func:`moe_forward` with this model's packed expert weights."""
         return moe_forward(hidden, router_logits, w_gate_up, w_down, top_k=top_k,
                            routing=routing, linear=self.linears.expert)
+
+
+def _row_plans(batch: RaggedBatch, device: torch.device) -> tuple[RowTiles, RowTiles]:
+    """The tiles of a batch-invariant forward's token rows (wide for a prompt chunk's or a
+    multi-token call's rows, narrow for a one-token call's) and output rows (wide for a call
+    that wants several outputs, narrow for one that wants one: a prompt's last position or a
+    decode token)."""
+    wide = [w for prompt, n in zip(batch.prompts, batch.lengths)
+            for w in [prompt or n > 1] * n]
+    owner = [b for b, n in enumerate(batch.lengths) for _ in range(n)]
+    outputs = [owner[r] for r in batch.outputs.tolist()]
+    wanted = Counter(outputs)
+    return RowTiles(wide, device), RowTiles([wanted[b] > 1 for b in outputs], device)
 
 
 EXACT_QUERIES = 16

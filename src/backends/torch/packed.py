@@ -13,6 +13,10 @@ with no packed copy (another dtype, another device, a build without oneDNN) goes
 ``F.linear``. Packing is float32-on-CPU only: oneDNN's bfloat16 path needs AVX-512 or
 AVX-NE-CONVERT. The packed copies take as much memory again as the weights they copy.
 
+With ``invariant`` set (a batch-invariant model), every product runs on tiles of a fixed
+number of rows (:mod:`backends.torch.invariant`), so a row's result does not depend on how
+many rows came with it.
+
 Example::
 
     linears = Linears.pack(model_weights)          # Linears.plain() packs nothing
@@ -27,6 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from backends.torch.invariant import NARROW_TILE, RowTiles, tiled_rows
 from backends.torch.weights import MlpWeights, ModelWeights, MoeWeights
 
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -54,6 +59,12 @@ class Linears:
         self._own: dict[int, LinearFn] = {}
         self.own_bytes = 0
         """Memory the registered products hold (their encoded weights)."""
+        self.invariant = False
+        """Batch-invariant products (:mod:`backends.torch.invariant`): rows on fixed tiles,
+        as :attr:`plans` says, or :data:`~backends.torch.invariant.NARROW_TILE` rows."""
+        self.plans: tuple[RowTiles, ...] = ()
+        """The current forward's row plans (its token rows, its output rows); a product of
+        that many rows follows the plan of its length."""
 
     def register(self, weight: torch.Tensor, multiply: LinearFn, nbytes: int = 0) -> None:
         """Multiply by ``weight`` (typically a ``meta`` placeholder of the right shape that
@@ -88,6 +99,17 @@ class Linears:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] @ weight.T (+ bias)``: ``[T, out]``."""
+        if self.invariant:
+            def product(rows: torch.Tensor) -> torch.Tensor:
+                return self._product(rows, weight, bias)
+            for plan in self.plans:
+                if plan.rows == x.shape[0]:
+                    return plan.apply(x, product)
+            return tiled_rows(x, product, NARROW_TILE)
+        return self._product(x, weight, bias)
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
         own = self._own.get(id(weight))
         if own is not None:
             return own(x, bias)
@@ -99,6 +121,11 @@ class Linears:
 
     def expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
         """``x [n, in] @ stack[e].T`` for a stack of expert matrices ``[E, out, in]``."""
+        if self.invariant:
+            return tiled_rows(x, lambda rows: self._expert(rows, stack, e), NARROW_TILE)
+        return self._expert(x, stack, e)
+
+    def _expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
         packed = self._packed.get((id(stack), e))
         if packed is None:
             return F.linear(x, stack[e])

@@ -4,17 +4,25 @@ Owns the four argmax-invariant processors that remove unlikely tokens. Each is i
 greedy rows (so a greedy row's processed distribution, and its logprobs, do not depend on the
 batch it runs in) and for rows whose parameter is "off".
 
+Ties and batch invariance. The kept set is a function of the row alone: the tokens whose
+score is at least a threshold (the k-th largest score; the last score of the nucleus), ties
+included, so which of several equal scores a ranking lists first never matters, and a row
+keeps the same tokens whether its batch takes the sparse or the threshold path. (Keeping
+exactly k would need a tie rule; ranking kernels order equal values differently with the
+batch's shape.)
+
 Layouts. When every row of the batch is active, ``top_k`` and ``top_p`` return sparse scores:
 the kept candidates, most likely first, as ``[B, K]`` values and token ids (a row that keeps
 fewer than K has ``-inf`` in its extra columns), so later processors and the selector work on
-K columns instead of V. Otherwise they mask in place by a per-row threshold. Neither sorts the
+K columns instead of V, unless a row's ties at the threshold reach past the ranked columns.
+Otherwise they mask in place by the per-row threshold. Neither sorts the
 vocabulary when it can avoid it: ``top_k`` uses a block-pruned top-k, and ``top_p`` looks for
 the nucleus in a bounded prefix of the ranking first and sorts everything only when that prefix
 holds less than ``top_p`` of the mass.
 
-Semantics are those of transformers' warpers: ``top_k`` keeps the k largest (the threshold
-path keeps ties with the k-th, the sparse path exactly k); ``top_p`` keeps a token when the
-mass of the tokens ranked above it is below ``p``; ``min_p`` keeps ``prob >= min_p * max prob``
+Semantics are those of transformers' warpers: ``top_k`` keeps the k largest and every token
+tied with the k-th; ``top_p`` keeps a token when the mass of the tokens ranked above it is
+below ``p``, and every token tied with the last one kept; ``min_p`` keeps ``prob >= min_p * max prob``
 (compared in log space: ``s >= max s + log min_p``); ``typical_p`` follows
 ``TypicalLogitsWarper``.
 """
@@ -48,6 +56,14 @@ def _threshold_mask(scores: Scores, threshold: torch.Tensor) -> Scores:
     values = scores.values
     values.masked_fill_(values < threshold.unsqueeze(1), NEG_INF)
     return scores
+
+
+def _ties_fit(values: torch.Tensor, threshold: torch.Tensor, keep: torch.Tensor) -> bool:
+    """Whether each row of ``values [B, N]`` has exactly ``keep [B]`` scores at or above its
+    ``threshold [B]``: the ranked prefix already holds every tie (the sparse layout is
+    exact)."""
+    at_least = (values >= threshold.unsqueeze(1)).sum(dim=1)
+    return bool((at_least == keep).all())
 
 
 def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor | float:
@@ -89,10 +105,10 @@ class TopK:
         ks = [r.config.top_k if on else width for r, on in zip(batch.rows, flags)]
         k_max = max(k for k, on in zip(ks, flags) if on)
         top, columns = block_topk(scores.values, k_max)  # [B, k_max], largest first
-        if all(flags):
-            return _ranked(scores, columns, top, ks)
         last = row_ints([min(k, k_max) - 1 for k in ks], top).unsqueeze(1)  # [B, 1]
-        kth = top.gather(1, last).squeeze(1)  # [B]
+        kth = top.gather(1, last).squeeze(1)  # [B], exact: only the order of ties is not
+        if all(flags) and _ties_fit(scores.values, kth, last.squeeze(1) + 1):
+            return _ranked(scores, columns, top, ks)
         return _threshold_mask(scores, torch.where(row_mask(flags, kth), kth, NEG_INF))
 
 
@@ -111,26 +127,27 @@ def _nucleus_prefix(values: torch.Tensor, top_p: torch.Tensor | float, flags: Se
     """A ranking prefix that holds every active row's nucleus.
 
     Returns ``(top [B, C], columns [B, C], above [B, C])``, largest first, where ``above`` is
-    the probability mass (normalized over the whole row) ranked strictly above each column.
+    the probability mass (float64, normalized over the whole row) ranked strictly above each
+    column.
     Tries the bounded prefixes when the row is wide, then sorts the whole row.
     """
     width = values.shape[1]
-    if 2 * TOP_P_PREFIXES[0] > width:
-        top, columns = torch.sort(values, dim=1, descending=True)  # [B, N]
-        probs = torch.softmax(top, dim=1)
-        return top, columns, torch.cumsum(probs, dim=1) - probs
-    log_total = torch.logsumexp(values, dim=1, keepdim=True)  # [B, 1]
-    need = torch.where(row_mask(flags, values).unsqueeze(1), top_p, 0.0)  # [B, 1]
-    for size in TOP_P_PREFIXES:
-        if 2 * size > width:
-            break
-        top, columns = block_topk(values, size)  # [B, size]
-        probs = torch.exp(top - log_total)
-        mass = torch.cumsum(probs, dim=1)
-        if bool((mass[:, -1:] >= need).all()):
-            return top, columns, mass - probs
+    # Masses in float64: a row's nucleus must not move with the rounding of a float32 sum,
+    # which differs with the layout (how many columns, which kernel path) the batch took.
+    log_total = torch.logsumexp(values.double(), dim=1, keepdim=True)  # [B, 1]
+    if 2 * TOP_P_PREFIXES[0] <= width:
+        need = torch.where(row_mask(flags, values).unsqueeze(1), float(top_p)
+                           if isinstance(top_p, float) else top_p.double(), 0.0)  # [B, 1]
+        for size in TOP_P_PREFIXES:
+            if 2 * size > width:
+                break
+            top, columns = block_topk(values, size)  # [B, size]
+            probs = torch.exp(top.double() - log_total)
+            mass = torch.cumsum(probs, dim=1)
+            if bool((mass[:, -1:] >= need).all()):
+                return top, columns, mass - probs
     top, columns = torch.sort(values, dim=1, descending=True)  # [B, N]
-    probs = torch.exp(top - log_total)
+    probs = torch.exp(top.double() - log_total)
     return top, columns, torch.cumsum(probs, dim=1) - probs
 
 
@@ -154,10 +171,10 @@ class TopP:
         # The most likely token always stays (its mass above is 0 < top_p), also when top_p
         # is below float32's range (1e-320 rounds to 0 in the comparison).
         outside[:, 0] = False
-        if all(flags):
-            return _nucleus(scores, columns, top.masked_fill_(outside, NEG_INF), outside)
         keep = outside.shape[1] - outside.sum(dim=1)  # [B], a prefix of the ranking
         last = top.gather(1, (keep - 1).unsqueeze(1)).squeeze(1)  # [B]
+        if all(flags) and _ties_fit(scores.values, last, keep):
+            return _nucleus(scores, columns, top.masked_fill_(outside, NEG_INF), outside)
         return _threshold_mask(scores, torch.where(row_mask(flags, last), last, NEG_INF))
 
 

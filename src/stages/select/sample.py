@@ -1,15 +1,17 @@
 """``sample``: inverse-CDF sampling with counter-based uniforms; argmax for greedy rows.
 
 Owns :class:`SamplingSelector` and :func:`inverse_cdf`. For a sampled row the selector
-accumulates the softmax of its candidates in float64 and picks the first one whose
+accumulates ``exp(s - max s)`` of its candidates in float64 and picks the first one whose
 cumulative mass exceeds ``u * total``, with ``u = uniform(row.seed, row.stream, row.step)``.
 A zero-probability candidate can never be picked.
 
-Batch invariance: the cumulative sum always runs over the candidates in token-id order (a
-sparse layout is put in that order first), and removed candidates add exactly zero, so the
+Batch invariance: the weights are unnormalized (no row sum whose rounding depends on how many
+columns the layout has), the cumulative sum always runs over the candidates in token-id order
+(a sparse layout is put in that order first), and removed candidates add exactly zero, so the
 same ``u`` picks the same token whether the row's scores arrive dense or sparse, with any
-number of padding columns, whatever else is in the batch, up to float32 rounding of the
-softmax (a draw within ~1e-7 of a bin edge could differ).
+number of padding columns, whatever else is in the batch (float64 ``exp`` may differ by one
+unit in the last place between a vectorized and a scalar path: a draw within ~1e-16 of a
+bin edge).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from stages.select.rng import row_uniforms
 def inverse_cdf(values: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``[B]`` column drawn from ``softmax(values [B, N])`` by the uniforms ``u [B]``.
 
-    Picks the first column whose cumulative probability (float64) exceeds ``u * total``.
-    With ``u <= 1 - 2**-52`` (see :func:`~stages.select.rng.row_uniforms`) that product
-    rounds strictly below ``total``, so the column found always has positive probability.
-    (A row whose every candidate was removed gets a valid but arbitrary column.)
+    Picks the first column whose cumulative weight ``exp(s - max s)`` (float64) exceeds
+    ``u * total``. With ``u <= 1 - 2**-52`` (see :func:`~stages.select.rng.row_uniforms`)
+    that product rounds strictly below ``total``, so the column found always has positive
+    probability. (A row whose every candidate was removed gets a valid but arbitrary column.)
     """
-    cdf = torch.cumsum(torch.softmax(values, dim=1), dim=1, dtype=torch.float64)  # [B, N]
+    wide = values.double()
+    best = wide.amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float64).min)  # [B, 1]
+    cdf = torch.cumsum(torch.exp(wide - best), dim=1)  # [B, N]
     target = cdf[:, -1:] * u.unsqueeze(1)  # [B, 1], < total
     picked = torch.searchsorted(cdf, target, right=True)  # [B, 1]
     return picked.squeeze(1).clamp_(max=values.shape[1] - 1)

@@ -1,0 +1,119 @@
+"""Alone vs batched: a greedy or seeded request gives the same tokens whatever runs beside it.
+
+The oracle is the request itself run alone (DESIGN §6's reproducibility levels rest on it):
+24 seeds per strategy and dtype, a third of them greedy and the rest sampled at other
+temperatures and truncations, run one at a time in one pipeline, then all at once in another
+whose engine cuts prompts into small chunks under a small token budget, while their shared
+prefix hits the prefix cache. The tokens must be identical, in float32 and bfloat16, for every
+strategy the library ships. The kernels' own row invariance is checked on its own too: a
+product's rows, and a prompt position's attention, against the same computed in other company.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.torch.invariant import GRID, grid_attention, tiled_rows
+from pipeline import build
+from pipeline.engine import EngineConfig
+from pipeline.options import BackendOptions
+from pipeline.pipe import Pipeline
+
+SEEDS = 24
+STRATEGIES = [
+    ("tiny", "autoregressive"), ("tiny", "speculative"),
+    ("tiny-masked", "llada"), ("tiny-masked", "fast_dllm"), ("tiny-masked", "dfm"),
+    ("tiny-continuous", "ddpm"), ("tiny-continuous", "ddim"), ("tiny-flow", "flow"),
+]
+CHOPPED = EngineConfig(token_budget=24, max_prefill_chunk=13)
+"""The batched pipeline's engine: prompts cut into chunks of at most 13 tokens, and fewer
+when other requests take the step's budget."""
+SHARED = "The old lighthouse keeper wrote in his log every night before the storm came in: "
+
+
+def _config(i: int) -> dict[str, Any]:
+    """Request i's sampling: greedy rows, and seeded rows at other temperatures/truncations."""
+    if i % 3 == 0:
+        return {"temperature": 0.0}
+    return {"temperature": (0.6, 0.9, 1.3)[i % 3 - 1 + (i // 3) % 2],
+            "top_k": (0, 5, 40)[i % 3], "top_p": (1.0, 0.9)[(i // 2) % 2], "seed": 1000 + i}
+
+
+def _prompt(i: int) -> str:
+    return SHARED + f"entry {i}, " + "the wind " * (i % 5)
+
+
+def _pipelines(model: str, strategy: str, dtype: str) -> Iterator[tuple[Pipeline, Pipeline]]:
+    opts = BackendOptions(dtype=dtype)  # the default: batch-invariant on CPU
+    with build(model, strategy=strategy, options=opts) as alone, \
+            build(model, strategy=strategy, options=opts, engine=CHOPPED) as batched:
+        yield alone, batched
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("model", "strategy"), STRATEGIES)
+def test_alone_and_batched_give_the_same_tokens(model: str, strategy: str, dtype: str) -> None:
+    for alone, batched in _pipelines(model, strategy, dtype):
+        assert alone.model_info().dtype == dtype
+        solo = [alone.generate(_prompt(i), max_tokens=16, **_config(i)).token_ids
+                for i in range(SEEDS)]
+        handles = [batched.submit(_prompt(i), max_tokens=16, **_config(i))
+                   for i in range(SEEDS)]
+        together = [h.result(timeout=300).token_ids for h in handles]
+        differ = [i for i in range(SEEDS) if solo[i] != together[i]]
+        assert not differ, f"{len(differ)} of {SEEDS} differ alone vs batched: {differ}"
+
+
+def _declared(pipeline: Pipeline) -> Any:
+    trace = pipeline.generate("hi", max_tokens=1).trace
+    return next(e.payload for e in trace if e.event_type == "request.normalized")["batch_invariant"]
+
+
+def test_the_trace_declares_batch_invariance() -> None:
+    with build("tiny", options=BackendOptions(batch_invariant=False)) as off, \
+            build("tiny") as on:
+        assert _declared(on) is True
+        assert _declared(off) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_tiled_products_rows_do_not_depend_on_their_company(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(384, 192, generator=gen).to(dtype)
+    x = torch.randn(70, 192, generator=gen).to(dtype)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, weight)
+
+    alone = torch.cat([tiled_rows(x[i:i + 1], product, 8) for i in range(70)])
+    for count in (2, 7, 8, 9, 33, 70):
+        assert torch.equal(tiled_rows(x[:count], product, 8), alone[:count]), count
+    assert torch.equal(tiled_rows(x[5:20], product, 8), alone[5:20])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_prompt_positions_attention_does_not_depend_on_its_chunk(
+        dtype: torch.dtype, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    n, hq, hkv, d = 2 * GRID + 40, 6, 2, 32
+    q = torch.randn(n, hq, d, generator=gen).to(dtype)
+    k = torch.randn(1, hkv, n, d, generator=gen).to(dtype)
+    v = torch.randn(1, hkv, n, d, generator=gen).to(dtype)
+    whole = grid_attention(q, k, v, 0, window)
+    for cuts in ([1], [13, 64], [GRID - 1, GRID + 1], [100, 101, 150]):
+        bounds = [0, *cuts, n]
+        pieces = [grid_attention(q[a:b], k[:, :, :b], v[:, :, :b], a, window)
+                  for a, b in zip(bounds, bounds[1:])]
+        assert torch.equal(torch.cat(pieces), whole), cuts
+    # ... and it is attention: torch's kernel on the whole prompt, up to rounding
+    from backends.torch.model import attend
+
+    reference = attend(q.float(), k.float(), v.float(), 0, window)
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    assert torch.allclose(whole.float(), reference, atol=tol, rtol=tol)
