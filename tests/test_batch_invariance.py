@@ -11,9 +11,12 @@ product's rows, and a prompt position's attention, against the same computed in 
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,8 @@ from pipeline import build
 from pipeline.engine import EngineConfig
 from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline
+from tests.http_support import config, running
+from transports.http import Gateway
 
 SEEDS = 24
 STRATEGIES = [
@@ -117,3 +122,29 @@ def test_a_prompt_positions_attention_does_not_depend_on_its_chunk(
     reference = attend(q.float(), k.float(), v.float(), 0, window)
     tol = 1e-5 if dtype is torch.float32 else 2e-2
     assert torch.allclose(whole.float(), reference, atol=tol, rtol=tol)
+
+
+def test_over_http_sixteen_concurrent_clients_get_what_each_gets_alone(tmp_path: Path) -> None:
+    """The served tiny model (bfloat16, its own dtype): 16 clients with a shared system prompt,
+    greedy and seeded, alone one after another, then all at once: the same answers."""
+    gateway = Gateway(config(tmp_path))
+
+    def body(i: int) -> dict[str, Any]:
+        sampling = ({"temperature": 0} if i % 2 == 0 else
+                    {"temperature": (0.7, 1.1)[i % 4 // 2], "top_p": 0.95, "seed": 7 + i,
+                     "top_k": 20})
+        return {"model": "default", "max_tokens": 24, **sampling,
+                "messages": [{"role": "system", "content": SHARED * 2},
+                             {"role": "user", "content": f"Question {i}: what did he see?"}]}
+
+    def ask(url: str, i: int) -> str:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body(i), timeout=120)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    with running(gateway) as url:
+        alone = [ask(url, i) for i in range(16)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda i: ask(url, i), range(16)))
+    differ = [i for i in range(16) if alone[i] != together[i]]
+    assert not differ, f"{len(differ)} of 16 differ alone vs concurrent: {differ}"
