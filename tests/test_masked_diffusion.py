@@ -43,9 +43,13 @@ def llada_schedule(masked: int, steps: int) -> list[int]:
     return out[0].tolist()
 
 
-def make_row(seed: int = 7, temperature: float = 0.0, max_tokens: int = 64) -> Row:
-    config = GenerationConfig(max_tokens=max_tokens, temperature=temperature)
-    return Row("r", config, (1, 2, 3), (), 1, seed, frozenset({0}))
+def make_row(seed: int | None = 7, temperature: float = 0.0, max_tokens: int = 64,
+             derived: int = 99) -> Row:
+    """A request's row; ``seed=None`` is a request without a seed, whose row carries the
+    seed ``derived`` from its id."""
+    config = GenerationConfig(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    return Row("r", config, (1, 2, 3), (), 1, derived if seed is None else seed,
+               frozenset({0}))
 
 
 def confidence_logits(conf: Sequence[float], tokens: Sequence[int]) -> torch.Tensor:

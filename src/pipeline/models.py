@@ -42,6 +42,13 @@ TINY_MASKED_MODEL_DIR = Path(__file__).parent / "diffusion_models" / "masked"
 """The small masked-diffusion model that ships inside the package (docs/masked_diffusion_model.md)."""
 GENERATION_KEY = "pipeline_generation"
 """The ``config.json`` key that marks a non-autoregressive checkpoint (DESIGN §10)."""
+ATTENTIONS = ("block_causal",)
+"""The values of a marker's ``attention`` the iterative strategies run (absent means
+``block_causal``): a clean token attends causally to the tokens before it, a block being
+denoised to the cached prefix and its whole block, so finished blocks are cached exactly. A
+model trained with full bidirectional attention over the whole canvas (LLaDA, Dream) needs
+every pass to recompute the prompt and the committed tokens with the block in view, which no
+backend here does: such a marker is refused, not run block-causally."""
 CONTINUOUS_MODEL_DIRS = {
     "tiny-continuous": Path(__file__).parent / "diffusion_models" / "continuous",
     "tiny-flow": Path(__file__).parent / "diffusion_models" / "flow",
@@ -153,7 +160,8 @@ def hf_cache_snapshot(repo_id: str) -> Path:
 def generation_marker(directory: Path | None) -> Mapping[str, Any] | None:
     """The ``pipeline_generation`` mapping of ``directory/config.json`` (None when the folder,
     the file or the key is absent: an autoregressive model). It must be a mapping with a
-    string ``family``; anything else is an :class:`~pipeline.errors.ArtifactError`."""
+    string ``family``, and its ``attention``, if given, one of :data:`ATTENTIONS`; anything
+    else is an :class:`~pipeline.errors.ArtifactError`."""
     if directory is None or not (directory / "config.json").is_file():
         return None
     path = directory / "config.json"
@@ -167,4 +175,12 @@ def generation_marker(directory: Path | None) -> Mapping[str, Any] | None:
     if not isinstance(marker, dict) or not isinstance(marker.get("family"), str):
         raise ArtifactError(f"{path}: {GENERATION_KEY!r} must be an object with a string "
                             f"'family', got {marker!r}")
+    attention = marker.get("attention", ATTENTIONS[0])
+    if attention not in ATTENTIONS:
+        raise ArtifactError(
+            f"{path}: {GENERATION_KEY}.attention={attention!r} is not supported; accepted: "
+            f"{', '.join(map(repr, ATTENTIONS))} (a block-causal model: cached prefix, "
+            "attention both ways within the block being denoised). Full bidirectional "
+            "attention over the whole canvas (prompt included, no block cache), as LLaDA and "
+            "Dream were trained, is not run by any backend here")
     return marker

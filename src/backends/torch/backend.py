@@ -266,7 +266,7 @@ class TorchBackend:
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
         """Append each chunk to its slot; logits ``[len(chunks), V]`` at each chunk's last token."""
-        calls = [ModelCall(c.slot, c.token_ids, c.start, (len(c.token_ids) - 1,))
+        calls = [ModelCall(c.slot, c.token_ids, c.start, (len(c.token_ids) - 1,), prompt=True)
                  for c in chunks]
         return self.forward(calls)
 

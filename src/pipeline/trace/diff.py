@@ -15,10 +15,11 @@ or a cancel is what trims or closes that step's stream.
 
 For an iterative strategy (masked diffusion, DESIGN §10) the walk first goes through its
 iterations in order, after the input: for iteration k, the block fed to the denoiser, the
-logits of that pass (model level), then what the pass committed (positions and tokens;
-``rng`` when the seeds differ and the run draws), so the report names the first divergent
-iteration; the sampler's settings (``step.configured``) are declared differences. The
-per-token walk follows.
+logits of that pass (model level), then what the pass committed (positions and the tokens
+there), so the report names the first divergent iteration. Different commits are blamed on
+the sampler's settings first (``step.configured`` differs: the detail names the settings),
+then on the seeds (``rng``, when the noise seeds differ and a run draws), else on the pass
+itself; the sampler's settings are also declared differences. The per-token walk follows.
 
 Digest-level traces locate a divergence (digests differ); ``full`` traces explain it (texts,
 ids, top-k, draws) and let logits be compared within ``atol`` on their top-k. Differences in
@@ -194,6 +195,7 @@ def _iterations(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence 
     ia, ib = iterations_at(a, t), iterations_at(b, t)
     if not ia and not ib:
         return
+    cause = _cause(a, b)
     for k in range(max(len(ia), len(ib))):
         if k >= len(ia) or k >= len(ib):
             yield Divergence("iterations", "selection", t, len(ia), len(ib),
@@ -203,9 +205,11 @@ def _iterations(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence 
         where = (f"iteration {k + 1} of the block at token {t} "
                  f"({pa.get('iterations')} vs {pb.get('iterations')} per block)")
         for key, product in (("rule", "iteration rule"), ("length", "block length"),
-                             ("time", "iteration time"), ("x0_digest", "self-condition"),
-                             ("state_digest", "iteration state")):
+                             ("time", "iteration time")):
             yield _same(product, "selection", t, pa.get(key), pb.get(key), where)
+        for key, product in (("x0_digest", "self-condition"), ("state_digest",
+                                                                "iteration state")):
+            yield _same(product, "selection", t, pa.get(key), pb.get(key), where + cause)
         for row, (ra, rb) in enumerate(zip(la, lb)):
             same, detail = logits_equal(ra, rb, atol)
             if not same:
@@ -289,7 +293,8 @@ def _display(trace: Trace) -> Any:
 
 def passes(trace: Trace) -> list[tuple[Event, Event]]:
     """An iterative run's iterations: each ``step.denoised`` with the model call it came
-    from (the latest non-writing ``decode.completed`` before it)."""
+    from (the latest non-writing ``decode.completed`` before it; a ``reused`` pass ran on
+    that call's logits too)."""
     out, call = [], None
     for event in trace.events:
         if event.event_type == "decode.completed" and event.payload.get("write") is False:
@@ -301,10 +306,46 @@ def passes(trace: Trace) -> list[tuple[Event, Event]]:
 
 def _draws(trace: Trace) -> bool:
     """Whether an iterative run consumes random numbers (sampling, random remasking, DFM)."""
-    temperature = float((trace.instance.get("generation_config") or {}).get("temperature", 1.0))
     configured = trace.payload("step.configured")
+    if "noise" in configured:  # declared by the strategy
+        return bool(configured["noise"] != "none")
+    temperature = float((trace.instance.get("generation_config") or {}).get("temperature", 1.0))
     return temperature > 0 or configured.get("remasking") == "random" or \
         configured.get("sampler") == "dfm"
+
+
+def noise_seed(trace: Trace) -> Any:
+    """The seed an iterative run drew from: the one ``step.configured`` declares
+    (``noise_seed``: a greedy request without a seed draws from a fixed one), else the
+    request's (``selection.configured``)."""
+    configured = trace.payload("step.configured")
+    if "noise_seed" in configured:
+        return configured["noise_seed"]
+    return trace.payload("selection.configured").get("seed")
+
+
+SEED_KEYS = frozenset({"step", "noise", "noise_seed"})
+"""``step.configured`` keys that describe the run's randomness, not the sampler's settings."""
+
+
+def settings_changed(a: Trace, b: Trace) -> str:
+    """The sampler's settings that differ between the runs (``step.configured``, less
+    :data:`SEED_KEYS`), as ``"eta 0.0 vs 0.5; steps 4 vs 8"`` ("" when none does)."""
+    ca, cb = a.payload("step.configured"), b.payload("step.configured")
+    keys = sorted((set(ca) | set(cb)) - SEED_KEYS)
+    return "; ".join(f"{k} {ca.get(k)!r} vs {cb.get(k)!r}" for k in keys
+                     if ca.get(k) != cb.get(k))
+
+
+def _cause(a: Trace, b: Trace) -> str:
+    """What can make an iteration's state differ, as a clause for the detail: the settings
+    first, then the noise seeds ("" when neither differs)."""
+    changed, seeds = settings_changed(a, b), (noise_seed(a), noise_seed(b))
+    if changed:
+        return f"; the strategy's settings differ ({changed})"
+    if seeds[0] != seeds[1]:
+        return f"; the noise seeds differ ({seeds[0]} vs {seeds[1]})"
+    return ""
 
 
 def _commits(payload: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -315,11 +356,26 @@ def _commits(payload: Mapping[str, Any]) -> tuple[Any, Any]:
                                       else payload.get("ids_digest"))
 
 
+def committed_tokens(trace: Trace, payload: Mapping[str, Any]) -> str:
+    """What a pass committed, readable: ``[2, 5] = [104, 111]`` (positions = token ids).
+    The ids are the pass's own at ``full``; otherwise the tokens its block committed there
+    (``token.selected`` at the block's step + position: a pass's commit is final, bar a
+    forced token), with ``?`` where none was selected (the run stopped before it)."""
+    positions = payload.get("positions")
+    ids = payload.get("ids")
+    if not isinstance(ids, list) and isinstance(positions, list):
+        selected, step = trace.by_step("token.selected"), payload.get("step")
+        found = [selected.get(step + j) if isinstance(step, int) and isinstance(j, int)
+                 else None for j in positions]
+        ids = [e.payload.get("token_id") if e is not None else "?" for e in found]
+    return f"{positions} = {ids}"
+
+
 def _denoised(a: Trace, b: Trace) -> Iterator[Divergence | None]:
     """Iteration by iteration: the block fed, the pass's logits, what it committed."""
-    seeds = (a.payload("selection.configured").get("seed"),
-             b.payload("selection.configured").get("seed"))
+    seeds = (noise_seed(a), noise_seed(b))
     random = seeds[0] != seeds[1] and (_draws(a) or _draws(b))
+    changed = settings_changed(a, b)
     for k, ((ca, sa), (cb, sb)) in enumerate(zip(passes(a), passes(b)), 1):
         t = sa.payload.get("step")
         where = (f"iteration {k} (block {sa.payload.get('block')}, pass "
@@ -332,12 +388,18 @@ def _denoised(a: Trace, b: Trace) -> Iterator[Divergence | None]:
         yield _same("denoiser logits", "model", t, la, lb, f"{where}: the model's output "
                     "for the same block differs")
         ka, kb = _commits(sa.payload), _commits(sb.payload)
-        if ka != kb and random:
+        if ka == kb:
+            continue
+        commits = (f"committed positions {committed_tokens(a, sa.payload)} vs "
+                   f"{committed_tokens(b, sb.payload)}")
+        if changed:
+            yield Divergence("denoised commits", "selection", t, ka, kb,
+                             f"{where}: {commits}; the sampler's settings differ ({changed})")
+        elif random:
             yield Divergence("rng", "selection", t, f"seed {seeds[0]}", f"seed {seeds[1]}",
-                             f"{where}: different random streams: committed positions "
-                             f"{ka[0]} vs {kb[0]}")
-        yield _same("denoised commits", "selection", t, ka, kb,
-                    f"{where}: committed positions {ka[0]} vs {kb[0]}")
+                             f"{where}: different random streams: {commits}")
+        else:
+            yield Divergence("denoised commits", "selection", t, ka, kb, f"{where}: {commits}")
 
 
 def _walk(a: Trace, b: Trace, atol: float) -> tuple[Divergence | None, int]:

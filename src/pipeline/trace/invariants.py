@@ -182,14 +182,20 @@ def _block_step_order(trace: Trace, m: int, problems: list[tuple[tuple[int, ...]
     finished block recomputed, none missing); a writing call feeds exactly the last committed
     tokens the cache lacks, then (a strategy that writes a block before committing all of it)
     exactly the tokens committed right after it; a committed token comes from the pass
-    just before it, whose input held it or a mask at its position."""
+    just before it, whose input held it or a mask at its position; a pass that reused the
+    previous pass's logits (``reused``, no model call) follows a pass over the same block
+    that committed nothing, so those logits are still the model's answer to it."""
     mask = trace.payload("step.configured").get("mask_token_id")
     cache, tokens = m, []
     last_pass: Event | None = None
+    denoised: Event | None = None
     ahead: list[Any] = []  # written before being committed: the next tokens must be these
     for event in trace.events:
         p = event.payload
-        if event.event_type == "token.selected":
+        if event.event_type == "step.denoised":
+            problems += _reuse(event, denoised)
+            denoised = event
+        elif event.event_type == "token.selected":
             tokens.append(p.get("token_id"))
             problems += _from_pass(event, len(tokens), last_pass, mask)
             if ahead and ahead.pop(0) != p.get("token_id"):
@@ -222,6 +228,19 @@ def _block_step_order(trace: Trace, m: int, problems: list[tuple[tuple[int, ...]
         problems.append(((), f"selected steps {steps} are not 1..{len(steps)}"))
     return Finding(tuple(problems), ("iterative strategy: checked the block-wise cache walk "
                                      "in place of one token per step",))
+
+
+def _reuse(event: Event, previous: Event | None) -> list[tuple[tuple[int, ...], str]]:
+    """A pass marked ``reused`` must follow a pass over the same block that committed
+    nothing and left the block as this one was fed."""
+    if not event.payload.get("reused"):
+        return []
+    p = previous.payload if previous is not None else {}
+    if previous is None or p.get("committed") != 0 or p.get("step") != event.payload.get(
+            "step") or p.get("state_digest") != event.payload.get("input_digest"):
+        return [(_ids(previous, event), "a pass reused the previous pass's logits, but that "
+                 "pass was over another block or changed it: the logits are stale")]
+    return []
 
 
 def _from_pass(event: Event, t: int, last: Event | None, mask: Any

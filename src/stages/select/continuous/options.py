@@ -94,6 +94,10 @@ class ContinuousOptions:
                    _choice(name, "spacing", merged.get("spacing", "trailing"), SPACINGS),
                    float(eta), _choice(name, "solver", merged.get("solver", "euler"), SOLVERS))
 
+    def described(self) -> dict[str, Any]:
+        """The options this strategy takes, by name (for the trace's ``step.configured``)."""
+        return {key: getattr(self, key) for key in KEYS[self.name]}
+
     def integrator(self, marker: Mapping[str, Any]) -> Integrator:
         """The sampler or solver these options and the model's schedule describe."""
         if self.name == "flow":
@@ -151,7 +155,8 @@ def continuous_maker(name: str) -> Callable[[BuildContext], Any]:
             return ContinuousStrategy(name, backend, integrator, options.block_length,
                                       self_condition=options.self_condition,
                                       rounding=options.rounding,
-                                      max_context=backend.max_context)
+                                      max_context=backend.max_context,
+                                      settings=options.described())
 
         return make
 

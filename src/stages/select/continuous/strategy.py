@@ -25,9 +25,14 @@ causal prefix in the KV cache):
 Randomness is counter-based: the block's starting noise and every DDPM (or DDIM with eta >
 0) noise draw are :func:`~.noise.gaussian` of (seed, stream, the block's first token
 index, the call number), so seeded runs are identical alone and batched. Sampling
-parameters of a request (temperature, top-k/p, penalties) do not apply: the randomness is
-the noise; ``logprobs`` are those of the committed tokens under the last call's x0
-distribution. The trace gets one ``step.iteration`` event per denoising call (``step``: the
+parameters of a request (temperature, top-k/p, penalties) do not shape anything: the
+randomness is the noise; but temperature 0 without a seed means deterministic, as for every
+strategy: the noise is then drawn from the fixed seed
+(:func:`~stages.select.diffusion.noise.noise_seed`). ``logprobs`` are those of the
+committed tokens under the last call's x0 distribution. The trace gets a
+``step.configured`` event at the first update (the strategy's settings and its ``noise``,
+the run's reproducibility: ``seeded``, ``fixed`` or ``request``), one ``step.iteration``
+event per denoising call (``step``: the
 block's first token index, ``block``, ``iteration`` of ``iterations``, ``time``, the digest
 of the state fed, ``state_digest``, and ``x0_digest`` of the estimate it conditions on), and a
 ``step.rounded`` event with the block's ``ids`` when it is final.
@@ -35,7 +40,9 @@ of the state fed, ``state_digest``, and ``x0_digest`` of the estimate it conditi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import attrs
 import torch
 
@@ -48,6 +55,7 @@ from pipeline.recording import row_digests
 from pipeline.types import TokenLogprob
 from stages.select.continuous.integrators import BlockState, Integrator
 from stages.select.continuous.noise import gaussian
+from stages.select.diffusion.noise import noise_kind, noise_seed
 
 ROUNDINGS = ("logits", "nearest")
 PLACEHOLDER = 0
@@ -97,7 +105,8 @@ class ContinuousStrategy:
 
     ``block_length`` positions per block; ``self_condition`` feeds each call the previous
     x0 estimate; ``rounding`` is one of :data:`ROUNDINGS`; ``max_context`` keeps blocks
-    inside the window.
+    inside the window; ``settings`` are the options it was built with, declared in the
+    trace's ``step.configured`` (with the integrator's rule and calls per block).
 
     Example::
 
@@ -109,7 +118,8 @@ class ContinuousStrategy:
 
     def __init__(self, name: str, backend: EmbeddingInputs, integrator: Integrator,
                  block_length: int, *, self_condition: bool = True, rounding: str = "logits",
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None,
+                 settings: Mapping[str, Any] | None = None) -> None:
         if not isinstance(block_length, int) or isinstance(block_length, bool) \
                 or not 1 <= block_length <= 1024:
             raise InvalidValueError(f"{name}.block_length", block_length,
@@ -124,6 +134,7 @@ class ContinuousStrategy:
         self.self_condition = self_condition
         self.rounding = rounding
         self.max_context = max_context
+        self.settings = dict(settings or {})
 
     def order(self, row: Row) -> tuple[str, ...]:
         """No processor runs: the randomness is the Gaussian noise, rounding is argmax."""
@@ -138,7 +149,7 @@ class ContinuousStrategy:
         if forcing.budget is not None:
             raise InvalidValueError("reasoning_budget_tokens", forcing.budget,
                                     f"the {self.name} strategy cannot force output tokens")
-        return ContState(row.seed, row.stream, len(row.prompt_ids))
+        return ContState(noise_seed(row), row.stream, len(row.prompt_ids))
 
     def plan(self, state: ContState) -> Plan:
         """The next denoising call of the block, or the write of the final block."""
@@ -168,6 +179,19 @@ class ContinuousStrategy:
     def finish(self, state: ContState) -> None:
         """Nothing to release: the state holds small tensors only."""
 
+    def describe(self, row: Row) -> dict[str, Any]:
+        """The ``step.configured`` payload: the strategy, its settings, the integrator's
+        ``rule`` and model ``calls`` per block, and the run's ``noise`` (every run draws its
+        starting noise: ``seeded``, ``fixed`` at temperature 0 without a seed, with its
+        ``noise_seed``, else ``request``)."""
+        payload = {"step": row.step, "sampler": self.name, "rule": self.integrator.name,
+                   "calls": self.integrator.calls, "block_length": self.block_length,
+                   "self_condition": self.self_condition, "rounding": self.rounding,
+                   **self.settings, "noise": noise_kind(row, True)}
+        if noise_seed(row) != row.seed:
+            payload["noise_seed"] = noise_seed(row)
+        return payload
+
     # --- one sequence ----------------------------------------------------------------------
 
     def _one(self, state: ContState, row: Row, z: torch.Tensor) -> Update[ContState]:
@@ -176,7 +200,7 @@ class ContinuousStrategy:
             state.block = self._open(state, row, row.step, 0, z.device)
             if state.block is None:
                 raise ValueError("no room for a first block")
-            return Update(state, ())
+            return Update(state, (), events=(("step.configured", self.describe(row)),))
         if state.writing:                                    # the block is in the cache now
             assert block.tokens is not None
             rest = tuple(self._taken(state, block, j) for j in range(1, block.length))

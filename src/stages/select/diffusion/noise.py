@@ -1,4 +1,4 @@
-"""Counter-based uniform tensors for the iterative strategies (DESIGN §6).
+"""Counter-based uniform tensors for the iterative strategies (DESIGN §6), and whose seed they use.
 
 Owns :func:`uniforms`: ``n`` uniform numbers in ``(0, 1)`` that are a pure function of
 (``seed``, ``stream``, ``step``, element index), like :func:`stages.select.rng.uniform` but for
@@ -8,12 +8,18 @@ two rounds of MurmurHash3's 32-bit finalizer per half (53 random bits per number
 int64 tensor arithmetic that never overflows (32-bit products are split into 16-bit halves), so
 the numbers are the same on every device and in every batch: a sequence's draws cannot depend
 on which other sequences share its step.
+
+Also owns the seed rule every iterative strategy (masked and continuous) draws with,
+:func:`noise_seed`, and the reproducibility it declares in the trace, :func:`noise_kind`:
+temperature 0 means deterministic, so a greedy request without a seed draws from
+:data:`FIXED_SEED` rather than from a seed derived from its request id.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.protocols import Row
 from stages.select.rng import _GOLDEN, _MASK64, _mix64
 
 _M32 = 0xFFFFFFFF
@@ -21,6 +27,32 @@ _FMIX1 = 0x85EBCA6B
 _FMIX2 = 0xC2B2AE35
 _WEYL32 = 0x9E3779B9
 _TO_UNIT = 2.0 ** -53
+
+FIXED_SEED = 0
+"""The seed of a greedy (temperature 0) request that gave none: its draws (random remasking,
+``dfm``'s jumps, a continuous strategy's noise) are the same on every run."""
+NOISE_KINDS = ("none", "seeded", "fixed", "request")
+"""What a run's randomness is, as ``step.configured`` declares it: ``none`` (no draws: the
+output is a function of the model's logits), ``seeded`` (drawn from the request's seed),
+``fixed`` (temperature 0 without a seed: drawn from :data:`FIXED_SEED`, the same for every
+request), ``request`` (sampling without a seed: drawn from a seed derived from the request id,
+recorded in ``selection.configured``, so a rerun with that seed replays it)."""
+
+
+def noise_seed(row: Row) -> int:
+    """The seed ``row``'s draws come from: :data:`FIXED_SEED` at temperature 0 without a
+    seed, else the request's (given, or derived from its id)."""
+    return FIXED_SEED if row.config.seed is None and row.config.greedy else row.seed
+
+
+def noise_kind(row: Row, draws: bool) -> str:
+    """One of :data:`NOISE_KINDS`: ``row``'s reproducibility when its strategy ``draws``
+    random numbers (or not)."""
+    if not draws:
+        return "none"
+    if row.config.seed is not None:
+        return "seeded"
+    return "fixed" if row.config.greedy else "request"
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:

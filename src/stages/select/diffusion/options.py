@@ -7,7 +7,10 @@ land too), then the model's ``pipeline_generation`` marker in ``config.json``, t
 :class:`~stages.select.diffusion.strategy.DiffusionSettings`' defaults. A model that is not
 a masked-diffusion model is refused, as is an option the sampler does not take (with the
 closest known name). A backend given as an instance has no marker: ``mask_token_id`` must
-then be among the options.
+then be among the options. Options of LLaDA's ``generate`` that are not implemented here
+(:data:`NOT_IMPLEMENTED`: ``cfg_scale``, ``confidence_eos_eot_inf``) are refused by name,
+saying why. The marker itself (its ``attention`` among them) is checked by
+:func:`pipeline.models.generation_marker`.
 """
 
 from __future__ import annotations
@@ -28,15 +31,26 @@ FAMILY = "masked_diffusion"
 """The ``pipeline_generation.family`` these samplers run."""
 COMMON = ("steps", "block_length", "mask_token_id")
 OPTIONS: Mapping[str, tuple[type[MaskedDiffusionStrategy], tuple[str, ...]]] = {
-    "llada": (LladaStrategy, (*COMMON, "remasking")),
+    "llada": (LladaStrategy, (*COMMON, "remasking", "logits_eos_inf")),
     "fast_dllm": (FastDllmStrategy, (*COMMON, "threshold")),
     "dfm": (DiscreteFlowStrategy, (*COMMON, "kappa_power")),
 }
 """Each sampler's class and the options it takes."""
+NOT_IMPLEMENTED: Mapping[str, str] = {
+    "cfg_scale": "LLaDA's classifier-free guidance is not implemented here: it needs a "
+                 "second, un-prompted forward of every pass (the canvas with the prompt "
+                 "masked, so a second cache of its own), which the block loop does not run",
+    "confidence_eos_eot_inf": "LLaDA's option is not implemented here: its published code "
+                              "only lowers the end-of-turn token's confidence (a chained "
+                              "assignment), not what its name says; to keep end of sequence "
+                              "out of a block use logits_eos_inf, or ban the ids "
+                              "(banned_token_ids)",
+}
+"""Options of the reference samplers that are refused by name, with the reason."""
 _MARKER_KEYS = ("steps", "block_length", "mask_token_id")
 _TYPES: Mapping[str, tuple[type, ...]] = {
     "steps": (int,), "block_length": (int,), "mask_token_id": (int,), "remasking": (str,),
-    "threshold": (int, float), "kappa_power": (int, float)}
+    "threshold": (int, float), "kappa_power": (int, float), "logits_eos_inf": (bool,)}
 
 Maker = Callable[[Sequence[LogitProcessor], Selector], MaskedDiffusionStrategy]
 
@@ -62,12 +76,16 @@ def diffusion_settings(name: str, allowed: Sequence[str], ctx: BuildContext
     """The sampler's settings from the options, the model's marker and the defaults."""
     options = dict(ctx.strategy_options)
     for key in options:
+        if key in NOT_IMPLEMENTED:
+            raise InvalidValueError(f"strategy_options.{key}", options[key],
+                                    NOT_IMPLEMENTED[key])
         if key not in allowed:
             raise UnknownFieldError(f"strategy_options of {name!r}", key, allowed)
     for key, value in options.items():
         if value is None:
             continue
-        if type(value) is bool or not isinstance(value, _TYPES[key]):
+        if (type(value) is bool) != (_TYPES[key] == (bool,)) or \
+                not isinstance(value, _TYPES[key]):
             raise InvalidValueError(key, value, f"must be {_TYPES[key][0].__name__}")
     marker = generation_marker(ctx.model_dir)
     if marker is not None and marker.get("family") != FAMILY:

@@ -14,7 +14,11 @@ The loop, per request (the engine has prefilled the prompt; the cache holds m po
 2. each *denoising pass* plans the block with ``Attention.BLOCK`` and ``write=False``: every
    position sees the cached prefix and the whole block, and the cache stays as it was. The
    sampler's rule commits some masked positions (``rules.py``) and the trace gets a
-   ``step.denoised`` event (iteration, block, positions committed, digests of the state);
+   ``step.denoised`` event (iteration, block, positions committed, digests of the state).
+   A pass that commits nothing leaves the block as it was fed, so the model's logits for the
+   next pass are the ones just computed: that pass runs at once on them, without a model
+   call (``"reused": true``; MDLM's and BD3-LM's samplers cache them the same way), and the
+   output is the one a fresh forward would give;
 3. when no mask is left the block is *final*: its tokens are committed in order (the text
    stages see them now: EOS, stop strings and ``max_tokens`` act on them), then one
    ``write=True`` call with causal attention puts them in the cache, exactly as a prompt
@@ -24,8 +28,13 @@ The loop, per request (the engine has prefilled the prompt; the cache holds m po
 
 Randomness is counter-based: iteration k of a request draws from
 :func:`~stages.select.diffusion.noise.uniforms` at (seed, stream, 4k + purpose), so a run is
-the same alone and in any batch. The request's processors (temperature, top-k, penalties, ...)
-shape each position's distribution; temperature 0 is greedy.
+the same alone and in any batch; at temperature 0 without a seed the seed is
+:data:`~stages.select.diffusion.noise.FIXED_SEED`, so a greedy run is deterministic even
+where the sampler draws (random remasking, ``dfm``). The request's processors (temperature,
+top-k, penalties, ...) shape each position's distribution, from which the prediction is
+drawn (argmax at temperature 0); the confidence that decides which positions a pass commits
+is the model's own probability of that prediction (the raw logits, as LLaDA's and
+Fast-dLLM's ``low_confidence`` computes it), not the processed one.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from pipeline.protocols import (
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.select.diffusion import rules
-from stages.select.diffusion.noise import uniforms
+from stages.select.diffusion.noise import noise_kind, noise_seed, uniforms
 from stages.select.logprobs import selection_logprobs
 
 GREEDY_BELOW = 1e-5
@@ -62,7 +71,9 @@ class DiffusionSettings:
     ``steps`` denoising passes per block (at most ``block_length``; the threshold sampler takes
     as many as it needs, at most one per masked position); ``remasking`` is LLaDA's rule;
     ``threshold`` Fast-dLLM's confidence bar; ``kappa_power`` the exponent n of discrete flow
-    matching's scheduler ``κ(t) = t**n``; ``max_context`` the backend's window.
+    matching's scheduler ``κ(t) = t**n``; ``logits_eos_inf`` LLaDA's option of that name (the
+    request's end-of-sequence ids get logit -inf before the prediction and the confidence);
+    ``max_context`` the backend's window.
     """
 
     mask_token_id: int
@@ -71,6 +82,7 @@ class DiffusionSettings:
     remasking: str = "low_confidence"
     threshold: float = 0.9
     kappa_power: float = 1.0
+    logits_eos_inf: bool = False
     max_context: int | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -85,6 +97,9 @@ class DiffusionSettings:
             raise InvalidValueError("threshold", self.threshold, "must be in [0, 1)")
         if not 1.0 <= self.kappa_power <= 16.0:
             raise InvalidValueError("kappa_power", self.kappa_power, "must be in [1, 16]")
+        if not isinstance(self.logits_eos_inf, bool):
+            raise InvalidValueError("logits_eos_inf", self.logits_eos_inf,
+                                    "must be true or false")
 
 
 @attrs.define
@@ -93,9 +108,10 @@ class BlockState:
 
     ``block`` is the current block (``mask_token_id`` where still masked; None before the
     first update); ``start`` the number of tokens committed before it; ``schedule`` the LLaDA
-    counts still to run; ``passes`` the denoising passes run on it; ``final`` the committed
-    block awaiting its cache write; ``blocks`` the blocks finished; ``iteration`` the model
-    calls of denoising so far (the RNG's counter); ``logprobs`` per position, once committed
+    counts still to run; ``passes`` the denoising passes run on it and ``forwards`` the model
+    calls among them (the others reused the previous call's logits); ``final`` the committed
+    block awaiting its cache write; ``blocks`` the blocks finished; ``iteration`` the
+    denoising passes so far (the RNG's counter); ``logprobs`` per position, once committed
     (under the processed distribution of the pass that committed it, when the request asks).
     """
 
@@ -108,6 +124,7 @@ class BlockState:
     blocks: int = 0
     iteration: int = 0
     logprobs: list[TokenLogprob | None] = attrs.field(factory=list)
+    forwards: int = 0
 
 
 class MaskedDiffusionStrategy:
@@ -146,7 +163,8 @@ class MaskedDiffusionStrategy:
 
     def update(self, states: Sequence[BlockState], rows: Sequence[Row],
                logits: Sequence[torch.Tensor]) -> list[Update[BlockState]]:
-        """Open a block (after the prompt or a block's write), or run one denoising pass."""
+        """Open a block (after the prompt or a block's write), or run the denoising passes
+        one model call serves (one, and more while a pass commits nothing)."""
         out: list[Update[BlockState] | None] = [None] * len(states)
         passes = []
         for i, (state, row) in enumerate(zip(states, rows)):
@@ -173,7 +191,9 @@ class MaskedDiffusionStrategy:
 
     def choose(self, state: BlockState, row: Row, logits: torch.Tensor,
                predicted: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        """``[L]`` bool: the masked positions this pass commits (to ``predicted``)."""
+        """``[L]`` bool: the masked positions this pass commits (to ``predicted``);
+        ``logits [L, V]`` are the model's own, before any processor (what confidence is
+        computed from)."""
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:
@@ -182,13 +202,18 @@ class MaskedDiffusionStrategy:
         return {"sampler": self.name, "block_length": s.block_length, "steps": s.steps,
                 "mask_token_id": s.mask_token_id}
 
+    def draws_noise(self, row: Row) -> bool:
+        """Whether ``row``'s run draws random numbers: when it samples (temperature > 0);
+        samplers with random rules of their own say so too."""
+        return not row.config.greedy
+
     # --- the loop --------------------------------------------------------------------------
 
     def _open(self, state: BlockState, row: Row) -> Update[BlockState]:
         """Start the next block (the previous one, if any, is in the cache now)."""
         events: list[StrategyEvent] = []
         if state.block is None:
-            events.append(("step.configured", {"step": row.step, **self.describe()}))
+            events.append(("step.configured", self._configured(row)))
         else:
             state.start += len(state.final or ())
             state.blocks += 1
@@ -200,10 +225,21 @@ class MaskedDiffusionStrategy:
                        for j in range(length)]
         state.logprobs = [None] * length
         masked = sum(1 for b in state.block if b == mask)
-        state.schedule, state.passes = self.steps_for(masked), 0
+        state.schedule, state.passes, state.forwards = self.steps_for(masked), 0, 0
         if masked == 0:  # wholly forced: final at once
             return self._finalize(state, row, events)
         return Update(state, (), events=tuple(events))
+
+    def _configured(self, row: Row) -> dict[str, Any]:
+        """The ``step.configured`` payload: the settings and, when the run draws random
+        numbers, where they come from (``noise``: ``seeded``, ``fixed`` or ``request``; with
+        ``noise_seed`` when it is not the request's)."""
+        payload: dict[str, Any] = {"step": row.step, **self.describe()}
+        if self.draws_noise(row):
+            payload["noise"] = noise_kind(row, True)
+            if noise_seed(row) != row.seed:
+                payload["noise_seed"] = noise_seed(row)
+        return payload
 
     def _block_room(self, row: Row, start: int) -> int:
         """Positions the next block may have: ``block_length``, within what ``max_tokens``
@@ -215,26 +251,52 @@ class MaskedDiffusionStrategy:
 
     def _denoise(self, states: Sequence[BlockState], rows: Sequence[Row],
                  logits: Sequence[torch.Tensor]) -> list[Update[BlockState]]:
-        """One pass for each sequence: processors over every position of every block at
-        once, then each sequence's rule."""
+        """Each sequence's passes on this call's logits: processors over every position of
+        every block at once (on a copy: the rules' confidence reads the model's own logits),
+        then each sequence's rule."""
         sizes = [len(s.block or ()) for s in states]
         for z, n in zip(logits, sizes):
             if z.shape[0] != n:
                 raise ValueError(f"{z.shape[0]} logits rows for a block of {n} positions")
-        z = torch.cat(list(logits)).float()                                   # [N, V]
+        raw = torch.cat(list(logits)).float()                                 # [N, V]
+        if self.settings.logits_eos_inf:  # LLaDA's option: before prediction and confidence
+            at = 0
+            for row, n in zip(rows, sizes):
+                raw[at:at + n, sorted(row.eos_token_ids)] = float("-inf")
+                at += n
+        z = raw.clone()  # the processors edit in place; confidence reads the model's logits
         z[:, self.settings.mask_token_id] = float("-inf")  # the mask is never a prediction
         positions = [_at(row, j) for row, n in zip(rows, sizes) for j in range(n)]
         batch = Batch(tuple(positions), z.shape[1])
         processed = self.chain(Scores(z), batch).to_dense(z.shape[1])         # [N, V]
         out, at = [], 0
         for state, row, n in zip(states, rows, sizes):
-            out.append(self._pass(state, row, z[at:at + n], processed[at:at + n]))
+            out.append(self._passes(state, row, raw[at:at + n], processed[at:at + n]))
             at += n
         return out
 
-    def _pass(self, state: BlockState, row: Row, raw: torch.Tensor,
-              processed: torch.Tensor) -> Update[BlockState]:
-        """Predict every position, commit what the rule picks, record the iteration."""
+    def _passes(self, state: BlockState, row: Row, raw: torch.Tensor,
+                processed: torch.Tensor) -> Update[BlockState]:
+        """One pass on the call's logits, and more on the same logits while a pass commits
+        nothing: the block is then what the call was fed, so a new forward would return the
+        same logits (and the processors, which see the same committed tokens, the same
+        scores); only the pass's draws are new. Ends when a pass commits or the block is
+        final."""
+        assert state.block is not None
+        state.forwards += 1
+        events: list[StrategyEvent] = []
+        while True:
+            committed = self._pass(state, row, raw, processed, events)
+            if self.settings.mask_token_id not in state.block:
+                return self._finalize(state, row, events)
+            if committed:
+                return Update(state, (), events=tuple(events))
+
+    def _pass(self, state: BlockState, row: Row, raw: torch.Tensor, processed: torch.Tensor,
+              events: list[StrategyEvent]) -> int:
+        """Predict every position from the ``processed [L, V]`` scores, commit what the rule
+        picks (its confidence from the model's ``raw [L, V]`` logits), record the pass in
+        ``events``; the number of positions committed."""
         assert state.block is not None
         mask = self.settings.mask_token_id
         block = torch.tensor(state.block, device=raw.device)
@@ -258,14 +320,13 @@ class MaskedDiffusionStrategy:
                 state.logprobs[j] = logprob
         state.passes += 1
         state.iteration += 1
-        event = ("step.denoised", {
+        events.append(("step.denoised", {
             "step": row.step, "iteration": state.iteration, "block": state.blocks,
             "block_step": state.passes, "masked": int(masked.sum()), "committed": len(where),
             "positions": where, "ids": [state.block[j] for j in where],
-            "input_digest": digest_ids(fed), "state_digest": digest_ids(state.block)})
-        if mask in state.block:
-            return Update(state, (), events=(event,))
-        return self._finalize(state, row, [event])
+            "input_digest": digest_ids(fed), "state_digest": digest_ids(state.block),
+            "reused": bool(events)}))
+        return len(where)
 
     def _finalize(self, state: BlockState, row: Row, events: list[StrategyEvent]
                   ) -> Update[BlockState]:
@@ -287,14 +348,15 @@ class MaskedDiffusionStrategy:
         state.final = tuple(t.token_id for t in taken)
         events.append(("step.block_final", {
             "step": row.step, "block": state.blocks, "tokens": len(taken),
-            "passes": state.passes, "ids": list(state.final)}))
+            "passes": state.passes, "forwards": state.forwards, "ids": list(state.final)}))
         return Update(state, tuple(taken), events=tuple(events))
 
     def draws(self, state: BlockState, row: Row, purpose: int, shape: tuple[int, ...],
               device: torch.device) -> torch.Tensor:
         """This iteration's uniforms for ``purpose`` (a pure function of seed, stream,
         iteration and purpose)."""
-        return uniforms(row.seed, row.stream, 4 * state.iteration + purpose, shape, device)
+        return uniforms(noise_seed(row), row.stream, 4 * state.iteration + purpose, shape,
+                        device)
 
 
 class LladaStrategy(MaskedDiffusionStrategy):
@@ -323,8 +385,15 @@ class LladaStrategy(MaskedDiffusionStrategy):
         return rules.top_confidence(scores, masked, k)
 
     def describe(self) -> dict[str, Any]:
-        """Settings, with the remasking rule."""
-        return {**super().describe(), "remasking": self.settings.remasking}
+        """Settings, with the remasking rule (and ``logits_eos_inf`` when set)."""
+        out = {**super().describe(), "remasking": self.settings.remasking}
+        if self.settings.logits_eos_inf:
+            out["logits_eos_inf"] = True
+        return out
+
+    def draws_noise(self, row: Row) -> bool:
+        """Random remasking draws even at temperature 0."""
+        return super().draws_noise(row) or self.settings.remasking == "random"
 
 
 class FastDllmStrategy(MaskedDiffusionStrategy):
@@ -373,6 +442,10 @@ class DiscreteFlowStrategy(MaskedDiffusionStrategy):
     def describe(self) -> dict[str, Any]:
         """Settings, with the scheduler's exponent."""
         return {**super().describe(), "kappa_power": self.settings.kappa_power}
+
+    def draws_noise(self, row: Row) -> bool:
+        """The jumps are random even at temperature 0."""
+        return True
 
 
 def _at(row: Row, j: int) -> Row:
