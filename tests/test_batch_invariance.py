@@ -5,7 +5,7 @@ The oracle is the request itself run alone (DESIGN §6's reproducibility levels 
 temperatures and truncations, run one at a time in one pipeline, then all at once in another
 whose engine cuts prompts into small chunks under a small token budget, while their shared
 prefix hits the prefix cache. The tokens must be identical, in float32 and bfloat16, for every
-strategy the library ships. The kernels' own row invariance is checked on its own too: a
+strategy the library ships (and in float16 for one strategy of each family). The kernels' own row invariance is checked on its own too: a
 product's rows, and a prompt position's attention, against the same computed in other company.
 """
 
@@ -60,8 +60,13 @@ def _pipelines(model: str, strategy: str, dtype: str) -> Iterator[tuple[Pipeline
         yield alone, batched
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("model", "strategy"), STRATEGIES)
+CASES = [(m, s, d) for d in ("float32", "bfloat16") for m, s in STRATEGIES] + [
+    ("tiny", "autoregressive", "float16"), ("tiny-masked", "llada", "float16"),
+    ("tiny-flow", "flow", "float16")]
+"""Every strategy in float32 and bfloat16; one of each family in float16 too."""
+
+
+@pytest.mark.parametrize(("model", "strategy", "dtype"), CASES)
 def test_alone_and_batched_give_the_same_tokens(model: str, strategy: str, dtype: str) -> None:
     for alone, batched in _pipelines(model, strategy, dtype):
         assert alone.model_info().dtype == dtype
