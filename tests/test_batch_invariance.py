@@ -153,3 +153,23 @@ def test_over_http_sixteen_concurrent_clients_get_what_each_gets_alone(tmp_path:
             together = list(pool.map(lambda i: ask(url, i), range(16)))
     differ = [i for i in range(16) if alone[i] != together[i]]
     assert not differ, f"{len(differ)} of 16 differ alone vs concurrent: {differ}"
+
+
+def test_the_diff_says_when_a_model_level_divergence_may_come_from_batching() -> None:
+    """The same request on the same weights, batch-invariant products vs library products:
+    the raw logits differ in their last bits, and the diff names the run that did not declare
+    batch invariance; between two invariant runs nothing differs."""
+    from pipeline.trace import diff
+
+    with build("tiny", options=BackendOptions(dtype="float32", batch_invariant=False)) as off, \
+            build("tiny", options=BackendOptions(dtype="float32")) as on:
+        ask = {"max_tokens": 4, "temperature": 0.0}
+        a = on.generate("Once upon a time", **ask).trace
+        b = off.generate("Once upon a time", **ask).trace
+        c = on.generate("Once upon a time", **ask).trace
+    report = diff(a, b)
+    assert report.divergence is not None and report.divergence.level == "model"
+    assert report.batch_invariant == (True, False)
+    assert "run B did not declare batch invariance" in report.render()
+    same = diff(a, c)
+    assert same.divergence is None and same.caveat() is None

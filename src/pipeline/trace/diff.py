@@ -53,6 +53,21 @@ class DiffReport:
     atol: float
     declared: tuple[tuple[str, Any, Any], ...]
     steps_compared: int
+    batch_invariant: tuple[Any, Any] = (None, None)
+    """What each run's trace declared about batch invariance (``request.normalized``'s
+    ``batch_invariant``: True, False, or None when the backend said nothing)."""
+
+    def caveat(self) -> str | None:
+        """Why a model-level divergence may come from the batches rather than the inputs: a
+        run that did not declare its logits independent of its batch."""
+        d = self.divergence
+        if d is None or d.level != "model":
+            return None
+        runs = [name for name, v in zip("AB", self.batch_invariant) if v is not True]
+        if not runs:
+            return None
+        return (f"run {' and '.join(runs)} did not declare batch invariance: its logits may "
+                "depend on the requests that shared its batches (BackendOptions.batch_invariant)")
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-ready mapping (for CI and other tools)."""
@@ -60,7 +75,8 @@ class DiffReport:
         return {"divergence": None if d is None else attrs.asdict(d),
                 "shared_level": self.shared_level, "atol": self.atol,
                 "declared": [{"field": k, "a": a, "b": b} for k, a, b in self.declared],
-                "steps_compared": self.steps_compared}
+                "steps_compared": self.steps_compared,
+                "batch_invariant": list(self.batch_invariant), "caveat": self.caveat()}
 
     def render(self) -> str:
         """A readable report."""
@@ -77,6 +93,9 @@ class DiffReport:
             lines.append(f"  B: {shown(d.b)}")
             if d.detail:
                 lines.append(f"  {d.detail}")
+            caveat = self.caveat()
+            if caveat is not None:
+                lines.append(f"  note: {caveat}")
         tol = f" (raw logits compared with atol={self.atol:g})" if self.shared_level != "none" \
             else ""
         lines.append(f"shared reproducibility level: {self.shared_level}{tol}")
@@ -436,4 +455,5 @@ def diff(a: TraceSource | Trace, b: TraceSource | Trace, *, atol: float = 0.0) -
         shared = LEVELS[-1]
     else:
         shared = LEVELS[LEVELS.index(found.level) - 1]
-    return DiffReport(found, shared, atol, declared(ta, tb), steps)
+    return DiffReport(found, shared, atol, declared(ta, tb), steps,
+                      (ta.instance.get("batch_invariant"), tb.instance.get("batch_invariant")))
