@@ -58,6 +58,7 @@ def test_a_misspelt_name_suggests_the_closest_field() -> None:
     ("moe", "trition", "did you mean 'triton'"),
     ("moe_configs", 3, "list of folders"),
     ("extra", {1: 2}, "mapping of option names"),
+    ("batch_invariant", "yes", "must be True or False"),
 ])
 def test_each_value_is_checked(field: str, value: object, says: str) -> None:
     with pytest.raises(InvalidValueError, match=field) as info:
@@ -192,3 +193,21 @@ def test_pipeline_serve_refuses_them_before_serving(flags: list[str], says: str,
     assert cli.main(["serve", "--model", "tiny", "--port", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pipeline serve: ") and says in err
+
+
+def test_batch_invariance_is_on_for_cpu_unless_said_otherwise() -> None:
+    import argparse
+
+    from pipeline.cli_run import backend_options
+    from transports.http.config import ServerConfig
+
+    assert BackendOptions().invariant is True
+    assert BackendOptions(device="cuda:0").invariant is False  # parsing needs no GPU
+    assert BackendOptions(batch_invariant=False).invariant is False
+    assert BackendOptions(device="cuda", batch_invariant=True).invariant is True
+    flags = {"auto": True, "on": True, "off": False}
+    for flag, resolved in flags.items():
+        args = argparse.Namespace(device="cpu", dtype=None, batch_invariant=flag)
+        assert backend_options(args).invariant is resolved
+    served = ServerConfig(models={"m": None}, batch_invariant=False).backend_options()
+    assert served.invariant is False

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from pipeline.cli_chat import add_parser as add_chat_parser
+from pipeline.cli_run import INVARIANCE, add_invariance
 from pipeline.cli_run import add_parser as add_run_parser
 from pipeline.cli_strategy import add_strategy
 from pipeline.registry import Registry
@@ -107,7 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
             request_deadline_s=args.request_deadline,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
-            device=args.device, dtype=args.dtype)
+            device=args.device, dtype=args.dtype,
+            batch_invariant=INVARIANCE[args.batch_invariant])
         config.backend_options().check_device()
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
@@ -191,6 +193,7 @@ def _add_serve(sub: Any) -> None:
                        help="torch device of the models (cpu, cuda, cuda:N, mps)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
+    add_invariance(serve)
     serve.add_argument("--log-level", default="info",
                        choices=("info", "warning", "error"),
                        help="least severe log line written to standard error; info has the "

@@ -75,18 +75,31 @@ def add_sampling(parser: Any) -> None:
 
 
 def add_backend(parser: Any) -> None:
-    """The backend flags: ``--device`` and ``--dtype``."""
+    """The backend flags: ``--device``, ``--dtype`` and ``--batch-invariant``."""
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:N, mps)")
     parser.add_argument("--dtype", default=None,
                         help="compute dtype (float32, bfloat16, float16; default: the model's)")
+    add_invariance(parser)
+
+
+INVARIANCE = {"auto": None, "on": True, "off": False}
+"""``--batch-invariant`` values → ``BackendOptions.batch_invariant``."""
+
+
+def add_invariance(parser: Any) -> None:
+    """``--batch-invariant auto|on|off`` (shared with ``pipeline serve``)."""
+    parser.add_argument("--batch-invariant", choices=tuple(INVARIANCE), default="auto",
+                        help="results independent of the batch and of prompt chunking (auto: "
+                             "on for CPU; off is faster for one request decoding alone)")
 
 
 def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
     """The build's :class:`~pipeline.options.BackendOptions`: one slot, the ``--device`` and
-    ``--dtype`` flags, and ``fields``; a bad value is an error before anything loads."""
+    ``--dtype`` and ``--batch-invariant`` flags, and ``fields``; a bad value is an error before anything loads."""
     from pipeline.options import BackendOptions
 
-    return BackendOptions(num_slots=1, device=args.device, dtype=args.dtype, **fields)
+    return BackendOptions(num_slots=1, device=args.device, dtype=args.dtype,
+                          batch_invariant=INVARIANCE[args.batch_invariant], **fields)
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:

@@ -118,6 +118,7 @@ class ServerConfig:
     timeouts: Timeouts = attrs.field(factory=Timeouts)
     device: str = attrs.field(default="cpu", converter=device_name)
     dtype: str | None = attrs.field(default=None, converter=dtype_name)
+    batch_invariant: bool | None = None
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
@@ -141,9 +142,11 @@ class ServerConfig:
         return self.strategies.get(name, StrategyChoice())
 
     def backend_options(self) -> BackendOptions:
-        """The options every served model is built with (slots, window, device, dtype)."""
+        """The options every served model is built with (slots, window, device, dtype,
+        batch invariance)."""
         return BackendOptions(num_slots=self.num_slots, max_context=self.max_context,
-                              device=self.device, dtype=self.dtype)
+                              device=self.device, dtype=self.dtype,
+                              batch_invariant=self.batch_invariant)
 
     @restart_delay_s.validator
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:
