@@ -1,0 +1,78 @@
+"""The int4 kernel path for Q4_0/Q4_1 matrices, against the dequantizer (the oracle that is
+itself checked against transformers' weights in test_gguf_model.py).
+
+Random blocks (every code 0..15 in every position, float16 scales and mins of both signs):
+a one-hot input reads one weight back, which must be the dequantized weight up to the bfloat16
+rounding of the block's scale and zero; a random input's product agrees with the dequantized
+float32 product to bfloat16 precision; each row's result does not depend on how many rows
+came with it (what the batch-invariant mode relies on to run these products untiled).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from backends.gguf.int4 import GROUP, Int4Weight, int4_available, int4_linear
+from backends.gguf.quants import QuantizedWeight
+from pipeline.errors import ArtifactError, InvalidValueError
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="this torch lacks the int4 kernel")
+
+
+def _blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
+    rng = np.random.default_rng(seed)
+    n = rows * cols // GROUP
+    d = (rng.standard_normal(n) * 0.02).astype(np.float16)
+    qs = rng.integers(0, 256, (n, GROUP // 2), dtype=np.uint8)
+    parts = [d.view(np.uint8).reshape(n, 2)]
+    if qtype == QT.Q4_1:
+        m = (rng.standard_normal(n) * 0.05).astype(np.float16)
+        parts.append(m.view(np.uint8).reshape(n, 2))
+    raw = np.concatenate([*parts, qs], axis=1)
+    return QuantizedWeight.from_raw(raw.reshape(-1), qtype, (rows, cols))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1])
+def test_each_weight_reads_back_as_the_dequantizer_has_it(qtype: QT) -> None:
+    w = _blocks(qtype, 64, 128)
+    dense = w.dequantize()                                            # [64, 128]
+    got = int4_linear(torch.eye(128), Int4Weight.from_quantized(w)).T   # [64, 128]
+    # scale and zero are bfloat16 (8 significant bits): each weight is within a few units of
+    # the last place of the block's scale and zero, never a wrong code
+    d = dense.abs().amax(dim=1, keepdim=True)
+    assert torch.all((got - dense).abs() <= d * 2 ** -6 + 1e-6)
+    assert (got - dense).abs().max() < (dense.abs().max() * 0.02)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1])
+def test_products_agree_with_the_dequantized_product(qtype: QT) -> None:
+    w = _blocks(qtype, 96, 256, seed=1)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(3))
+    ref = torch.nn.functional.linear(x, w.dequantize(), bias)
+    got = int4_linear(x, Int4Weight.from_quantized(w), bias)
+    assert got.dtype == torch.float32 and got.shape == (7, 96)
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_a_rows_result_does_not_depend_on_its_company() -> None:
+    w = Int4Weight.from_quantized(_blocks(QT.Q4_1, 160, 192, seed=4))
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([int4_linear(x[i:i + 1], w) for i in range(70)])
+    for count in (2, 3, 8, 9, 33, 70):
+        assert torch.equal(int4_linear(x[:count], w), alone[:count]), count
+    assert torch.equal(int4_linear(x[11:40], w), alone[11:40])
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    with pytest.raises(ArtifactError, match="Q8_0"):
+        Int4Weight.from_quantized(QuantizedWeight.from_raw(
+            np.zeros(34 * 4, dtype=np.uint8), QT.Q8_0, (4, 32)))
+    with pytest.raises(ArtifactError, match="16 at a time"):
+        Int4Weight.from_quantized(_blocks(QT.Q4_0, 8, 64))
+    w = Int4Weight.from_quantized(_blocks(QT.Q4_0, 16, 64))
+    with pytest.raises(InvalidValueError, match="last dimension must be 64"):
+        int4_linear(torch.zeros(2, 32), w)
