@@ -90,7 +90,11 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(oracle: Any, pipe: 
         top = first.payload["logits"]["top"]
         ours = {t: v for t, v in top}
         for token, value in ours.items():
-            assert abs(value - float(ref[token])) < 1e-3, (prompt, token)
+            # float32 sums over 30 layers in two orders (our fixed row tiles, MKL's blocking,
+            # which follows the threads MKL decides to use): a relative 1e-4, 3e-3 at a
+            # logit of 30, is what rounding leaves; a wrong weight moves them by far more
+            assert abs(value - float(ref[token])) < 1e-4 * max(1.0, abs(float(ref[token]))), \
+                (prompt, token)
         assert list(done.token_ids) == want, prompt
 
 

@@ -276,6 +276,26 @@ def load_backend(model: str | Path, *,
     return model_backend, tok
 
 
+def load_tokenizer(model: str | Path | None = None, *, plugins: Sequence[object] = ()
+                   ) -> tuple[Tokenizer, Renderer | None]:
+    """The tokenizer and chat renderer :func:`build` gives ``model`` (resolved as there; None
+    is the default model), made by the same factories, without the weights: no backend is
+    built and no weight is read (``pipeline count``). ``build(tokenizer=..., renderer=...)``
+    over them counts and renders as ``build(model)`` does. Raises
+    :class:`~pipeline.errors.ArtifactError` when ``model`` has no tokenizer."""
+    registry = Registry(plugins)
+    found = resolve_model(DEFAULT_MODEL if model is None else model)
+    if found.file is not None and not is_gguf_file(found.file):
+        raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
+    context = BuildContext(model_dir=found.directory, options=BackendOptions(),
+                           model_file=found.file)
+    tok = _tokenizer(registry, context, None)
+    if tok is None:
+        raise ArtifactError(f"{model or DEFAULT_MODEL}: no tokenizer (a model folder needs "
+                            "tokenizer.json)")
+    return tok, _renderer(registry, attrs.evolve(context, tokenizer=tok), None)
+
+
 def _mapping(what: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if value is None:
         return {}

@@ -40,9 +40,11 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _count(args: argparse.Namespace) -> int:
-    from pipeline.builder import build
+    """Count through the model's own tokenizer and chat template, never its weights."""
+    from pipeline.builder import build, load_tokenizer
 
-    with build(args.model) as pipe:
+    tokenizer, renderer = load_tokenizer(args.model)
+    with build(tokenizer=tokenizer, renderer=renderer) as pipe:
         if args.raw:
             assert pipe.stages.tokenizer is not None
             print(len(pipe.stages.tokenizer.encode_text(args.text)))

@@ -27,9 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from backends.gguf.file import GGUFFile
+from backends.gguf.file import GGUFFile, GGUFTensor
+from backends.gguf.quants import dequantize
 from backends.torch.config import ModelSpec
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
@@ -51,8 +54,6 @@ class Loaded:
 
 def dequantize_tensor(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
     """A reader tensor's values in torch order (``[out, in]``, experts ``[E, out, in]``)."""
-    from backends.gguf.quants import dequantize
-
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return dequantize(tensor.data, tensor.tensor_type, shape, dtype)
 
@@ -71,26 +72,42 @@ class _Loader:
                  heads: int | None = None) -> torch.Tensor:
         """The row-wise concatenation of 2-D weights ``names`` (``rows[i]`` each), rows
         un-permuted per ``heads`` (llama q/k). Quantized mode keeps quantized ones encoded
-        and returns a placeholder."""
-        tensors = [self.f.tensors.get(n) for n in names]
-        types = {t.tensor_type.name for t in tensors if t is not None}
-        if not self.quantized or None in tensors or len(types) != 1 or types <= set(_FLOAT_TYPES):
-            parts = [self.get(n, r, cols) for n, r in zip(names, rows)]
-            value = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return _unpermute(value, heads) if heads else value
+        and returns a placeholder.
+
+        Parts of one type are joined and un-permuted as rows of the file's bytes, then
+        dequantized once: a row's values depend on its own bytes alone, so this equals
+        dequantizing, joining and un-permuting the values, without the float copies."""
+        tensors = [self.tensor(n, r, cols) for n, r in zip(names, rows)]
+        types = {t.tensor_type for t in tensors}
+        if len(types) != 1:  # mixed encodings: each part dequantized on its own
+            value = torch.cat([dequantize_tensor(t, self.dtype) for t in tensors])
+            return (_unpermute(value, heads) if heads else value).to(self.device)
+        (qtype,) = types
+        shape = (sum(rows), cols)
+        keep = self.quantized and qtype.name not in _FLOAT_TYPES
+        raw = _joined_rows([t.data for t in tensors], heads)
+        if not keep:
+            return dequantize(raw, qtype, shape, self.dtype).to(self.device)
         from backends.gguf.quants import QuantizedWeight, quantized_linear
 
-        coded = [QuantizedWeight.from_raw(t.data, t.tensor_type, (r, cols))
-                 for t, r in zip(tensors, rows) if t is not None]
-        data = torch.cat([c.data for c in coded]).to(self.device)  # a copy: the file may close
-        if heads:
-            data = _unpermute(data, heads)
-        weight = QuantizedWeight(data, coded[0].qtype, (sum(rows), cols))
-        self.taken.update(names)
+        coded = QuantizedWeight.from_raw(raw, qtype, shape)  # the file's pages are copied
+        weight = QuantizedWeight(coded.data.to(self.device), qtype, shape)
         placeholder = torch.empty(weight.shape, dtype=self.dtype, device="meta")
         self.products.append((placeholder, lambda x, bias: quantized_linear(x, weight, bias),
                               weight.nbytes))
         return placeholder
+
+    def tensor(self, name: str, *shape: int) -> GGUFTensor:
+        """The file's tensor ``name``, checked to have torch-order ``shape``; marked taken."""
+        tensor = self.f.tensors.get(name)
+        if tensor is None:
+            raise ArtifactError(f"{self.f.path}: tensor {name!r} is missing")
+        found = tuple(int(d) for d in reversed(tensor.shape))
+        if found != shape:
+            raise ArtifactError(f"{self.f.path}: tensor {name!r} has shape {found}, expected "
+                                f"{shape}")
+        self.taken.add(name)
+        return tensor
 
     def get(self, name: str, *shape: int) -> torch.Tensor:
         tensor = self.f.tensors.get(name)
@@ -153,6 +170,17 @@ def _attention(load: _Loader, p: str) -> AttentionWeights:
         o_bias=load.maybe(p + "attn_output.bias", s.hidden_size),
         q_norm=load.maybe(p + "attn_q_norm.weight", s.head_dim),
         k_norm=load.maybe(p + "attn_k_norm.weight", s.head_dim))
+
+
+def _joined_rows(parts: list[npt.NDArray[Any]], heads: int | None) -> npt.NDArray[Any]:
+    """The rows of ``parts`` (the file's views, ``[rows, ...]``) one after another, un-permuted
+    per ``heads`` as :func:`_unpermute` does; may be the file's own read-only view."""
+    rows = [p.reshape(p.shape[0], -1) for p in parts]
+    joined = rows[0] if len(rows) == 1 else np.concatenate(rows)
+    if not heads:
+        return joined
+    half = joined.shape[0] // heads // 2
+    return joined.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(joined.shape)
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -28,7 +28,9 @@ halves of 128 elements: 64 bytes of ``ql`` hold elements 0-63 (low nibbles) and 
 
 Every decoder maps ``uint8 [N, type_size]`` to ``[N, block_size]`` with whole-tensor ops
 (no Python loop over blocks), computing in float32 in the order llama.cpp does, so results
-equal ``gguf.quants.dequantize`` (the numpy reference). Data must be little-endian, as GGUF
+equal ``gguf.quants.dequantize`` (the numpy reference); Q8_0, Q4_0 and Q4_1 have numpy twins
+for loading, off torch's thread pool, with the same values bit for bit. Data must be
+little-endian, as GGUF
 files almost always are, on a little-endian machine; a numpy array in non-native byte order
 is refused.
 
@@ -159,6 +161,50 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return q.view(-1, 16, 16).mul_(scale.unsqueeze(-1)).view(-1, QK_K)
 
 
+# --- load-time decoders in numpy: float32 [N, block_size] from uint8 [N, type_size] ----------
+# Loading dequantizes each tensor of the file once (:func:`dequantize` on the reader's numpy
+# view). For the simple block types these decoders do the torch decoders' arithmetic above in
+# the same order, one correctly rounded float32 operation per step, so the values are the
+# same bit for bit; but numpy runs on the calling thread alone. Torch splits every op across
+# its thread pool, and where another process keeps a core busy each of loading's ~1,200 ops
+# waits for a descheduled pool thread: SmolLM2's Q4_1 matrices took 0.25 s alone and 6.4 s
+# beside one busy process on 2 cores in torch, 0.25 s both ways here (benchmarks/startup.py).
+
+NumpyDecoder = Callable[[npt.NDArray[np.uint8], npt.NDArray[np.float32]], None]
+"""Writes the values of uint8 blocks ``[N, type_size]`` into float32 ``out [N, block_size]``
+(torch's memory: numpy's own large buffers ask the kernel for huge pages, whose first touch
+cost more than the decoding here)."""
+
+
+def _np_f16(blocks: npt.NDArray[np.uint8], at: int) -> npt.NDArray[np.float32]:
+    """The float16 at byte ``at`` of each block, as float32: ``[N, 1]``."""
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _np_nibbles(qs: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    """``[N, n]`` bytes -> ``out [N, 2n]``: the low nibbles, then the high nibbles."""
+    halves = out.reshape(qs.shape[0], 2, qs.shape[1])             # a view of out
+    np.bitwise_and(qs, 0x0F, out=halves[:, 0], casting="unsafe")
+    np.right_shift(qs, 4, out=halves[:, 1], casting="unsafe")
+
+
+def _np_q8_0(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    out[...] = blocks[:, 2:].view(np.int8)                         # [N, 32]
+    out *= _np_f16(blocks, 0)
+
+
+def _np_q4_0(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    _np_nibbles(blocks[:, 2:], out)                                # [N, 32]
+    out -= 8
+    out *= _np_f16(blocks, 0)
+
+
+def _np_q4_1(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    _np_nibbles(blocks[:, 4:], out)                                # [N, 32]
+    out *= _np_f16(blocks, 0)
+    out += _np_f16(blocks, 2)
+
+
 @attrs.frozen
 class _Format:
     """How one GGML type is stored: ``block_size`` elements in ``type_size`` bytes."""
@@ -181,6 +227,9 @@ _FORMATS: dict[QT, _Format] = {
 }
 
 SUPPORTED_TYPES: tuple[QT, ...] = tuple(_FORMATS)
+_NUMPY_DECODERS: dict[QT, NumpyDecoder] = {QT.Q8_0: _np_q8_0, QT.Q4_0: _np_q4_0,
+                                           QT.Q4_1: _np_q4_1}
+"""The types :func:`dequantize` decodes in numpy when given a numpy array (load time)."""
 
 
 # --- checks and byte handling ----------------------------------------------------------------
@@ -239,13 +288,39 @@ def _rows_of_bytes(raw: Raw, qtype: QT, shape: Sequence[int]) -> torch.Tensor:
     """``raw`` as uint8 ``[rows, row_bytes]`` for ``shape`` (rows = all leading dims);
     ArtifactError naming expected and actual sizes if the byte count does not match."""
     dims = _check_shape(shape)
-    per_row = row_bytes(qtype, dims[-1])
-    rows = math.prod(dims[:-1])
+    rows, per_row = _byte_shape(qtype, dims)
     data = _as_bytes(raw)
-    if data.numel() != rows * per_row:
-        raise ArtifactError(f"{QT(qtype).name} tensor of shape {dims} takes {rows * per_row} "
-                            f"bytes; the data has {data.numel()}")
+    _check_size(data.numel(), qtype, dims)
     return data.view(rows, per_row)
+
+
+def _byte_shape(qtype: QT, dims: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, row_bytes)`` of a tensor of ``dims``: rows are all leading dims."""
+    return math.prod(dims[:-1]), row_bytes(qtype, dims[-1])
+
+
+def _check_size(nbytes: int, qtype: QT, dims: tuple[int, ...]) -> None:
+    rows, per_row = _byte_shape(qtype, dims)
+    if nbytes != rows * per_row:
+        raise ArtifactError(f"{QT(qtype).name} tensor of shape {dims} takes {rows * per_row} "
+                            f"bytes; the data has {nbytes}")
+
+
+def _np_dequantize(raw: npt.NDArray[Any], qtype: QT, dims: tuple[int, ...]) -> torch.Tensor:
+    """float32 ``[*dims]`` from a numpy array of ``qtype`` (one of :data:`_NUMPY_DECODERS`),
+    read where it lies: the file's read-only pages are never written nor aliased."""
+    fmt = _format(qtype)
+    array = np.ascontiguousarray(raw)
+    if not array.dtype.isnative:
+        raise ArtifactError(f"tensor data of dtype {array.dtype.str} is not in native byte order")
+    data = array.reshape(-1).view(np.uint8)
+    _check_size(data.size, qtype, dims)
+    result = torch.empty(dims, dtype=torch.float32)
+    if data.size:
+        out = result.numpy().reshape(-1, fmt.block_size)           # [blocks, block_size]
+        with np.errstate(all="ignore"):  # a non-finite scale gives inf/nan, as in torch
+            _NUMPY_DECODERS[qtype](data.reshape(-1, fmt.type_size), out)
+    return result
 
 
 def _decode(data: torch.Tensor, qtype: QT, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -273,13 +348,16 @@ def dequantize(raw: Raw, qtype: QT, shape: Sequence[int],
     for F16/F32). Rows are the last dim; each row is whole blocks. Returns ``[*shape]`` of
     ``dtype``, on ``raw``'s device; it may share memory with ``raw`` when the stored type
     already is ``dtype`` (F32 read as float32, say). Quantized types are computed in float32,
-    then converted.
+    then converted; Q8_0, Q4_0 and Q4_1 given as a numpy array (a file's tensor, at load) are
+    decoded in numpy, to the same values bit for bit (see :data:`_NUMPY_DECODERS`).
 
     Raises ArtifactError for a type not in :data:`SUPPORTED_TYPES` (the message lists them),
     a last dim that is not whole blocks, or a byte count that does not fit ``shape``.
     """
     _check_dtype(dtype)
     dims = _check_shape(shape)
+    if isinstance(raw, np.ndarray) and qtype in _NUMPY_DECODERS:
+        return _np_dequantize(raw, QT(qtype), dims).to(dtype)
     data = _rows_of_bytes(raw, qtype, dims)                        # [rows, row_bytes]
     return _decode(data, QT(qtype), dims[-1], dtype).reshape(dims)
 

@@ -49,6 +49,7 @@ both); the earlier id decodes to nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -161,9 +162,15 @@ def _strings(metadata: Mapping[str, Any], key: str, source: str) -> list[str]:
     value = metadata.get(key)
     if value is None:
         raise _missing(source, key, "a list of strings")
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, list) or not _all_of(value, str):
         raise _wrong(source, key, "a list of strings", value)
     return value
+
+
+def _all_of(values: list[Any], *kinds: type) -> bool:
+    """Whether every value is an instance of one of ``kinds`` and none a bool (a check over
+    the distinct types, not the 49,152 values: the vocabulary is checked at every start)."""
+    return all(issubclass(t, kinds) and not issubclass(t, bool) for t in set(map(type, values)))
 
 
 def _numbers(metadata: Mapping[str, Any], key: str, source: str, count: int,
@@ -173,8 +180,7 @@ def _numbers(metadata: Mapping[str, Any], key: str, source: str, count: int,
     if value is None:
         return None
     if (not isinstance(value, list) or len(value) != count
-            or not all(isinstance(v, (int, float) if kind is float else int)
-                       and not isinstance(v, bool) for v in value)):
+            or not _all_of(value, *((int, float) if kind is float else (int,)))):
         raise _wrong(source, key, f"a list of {count} {kind.__name__}s (one per token)", value)
     return value
 
@@ -244,6 +250,9 @@ class _Vocab:
         return "".join(_BYTE_CHARS[b] for b in token.encode("utf-8"))
 
     def keys(self) -> dict[str, int]:
+        """Every token's :meth:`key` → its id (a later id wins for a repeated key)."""
+        if self.model != "gpt2" or set("".join(self.tokens)) <= _ALPHABET:
+            return {token: i for i, token in enumerate(self.tokens)}  # every key is the token
         return {self.key(i): i for i in range(len(self.tokens))}
 
 
@@ -263,14 +272,14 @@ _ALPHABET = frozenset(_BYTE_CHARS)
 
 
 def _merges(metadata: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
-    pairs = []
-    for n, merge in enumerate(_strings(metadata, MERGES, source)):
-        left, space, right = merge.partition(" ")
-        if not (left and space and right) or " " in right:
+    merges = _strings(metadata, MERGES, source)
+    spaces = list(map(str.find, merges, itertools.repeat(" ")))
+    for n, (merge, at) in enumerate(zip(merges, spaces)):
+        if not 0 < at < len(merge) - 1 or " " in merge[at + 1:]:
             raise TokenizerError(f"{source}: GGUF field {MERGES}[{n}] is {merge!r}, not two "
                                  "tokens joined by one space")
-        pairs.append((left, right))
-    return pairs
+    # one tuple per merge and no other container: 48,900 of them wake the garbage collector
+    return [(merge[:at], merge[at + 1:]) for merge, at in zip(merges, spaces)]
 
 
 def _score_merges(vocab: dict[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
