@@ -172,25 +172,25 @@ def test_an_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path: Pa
 
 @needs_smollm2
 def test_quantized_in_memory_mode_matches_the_dequantized_mode(pipe: Any) -> None:
-    # The same dequantized values, multiplied chunk by chunk: logits agree to float32
-    # rounding of a different summation order, and greedy tokens are the same.
+    # Q4_1 matrices kept quantized run on torch's int4 kernel with bfloat16 activations
+    # (backends/gguf/int4.py): the prefill logits agree with the float32 dequantized model to
+    # bfloat16's precision (a relative 3e-3), with the same most likely token; the greedy
+    # continuations may part at a later near-tie, as two precisions do.
     with build(SMOLLM2, options={"num_slots": 1, "max_context": 512, "quantized": True}) as q:
         layer = q.engine.backend.model.weights.layers[0]
         # the quantized matrices are placeholders; their bytes live in the products
         assert layer.attention.q.is_meta and layer.mlp.gate_up.is_meta
         assert not layer.input_norm.is_meta
-        agree = 0
         for prompt in PROMPTS[:2]:
             chat = [{"role": "user", "content": prompt}]
-            ours = q.generate(chat, max_tokens=16, temperature=0, recording="full")
-            ref = pipe.generate(chat, max_tokens=16, temperature=0, recording="full")
+            ours = q.generate(chat, max_tokens=4, temperature=0, recording="full")
+            ref = pipe.generate(chat, max_tokens=4, temperature=0, recording="full")
             top_q = _prefill_top(ours)
             top_d = _prefill_top(ref)
             for token, value in top_d.items():
-                assert abs(top_q[token] - value) < 1e-3
-            agree += sum(a == b for a, b in zip(ours.token_ids, ref.token_ids))
-            assert ours.token_ids == ref.token_ids
-        print(f"quantized mode: {agree} of 32 greedy tokens equal to the dequantized mode")
+                assert token in top_q
+                assert abs(top_q[token] - value) < 3e-3 * max(1.0, abs(value)), (prompt, token)
+            assert ours.token_ids[0] == ref.token_ids[0]
 
 
 def _prefill_top(done: Any) -> dict[int, float]:

@@ -306,9 +306,13 @@ def test_joined_and_unpermuted_rows_equal_the_old_recipe(tmp_path: Path, kind: s
     products = load_weights(f, spec, quantized=True).products
     assert len(products) == len(kept)
     x = torch.linspace(-1, 1, 32).reshape(1, 32)
-    for (_, product, _), names in zip(products, kept):
+    for (_, product, _, int4), names in zip(products, kept):
         heads = 2 if "attn" in names[0] else None
-        torch.testing.assert_close(product(x, None), x @ _old_recipe(f, list(names), heads).T)
+        want = x @ _old_recipe(f, list(names), heads).T
+        if int4:  # Q4 matrices on the int4 kernel: bfloat16 activations and scales
+            assert float((product(x, None) - want).norm() / want.norm()) < 1e-2
+        else:
+            torch.testing.assert_close(product(x, None), want)
 
 
 # --- pipeline count: the tokenizer and the template, never the weights ---------------------

@@ -6,9 +6,11 @@ mapped onto the backend's layout, each tensor dequantized to the compute dtype o
 built so far: never two full copies). With ``quantized=True`` the matrices of quantized types
 stay in their GGML encoding (:class:`~backends.gguf.quants.QuantizedWeight`, a copy of the
 file's bytes) and the weights hold ``meta`` placeholders of their shape; the returned
-``products`` pair each placeholder with its chunked matrix product
-(:func:`~backends.gguf.quants.quantized_linear`) and its encoded size for
-:class:`~backends.torch.model.Transformer`. Embeddings, norms and float matrices are
+``products`` pair each placeholder with its matrix product and its encoded size for
+:class:`~backends.torch.model.Transformer`: Q4_0 and Q4_1 matrices on a CPU are repacked for
+torch's int4 kernel (:mod:`backends.gguf.int4`; bfloat16 activations, several times faster
+than dequantizing), other types multiplied chunk by chunk
+(:func:`~backends.gguf.quants.quantized_linear`). Embeddings, norms and float matrices are
 dequantized either way. llama.cpp's converter permutes the rows of ``attn_q`` and
 ``attn_k`` of ``llama``-architecture models for its RoPE layout; they are permuted back here,
 as transformers' GGUF loader does. Separate ``ffn_gate`` and ``ffn_up`` become the fused
@@ -39,7 +41,10 @@ from backends.torch.weights import (
 )
 from pipeline.errors import ArtifactError
 
-Product = tuple[torch.Tensor, Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor], int]
+Product = tuple[torch.Tensor, Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor], int,
+                bool]
+"""A kept-quantized matrix: its placeholder, its product, the bytes it holds, and whether the
+product computes each row on its own (:meth:`~backends.torch.packed.Linears.register`)."""
 """A placeholder, its matrix product, and the bytes of the encoded weight that product holds."""
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -88,13 +93,19 @@ class _Loader:
         raw = _joined_rows([t.data for t in tensors], heads)
         if not keep:
             return dequantize(raw, qtype, shape, self.dtype).to(self.device)
+        from backends.gguf.int4 import Int4Weight, int4_available, int4_fits, int4_linear
         from backends.gguf.quants import QuantizedWeight, quantized_linear
 
         coded = QuantizedWeight.from_raw(raw, qtype, shape)  # the file's pages are copied
+        placeholder = torch.empty(shape, dtype=self.dtype, device="meta")
+        if int4_fits(coded) and int4_available(self.device):
+            packed = Int4Weight.from_quantized(coded)
+            self.products.append((placeholder, lambda x, bias: int4_linear(x, packed, bias),
+                                  packed.nbytes, True))
+            return placeholder
         weight = QuantizedWeight(coded.data.to(self.device), qtype, shape)
-        placeholder = torch.empty(weight.shape, dtype=self.dtype, device="meta")
         self.products.append((placeholder, lambda x, bias: quantized_linear(x, weight, bias),
-                              weight.nbytes))
+                              weight.nbytes, False))
         return placeholder
 
     def tensor(self, name: str, *shape: int) -> GGUFTensor:

@@ -84,13 +84,14 @@ class Transformer:
     experts' too when ``moe`` is the default; ``pack=False`` multiplies with ``F.linear``.
     ``own_products`` pairs weights (placeholders in ``weights``) with the function that
     multiplies by them, e.g. a GGUF weight kept quantized in memory, and the bytes that
-    function holds. ``batch_invariant`` makes each row's logits independent of the rest of
+    function holds, and whether it computes each row on its own (then a batch-invariant model
+    runs it untiled). ``batch_invariant`` makes each row's logits independent of the rest of
     the batch and of how its prompt was cut into chunks (:mod:`backends.torch.invariant`).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
                  moe: MoeFunction = moe_forward, pack: bool = True,
-                 own_products: Sequence[tuple[torch.Tensor, LinearFn, int]] = (),
+                 own_products: Sequence[tuple[torch.Tensor, LinearFn, int, bool]] = (),
                  batch_invariant: bool = False) -> None:
         self.spec = spec
         self.weights = weights
@@ -98,8 +99,8 @@ class Transformer:
         default_moe = moe is moe_forward
         self.linears = (Linears.pack(weights, experts=default_moe) if pack
                         else Linears.plain())
-        for placeholder, multiply, nbytes in own_products:
-            self.linears.register(placeholder, multiply, nbytes)
+        for placeholder, multiply, nbytes, row_wise in own_products:
+            self.linears.register(placeholder, multiply, nbytes, row_wise=row_wise)
         self.linears.invariant = batch_invariant
         self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant)
                     else moe)

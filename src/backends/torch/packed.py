@@ -57,6 +57,7 @@ class Linears:
     def __init__(self) -> None:
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
         self._own: dict[int, LinearFn] = {}
+        self._row_wise: set[int] = set()
         self.own_bytes = 0
         """Memory the registered products hold (their encoded weights)."""
         self.invariant = False
@@ -66,12 +67,17 @@ class Linears:
         """The current forward's row plans (its token rows, its output rows); a product of
         that many rows follows the plan of its length."""
 
-    def register(self, weight: torch.Tensor, multiply: LinearFn, nbytes: int = 0) -> None:
+    def register(self, weight: torch.Tensor, multiply: LinearFn, nbytes: int = 0, *,
+                 row_wise: bool = False) -> None:
         """Multiply by ``weight`` (typically a ``meta`` placeholder of the right shape that
         stands in the model's weights) with ``multiply`` instead of ``F.linear``; ``nbytes``
-        is the memory ``multiply`` holds for it."""
+        is the memory ``multiply`` holds for it. ``row_wise``: ``multiply`` computes each row
+        of its input on its own (its result for a row never depends on the other rows, as a
+        test of that product shows), so a batch-invariant model runs it untiled."""
         self._own[id(weight)] = multiply
         self.own_bytes += nbytes
+        if row_wise:
+            self._row_wise.add(id(weight))
 
     @classmethod
     def plain(cls) -> Linears:
@@ -99,7 +105,7 @@ class Linears:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] @ weight.T (+ bias)``: ``[T, out]``."""
-        if self.invariant:
+        if self.invariant and id(weight) not in self._row_wise:
             def product(rows: torch.Tensor) -> torch.Tensor:
                 return self._product(rows, weight, bias)
             for plan in self.plans:
