@@ -173,3 +173,39 @@ def test_the_diff_says_when_a_model_level_divergence_may_come_from_batching() ->
     assert "run B did not declare batch invariance" in report.render()
     same = diff(a, c)
     assert same.divergence is None and same.caveat() is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompts_logits_do_not_depend_on_how_it_was_chunked(dtype: str) -> None:
+    """The backend itself: the same prompt prefilled whole, in uneven chunks, and with a last
+    chunk of one token (a prefix-cache hit can leave one), beside a decoding sequence or alone,
+    gives bit-identical logits at its last position."""
+    from backends.torch.backend import TorchBackend
+    from pipeline.protocols import ModelCall, PrefillChunk
+
+    with build("tiny", options=BackendOptions(dtype=dtype)) as p:
+        engine: Any = p.engine.backend  # type: ignore[union-attr]
+        # a backend of its own over the engine's model (the engine's manages its blocks)
+        backend = TorchBackend(engine.model, engine.snapshot, num_slots=2, max_context=256)
+        ids = tuple(p.tokenize(SHARED * 6).input_ids)[:90]
+        assert len(ids) == 90
+
+        def last_logits(cuts: list[int], beside: bool) -> torch.Tensor:
+            slot, other = backend.allocate(), backend.allocate()
+            try:
+                backend.prefill([PrefillChunk(other, ids[:5], 0, True)])
+                bounds = [0, *cuts, len(ids)]
+                for a, b in zip(bounds, bounds[1:]):
+                    calls = [ModelCall.chunk(PrefillChunk(slot, ids[a:b], a, b == len(ids)))]
+                    if beside:
+                        calls.append(ModelCall(other, (ids[0],), backend.cache.lengths[other],
+                                               (0,)))
+                    out = backend.forward(calls)
+                return out[0]
+            finally:
+                backend.release(slot)
+                backend.release(other)
+
+        whole = last_logits([], False)
+        for cuts, beside in (([89], False), ([89], True), ([13, 64], True), ([30, 31], False)):
+            assert torch.equal(last_logits(cuts, beside), whole), (cuts, beside)

@@ -1,9 +1,8 @@
 """Batch-invariant products: a row's result never depends on the batch it was computed in.
 
 Owns :func:`tiled_rows` (a matrix product run on fixed-size tiles of rows), :class:`RowTiles`
-(which tile each row of a forward gets) and
-:func:`chunk_attention` (causal attention for the queries of a prompt chunk, whatever the
-chunk's bounds). The torch backend uses both when ``BackendOptions.batch_invariant`` is on
+(which tile each row of a forward gets) and :func:`grid_attention` (causal attention for the
+queries of a prompt chunk, whatever the chunk's bounds). The torch backend uses both when ``BackendOptions.batch_invariant`` is on
 (the default on CPU), so a greedy or seeded request gives the same tokens alone and in any
 batch, with or without prefix-cache hits, in float32, bfloat16 and float16.
 
@@ -22,13 +21,11 @@ How it holds, by construction rather than by measurement:
   does not change its order of summation. :class:`RowTiles` gives each row its tile size by
   what its own request's call is (a decode token: narrow tiles, cheap for one request alone;
   a prompt chunk or a multi-token call: wide tiles, cheap for many rows).
-- :func:`chunk_attention` computes in float32 on tiles of fixed shape: scores as batched
-  products of ``QUERY_TILE`` queries by ``KEY_TILE`` keys (key tiles aligned at absolute
-  position 0, so a key tile's contents never depend on the chunk), the row maximum (exact in
-  any order), ``exp``, each key tile's sum over its fixed ``KEY_TILE`` columns, then the tiles
-  added in order by a sequential ``cumsum`` (masked tiles add exact zeros at the end). So a
-  query at position p gets the same output whether its prompt was prefilled in one call, in
-  budget-sized chunks, or after a prefix-cache hit.
+- :func:`grid_attention` attends the prompt positions ``t*GRID .. (t+1)*GRID - 1`` with one
+  call of exactly ``GRID`` queries over exactly ``(t+1)*GRID`` keys (absent queries and keys
+  zero and masked), so the call a position lands in has the same shape, the same row for it
+  and the same visible keys whether its prompt was prefilled in one call, in budget-sized
+  chunks, or after a prefix-cache hit.
 
 What it does not cover: a decode token (one query) still uses torch's attention, which is
 the same call alone or batched; a prompt position is always computed by a chunk and an
@@ -63,9 +60,10 @@ class RowTiles:
     def __init__(self, wide: Sequence[bool], device: torch.device) -> None:
         self.rows = len(wide)
         self.uniform = (WIDE_TILE if all(wide) else NARROW_TILE if not any(wide) else None)
-        picked = torch.tensor(list(wide), dtype=torch.bool, device=device)
-        self._wide = picked.nonzero().squeeze(1)
-        self._narrow = (~picked).nonzero().squeeze(1)
+        if self.uniform is None:  # index tensors only for a mixed forward
+            picked = torch.tensor(list(wide), dtype=torch.bool, device=device)
+            self._wide = picked.nonzero().squeeze(1)
+            self._narrow = (~picked).nonzero().squeeze(1)
 
     def apply(self, x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
               ) -> torch.Tensor:

@@ -118,12 +118,13 @@ class Transformer:
         ``inputs [T, H]`` replaces the token embeddings as the first hidden states (embedding
         inputs, :mod:`backends.torch.conditioning`)."""
         h = F.embedding(batch.token_ids, self.weights.embed) if inputs is None else inputs
-        if self.batch_invariant:
-            self.linears.plans = _row_plans(batch, h.device)
+        tokens, outputs = _row_plans(batch, h.device) if self.batch_invariant else (None, None)
+        self.linears.plan = tokens
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)
         h = rms_norm(h[batch.outputs], self.weights.norm, self.spec.rms_norm_eps)  # [N, H]
+        self.linears.plan = outputs
         return self.linears(h, self.weights.lm_head).float()                   # [N, V]
 
     def _layer(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,

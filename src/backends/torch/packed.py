@@ -62,10 +62,11 @@ class Linears:
         """Memory the registered products hold (their encoded weights)."""
         self.invariant = False
         """Batch-invariant products (:mod:`backends.torch.invariant`): rows on fixed tiles,
-        as :attr:`plans` says, or :data:`~backends.torch.invariant.NARROW_TILE` rows."""
-        self.plans: tuple[RowTiles, ...] = ()
-        """The current forward's row plans (its token rows, its output rows); a product of
-        that many rows follows the plan of its length."""
+        as :attr:`plan` says, or :data:`~backends.torch.invariant.NARROW_TILE` rows."""
+        self.plan: RowTiles | None = None
+        """The row plan of the products being run (the model sets its forward's token rows'
+        plan, then its output rows' plan for the output head); a product of another number of
+        rows (routed experts' rows) runs on narrow tiles."""
 
     def register(self, weight: torch.Tensor, multiply: LinearFn, nbytes: int = 0, *,
                  row_wise: bool = False) -> None:
@@ -108,9 +109,9 @@ class Linears:
         if self.invariant and id(weight) not in self._row_wise:
             def product(rows: torch.Tensor) -> torch.Tensor:
                 return self._product(rows, weight, bias)
-            for plan in self.plans:
-                if plan.rows == x.shape[0]:
-                    return plan.apply(x, product)
+            plan = self.plan
+            if plan is not None and plan.rows == x.shape[0]:
+                return plan.apply(x, product)
             return tiled_rows(x, product, NARROW_TILE)
         return self._product(x, weight, bias)
 
