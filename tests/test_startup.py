@@ -306,9 +306,12 @@ def test_joined_and_unpermuted_rows_equal_the_old_recipe(tmp_path: Path, kind: s
     products = load_weights(f, spec, quantized=True).products
     assert len(products) == len(kept)
     x = torch.linspace(-1, 1, 32).reshape(1, 32)
-    for (_, product, _, int4), names in zip(products, kept):
+    for (_, product, _, int4, dense), names in zip(products, kept):
         heads = 2 if "attn" in names[0] else None
-        want = x @ _old_recipe(f, list(names), heads).T
+        matrix = _old_recipe(f, list(names), heads)
+        want = x @ matrix.T
+        if dense is not None:  # prompt rows: the matrix decoded whole from the file, exactly
+            assert torch.equal(dense(), matrix.to(dense().dtype))
         if int4:  # Q4 matrices on the int4 kernel: bfloat16 activations and scales
             assert float((product(x, None) - want).norm() / want.norm()) < 1e-2
         else:
@@ -382,3 +385,18 @@ def test_count_of_the_default_model_equals_the_full_pipeline(
         assert pipe.engine is not None
         assert templated == pipe.count_tokens("hello world")
         assert raw == len(pipe.stages.tokenizer.encode_text("hello world"))  # type: ignore
+
+
+def test_loading_off_the_calling_thread_returns_and_raises_as_a_call_would() -> None:
+    import threading
+
+    from pipeline.builder import off_the_calling_thread
+    from pipeline.errors import ArtifactError
+
+    assert off_the_calling_thread(lambda: threading.current_thread().name) == "pipeline-load"
+
+    def fails() -> None:
+        raise ArtifactError("no such file")
+
+    with pytest.raises(ArtifactError, match="no such file"):
+        off_the_calling_thread(fails)

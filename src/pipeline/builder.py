@@ -343,4 +343,40 @@ def _backend(registry: Registry, context: BuildContext,
             return None  # tokenizer-only pipeline: render and count, no generation
         else:
             value = "torch"
-    return cast(Backend, _resolve(registry, "backend", value, context))
+    chosen = value
+    return cast(Backend, off_the_calling_thread(
+        lambda: _resolve(registry, "backend", chosen, context)))
+
+
+R = TypeVar("R")
+
+
+def off_the_calling_thread(make: Callable[[], R]) -> R:
+    """``make()`` run on a thread of its own that ends with it; its exception re-raised here.
+
+    A backend's load runs torch operations with several intra-op threads, and GNU OpenMP
+    keeps a pool of workers for every thread that has done so. Once the caller's thread
+    owns a pool, the engine thread's pool oversubscribes a machine with as many cores as
+    torch threads, and GNU OpenMP then puts idle workers to sleep after about a hundred
+    spins: every parallel operation of a decode step pays a wake-up (measured on 2 cores:
+    one 3072 x 576 int4 product 46 us from a thread when the main thread has no pool, 100-150
+    us when it has one; docs/performance.md). Loading on a passing thread leaves the
+    caller's thread without a pool.
+    """
+    import threading
+
+    box: list[R] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(make())
+        except BaseException as exc:  # re-raised on the caller's thread below
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name="pipeline-load", daemon=True)
+    worker.start()
+    worker.join()
+    if failure:
+        raise failure[0]
+    return box[0]
