@@ -43,12 +43,12 @@ Example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from backends.torch.conditioning import Piece, call_inputs, embedding_space
 from backends.torch.config import ModelSpec
@@ -56,6 +56,7 @@ from backends.torch.loader import load_checkpoint
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.model import MoeFunction, Transformer
 from backends.torch.moe import moe_forward
+from backends.torch.threads import ThreadChooser
 from backends.torch.weights import tensors
 from pipeline.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks, SlotError
@@ -118,6 +119,11 @@ class TorchBackend:
                                                             snapshot=snapshot)
         self._allocated: set[int] = set()
         self._space: torch.Tensor | None = None
+        self.threads = (ThreadChooser(torch.get_num_threads())
+                        if self.cache.device.type == "cpu" else None)
+        """Picks the intra-op thread count of decode steps by measuring them (CPU only;
+        :mod:`backends.torch.threads`): torch's count is process-wide, so while a decode step
+        runs on one thread, so does anything else the process runs in torch."""
 
     @classmethod
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
@@ -199,7 +205,7 @@ class TorchBackend:
                   or c.self_condition is not None]
         if not pieces:
             return None
-        h = F.embedding(batch.token_ids, self.model.weights.embed)               # [T, H]
+        h = self.model.embed(batch.token_ids)                                      # [T, H]
         return call_inputs(self.model.weights.conditioning, h, pieces)
 
     @property
@@ -288,7 +294,19 @@ class TorchBackend:
             bidirectional=[c.attention is Attention.BLOCK for c in calls],
             writes=[c.write for c in calls], prompts=[c.prompt for c in calls])
         self.cache.discard()
-        logits = self.model.forward(self.cache, batch, self._inputs(calls, batch))  # [N, V]
+        inputs = self._inputs(calls, batch)
+        chooser = self.threads
+        if chooser is None:
+            logits = self.model.forward(self.cache, batch, inputs)                 # [N, V]
+        elif any(c.prompt for c in calls):  # prompt chunks: dense products use every thread
+            _use_threads(chooser.most)
+            logits = self.model.forward(self.cache, batch, inputs)
+        else:
+            rows = int(batch.token_ids.shape[0])
+            threads = _use_threads(chooser.threads_for(rows))
+            started = time.perf_counter()
+            logits = self.model.forward(self.cache, batch, inputs)
+            chooser.record(rows, threads, time.perf_counter() - started)
         self.cache.commit(batch)
         return logits  # stays on the model's device: selection and digests run there
 
@@ -454,3 +472,10 @@ if TYPE_CHECKING:
     def _satisfies_embedding_inputs(backend: TorchBackend) -> EmbeddingInputs:
         """... and takes embedding inputs."""
         return backend
+
+
+def _use_threads(count: int) -> int:
+    """Set torch's intra-op thread count to ``count`` (when it differs); returns ``count``."""
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+    return count

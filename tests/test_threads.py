@@ -1,0 +1,134 @@
+"""The decode thread count chosen by measurement (backends/torch/threads.py).
+
+Oracles: the chooser is driven with given step times (no clock, no machine load); that the
+choice never changes results is checked kernel by kernel (each product, attention and
+reduction of a step on one thread and on two, bit for bit) and for whole requests of the
+default model, greedy and seeded, run with one thread and with two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backends.torch.threads import PROBE_FIRST, PROBE_MOST, PROBE_STEPS, ThreadChooser
+from pipeline import build
+from pipeline.errors import ArtifactError
+from pipeline.models import SMOLLM2_INSTALL, smollm2_file
+
+try:
+    HAVE_SMOLLM2 = smollm2_file() is not None
+except ArtifactError:
+    HAVE_SMOLLM2 = False
+
+
+def _steps(chooser: ThreadChooser, rows: int, n: int, cost: dict[int, float]) -> list[int]:
+    used = []
+    for _ in range(n):
+        threads = chooser.threads_for(rows)
+        chooser.record(rows, threads, cost[threads])
+        used.append(threads)
+    return used
+
+
+def test_the_faster_count_wins_after_a_probe_and_loses_when_it_slows() -> None:
+    chooser = ThreadChooser(most=2)
+    used = _steps(chooser, 1, PROBE_FIRST, {1: 0.02, 2: 0.05})
+    assert used == [2] * PROBE_FIRST  # the most threads until measured otherwise
+    used = _steps(chooser, 1, PROBE_STEPS, {1: 0.02, 2: 0.05})
+    assert used == [1] * PROBE_STEPS  # the probe
+    assert chooser.threads_for(1) == 1  # one thread was faster
+    assert chooser.averages(1) == {2: pytest.approx(0.05), 1: pytest.approx(0.02)}
+    # the machine frees up: two threads become faster, and the next probe finds it
+    used = _steps(chooser, 1, PROBE_FIRST + PROBE_STEPS + 1, {1: 0.02, 2: 0.01})
+    assert used[PROBE_FIRST:PROBE_FIRST + PROBE_STEPS] == [2] * PROBE_STEPS
+    assert used[-1] == 2
+
+
+def test_probes_that_keep_the_choice_come_ever_more_rarely() -> None:
+    chooser = ThreadChooser(most=2)
+    used = _steps(chooser, 1, 4000, {1: 0.02, 2: 0.05})  # a busy machine, all along
+    starts = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    gaps = [b - a - PROBE_STEPS for a, b in zip(starts, starts[1:])]
+    assert gaps[:4] == [2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST, 16 * PROBE_FIRST]
+    assert max(gaps) == PROBE_MOST
+    assert used.count(2) < PROBE_FIRST + 15 * PROBE_STEPS  # about one step in a hundred
+
+
+def test_each_batch_size_is_measured_on_its_own_and_one_thread_never_probes() -> None:
+    chooser = ThreadChooser(most=2)
+    _steps(chooser, 1, PROBE_FIRST + PROBE_STEPS, {1: 0.02, 2: 0.05})
+    assert chooser.threads_for(1) == 1 and chooser.threads_for(8) == 2
+    single = ThreadChooser(most=1)
+    assert _steps(single, 1, 3 * PROBE_MOST, {1: 0.01}) == [1] * (3 * PROBE_MOST)
+    assert single.averages(1) == {}
+
+
+def test_a_probes_first_step_is_not_counted() -> None:
+    chooser = ThreadChooser(most=2)
+    _steps(chooser, 4, PROBE_FIRST, {1: 0.03, 2: 0.02})
+    # the first probe step is slow (a cold pool), the rest fast: the probe still wins
+    costs = iter([1.0] + [0.01] * (PROBE_STEPS - 1))
+    for _ in range(PROBE_STEPS):
+        threads = chooser.threads_for(4)
+        chooser.record(4, threads, next(costs))
+    assert chooser.threads_for(4) == 1
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _same_on_one_and_two(f: Callable[[], torch.Tensor]) -> bool:
+    torch.set_num_threads(1)
+    one = f()
+    torch.set_num_threads(2)
+    return torch.equal(one, f())
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_every_kernel_of_a_step_gives_the_same_bits_on_one_and_two_threads() -> None:
+    g = torch.Generator().manual_seed(0)
+    head, x = torch.randn(4096, 576, generator=g).half(), torch.randn(8, 576, generator=g)
+    assert _same_on_one_and_two(lambda: F.linear(x.half(), head))
+    dense, xs = torch.randn(768, 576, generator=g), torch.randn(32, 576, generator=g)
+    assert _same_on_one_and_two(lambda: F.linear(xs.bfloat16(), dense.bfloat16()))
+    assert _same_on_one_and_two(lambda: F.linear(xs, dense))
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        codes = torch.randint(0, 16, (768, 576), dtype=torch.int32, generator=g)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        scales = torch.randn(18, 768, 2, generator=g).bfloat16()
+        for rows in (1, 8, 32):
+            xr = xs[:rows].bfloat16()
+            assert _same_on_one_and_two(
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xr, packed, 32, scales))
+    q, k, v = (torch.randn(1, 3, n, 64, generator=g) for n in (3, 700, 700))
+    assert _same_on_one_and_two(lambda: F.scaled_dot_product_attention(q, k, v))
+    logits = torch.randn(1, 49152, generator=g)
+    assert _same_on_one_and_two(lambda: (logits.double() - logits.max()).exp().cumsum(-1))
+    assert _same_on_one_and_two(lambda: logits.float().softmax(-1))
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason=SMOLLM2_INSTALL)
+@pytest.mark.usefixtures("two_threads")
+def test_requests_give_the_same_tokens_on_one_thread_and_on_two() -> None:
+    with build(options={"num_slots": 2, "max_context": 256}) as pipe:
+        backend = pipe.engine.backend
+        chooser, backend.threads = backend.threads, None  # the count is set by hand here
+        try:
+            runs = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                runs[threads] = [
+                    pipe.generate("Name a colour.", max_tokens=12, temperature=0).token_ids,
+                    pipe.generate("Name a colour.", max_tokens=12, temperature=0.9, top_p=0.9,
+                                  seed=7).token_ids]
+        finally:
+            backend.threads = chooser
+    assert runs[1] == runs[2]
