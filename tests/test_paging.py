@@ -180,3 +180,22 @@ def test_a_prompt_larger_than_the_whole_pool_is_refused_not_kept_waiting() -> No
         paging.admit(_Job((1,) * 30), tuple(range(30)))
     assert paging.admit(_Job((1,) * 24), tuple(range(24)), reserve=1) is None  # waits
     assert paging.blocks.stats.used_blocks == 1
+
+
+def test_no_position_is_read_before_it_is_written(oracle: Any) -> None:
+    # The pool is allocated uninitialised (backends/torch/kv.py: a big pool costs only the
+    # pages written). Filled with NaN here, any read of a position nobody wrote would turn
+    # the logits to NaN: shared prefixes, blocks reused after others' requests, concurrent
+    # requests and gathered (non-contiguous) tables still decode what they decode alone.
+    import math
+
+    rng = random.Random(7)
+    base = _ids(rng, 23)
+    jobs = [(base + _ids(rng, rng.randrange(1, 9)), rng.randrange(3, 9)) for _ in range(6)]
+    with _pipe(block_size=4, max_context=64, num_slots=3, kv_blocks=40) as pipe:
+        cache = pipe.engine.backend.cache
+        for t in (*cache.k, *cache.v):
+            t.fill_(math.nan)
+        handles = [pipe.submit(_request(ids, n)) for ids, n in jobs]
+        got = [list(h.result().token_ids) for h in handles]
+    assert got == [oracle(ids, n) for ids, n in jobs]

@@ -66,13 +66,20 @@ class KVCache:
     @classmethod
     def empty(cls, spec: ModelSpec, *, num_blocks: int, block_size: int, num_slots: int,
               dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
-        """A zeroed pool of ``num_blocks`` blocks of ``block_size`` positions per layer, for
-        ``num_slots`` sequences."""
-        shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device)
-                    for _ in range(spec.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device)
-                    for _ in range(spec.num_layers)], num_slots)
+        """A pool of ``num_blocks`` blocks of ``block_size`` positions per layer, for
+        ``num_slots`` sequences.
+
+        Keys (and values) of all layers are one uninitialised allocation, viewed per layer:
+        on a CPU a block of that size is a fresh mapping whose pages the system provides when
+        first written, so the process holds the positions written so far, not the whole pool
+        (``docs/performance.md``: a 2,048-position window of the default model costs what the
+        prompt and answer wrote). Nothing reads a position before it is written: attention
+        reads a slot's first ``lengths`` positions only, and a gather copies whole blocks
+        but reads back only those."""
+        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        keys = torch.empty(shape, dtype=dtype, device=device)
+        values = torch.empty(shape, dtype=dtype, device=device)
+        return cls(list(keys.unbind(0)), list(values.unbind(0)), num_slots)
 
     @property
     def num_blocks(self) -> int:
