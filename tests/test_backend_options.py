@@ -207,7 +207,30 @@ def test_batch_invariance_is_on_for_cpu_unless_said_otherwise() -> None:
     assert BackendOptions(device="cuda", batch_invariant=True).invariant is True
     flags = {"auto": True, "on": True, "off": False}
     for flag, resolved in flags.items():
-        args = argparse.Namespace(device="cpu", dtype=None, batch_invariant=flag)
+        args = argparse.Namespace(device="cpu", dtype=None, batch_invariant=flag,
+                                  quantized="auto")
         assert backend_options(args).invariant is resolved
     served = ServerConfig(models={"m": None}, batch_invariant=False).backend_options()
     assert served.invariant is False
+
+
+def test_gguf_weights_stay_quantized_by_default_on_a_cpu_at_float32() -> None:
+    assert BackendOptions().quantized is None and BackendOptions().keeps_quantized
+    assert not BackendOptions(dtype="bfloat16").keeps_quantized
+    assert not BackendOptions(device="cuda").keeps_quantized
+    assert not BackendOptions(quantized=False).keeps_quantized
+    assert BackendOptions(quantized=True, dtype="bfloat16").keeps_quantized
+    build("tiny").close()  # a Hugging Face folder ignores the automatic choice
+
+
+@pytest.mark.parametrize(("flag", "want"), [("auto", None), ("on", True), ("off", False)])
+def test_the_quantized_flag_reaches_the_options(flag: str, want: bool | None) -> None:
+    import argparse
+
+    from pipeline.cli_run import add_backend, backend_options
+
+    parser = argparse.ArgumentParser()
+    add_backend(parser)
+    assert backend_options(parser.parse_args(["--quantized", flag])).quantized is want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantized", "maybe"])

@@ -58,7 +58,17 @@ def test_products_agree_with_the_dequantized_product(qtype: QT) -> None:
     assert float((got - ref).norm() / ref.norm()) < 1e-2
 
 
-def test_a_rows_result_does_not_depend_on_its_company() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_result_does_not_depend_on_its_company(threads: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _rows_alone_and_together()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rows_alone_and_together() -> None:
     w = Int4Weight.from_quantized(_blocks(QT.Q4_1, 160, 192, seed=4))
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([int4_linear(x[i:i + 1], w) for i in range(70)])

@@ -55,7 +55,9 @@ def oracle() -> Iterator[tuple[Any, Any]]:
 
 @pytest.fixture(scope="module")
 def pipe() -> Iterator[Any]:
-    with build(SMOLLM2, options={"num_slots": 4, "max_context": 1024}) as p:
+    # the reference numerics: dequantized to float32 (the default keeps the file quantized)
+    with build(SMOLLM2, options={"num_slots": 4, "max_context": 1024,
+                                 "quantized": False}) as p:
         yield p
 
 
@@ -173,23 +175,31 @@ def test_an_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path: Pa
 @needs_smollm2
 def test_quantized_in_memory_mode_matches_the_dequantized_mode(pipe: Any) -> None:
     # Q4_1 matrices kept quantized run on torch's int4 kernel with bfloat16 activations
-    # (backends/gguf/int4.py): the prefill logits agree with the float32 dequantized model to
-    # bfloat16's precision (a relative 3e-3), with the same most likely token; the greedy
-    # continuations may part at a later near-tie, as two precisions do.
+    # (backends/gguf/int4.py) and the Q8_0 table and head in float16: the prefill logits agree
+    # with the float32 dequantized model to bfloat16's precision compounded over 30 layers
+    # (a relative 1e-2; measured up to 8e-3 over four prompts with the head in float32 and
+    # 3.6e-3 with it in float16), with the same most likely token; the greedy continuations
+    # may part at a later near-tie, as two precisions do.
     with build(SMOLLM2, options={"num_slots": 1, "max_context": 512, "quantized": True}) as q:
         layer = q.engine.backend.model.weights.layers[0]
         # the quantized matrices are placeholders; their bytes live in the products
         assert layer.attention.q.is_meta and layer.mlp.gate_up.is_meta
         assert not layer.input_norm.is_meta
+        weights = q.engine.backend.model.weights
+        from backends.gguf.load import float16_fast
+
+        table = torch.float16 if float16_fast("cpu") else torch.float32
+        assert weights.embed.dtype == table and weights.lm_head is weights.embed
         for prompt in PROMPTS[:2]:
             chat = [{"role": "user", "content": prompt}]
             ours = q.generate(chat, max_tokens=4, temperature=0, recording="full")
             ref = pipe.generate(chat, max_tokens=4, temperature=0, recording="full")
             top_q = _prefill_top(ours)
             top_d = _prefill_top(ref)
+            assert len(set(top_q) & set(top_d)) >= 6, (prompt, top_q, top_d)
             for token, value in top_d.items():
-                assert token in top_q
-                assert abs(top_q[token] - value) < 3e-3 * max(1.0, abs(value)), (prompt, token)
+                if token in top_q:
+                    assert abs(top_q[token] - value) < 1e-2 * max(1.0, abs(value)), (prompt, token)
             assert ours.token_ids[0] == ref.token_ids[0]
 
 
@@ -325,3 +335,57 @@ def test_model_info_counts_quantized_matrices_at_their_encoded_size(tmp_path: Pa
         2 * spec.num_heads + 2 * spec.num_kv_heads)           # q and o, k and v
     assert plain.weight_bytes == 4 * plain.parameters
     assert plain.weight_bytes - coded.weight_bytes == 4 * attention - attention // 32 * 34
+
+
+def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:
+    # Prompt rows of a kept-quantized matrix run on the matrix decoded whole (bfloat16, wide
+    # tiles), other rows on the int4 kernel (backends/torch/packed.py PromptRows): a prompt's
+    # logits are the same bits whole, in uneven chunks, and beside a decoding sequence, and
+    # agree with the dequantized float32 model to bfloat16's precision.
+    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.load import bfloat16_fast, load_weights
+    from backends.torch.backend import TorchBackend
+    from backends.torch.config import ModelSpec
+    from backends.torch.model import Transformer
+    from pipeline.protocols import ModelCall
+
+    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q4_0))
+    spec = ModelSpec.from_hf_config(hf_config(f))
+    loaded = load_weights(f, spec, quantized=True)
+    assert len(loaded.products) == 4 * spec.num_layers
+    assert all((p[4] is not None) == bfloat16_fast("cpu") for p in loaded.products)
+    backend = TorchBackend(Transformer(spec, loaded.weights, pack=False,
+                                       own_products=loaded.products, batch_invariant=True),
+                           "x", num_slots=4, max_context=128)
+    ids = [(i * 37) % 6000 + 5 for i in range(60)]
+
+    def prompt(slot: int, cuts: list[int]) -> torch.Tensor:
+        start, out = 0, torch.empty(0)
+        for n in cuts:
+            part = tuple(ids[start:start + n])
+            out = backend.forward([ModelCall(slot, part, start, (n - 1,), prompt=True)])[0]
+            start += n
+        return out
+
+    a, b, c, d = (backend.allocate() for _ in range(4))
+    whole = prompt(a, [60])
+    assert torch.equal(prompt(b, [13, 1, 30, 16]), whole)
+    backend.forward([ModelCall(d, (7, 8, 9), 0, (2,), prompt=True)])
+    start = 0
+    for n in (30, 30):  # each chunk shares its forward with a decode step of slot d
+        part = tuple(ids[start:start + n])
+        out = backend.forward([ModelCall(d, (11,), 3 + start // 30, (0,)),
+                               ModelCall(c, part, start, (n - 1,), prompt=True)])
+        start += n
+    assert torch.equal(out[1], whole)
+    reference = _logits(spec, load_weights(f, spec).weights, ids)
+    assert float((whole - reference).abs().max()) < 2e-2 * float(reference.abs().max())
+
+
+def test_dropping_the_files_resident_pages_keeps_every_tensor_readable(tmp_path: Path) -> None:
+    from backends.gguf.file import GGUFFile
+
+    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
+    before = {name: np.array(t.data) for name, t in f.tensors.items()}
+    f.drop_resident_pages()
+    assert all(np.array_equal(np.array(t.data), before[n]) for n, t in f.tensors.items())

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-from backends.gguf.quants import (SUPPORTED_TYPES, QuantizedWeight, dequantize, logical_shape,
-                                  quantized_linear, row_bytes)
+from backends.gguf.quants import (NUMPY_DECODED, SUPPORTED_TYPES, QuantizedWeight, dequantize,
+                                  dequantize_into, logical_shape, quantized_linear, row_bytes)
 from pipeline.errors import ArtifactError, InvalidValueError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -243,3 +243,18 @@ def test_weight_checks_its_data() -> None:
 def test_logical_shape_reverses_ggml_dims() -> None:
     assert logical_shape(np.array([576, 1536], dtype=np.uint64)) == (1536, 576)
     assert logical_shape([64]) == (64,)
+
+
+@pytest.mark.parametrize("qtype", sorted(NUMPY_DECODED))
+def test_decoding_into_a_reused_buffer_gives_the_reference(qtype: QT) -> None:
+    rng = np.random.default_rng([int(qtype), 9])
+    out = torch.full((16, 64), float("nan"))
+    for _ in range(2):  # the second decode overwrites the first entirely
+        raw = random_blocks(rng, qtype, (16, 64))
+        got = dequantize_into(raw, qtype, out)
+        assert got is out
+        assert_matches(out, reference(raw, qtype, (16, 64)), qtype)
+    with pytest.raises(InvalidValueError, match="contiguous float32"):
+        dequantize_into(raw, qtype, torch.empty((16, 64), dtype=torch.bfloat16))
+    with pytest.raises(ArtifactError):
+        dequantize_into(raw, qtype, torch.empty((16, 96)))

@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
             request_deadline_s=args.request_deadline,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
-            device=args.device, dtype=args.dtype,
+            device=args.device, dtype=args.dtype, quantized=INVARIANCE[args.quantized],
             batch_invariant=INVARIANCE[args.batch_invariant])
         config.backend_options().check_device()
     except PipelineError as exc:

@@ -80,8 +80,10 @@ def add_parser(sub: Any) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from backends.torch.native_memory import bound_native_caches
     from pipeline.events import JsonlSink
 
+    bound_native_caches()  # the process is ours: a load's scratch goes back to the system
     params = sampling_params(args)
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not at the 1st turn
     options = backend_options(args, max_context=args.max_context)

@@ -75,7 +75,8 @@ def add_sampling(parser: Any) -> None:
 
 
 def add_backend(parser: Any) -> None:
-    """The backend flags: ``--device``, ``--dtype`` and ``--batch-invariant``."""
+    """The backend flags: ``--device``, ``--dtype``, ``--quantized`` and
+    ``--batch-invariant``."""
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:N, mps)")
     parser.add_argument("--dtype", default=None,
                         help="compute dtype (float32, bfloat16, float16; default: the model's)")
@@ -87,18 +88,25 @@ INVARIANCE = {"auto": None, "on": True, "off": False}
 
 
 def add_invariance(parser: Any) -> None:
-    """``--batch-invariant auto|on|off`` (shared with ``pipeline serve``)."""
+    """``--batch-invariant auto|on|off`` and ``--quantized auto|on|off`` (shared with
+    ``pipeline serve``)."""
     parser.add_argument("--batch-invariant", choices=tuple(INVARIANCE), default="auto",
                         help="results independent of the batch and of prompt chunking (auto: "
                              "on for CPU; off is faster for one request decoding alone)")
+    parser.add_argument("--quantized", choices=tuple(INVARIANCE), default="auto",
+                        help="keep a GGUF file's weights quantized in memory (auto: on for "
+                             "CPU at float32; off dequantizes to the compute dtype: the "
+                             "reference numerics, five times the memory)")
 
 
 def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
-    """The build's :class:`~pipeline.options.BackendOptions`: one slot, the ``--device`` and
-    ``--dtype`` and ``--batch-invariant`` flags, and ``fields``; a bad value is an error before anything loads."""
+    """The build's :class:`~pipeline.options.BackendOptions`: one slot, the ``--device``,
+    ``--dtype``, ``--quantized`` and ``--batch-invariant`` flags, and ``fields``; a bad value
+    is an error before anything loads."""
     from pipeline.options import BackendOptions
 
     return BackendOptions(num_slots=1, device=args.device, dtype=args.dtype,
+                          quantized=INVARIANCE[args.quantized],
                           batch_invariant=INVARIANCE[args.batch_invariant], **fields)
 
 
@@ -141,8 +149,10 @@ def _schema(value: str | None) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from backends.torch.native_memory import bound_native_caches
     from pipeline.events import JsonlSink
 
+    bound_native_caches()  # the process is ours: a load's scratch goes back to the system
     options = backend_options(args)
     choice = strategy_choice(args)
     messages = _messages(args)

@@ -65,15 +65,18 @@ def gguf_backend(ctx: BuildContext) -> Any:
     from backends.plugin import moe_function, refuse_extra
     from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.model import Transformer
+    from backends.torch.native_memory import release_free_memory
 
     f, opts = opened(ctx), ctx.options
     refuse_extra(opts, "gguf")
     spec = ModelSpec.from_hf_config(hf_config(f))
     loaded = load_weights(f, spec, dtype=opts.torch_dtype or torch.float32, device=opts.device,
-                          quantized=opts.quantized)
+                          quantized=opts.keeps_quantized)
     model = Transformer(spec, loaded.weights, moe=moe_function(opts.moe, opts.moe_configs),
                         pack=opts.pack, own_products=loaded.products,
                         batch_invariant=opts.invariant)
+    f.drop_resident_pages()  # the weights are copies now
+    release_free_memory()    # and the load's scratch is free: hand its pages back
     budget = KV_CACHE_BYTES if opts.kv_cache_bytes is None else opts.kv_cache_bytes
     window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget)
     return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window,

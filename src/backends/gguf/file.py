@@ -111,6 +111,21 @@ class GGUFFile:
         metadata, tensors = read_gguf(path)
         return cls(path, metadata, tensors, _snapshot(metadata, tensors))
 
+    def drop_resident_pages(self) -> None:
+        """Tell the system the mapped tensor bytes read so far are not needed now.
+
+        A load reads every tensor once and keeps its own copy (dequantized or repacked), but
+        the pages it read stay in the process's resident memory as long as the file is
+        mapped: another copy of the file's size. Dropped, a later read of a tensor (a float
+        norm that is a view of the file) maps its page again from the system's file cache."""
+        for tensor in self.tensors.values():
+            base: Any = tensor.data
+            while base is not None and not isinstance(base, mmap.mmap):
+                base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+            if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+                base.madvise(mmap.MADV_DONTNEED)
+            return  # every tensor views the same mapping
+
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value, or ``default`` when the file lacks ``key``."""
         return self.metadata.get(key, default)

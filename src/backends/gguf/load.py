@@ -3,15 +3,17 @@
 Owns :func:`load_weights`: llama.cpp's tensor names (``token_embd``, ``blk.N.attn_q``, ...)
 mapped onto the backend's layout, each tensor dequantized to the compute dtype one at a time
 (so the file's mapped bytes and one dequantized tensor are all that is held besides the weights
-built so far: never two full copies). With ``quantized=True`` the matrices of quantized types
-stay in their GGML encoding (:class:`~backends.gguf.quants.QuantizedWeight`, a copy of the
-file's bytes) and the weights hold ``meta`` placeholders of their shape; the returned
-``products`` pair each placeholder with its matrix product and its encoded size for
+built so far: never two full copies). With ``quantized=True`` (the default on a CPU) the
+matrices of quantized types stay in their GGML encoding and the weights hold ``meta``
+placeholders of their shape; the returned ``products`` pair each placeholder with its matrix
+product, its encoded size and a decoder of the whole matrix for
 :class:`~backends.torch.model.Transformer`: Q4_0 and Q4_1 matrices on a CPU are repacked for
 torch's int4 kernel (:mod:`backends.gguf.int4`; bfloat16 activations, several times faster
 than dequantizing), other types multiplied chunk by chunk
-(:func:`~backends.gguf.quants.quantized_linear`). Embeddings, norms and float matrices are
-dequantized either way. llama.cpp's converter permutes the rows of ``attn_q`` and
+(:func:`~backends.gguf.quants.quantized_linear`); the decoder reads the file's mapped bytes
+again for the rows of prompt chunks (:class:`~backends.torch.packed.PromptRows`). A quantized
+token table and output head become float16 (:data:`TABLE_DTYPE`), the head with a
+oneDNN-packed copy. Norms and float matrices are dequantized either way. llama.cpp's converter permutes the rows of ``attn_q`` and
 ``attn_k`` of ``llama``-architecture models for its RoPE layout; they are permuted back here,
 as transformers' GGUF loader does. Separate ``ffn_gate`` and ``ffn_up`` become the fused
 ``gate_up``; expert stacks ``ffn_{gate,up,down}_exps`` keep their ``[E, ...]`` layout.
@@ -32,21 +34,57 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from backends.gguf.file import GGUFFile, GGUFTensor
-from backends.gguf.quants import dequantize
+from backends.gguf.quants import NUMPY_DECODED, dequantize, dequantize_into
 from backends.torch.config import ModelSpec
+from backends.torch.model import OwnProduct
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
 from pipeline.errors import ArtifactError
 
-Product = tuple[torch.Tensor, Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor], int,
-                bool]
-"""A kept-quantized matrix: its placeholder, its product, the bytes it holds, and whether the
-product computes each row on its own (:meth:`~backends.torch.packed.Linears.register`)."""
-"""A placeholder, its matrix product, and the bytes of the encoded weight that product holds."""
+Product = OwnProduct
+"""A kept-quantized matrix: its placeholder, its product, the bytes it holds, whether the
+product computes each row on its own, and the weight decoded whole from the file for prompt
+rows (:meth:`~backends.torch.packed.Linears.register`)."""
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+TABLE_DTYPE = torch.float16
+"""Quantized mode's dtype for a quantized token table and output head. The head is the
+largest product of a small model's step (49,152 x 576 for SmolLM2): with 8 rows a float16
+product takes 7.2 ms on one thread of this project's 2-core test machine where float32 takes
+20 ms (docs/performance.md). bfloat16 is faster still (4.0 ms) but its products come out in
+bfloat16, which puts logits near 32 on a grid of 0.25 and turns near-ties into exact ones;
+float16 results are on a grid of 0.03 there, within the error that quantizing the table
+already made. Q8_0 codes times their float16 scale round to float16's 11 bits."""
+HEAD_ROWS = 8
+"""The row count the packed head's layout is chosen for (a decode step's tile)."""
+TABLE_SLICE = 4096
+"""Rows decoded at a time into a float16 table (bounds the float32 scratch)."""
+
+
+DENSE_DTYPE = torch.bfloat16
+"""The dtype prompt rows multiply a kept-quantized matrix in, decoded whole (the int4
+kernel's activations are bfloat16 too)."""
+
+
+def bfloat16_fast(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: any GPU, or a CPU whose oneDNN has
+    bfloat16 instructions (AVX512-BF16 or AMX)."""
+    if torch.device(device).type != "cpu":
+        return True
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+def float16_fast(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies float16 natively: any GPU, or a CPU whose oneDNN has
+    float16 instructions (AVX512-FP16 or AMX-FP16)."""
+    if torch.device(device).type != "cpu":
+        return True
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 @attrs.frozen(eq=False)
@@ -72,6 +110,7 @@ class _Loader:
         self.quantized = quantized
         self.taken: set[str] = set()
         self.products: list[Product] = []
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def matrices(self, names: list[str], rows: list[int], cols: int,
                  heads: int | None = None) -> torch.Tensor:
@@ -98,15 +137,39 @@ class _Loader:
 
         coded = QuantizedWeight.from_raw(raw, qtype, shape)  # the file's pages are copied
         placeholder = torch.empty(shape, dtype=self.dtype, device="meta")
+        dense = self._dense(tensors, qtype, shape, heads)
         if int4_fits(coded) and int4_available(self.device):
             packed = Int4Weight.from_quantized(coded)
             self.products.append((placeholder, lambda x, bias: int4_linear(x, packed, bias),
-                                  packed.nbytes, True))
+                                  packed.nbytes, True, dense))
             return placeholder
         weight = QuantizedWeight(coded.data.to(self.device), qtype, shape)
         self.products.append((placeholder, lambda x, bias: quantized_linear(x, weight, bias),
-                              weight.nbytes, False))
+                              weight.nbytes, False, dense))
         return placeholder
+
+    def _dense(self, tensors: list[GGUFTensor], qtype: Any, shape: tuple[int, int],
+               heads: int | None) -> Callable[[], torch.Tensor] | None:
+        """The matrix decoded whole from the file's mapped bytes (joined and un-permuted as
+        at load) in :data:`DENSE_DTYPE`, for prompt rows; None where this CPU has no fast
+        bfloat16 products or the type has no numpy decoder. Holds no copy: the file's pages
+        are read again at each call (a forward with prompt rows), about 2 ms a million
+        weights on one core, into a float32 and a bfloat16 buffer that every matrix of the
+        same shape shares (used one matrix at a time, by the one engine thread), so no call
+        faults in fresh pages."""
+        if (torch.device(self.device).type != "cpu" or not bfloat16_fast(self.device)
+                or QT(qtype) not in NUMPY_DECODED):
+            return None
+        views = [t.data for t in tensors]
+        if shape not in self._buffers:
+            self._buffers[shape] = (torch.empty(shape, dtype=torch.float32),
+                                    torch.empty(shape, dtype=DENSE_DTYPE))
+        scratch, dense = self._buffers[shape]
+
+        def decode() -> torch.Tensor:
+            dequantize_into(_joined_rows(views, heads), qtype, scratch)
+            return dense.copy_(scratch)
+        return decode
 
     def tensor(self, name: str, *shape: int) -> GGUFTensor:
         """The file's tensor ``name``, checked to have torch-order ``shape``; marked taken."""
@@ -135,8 +198,46 @@ class _Loader:
         self.taken.add(name)
         return value.to(self.device)
 
+    def table(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        """The token table or output head ``name`` ``[rows, cols]``. In quantized mode a
+        quantized one becomes float16 (:data:`TABLE_DTYPE`) where this CPU multiplies
+        float16 natively, decoded a slice of rows at a time (never a float32 copy of the
+        whole); otherwise as :meth:`get`."""
+        t = self.f.tensors.get(name)
+        if (t is None or not self.quantized or t.tensor_type.name in _FLOAT_TYPES
+                or self.dtype != torch.float32 or not float16_fast(self.device)):
+            return self.get(name, rows, cols)
+        t = self.tensor(name, rows, cols)
+        raw = _joined_rows([t.data], None)                                 # [rows, row_bytes]
+        out = torch.empty((rows, cols), dtype=TABLE_DTYPE)
+        for start in range(0, rows, TABLE_SLICE):
+            part = raw[start:start + TABLE_SLICE]
+            out[start:start + len(part)] = dequantize(part, t.tensor_type, (len(part), cols))
+        return out.to(self.device)
+
     def maybe(self, name: str, *shape: int) -> torch.Tensor | None:
         return self.get(name, *shape) if name in self.f.tensors else None
+
+    def pack_head(self, head: torch.Tensor) -> None:
+        """Give a float16 output head (:meth:`table`) a oneDNN-packed copy and multiply by it:
+        one row of SmolLM2's head takes half the time of the plain float16 product, eight
+        rows two thirds (``docs/performance.md``); the plain table stays for the token
+        embeddings. Nothing where this torch cannot pack float16."""
+        if head.dtype != TABLE_DTYPE or head.device.type != "cpu":
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(head, HEAD_ROWS)
+        except (AttributeError, RuntimeError):
+            return
+
+        def product(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x.to(TABLE_DTYPE), packed, None, "none", [], "")
+            out = out.to(x.dtype)
+            return out + bias if bias is not None else out
+
+        self.products.append((head, product, packed.numel() * packed.element_size(), False,
+                              None))
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
@@ -144,11 +245,12 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     """Every weight of ``spec`` from ``f``; a missing, misshapen or unused tensor is an
     :class:`ArtifactError` naming the file and the tensor."""
     load = _Loader(f, spec, dtype, device, quantized)
-    embed = load.get("token_embd.weight", spec.vocab_size, spec.hidden_size)
+    embed = load.table("token_embd.weight", spec.vocab_size, spec.hidden_size)
     layers = tuple(_layer(load, i) for i in range(spec.num_layers))
     norm = load.get("output_norm.weight", spec.hidden_size)
-    head = embed if spec.tie_word_embeddings else load.get(
+    head = embed if spec.tie_word_embeddings else load.table(
         "output.weight", spec.vocab_size, spec.hidden_size)
+    load.pack_head(head)
     unused = sorted(set(f.tensors) - load.taken)
     if unused:
         raise ArtifactError(f"{f.path}: tensors the model does not use: {', '.join(unused[:5])}"

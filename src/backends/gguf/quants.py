@@ -230,6 +230,8 @@ SUPPORTED_TYPES: tuple[QT, ...] = tuple(_FORMATS)
 _NUMPY_DECODERS: dict[QT, NumpyDecoder] = {QT.Q8_0: _np_q8_0, QT.Q4_0: _np_q4_0,
                                            QT.Q4_1: _np_q4_1}
 """The types :func:`dequantize` decodes in numpy when given a numpy array (load time)."""
+NUMPY_DECODED: frozenset[QT] = frozenset(_NUMPY_DECODERS)
+"""Those types, for callers that pick the fast path."""
 
 
 # --- checks and byte handling ----------------------------------------------------------------
@@ -306,7 +308,18 @@ def _check_size(nbytes: int, qtype: QT, dims: tuple[int, ...]) -> None:
                             f"bytes; the data has {nbytes}")
 
 
-def _np_dequantize(raw: npt.NDArray[Any], qtype: QT, dims: tuple[int, ...]) -> torch.Tensor:
+def dequantize_into(raw: npt.NDArray[Any], qtype: QT, out: torch.Tensor) -> torch.Tensor:
+    """Decode a numpy array of ``qtype`` (one of :data:`NUMPY_DECODED`) into ``out``, a
+    contiguous float32 CPU tensor of its logical shape (a buffer reused call after call:
+    no fresh pages to fault in); returns ``out``. ArtifactError as :func:`dequantize`."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
+        raise InvalidValueError("out", f"{out.dtype} on {out.device}",
+                                "must be a contiguous float32 CPU tensor")
+    return _np_dequantize(raw, QT(qtype), tuple(out.shape), out)
+
+
+def _np_dequantize(raw: npt.NDArray[Any], qtype: QT, dims: tuple[int, ...],
+                   result: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[*dims]`` from a numpy array of ``qtype`` (one of :data:`_NUMPY_DECODERS`),
     read where it lies: the file's read-only pages are never written nor aliased."""
     fmt = _format(qtype)
@@ -315,7 +328,8 @@ def _np_dequantize(raw: npt.NDArray[Any], qtype: QT, dims: tuple[int, ...]) -> t
         raise ArtifactError(f"tensor data of dtype {array.dtype.str} is not in native byte order")
     data = array.reshape(-1).view(np.uint8)
     _check_size(data.size, qtype, dims)
-    result = torch.empty(dims, dtype=torch.float32)
+    if result is None:
+        result = torch.empty(dims, dtype=torch.float32)
     if data.size:
         out = result.numpy().reshape(-1, fmt.block_size)           # [blocks, block_size]
         with np.errstate(all="ignore"):  # a non-finite scale gives inf/nan, as in torch

@@ -43,11 +43,16 @@ from backends.torch.config import ModelSpec
 from backends.torch.invariant import RowTiles, grid_attention
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.moe import RoutingSpec, moe_forward
-from backends.torch.packed import LinearFn, Linears
+from backends.torch.packed import DenseFn, LinearFn, Linears, PromptRows
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
+
+
+OwnProduct = tuple[torch.Tensor, LinearFn, int, bool, "DenseFn | None"]
+"""A weight's own product (:meth:`~backends.torch.packed.Linears.register`): its placeholder,
+the product, the bytes it holds, whether it is row-wise, and its whole-weight decoder."""
 
 
 class MoeFunction(Protocol):
@@ -68,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def mlp_forward(w: MlpWeights, x: torch.Tensor, linear: Linears | None = None) -> torch.Tensor:
     """SwiGLU ``[T, H] -> [T, H]`` (``linear``: packed weights, default plain ``F.linear``)."""
-    lin = linear or Linears.plain()
+    lin = linear if linear is not None else Linears.plain()
     gate_up = lin(x, w.gate_up, w.gate_up_bias)                               # [T, 2I]
     half = gate_up.shape[-1] // 2
     return lin(F.silu(gate_up[:, :half]) * gate_up[:, half:], w.down, w.down_bias)
@@ -84,14 +89,15 @@ class Transformer:
     experts' too when ``moe`` is the default; ``pack=False`` multiplies with ``F.linear``.
     ``own_products`` pairs weights (placeholders in ``weights``) with the function that
     multiplies by them, e.g. a GGUF weight kept quantized in memory, and the bytes that
-    function holds, and whether it computes each row on its own (then a batch-invariant model
-    runs it untiled). ``batch_invariant`` makes each row's logits independent of the rest of
+    function holds, whether it computes each row on its own (then a batch-invariant model
+    runs it untiled), and optionally the weight decoded whole for the rows of prompt chunks
+    (:class:`~backends.torch.packed.PromptRows`). ``batch_invariant`` makes each row's logits independent of the rest of
     the batch and of how its prompt was cut into chunks (:mod:`backends.torch.invariant`).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
                  moe: MoeFunction = moe_forward, pack: bool = True,
-                 own_products: Sequence[tuple[torch.Tensor, LinearFn, int, bool]] = (),
+                 own_products: Sequence[OwnProduct] = (),
                  batch_invariant: bool = False) -> None:
         self.spec = spec
         self.weights = weights
@@ -99,27 +105,35 @@ class Transformer:
         default_moe = moe is moe_forward
         self.linears = (Linears.pack(weights, experts=default_moe) if pack
                         else Linears.plain())
-        for placeholder, multiply, nbytes, row_wise in own_products:
-            self.linears.register(placeholder, multiply, nbytes, row_wise=row_wise)
+        for placeholder, multiply, nbytes, row_wise, dense in own_products:
+            self.linears.register(placeholder, multiply, nbytes, row_wise=row_wise, dense=dense)
         self.linears.invariant = batch_invariant
         self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant)
                     else moe)
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of ``token_ids [T]``: ``[T, H]`` in :attr:`dtype`."""
+        return F.embedding(token_ids, self.weights.embed).to(self.dtype)
+
     @property
     def dtype(self) -> torch.dtype:
-        """The weights' (and activations') dtype."""
-        return self.weights.embed.dtype
+        """The activations' dtype: the final norm's (the token table and the output head
+        may be stored narrower, e.g. a GGUF model's bfloat16 table in quantized mode)."""
+        return self.weights.norm.dtype
 
     def forward(self, cache: KVCache, batch: RaggedBatch,
                 inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` float32 at the batch's wanted ``outputs``; writes K/V to ``cache``.
         ``inputs [T, H]`` replaces the token embeddings as the first hidden states (embedding
         inputs, :mod:`backends.torch.conditioning`)."""
-        h = F.embedding(batch.token_ids, self.weights.embed) if inputs is None else inputs
+        h = self.embed(batch.token_ids) if inputs is None else inputs
         tokens, outputs = _row_plans(batch, h.device) if self.batch_invariant else (None, None)
         self.linears.plan = tokens
+        self.linears.prompt_rows = (
+            PromptRows([p for p, n in zip(batch.prompts, batch.lengths) for _ in range(n)],
+                       h.device) if any(batch.prompts) else None)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)

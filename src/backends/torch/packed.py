@@ -26,17 +26,40 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from backends.torch.invariant import NARROW_TILE, RowTiles, tiled_rows
+from backends.torch.invariant import NARROW_TILE, WIDE_TILE, RowTiles, tiled_rows
 from backends.torch.weights import MlpWeights, ModelWeights, MoeWeights
 
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``fn(x [T, in], bias) -> [T, out]``: a weight's own matrix product (e.g. one that keeps
 the weight quantized and dequantizes it chunk by chunk)."""
+DenseFn = Callable[[], torch.Tensor]
+"""``fn() -> [out, in]``: a kept-quantized weight decoded whole, in the dtype its dense
+products run in, for the rows of prompt chunks (:class:`PromptRows`)."""
+
+
+class PromptRows:
+    """Which of a forward's token rows belong to prompt chunks (``prompt[r]``).
+
+    A weight kept quantized multiplies one row at a time at the speed it streams the weight
+    (a decode step), but many rows at that same per-row cost: a 512-token prompt chunk takes
+    seven times as long on torch's int4 kernel as decoding the weight once and running one
+    dense product (``docs/performance.md``). A product registered with a ``dense`` weight
+    therefore runs prompt rows densely and the other rows on its own product; a row's kind
+    comes from its own call, never from the batch, so batch invariance holds."""
+
+    def __init__(self, prompt: Sequence[bool], device: torch.device) -> None:
+        self.rows = len(prompt)
+        self.any = any(prompt)
+        self.all = self.any and all(prompt)
+        if self.any and not self.all:  # index tensors only for a mixed forward
+            picked = torch.tensor(list(prompt), dtype=torch.bool, device=device)
+            self.prompt_index = picked.nonzero().squeeze(1)
+            self.other_index = (~picked).nonzero().squeeze(1)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -58,6 +81,9 @@ class Linears:
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
         self._own: dict[int, LinearFn] = {}
         self._row_wise: set[int] = set()
+        self._dense: dict[int, DenseFn] = {}
+        self.prompt_rows: PromptRows | None = None
+        """The kinds of the token rows of the forward being run (set by the model)."""
         self.own_bytes = 0
         """Memory the registered products hold (their encoded weights)."""
         self.invariant = False
@@ -69,16 +95,20 @@ class Linears:
         rows (routed experts' rows) runs on narrow tiles."""
 
     def register(self, weight: torch.Tensor, multiply: LinearFn, nbytes: int = 0, *,
-                 row_wise: bool = False) -> None:
+                 row_wise: bool = False, dense: DenseFn | None = None) -> None:
         """Multiply by ``weight`` (typically a ``meta`` placeholder of the right shape that
         stands in the model's weights) with ``multiply`` instead of ``F.linear``; ``nbytes``
         is the memory ``multiply`` holds for it. ``row_wise``: ``multiply`` computes each row
         of its input on its own (its result for a row never depends on the other rows, as a
-        test of that product shows), so a batch-invariant model runs it untiled."""
+        test of that product shows), so a batch-invariant model runs it untiled. ``dense``:
+        the weight decoded whole, for the rows of prompt chunks (:class:`PromptRows`); called
+        once per forward that has such rows, its result dropped after the product."""
         self._own[id(weight)] = multiply
         self.own_bytes += nbytes
         if row_wise:
             self._row_wise.add(id(weight))
+        if dense is not None:
+            self._dense[id(weight)] = dense
 
     @classmethod
     def plain(cls) -> Linears:
@@ -106,6 +136,36 @@ class Linears:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] @ weight.T (+ bias)``: ``[T, out]``."""
+        dense = self._dense.get(id(weight))
+        kinds = self.prompt_rows
+        if dense is not None and kinds is not None and kinds.any and kinds.rows == x.shape[0]:
+            return self._by_kind(x, weight, bias, dense, kinds)
+        return self._call(x, weight, bias)
+
+    def _by_kind(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 dense: DenseFn, kinds: PromptRows) -> torch.Tensor:
+        """Prompt rows on the decoded weight, the others on the weight's own product."""
+        w = dense()
+        if kinds.all:
+            return self._dense_product(x, w, bias)
+        prompt = self._dense_product(x.index_select(0, kinds.prompt_index), w, bias)
+        other = self._call(x.index_select(0, kinds.other_index), weight, bias)
+        out = prompt.new_empty((kinds.rows, prompt.shape[1]))
+        out[kinds.prompt_index] = prompt
+        out[kinds.other_index] = other
+        return out
+
+    def _dense_product(self, x: torch.Tensor, w: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ w.T (+ bias)`` in ``w``'s dtype (on wide tiles for a batch-invariant model),
+        returned in ``x``'s."""
+        xs = x.to(w.dtype)
+        out = (tiled_rows(xs, lambda rows: F.linear(rows, w), WIDE_TILE) if self.invariant
+               else F.linear(xs, w)).to(x.dtype)
+        return out + bias if bias is not None else out
+
+    def _call(self, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
         if self.invariant and id(weight) not in self._row_wise:
             def product(rows: torch.Tensor) -> torch.Tensor:
                 return self._product(rows, weight, bias)
@@ -121,6 +181,8 @@ class Linears:
         if own is not None:
             return own(x, bias)
         packed = self._packed.get((id(weight), -1))
+        if packed is None and weight.dtype != x.dtype:  # stored narrower: computed in its dtype
+            return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         if packed is None:
             return F.linear(x, weight, bias)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

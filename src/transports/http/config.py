@@ -119,6 +119,7 @@ class ServerConfig:
     device: str = attrs.field(default="cpu", converter=device_name)
     dtype: str | None = attrs.field(default=None, converter=dtype_name)
     batch_invariant: bool | None = None
+    quantized: bool | None = None
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
@@ -143,9 +144,9 @@ class ServerConfig:
 
     def backend_options(self) -> BackendOptions:
         """The options every served model is built with (slots, window, device, dtype,
-        batch invariance)."""
+        quantization, batch invariance)."""
         return BackendOptions(num_slots=self.num_slots, max_context=self.max_context,
-                              device=self.device, dtype=self.dtype,
+                              device=self.device, dtype=self.dtype, quantized=self.quantized,
                               batch_invariant=self.batch_invariant)
 
     @restart_delay_s.validator
