@@ -50,7 +50,7 @@ def test_build_without_arguments_is_smollm2_and_it_explains_scattering() -> None
     # the default keeps the file quantized (bfloat16 activations): the same answer as the
     # float32 reference until a later near-tie
     with build(options={"num_slots": 1}) as pipe:
-        assert pipe.model_info().weight_bytes < 150 * 2**20  # type: ignore[union-attr]
+        assert pipe.model_info().weight_bytes < 200 * 2**20  # type: ignore[union-attr]
         done = pipe.generate(question, max_tokens=64, temperature=0)
     assert done.finish_reason is FinishReason.EOS and "blue" in done.text
     assert done.token_ids[:16] == reference.token_ids[:16], (done.text, reference.text)

@@ -108,8 +108,12 @@ def test_every_kernel_of_a_step_gives_the_same_bits_on_one_and_two_threads() -> 
             xr = xs[:rows].bfloat16()
             assert _same_on_one_and_two(
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xr, packed, 32, scales))
-    q, k, v = (torch.randn(1, 3, n, 64, generator=g) for n in (3, 700, 700))
-    assert _same_on_one_and_two(lambda: F.scaled_dot_product_attention(q, k, v))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # one query, any history
+        q, k, v = (torch.randn(1, 3, n, 64, generator=g).to(dtype) for n in (3, 700, 700))
+        assert _same_on_one_and_two(lambda: F.scaled_dot_product_attention(q, k, v)), dtype
+        x8 = torch.randn(8, 1536, generator=g).to(dtype)  # a long inner dimension
+        w = torch.randn(192, 1536, generator=g).to(dtype)
+        assert _same_on_one_and_two(lambda: F.linear(x8, w)), dtype
     logits = torch.randn(1, 49152, generator=g)
     assert _same_on_one_and_two(lambda: (logits.double() - logits.max()).exp().cumsum(-1))
     assert _same_on_one_and_two(lambda: logits.float().softmax(-1))

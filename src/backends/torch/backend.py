@@ -121,8 +121,9 @@ class TorchBackend:
         self._space: torch.Tensor | None = None
         self.threads = (ThreadChooser(torch.get_num_threads())
                         if self.cache.device.type == "cpu" else None)
-        """Picks the intra-op thread count of decode steps by measuring them (CPU only;
-        :mod:`backends.torch.threads`): torch's count is process-wide, so while a decode step
+        """Picks the intra-op thread count of one-token decode forwards by measuring them (CPU
+        only; :mod:`backends.torch.threads`), between 1 and the process's setting, which is
+        restored after each forward: torch's count is process-wide, so while such a forward
         runs on one thread, so does anything else the process runs in torch."""
 
     @classmethod
@@ -296,16 +297,18 @@ class TorchBackend:
         self.cache.discard()
         inputs = self._inputs(calls, batch)
         chooser = self.threads
-        if chooser is None:
+        if chooser is None or not all(_plain_decode(c) for c in calls) or inputs is not None:
             logits = self.model.forward(self.cache, batch, inputs)                 # [N, V]
-        elif any(c.prompt for c in calls):  # prompt chunks: dense products use every thread
-            _use_threads(chooser.most)
-            logits = self.model.forward(self.cache, batch, inputs)
-        else:
-            rows = int(batch.token_ids.shape[0])
+        else:  # one token per sequence: the kernels whose bits are checked on any count
+            rows, current = len(calls), torch.get_num_threads()
+            if current != chooser.most:  # the process's setting changed: measure anew
+                chooser = self.threads = ThreadChooser(current)
             threads = _use_threads(chooser.threads_for(rows))
             started = time.perf_counter()
-            logits = self.model.forward(self.cache, batch, inputs)
+            try:
+                logits = self.model.forward(self.cache, batch, inputs)
+            finally:
+                _use_threads(current)  # the rest of the step as it always runs
             chooser.record(rows, threads, time.perf_counter() - started)
         self.cache.commit(batch)
         return logits  # stays on the model's device: selection and digests run there
@@ -472,6 +475,14 @@ if TYPE_CHECKING:
     def _satisfies_embedding_inputs(backend: TorchBackend) -> EmbeddingInputs:
         """... and takes embedding inputs."""
         return backend
+
+
+def _plain_decode(call: ModelCall) -> bool:
+    """A one-token causal decode call: the only calls whose thread count is chosen (their
+    products, attention and norms give the same bits on one thread as on several; other
+    calls, prompt chunks, blocks and embedding inputs, run as they always do)."""
+    return (len(call.token_ids) == 1 and not call.prompt
+            and call.attention is not Attention.BLOCK)
 
 
 def _use_threads(count: int) -> int:
