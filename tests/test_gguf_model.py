@@ -210,7 +210,8 @@ def _prefill_top(done: Any) -> dict[int, float]:
 
 # --- a MoE architecture: the tiny Qwen3-MoE written as GGUF ---------------------------------
 
-def _tiny_as_gguf(path: Path, qtype: Any = None) -> Path:
+def _tiny_as_gguf(path: Path, qtype: Any = None,
+                  extra: dict[str, np.ndarray] | None = None) -> Path:
     """The package's tiny Qwen3-MoE written with gguf.GGUFWriter under llama.cpp's names
     (float32 tensors; ``qtype`` quantizes the 2-D attention matrices)."""
     from backends.torch.loader import load_checkpoint
@@ -258,6 +259,8 @@ def _tiny_as_gguf(path: Path, qtype: Any = None) -> Path:
         put(p + "ffn_gate_exps.weight", m.gate_up[:, :inter])
         put(p + "ffn_up_exps.weight", m.gate_up[:, inter:])
         put(p + "ffn_down_exps.weight", m.down)
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -389,3 +392,18 @@ def test_dropping_the_files_resident_pages_keeps_every_tensor_readable(tmp_path:
     before = {name: np.array(t.data) for name, t in f.tensors.items()}
     f.drop_resident_pages()
     assert all(np.array_equal(np.array(t.data), before[n]) for n, t in f.tensors.items())
+
+
+def test_a_tensor_the_library_cannot_use_is_refused_naming_it_and_the_architecture(
+        tmp_path: Path) -> None:
+    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.load import load_weights
+    from backends.torch.config import ModelSpec
+
+    extra = {"blk.0.attn_mystery.weight": np.ones((4, 4), dtype=np.float32)}
+    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "odd.gguf", extra=extra))
+    with pytest.raises(ArtifactError) as err:
+        load_weights(f, ModelSpec.from_hf_config(hf_config(f)))
+    message = str(err.value)
+    assert "odd.gguf" in message and "qwen3moe" in message
+    assert "blk.0.attn_mystery.weight" in message and "not supported" in message

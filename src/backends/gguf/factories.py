@@ -51,10 +51,17 @@ def gguf_tokenizer(ctx: BuildContext) -> Any:
 
 
 def gguf_renderer(ctx: BuildContext) -> Any:
-    """The file's chat template (``tokenizer.chat_template``)."""
+    """The file's chat template (``tokenizer.chat_template``); a file without one (a base
+    model, as llama.cpp's converter writes it from a folder with no template) gets the plain
+    renderer, as a Hugging Face folder without a template does."""
+    from backends.gguf.tokenizer import CHAT_TEMPLATE
     from backends.gguf.tokenizer import gguf_renderer as make
 
     f = opened(ctx)
+    if CHAT_TEMPLATE not in f.metadata:
+        from stages.render import PlainRenderer
+
+        return PlainRenderer()
     return make(f.metadata, str(f.path))
 
 

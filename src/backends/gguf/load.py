@@ -251,11 +251,15 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     head = embed if spec.tie_word_embeddings else load.table(
         "output.weight", spec.vocab_size, spec.hidden_size)
     load.pack_head(head)
+    factors = load.maybe("rope_freqs.weight", spec.head_dim // 2)
     unused = sorted(set(f.tensors) - load.taken)
     if unused:
-        raise ArtifactError(f"{f.path}: tensors the model does not use: {', '.join(unused[:5])}"
-                            + (" ..." if len(unused) > 5 else ""))
-    return Loaded(ModelWeights(embed, layers, norm, head), tuple(load.products))
+        raise ArtifactError(
+            f"{f.path}: a {f.get('general.architecture', '?')} file with tensors this library "
+            f"does not know how to use: {', '.join(unused[:5])}"
+            + (" ..." if len(unused) > 5 else "") + "; such a file is not supported")
+    return Loaded(ModelWeights(embed, layers, norm, head, rope_factors=factors),
+                  tuple(load.products))
 
 
 def _layer(load: _Loader, i: int) -> LayerWeights:

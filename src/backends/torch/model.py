@@ -111,7 +111,9 @@ class Transformer:
         self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant)
                     else moe)
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
-        self.inv_freq = inv_freq.to(weights.embed.device)                     # [D/2]
+        if weights.rope_factors is not None:  # llama.cpp's per-frequency divisors
+            inv_freq = inv_freq / weights.rope_factors.float().cpu()
+        self.inv_freq = inv_freq.to(weights.norm.device)                      # [D/2]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings of ``token_ids [T]``: ``[T, H]`` in :attr:`dtype`."""

@@ -81,14 +81,17 @@ class ConditioningWeights:
 @attrs.frozen(eq=False)
 class ModelWeights:
     """``embed [V, H]``, the layers, the final ``norm [H]`` and ``lm_head [V, H]`` (the same
-    tensor as ``embed`` when the checkpoint ties them), and the embedding-input
-    ``conditioning`` of a continuous diffusion or flow model (None otherwise)."""
+    tensor as ``embed`` when the checkpoint ties them), the embedding-input ``conditioning``
+    of a continuous diffusion or flow model (None otherwise), and ``rope_factors [D/2]``:
+    divisors of the rotary inverse frequencies that a GGUF file stores as ``rope_freqs``
+    (llama.cpp's converter writes Llama 3's rope scaling that way; None otherwise)."""
 
     embed: torch.Tensor
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
     lm_head: torch.Tensor
     conditioning: ConditioningWeights | None = None
+    rope_factors: torch.Tensor | None = None
 
 
 def tensors(weights: ModelWeights) -> Iterator[torch.Tensor]:

