@@ -33,7 +33,7 @@ FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON"
          "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
          "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
-TARGETS = ("llama-bench", "llama-batched-bench")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 
 
 def binary(name: str) -> Path:

