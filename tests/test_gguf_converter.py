@@ -105,6 +105,24 @@ LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's tokenizer_config.json, verbati
     "'<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+         r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}"
+         r"\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+FAMILIES: dict[str, tuple[list[str], bool]] = {
+    # a tokenizer.ggml.pre name: the regexes its real models' tokenizer.json split by, in
+    # order (GPT-2's ByteLevel regex, StarCoder's and SmolLM's single digits first,
+    # GPT-4o's o200k regex), and whether whole-word tokens skip the merges (Llama 3)
+    "default": ([GPT2], False),
+    "smollm": ([r"\p{N}", GPT2], False),
+    "qwen2": ([SPLITS["qwen2"]], False),
+    "llama-bpe": ([SPLITS["llama-bpe"]], True),
+    "smaug-bpe": ([SPLITS["llama-bpe"]], False),
+    "gpt-4o": ([GPT4O], False),
+}
+
+
 def _tokenizer(folder: Path, pre: str) -> None:
     """A byte-level BPE tokenizer of ``VOCAB`` ids trained on a fixed text, split as the real
     models named by ``pre`` split (Llama 3's also ignores merges for whole-word tokens), with
@@ -112,9 +130,10 @@ def _tokenizer(folder: Path, pre: str) -> None:
     Llama 3's chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE(ignore_merges=pre == "llama-bpe"))
+    regexes, ignore_merges = FAMILIES[pre]
+    tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
@@ -206,17 +225,28 @@ def _raw(ids: list[int]) -> Any:
         "max_tokens": 12, "min_tokens": 12, "temperature": 0, "ignore_eos": True})
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("pre", list(FAMILIES))
 def test_the_files_tokenizer_splits_as_the_original_on_thousands_of_strings(
-        converted: dict[str, tuple[Path, Any]], name: str) -> None:
-    folder, _ = converted[name]
-    original = transformers.AutoTokenizer.from_pretrained(folder)
-    with build(folder / "model-f32.gguf", options={"num_slots": 1, "max_context": 64}) as pipe:
-        ours = pipe.stages.tokenizer
-        assert ours is not None
-        texts = _strings(3000, seed=11)
-        differ = [t for t in texts
-                  if list(ours.encode_text(t)) != original.encode(t, add_special_tokens=False)]
+        tmp_path: Path, pre: str) -> None:
+    # a vocabulary-only file per pre-tokenizer family: the converter writes the tokenizer of
+    # a folder whose tokenizer.json splits as that family's real models do
+    from pipeline.builder import load_tokenizer
+
+    assert CONVERTER is not None
+    transformers.LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]).save_pretrained(
+        tmp_path)
+    _tokenizer(tmp_path, pre)
+    path = tmp_path / "vocab.gguf"
+    run = subprocess.run([sys.executable, "-c", WRAPPER, str(CONVERTER), pre, str(tmp_path),
+                          "--vocab-only", "--outfile", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    original = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours, _ = load_tokenizer(path)
+    texts = _strings(3000, seed=11)
+    encode = ours.encode_text  # the GGUF tokenizer's encoding of raw text
+    differ = [t for t in texts
+              if list(encode(t)) != original.encode(t, add_special_tokens=False)]
     assert not differ, f"{len(differ)} of {len(texts)} differ, e.g. {differ[:3]!r}"
 
 
