@@ -164,8 +164,9 @@ def test_apply_bitmask_is_the_plain_definition() -> None:
 
 
 def test_unsupported_schema_features_are_errors_that_name_them(tiny: Any) -> None:
-    with pytest.raises(InvalidValueError, match="format") as err:
-        tiny.generate(ASK, json_schema={"type": "string", "format": "no-such-format"})
+    with pytest.raises(InvalidValueError, match="at /properties/a: 'x-guidance'") as err:
+        tiny.generate(ASK, json_schema={"type": "object", "properties": {
+            "a": {"type": "string", "x-guidance": {"lenient": True}}}})
     assert err.value.field == "json_schema"
     with pytest.raises(InvalidValueError, match="if"):
         tiny.generate(ASK, json_schema={"type": "object", "if": {}})
@@ -255,3 +256,19 @@ def test_a_grammar_on_a_strategy_that_commits_blocks_is_refused(model: str) -> N
 
     with build(model) as pipe, pytest.raises(InvalidValueError, match="cannot constrain"):
         pipe.generate("hi", json_object=True, max_tokens=8)
+
+
+def test_a_format_the_engine_cannot_assert_is_an_annotation() -> None:
+    # JSON Schema: format is an annotation unless asserted; formats the engine knows stay
+    # enforced, others are dropped instead of failing the request (a property named "format"
+    # is a name, not the keyword, and stays)
+    schema = {"type": "object", "required": ["format", "when"], "properties": {
+        "format": {"type": "string", "format": "non-blank"},
+        "when": {"type": "string", "format": "date-time"},
+        "blob": {"type": "array", "items": {"type": "string", "format": "byte"}}}}
+    kept = json.loads(Grammar.json_schema(schema).source)
+    assert kept["properties"]["format"] == {"type": "string"}
+    assert kept["properties"]["when"] == {"type": "string", "format": "date-time"}
+    assert kept["properties"]["blob"]["items"] == {"type": "string"}
+    assert list(kept["properties"]) == ["format", "when", "blob"] and kept["required"] == [
+        "format", "when"]

@@ -4,9 +4,11 @@ Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, it
 constructors (a JSON schema, any JSON object, or a grammar in llguidance's Lark dialect, as
 the tool-call grammars of :mod:`stages.grammar.tools` are), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
-schema feature the engine does not support (``if``/``then``, an unknown ``format``, a
-dangling ``$ref``) is an :class:`~pipeline.errors.InvalidValueError` naming it when the request
-is made, never a failure mid-generation. A JSON schema is also checked for a finite value
+schema feature the engine does not support (``if``/``then``, a dangling ``$ref``) is an
+:class:`~pipeline.errors.InvalidValueError` naming it when the request is made, never a
+failure mid-generation. A ``format`` the engine cannot assert is dropped as the annotation JSON
+Schema makes it, and the engine's own keys (``x-guidance``) in a caller's schema are refused
+naming where (:func:`annotations_dropped`). A JSON schema is also checked for a finite value
 (:func:`check_finite`): one that requires itself (``{"properties": {"a": {"$ref": "#"}},
 "required": ["a"], "type": "object"}``) compiles, but every output would be infinitely deep,
 and the engine would fail at the first token (its parser's item limit), so it is refused
@@ -20,6 +22,7 @@ that cannot run on with blank space until ``max_tokens``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -78,6 +81,7 @@ class Grammar:
                 raise InvalidValueError(field, schema, f"is not JSON: {e}") from None
         if not isinstance(schema, (Mapping, bool)):
             raise InvalidValueError(field, schema, "a JSON schema is an object or a boolean")
+        schema = annotations_dropped(schema, field)
         return cls("json_schema", json.dumps(schema), field)   # key order kept: it is the output's
 
     @classmethod
@@ -118,6 +122,66 @@ def after_thinking(engine_source: str, close: str) -> str:
         "start: REASONING /\\n{0,2}/ @answer\n"
         f"REASONING: /(?s:.*){marker}/ & ~/(?s:.*){marker}(?s:.+)/\n")}
     return json.dumps({"grammars": [top, *grammars]})
+
+
+ENGINE_KEYS = ("x-guidance",)
+"""Keys that set the grammar engine's own options when found in a schema: a caller's schema
+may not carry them (``{"x-guidance": {"lenient": true}}`` would turn validity off silently)."""
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+              "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas", "dependencies")
+
+
+def annotations_dropped(schema: Any, field: str) -> Any:
+    """``schema`` with each ``format`` the engine does not know removed, and refused
+    (:class:`InvalidValueError` naming the JSON Pointer) if a subschema carries an engine key
+    (:data:`ENGINE_KEYS`).
+
+    JSON Schema makes ``format`` an annotation unless a validator opts in to asserting it, so a
+    format the engine cannot enforce (``byte``, ``non-blank``) constrains nothing rather than
+    failing the request; formats it knows (``date-time``, ``email``, ``uuid``, ...) are kept
+    and enforced. Only schema positions are walked (a property *named* ``format`` is kept)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    return _tidy(schema, "", field)
+
+
+def _tidy(node: Any, pointer: str, field: str) -> Any:
+    if not isinstance(node, Mapping):
+        return node
+    for key in ENGINE_KEYS:
+        if key in node:
+            raise InvalidValueError(field, "(schema)", f"is not supported here: at "
+                                    f"{pointer or '/'}: {key!r} sets the grammar engine's own "
+                                    "options and is not JSON Schema; remove it")
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        at = f"{pointer}/{_escape(key)}"
+        if key == "format" and isinstance(value, str) and not _engine_format(value):
+            continue  # an annotation the engine cannot assert
+        if key in _SUBSCHEMA:
+            out[key] = _tidy(value, at, field)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_tidy(v, f"{at}/{i}", field) for i, v in enumerate(value)]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {k: _tidy(v, f"{at}/{_escape(k)}", field) for k, v in value.items()}
+        else:
+            out[key] = value
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _engine_format(name: str) -> bool:
+    """Whether the engine enforces string format ``name`` (compiled once per name)."""
+    import llguidance
+
+    text = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps({"type": "string", "format": name}))
+    is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    return not is_error
 
 
 def check(engine_source: str, field: str) -> None:
