@@ -170,6 +170,10 @@ def test_unsupported_schema_features_are_errors_that_name_them(tiny: Any) -> Non
     assert err.value.field == "json_schema"
     with pytest.raises(InvalidValueError, match="if"):
         tiny.generate(ASK, json_schema={"type": "object", "if": {}})
+    # a keyword the engine does not implement is named with its JSON Pointer
+    with pytest.raises(InvalidValueError, match="at /properties/tags/items/uniqueItems"):
+        Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer"}, "tags": {
+            "type": "array", "items": {"type": "array", "uniqueItems": True}}}})
     with pytest.raises(InvalidValueError, match="one of"):
         tiny.generate(ASK, json_schema=PERSON, json_object=True)
     with pytest.raises(InvalidValueError, match="tools\\[bad\\]"):

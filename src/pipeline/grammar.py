@@ -65,9 +65,10 @@ class Grammar:
     """The request field the grammar came from, for error messages."""
 
     def __attrs_post_init__(self) -> None:
-        check(self.engine_source(), self.field)
-        if self.kind == "json_schema":
-            check_finite(json.loads(self.source), self.field)
+        schema = json.loads(self.source) if self.kind == "json_schema" else None
+        check(self.engine_source(), self.field, schema)
+        if schema is not None:
+            check_finite(schema, self.field)
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | bool | str, *,
@@ -184,15 +185,48 @@ def _engine_format(name: str) -> bool:
     return not is_error
 
 
-def check(engine_source: str, field: str) -> None:
+def check(engine_source: str, field: str, schema: Any = None) -> None:
     """Compile ``engine_source`` (without a vocabulary); :class:`InvalidValueError` naming the
-    first thing the engine cannot do."""
+    first thing the engine cannot do, and where in ``schema`` (a JSON Pointer) when the engine
+    names keywords it does not implement."""
     import llguidance
 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(engine_source)
     if is_error:
         reason = messages[0] if messages else "the grammar engine cannot compile it"
+        keys = re.search(r"Unimplemented keys: (\[.*?\])", reason)
+        if keys is not None and schema is not None:
+            try:
+                named = [k for k in json.loads(keys.group(1)) if isinstance(k, str)]
+            except json.JSONDecodeError:
+                named = []
+            where = _where(schema, set(named), "")
+            if where is not None:
+                reason = f"{reason} at {where or '/'}"
         raise InvalidValueError(field, "(schema)", f"is not supported here: {reason}")
+
+
+def _where(node: Any, keys: set[str], pointer: str) -> str | None:
+    """The JSON Pointer of the first subschema (in schema positions) that has one of ``keys``."""
+    if not isinstance(node, Mapping):
+        return None
+    if keys & set(node):
+        first = next(k for k in node if k in keys)
+        return f"{pointer}/{_escape(first)}"
+    for key, value in node.items():
+        at = f"{pointer}/{_escape(key)}"
+        found: str | None = None
+        if key in _SUBSCHEMA:
+            found = _where(value, keys, at)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            found = next((w for i, v in enumerate(value)
+                          if (w := _where(v, keys, f"{at}/{i}")) is not None), None)
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            found = next((w for k, v in value.items()
+                          if (w := _where(v, keys, f"{at}/{_escape(k)}")) is not None), None)
+        if found is not None:
+            return found
+    return None
 
 
 def check_finite(schema: Any, field: str) -> None:
