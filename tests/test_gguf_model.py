@@ -407,3 +407,32 @@ def test_a_tensor_the_library_cannot_use_is_refused_naming_it_and_the_architectu
     message = str(err.value)
     assert "odd.gguf" in message and "qwen3moe" in message
     assert "blk.0.attn_mystery.weight" in message and "not supported" in message
+
+
+def test_kept_quantized_rows_of_a_multi_token_call_do_not_depend_on_a_prompt_beside_them(
+        tmp_path: Path) -> None:
+    # Q8_0 matrices kept quantized multiply chunk by chunk (not row-wise): the rows of a
+    # multi-token call that is not a prompt (draft verification, a diffusion block) take wide
+    # tiles alone, and must take the same tiles when a prompt chunk shares the forward and its
+    # rows go to the decoded matrix instead.
+    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.load import load_weights
+    from backends.torch.backend import TorchBackend
+    from backends.torch.config import ModelSpec
+    from backends.torch.model import Transformer
+    from pipeline.protocols import ModelCall
+
+    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
+    spec = ModelSpec.from_hf_config(hf_config(f))
+    loaded = load_weights(f, spec, quantized=True)
+    backend = TorchBackend(Transformer(spec, loaded.weights, pack=False,
+                                       own_products=loaded.products, batch_invariant=True),
+                           "x", num_slots=4, max_context=64)
+    a, b, c = (backend.allocate() for _ in range(3))
+    for slot in (a, b):
+        backend.forward([ModelCall(slot, (5, 6, 7, 8, 9), 0, (4,), prompt=True)])
+    draft = (11, 12, 13, 14)
+    alone = backend.forward([ModelCall(a, draft, 5, (0, 1, 2, 3))])
+    beside = backend.forward([ModelCall(b, draft, 5, (0, 1, 2, 3)),
+                              ModelCall(c, tuple(range(20, 40)), 0, (19,), prompt=True)])
+    assert torch.equal(beside[:4], alone)

@@ -251,7 +251,9 @@ def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.flo
     head = embed if spec.tie_word_embeddings else load.table(
         "output.weight", spec.vocab_size, spec.hidden_size)
     load.pack_head(head)
-    factors = load.maybe("rope_freqs.weight", spec.head_dim // 2)
+    factors = (dequantize_tensor(load.tensor("rope_freqs.weight", spec.head_dim // 2),
+                                 torch.float32)  # frequencies stay float32 in any dtype
+               if "rope_freqs.weight" in f.tensors else None)
     unused = sorted(set(f.tensors) - load.taken)
     if unused:
         raise ArtifactError(

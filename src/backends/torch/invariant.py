@@ -59,6 +59,7 @@ class RowTiles:
 
     def __init__(self, wide: Sequence[bool], device: torch.device) -> None:
         self.rows = len(wide)
+        self.wide = tuple(wide)
         self.uniform = (WIDE_TILE if all(wide) else NARROW_TILE if not any(wide) else None)
         if self.uniform is None:  # index tensors only for a mixed forward
             picked = torch.tensor(list(wide), dtype=torch.bool, device=device)

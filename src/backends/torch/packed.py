@@ -57,6 +57,7 @@ class PromptRows:
         self.any = any(prompt)
         self.all = self.any and all(prompt)
         if self.any and not self.all:  # index tensors only for a mixed forward
+            self.other = [i for i, p in enumerate(prompt) if not p]
             picked = torch.tensor(list(prompt), dtype=torch.bool, device=device)
             self.prompt_index = picked.nonzero().squeeze(1)
             self.other_index = (~picked).nonzero().squeeze(1)
@@ -149,7 +150,14 @@ class Linears:
         if kinds.all:
             return self._dense_product(x, w, bias)
         prompt = self._dense_product(x.index_select(0, kinds.prompt_index), w, bias)
-        other = self._call(x.index_select(0, kinds.other_index), weight, bias)
+        rest = x.index_select(0, kinds.other_index)
+        plan = self.plan
+        if (self.invariant and id(weight) not in self._row_wise and plan is not None
+                and plan.rows == kinds.rows):  # each other row on its own class's tiles
+            tiles = RowTiles([plan.wide[i] for i in kinds.other], x.device)
+            other = tiles.apply(rest, lambda rows: self._product(rows, weight, bias))
+        else:
+            other = self._call(rest, weight, bias)
         out = prompt.new_empty((kinds.rows, prompt.shape[1]))
         out[kinds.prompt_index] = prompt
         out[kinds.other_index] = other
