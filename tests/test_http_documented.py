@@ -224,8 +224,8 @@ REFUSALS = [
         "name": "x", "schema": {"type": "object", "if": {}}}}},
      "response_format.json_schema.schema"),
     ("openai", {"modalities": ["text", "audio"]}, "modalities[1]"),
-    ("anthropic", {"output_config": {"format": {"type": "json_schema",
-                                                "schema": {"type": "string", "format": "nope"}}}},
+    ("anthropic", {"output_config": {"format": {"type": "json_schema",  # not: unimplemented
+                                                "schema": {"not": {"type": "string"}}}}},
      "output_config.format.schema"),
     ("anthropic", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools[0].type"),
