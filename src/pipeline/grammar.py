@@ -26,7 +26,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 from urllib.parse import unquote
 
@@ -150,6 +150,22 @@ def annotations_dropped(schema: Any, field: str) -> Any:
     return _tidy(schema, "", field)
 
 
+def _subschemas(node: Mapping[str, Any], pointer: str
+                ) -> Iterator[tuple[str, str | int | None, str, Any]]:
+    """Each subschema of ``node`` in a schema position: ``(keyword, index or name within it,
+    JSON Pointer, subschema)``; a property *named* like a keyword is never one."""
+    for key, value in node.items():
+        at = f"{pointer}/{_escape(key)}"
+        if key in _SUBSCHEMA:
+            yield key, None, at, value
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            for i, item in enumerate(value):
+                yield key, i, f"{at}/{i}", item
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            for name, item in value.items():
+                yield key, name, f"{at}/{_escape(name)}", item
+
+
 def _tidy(node: Any, pointer: str, field: str) -> Any:
     if not isinstance(node, Mapping):
         return node
@@ -158,19 +174,16 @@ def _tidy(node: Any, pointer: str, field: str) -> Any:
             raise InvalidValueError(field, "(schema)", f"is not supported here: at "
                                     f"{pointer or '/'}: {key!r} sets the grammar engine's own "
                                     "options and is not JSON Schema; remove it")
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        at = f"{pointer}/{_escape(key)}"
-        if key == "format" and isinstance(value, str) and not _engine_format(value):
-            continue  # an annotation the engine cannot assert
-        if key in _SUBSCHEMA:
-            out[key] = _tidy(value, at, field)
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [_tidy(v, f"{at}/{i}", field) for i, v in enumerate(value)]
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
-            out[key] = {k: _tidy(v, f"{at}/{_escape(k)}", field) for k, v in value.items()}
+    out: dict[str, Any] = {
+        key: (list(value) if isinstance(value, list) else dict(value)
+              if isinstance(value, Mapping) else value)
+        for key, value in node.items()
+        if not (key == "format" and isinstance(value, str) and not _engine_format(value))}
+    for key, within, at, child in _subschemas(node, pointer):
+        if within is None:
+            out[key] = _tidy(child, at, field)
         else:
-            out[key] = value
+            out[key][within] = _tidy(child, at, field)
     return out
 
 
@@ -210,20 +223,11 @@ def _where(node: Any, keys: set[str], pointer: str) -> str | None:
     """The JSON Pointer of the first subschema (in schema positions) that has one of ``keys``."""
     if not isinstance(node, Mapping):
         return None
-    if keys & set(node):
-        first = next(k for k in node if k in keys)
+    first = next((k for k in node if k in keys), None)
+    if first is not None:
         return f"{pointer}/{_escape(first)}"
-    for key, value in node.items():
-        at = f"{pointer}/{_escape(key)}"
-        found: str | None = None
-        if key in _SUBSCHEMA:
-            found = _where(value, keys, at)
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            found = next((w for i, v in enumerate(value)
-                          if (w := _where(v, keys, f"{at}/{i}")) is not None), None)
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
-            found = next((w for k, v in value.items()
-                          if (w := _where(v, keys, f"{at}/{_escape(k)}")) is not None), None)
+    for _, _, at, child in _subschemas(node, pointer):
+        found = _where(child, keys, at)
         if found is not None:
             return found
     return None

@@ -13,9 +13,9 @@ than dequantizing), other types multiplied chunk by chunk
 (:func:`~backends.gguf.quants.quantized_linear`); the decoder reads the file's mapped bytes
 again for the rows of prompt chunks (:class:`~backends.torch.packed.PromptRows`). A quantized
 token table and output head become float16 (:data:`TABLE_DTYPE`), the head with a
-oneDNN-packed copy. Norms and float matrices are dequantized either way. llama.cpp's converter permutes the rows of ``attn_q`` and
-``attn_k`` of ``llama``-architecture models for its RoPE layout; they are permuted back here,
-as transformers' GGUF loader does. Separate ``ffn_gate`` and ``ffn_up`` become the fused
+oneDNN-packed copy. Norms and float matrices are dequantized either way. llama.cpp's
+converter permutes the rows of ``attn_q`` and ``attn_k`` of ``llama``-architecture models
+for its RoPE layout; they are permuted back here, as transformers' GGUF loader does. Separate ``ffn_gate`` and ``ffn_up`` become the fused
 ``gate_up``; expert stacks ``ffn_{gate,up,down}_exps`` keep their ``[E, ...]`` layout.
 
 Example::
@@ -72,18 +72,19 @@ kernel's activations are bfloat16 too)."""
 def bfloat16_fast(device: torch.device | str) -> bool:
     """Whether ``device`` multiplies bfloat16 natively: any GPU, or a CPU whose oneDNN has
     bfloat16 instructions (AVX512-BF16 or AMX)."""
-    if torch.device(device).type != "cpu":
-        return True
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else False
+    return _native(device, "_is_mkldnn_bf16_supported")
 
 
 def float16_fast(device: torch.device | str) -> bool:
     """Whether ``device`` multiplies float16 natively: any GPU, or a CPU whose oneDNN has
     float16 instructions (AVX512-FP16 or AMX-FP16)."""
+    return _native(device, "_is_mkldnn_fp16_supported")
+
+
+def _native(device: torch.device | str, check_name: str) -> bool:
     if torch.device(device).type != "cpu":
         return True
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    check = getattr(torch.ops.mkldnn, check_name, None)
     return bool(check()) if check is not None else False
 
 

@@ -91,8 +91,8 @@ class Transformer:
     multiplies by them, e.g. a GGUF weight kept quantized in memory, and the bytes that
     function holds, whether it computes each row on its own (then a batch-invariant model
     runs it untiled), and optionally the weight decoded whole for the rows of prompt chunks
-    (:class:`~backends.torch.packed.PromptRows`). ``batch_invariant`` makes each row's logits independent of the rest of
-    the batch and of how its prompt was cut into chunks (:mod:`backends.torch.invariant`).
+    (:class:`~backends.torch.packed.PromptRows`). ``batch_invariant`` makes each row's
+    logits independent of the rest of the batch and of how its prompt was cut into chunks (:mod:`backends.torch.invariant`).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
@@ -135,7 +135,7 @@ class Transformer:
         self.linears.plan = tokens
         self.linears.prompt_rows = (
             PromptRows([p for p, n in zip(batch.prompts, batch.lengths) for _ in range(n)],
-                       h.device) if any(batch.prompts) else None)
+                       h.device, tokens) if any(batch.prompts) else None)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, batch.positions, h.dtype)
         for i, layer in enumerate(self.weights.layers):
             h = self._layer(i, layer, h, cos, sin, cache, batch)

@@ -52,15 +52,21 @@ class PromptRows:
     therefore runs prompt rows densely and the other rows on its own product; a row's kind
     comes from its own call, never from the batch, so batch invariance holds."""
 
-    def __init__(self, prompt: Sequence[bool], device: torch.device) -> None:
+    def __init__(self, prompt: Sequence[bool], device: torch.device,
+                 plan: RowTiles | None = None) -> None:
         self.rows = len(prompt)
         self.any = any(prompt)
         self.all = self.any and all(prompt)
+        self.other_tiles: RowTiles | None = None
+        """The other rows' tiles, each row keeping its class in ``plan`` (the forward's token
+        rows' plan of a batch-invariant model)."""
         if self.any and not self.all:  # index tensors only for a mixed forward
-            self.other = [i for i, p in enumerate(prompt) if not p]
             picked = torch.tensor(list(prompt), dtype=torch.bool, device=device)
             self.prompt_index = picked.nonzero().squeeze(1)
             self.other_index = (~picked).nonzero().squeeze(1)
+            if plan is not None and plan.rows == self.rows:
+                self.other_tiles = RowTiles(
+                    [wide for wide, p in zip(plan.wide, prompt) if not p], device)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -151,10 +157,8 @@ class Linears:
             return self._dense_product(x, w, bias)
         prompt = self._dense_product(x.index_select(0, kinds.prompt_index), w, bias)
         rest = x.index_select(0, kinds.other_index)
-        plan = self.plan
-        if (self.invariant and id(weight) not in self._row_wise and plan is not None
-                and plan.rows == kinds.rows):  # each other row on its own class's tiles
-            tiles = RowTiles([plan.wide[i] for i in kinds.other], x.device)
+        tiles = kinds.other_tiles
+        if self.invariant and id(weight) not in self._row_wise and tiles is not None:
             other = tiles.apply(rest, lambda rows: self._product(rows, weight, bias))
         else:
             other = self._call(rest, weight, bias)
