@@ -388,10 +388,31 @@ def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:
 def test_dropping_the_files_resident_pages_keeps_every_tensor_readable(tmp_path: Path) -> None:
     from backends.gguf.file import GGUFFile
 
-    f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
-    before = {name: np.array(t.data) for name, t in f.tensors.items()}
+    path = _tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    f = GGUFFile.open(path)
+    before = {name: np.array(t.data) for name, t in f.tensors.items()}  # every page read
+    resident = _mapped_kib(path)
     f.drop_resident_pages()
+    dropped = _mapped_kib(path)
     assert all(np.array_equal(np.array(t.data), before[n]) for n, t in f.tensors.items())
+    if resident is not None:  # the system's own account of the mapping (Linux)
+        assert resident > 200 and dropped is not None and dropped < resident / 10, (
+            resident, dropped)
+
+
+def _mapped_kib(path: Path) -> int | None:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps), or None."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        if not line[:1].isupper() or " " in line.split(":")[0]:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
 
 
 def test_a_tensor_the_library_cannot_use_is_refused_naming_it_and_the_architecture(
