@@ -23,8 +23,8 @@ from pipeline.models import (
 from pipeline.options import BackendOptions
 from pipeline.pipe import AUTOREGRESSIVE_STRATEGIES, Pipeline, Stages
 from pipeline.protocols import (
-    Backend, Detokenizer, LogitProcessor, Renderer, Selector, Stopper, Strategy, Tokenizer,
-    ToolCallParser, Transport,
+    Backend, Detokenizer, LogitProcessor, Renderer, RequestCheck, Selector, Stopper, Strategy,
+    Tokenizer, ToolCallParser, Transport,
 )
 from pipeline.registry import BuildContext, Registry
 from pipeline.tools.parsing import choose_parser
@@ -177,6 +177,7 @@ def build(
         async_transport=cast(Transport[AsyncIterator[Delta]],
                              registry.create("transport", "asyncio", context)),
         tool_parser=choose_parser(registry, context, tool_parser, chat),
+        request_checks=tuple(p for p in procs if isinstance(p, RequestCheck)),
     )
     model_backend = _backend(registry, context, backend)
     context = attrs.evolve(context, backend=model_backend)

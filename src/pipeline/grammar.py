@@ -1,8 +1,9 @@
 """``Grammar``: the value that says what shape a request's output must have (DESIGN §11).
 
 Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, its named
-constructors (a JSON schema, any JSON object, or a grammar in llguidance's Lark dialect, as
-the tool-call grammars of :mod:`stages.grammar.tools` are), and its check: every
+constructors (a JSON schema, any JSON object, a grammar in llguidance's Lark dialect, as
+the tool-call grammars of :mod:`stages.grammar.tools` are, or in EBNF, a regular expression,
+a choice among strings), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
 schema feature the engine does not support (``if``/``then``, a dangling ``$ref``) is an
 :class:`~pipeline.errors.InvalidValueError` naming it when the request is made, never a
@@ -26,7 +27,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 from urllib.parse import unquote
 
@@ -34,9 +35,12 @@ import attrs
 
 from pipeline.errors import InvalidValueError
 
-KINDS = ("json_schema", "json_object", "lark")
-"""What a grammar's ``source`` is: a JSON schema (JSON text), nothing (any JSON object), or a
-grammar in llguidance's Lark dialect (which may embed schemas with ``%json {...}``)."""
+KINDS = ("json_schema", "json_object", "lark", "regex", "choice")
+"""What a grammar's ``source`` is: a JSON schema (JSON text), nothing (any JSON object), a
+grammar in llguidance's Lark dialect (which may embed schemas with ``%json {...}``), a regular
+expression the whole output matches, or a JSON list of the strings the output may be."""
+MAX_CHOICES = 4096
+"""Strings a choice constraint may list."""
 JSON_LAYOUT: dict[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON options for every schema we compile (``x-guidance``)."""
@@ -95,6 +99,42 @@ class Grammar:
         """Output in the language of ``text``, a grammar in llguidance's Lark dialect."""
         return cls("lark", text, field)
 
+    @classmethod
+    def text(cls, text: str, *, field: str = "grammar") -> Grammar:
+        """Output in the language of ``text``: a context-free grammar in Lark syntax (rules
+        ``name: ...``), or in EBNF as llama.cpp's GBNF writes it (rules ``name ::= ...``,
+        translated to Lark), the two forms servers take for a ``grammar`` constraint."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidValueError(field, text, "must be a non-empty grammar text")
+        if re.search(r"^\s*[A-Za-z_][\w-]*\s*::=", text, re.MULTILINE):
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as e:   # the converter's own error names the line
+                raise InvalidValueError(field, "(grammar)", f"is not valid EBNF: {e}") from None
+        return cls("lark", text, field)
+
+    @classmethod
+    def regex(cls, pattern: str, *, field: str = "regex") -> Grammar:
+        """Output that matches the regular expression ``pattern`` as a whole (Rust ``regex``
+        syntax, as llguidance reads it; no look-around or back-references)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidValueError(field, pattern, "must be a non-empty regular expression")
+        return cls("regex", pattern, field)
+
+    @classmethod
+    def choice(cls, options: Sequence[str], *, field: str = "choice") -> Grammar:
+        """Output that is exactly one of ``options`` (non-empty strings)."""
+        if isinstance(options, str) or not isinstance(options, Sequence) or not options:
+            raise InvalidValueError(field, options, "must be a non-empty list of strings")
+        if len(options) > MAX_CHOICES:
+            raise InvalidValueError(field, len(options), f"at most {MAX_CHOICES} choices")
+        for i, option in enumerate(options):
+            if not isinstance(option, str) or not option:
+                raise InvalidValueError(f"{field}[{i}]", option, "must be a non-empty string")
+        return cls("choice", json.dumps(list(options), ensure_ascii=False), field)
+
     @property
     def digest(self) -> str:
         """A short hash of kind and source: the compiled-grammar cache key."""
@@ -106,10 +146,36 @@ class Grammar:
 
         if self.kind == "lark":
             return json.dumps({"grammars": [{"name": "main", "lark_grammar": self.source}]})
+        if self.kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(self.source))
+        if self.kind == "choice":
+            options = " | ".join(json.dumps(o) for o in json.loads(self.source))
+            return json.dumps({"grammars": [{"name": "main",
+                                             "lark_grammar": f"start: {options}\n"}]})
         schema: Any = {"type": "object"} if self.kind == "json_object" else json.loads(self.source)
         text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                              overrides=cast(Any, JSON_LAYOUT))
         return str(text)
+
+
+@attrs.frozen
+class ForcedCall:
+    """What a required tool call makes of the output: it starts with ``prefix`` (forced
+    tokens; a marker that is a special token as that token) and follows ``grammar`` from its
+    first token."""
+
+    prefix: str
+    grammar: Grammar
+
+
+Marker = Callable[[str], str]
+"""A tool-call marker's text -> its Lark expression: a string literal, or ``<[id]>`` for a
+marker that is one special token of the vocabulary (which text never spells)."""
+
+
+def text_marker(text: str) -> str:
+    """``text`` as a Lark string literal (a marker the vocabulary spells as text)."""
+    return json.dumps(text)
 
 
 def after_thinking(engine_source: str, close: str) -> str:
@@ -216,7 +282,8 @@ def check(engine_source: str, field: str, schema: Any = None) -> None:
             where = _where(schema, set(named), "")
             if where is not None:
                 reason = f"{reason} at {where or '/'}"
-        raise InvalidValueError(field, "(schema)", f"is not supported here: {reason}")
+        raise InvalidValueError(field, "(schema)" if schema is not None else "(grammar)",
+                                f"is not supported here: {reason}")
 
 
 def _where(node: Any, keys: set[str], pointer: str) -> str | None:
@@ -396,8 +463,11 @@ def grammar_value(value: Any) -> Grammar | None:
     back)."""
     if value is None or isinstance(value, Grammar):
         return value
+    if isinstance(value, str):
+        return Grammar.text(value)
     if isinstance(value, Mapping) and set(value) <= {"kind", "source", "field"}:
         return Grammar(str(value.get("kind")), str(value.get("source", "")),
                        str(value.get("field", "grammar")))
     raise InvalidValueError("grammar", value, "must be a Grammar (pipeline.Grammar.json_schema"
-                            "(...), .json_object(), .lark(...))")
+                            "(...), .json_object(), .lark(...), .regex(...), .choice(...)) "
+                            "or a grammar's text (Lark or EBNF)")

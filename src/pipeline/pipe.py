@@ -29,16 +29,17 @@ from pipeline.job import Job
 from pipeline.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
 from pipeline.protocols import (
-    Detokenizer, ModelDescriber, ModelInfo, Renderer, Stopper, Tokenizer, ToolCallParser,
-    Transport,
+    Detokenizer, ModelDescriber, ModelInfo, Renderer, RequestCheck, Stopper, Tokenizer,
+    ToolCallParser, Transport,
 )
 from pipeline.text_state import TextState
+from pipeline.tool_choice import constrain_calls
 from pipeline.registry import Registry
 if TYPE_CHECKING:
     from pipeline.tools.loop import ToolRun
 from pipeline.types import (
     Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
-    TokenizedPrompt, ToolSpec, from_mapping,
+    TokenizedPrompt, ToolChoice, ToolSpec, from_mapping,
 )
 
 Prompt = str | Sequence[Message | Mapping[str, Any]] | Request
@@ -90,6 +91,8 @@ class Stages:
     stream_transport: Transport[Iterator[Delta]]
     async_transport: Transport[AsyncIterator[Delta]]
     tool_parser: ToolCallParser | None = None
+    request_checks: tuple[RequestCheck, ...] = ()
+    """The processors that check a request before it is queued (:class:`RequestCheck`)."""
 
 
 class Pipeline:
@@ -157,19 +160,26 @@ class Pipeline:
                 request_id: str | None = None, recording: Recording | str | None = None,
                 template_kwargs: Mapping[str, Any] | None = None,
                 json_schema: Mapping[str, Any] | bool | None = None, json_object: bool = False,
+                regex: str | None = None, choice: Sequence[str] | None = None,
+                tool_choice: Any = None, parallel_tool_calls: bool | None = None,
                 **params: Any) -> Request:
         """Normalize what ``generate`` accepts into a :class:`Request` (not yet submitted).
 
         ``params`` are :class:`GenerationConfig` fields (``max_tokens=20, temperature=0``) laid
         over ``config`` or the pipeline's defaults; an unknown name is an error.
-        ``json_schema=`` (a JSON schema) and ``json_object=True`` (any JSON object) set the
-        config's ``grammar``: the output then parses and validates by construction
-        (:mod:`pipeline.grammar`; a schema feature the engine lacks is an error here).
+        ``json_schema=`` (a JSON schema), ``json_object=True`` (any JSON object), ``regex=``
+        (a regular expression the whole output matches), ``choice=`` (a list of strings the
+        output is one of) and ``grammar=`` (a :class:`~pipeline.Grammar`, or a context-free
+        grammar's text in Lark or EBNF) set the config's ``grammar``: the output then follows
+        it by construction (:mod:`pipeline.grammar`; a schema feature the engine lacks is an
+        error here). ``tool_choice=`` (``"auto"``, ``"none"``, ``"required"`` or a tool's
+        name: :class:`~pipeline.types.ToolChoice`) and ``parallel_tool_calls=False`` (at
+        most one call) say how the model may call ``tools``.
         """
         fields: dict[str, Any] = {}
         base = config or (prompt.generation_config if isinstance(prompt, Request)
                           else self.defaults)
-        params = _with_grammar(params, json_schema, json_object)
+        params = _with_grammar(params, json_schema, json_object, regex, choice)
         if params:
             from_mapping(GenerationConfig, params)  # rejects unknown names with our error
             base = attrs.evolve(base, **params)
@@ -179,6 +189,12 @@ class Pipeline:
                            ("template_kwargs", template_kwargs)):
             if value is not None:
                 fields[key] = value
+        if tool_choice is not None or parallel_tool_calls is not None:
+            current = prompt.tool_choice if isinstance(prompt, Request) else ToolChoice()
+            chosen = ToolChoice.coerce(tool_choice) if tool_choice is not None else current
+            if parallel_tool_calls is not None:
+                chosen = attrs.evolve(chosen, parallel=parallel_tool_calls)
+            fields["tool_choice"] = chosen
         return Request.coerce(prompt, **fields)
 
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None,
@@ -200,7 +216,7 @@ class Pipeline:
         assert self.stages.detokenizer is not None
         parser = self.stages.tool_parser
         reader = (parser.start(request.request_id) if parser is not None and
-                  request.tool_catalog else None)
+                  request.tools_shown else None)
         text = TextState(spec, self.stages.detokenizer, self.stages.stoppers,
                          self._tokenizer.token_bytes, reader)
         engine.submit(Job(spec, text, tracer, handle))
@@ -319,7 +335,7 @@ class Pipeline:
                                 "raw prompt as Request(prompt=...)")
         kwargs = dict(request.template_kwargs)
         kwargs.setdefault("add_generation_prompt", add_generation_prompt)
-        return self.stages.renderer.render(request.messages, tools=request.tool_catalog, **kwargs)
+        return self.stages.renderer.render(request.messages, tools=request.tools_shown, **kwargs)
 
     def _encode(self, request: Request, rendered: Rendered) -> TokenizedPrompt:
         """The prompt's ids: ``rendered`` tokenized, or a token-id prompt as it is."""
@@ -332,6 +348,7 @@ class Pipeline:
     def _prepare(self, request: Request, tracer: Tracer, accepted_ns: int, parent: int
                  ) -> tuple[Request, JobSpec]:
         tokenizer = self._tokenizer
+        request = constrain_calls(request, self.stages.tool_parser, tokenizer)
         self._validate(request)
         request = attrs.evolve(
             request, model_snapshot=self.model_snapshot,
@@ -348,6 +365,8 @@ class Pipeline:
             **({"text": rendered.text} if request.recording is Recording.FULL else {})}, parent)
         prompt = self._encode(request, rendered)
         self._check_window(prompt, request.runtime_limits.max_context_tokens)
+        for check in self.stages.request_checks:
+            check.check_request(request.generation_config, prompt.input_ids)
         last = tracer.emit("tokenizer", "input.tokenized", {
             "tokens": len(prompt), "ids_digest": digest_ids(prompt.input_ids),
             "positions_digest": digest_ids(prompt.positions),
@@ -424,17 +443,27 @@ class Pipeline:
 
 
 def _with_grammar(params: dict[str, Any], json_schema: Mapping[str, Any] | bool | None,
-                  json_object: bool) -> dict[str, Any]:
-    """``params`` with the ``grammar`` that ``json_schema`` / ``json_object`` ask for."""
+                  json_object: bool, regex: str | None = None,
+                  choice: Sequence[str] | None = None) -> dict[str, Any]:
+    """``params`` with the ``grammar`` that ``json_schema`` / ``json_object`` / ``regex`` /
+    ``choice`` ask for (a ``grammar`` given as text is read as Lark or EBNF)."""
     asked = [n for n, v in (("json_schema", json_schema is not None),
-                            ("json_object", json_object), ("grammar", "grammar" in params)) if v]
+                            ("json_object", json_object), ("regex", regex is not None),
+                            ("choice", choice is not None), ("grammar", "grammar" in params))
+             if v]
     if len(asked) > 1:
-        raise InvalidValueError(asked[1], True, f"give one of json_schema=, json_object=True "
-                                f"and grammar=, not {' and '.join(asked)}")
+        raise InvalidValueError(asked[1], True, "give one of json_schema=, json_object=True, "
+                                f"regex=, choice= and grammar=, not {' and '.join(asked)}")
+    if json_object is not False and json_object is not True:
+        raise InvalidValueError("json_object", json_object, "must be True or False")
     if json_schema is not None:
         return {**params, "grammar": Grammar.json_schema(json_schema)}
-    if json_object is True:
+    if json_object:
         return {**params, "grammar": Grammar.json_object()}
-    if json_object is not False:
-        raise InvalidValueError("json_object", json_object, "must be True or False")
+    if regex is not None:
+        return {**params, "grammar": Grammar.regex(regex)}
+    if choice is not None:
+        return {**params, "grammar": Grammar.choice(choice)}
+    if isinstance(params.get("grammar"), str):
+        return {**params, "grammar": Grammar.text(params["grammar"])}
     return params

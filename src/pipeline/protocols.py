@@ -366,6 +366,18 @@ class LogitProcessor(Protocol):
         ...
 
 
+@runtime_checkable
+class RequestCheck(Protocol):
+    """An optional capability of a processor: a check of each request before it is queued,
+    for what only that processor can tell (the grammar processor: whether ``max_tokens`` can
+    hold any output its grammar allows). The pipeline calls it on the caller's thread, after
+    tokenization; it raises :class:`~pipeline.errors.InvalidValueError` naming the field."""
+
+    def check_request(self, config: GenerationConfig, prompt_ids: Sequence[int]) -> None:
+        """Raise when no run of ``config`` after ``prompt_ids`` could succeed."""
+        ...
+
+
 @attrs.frozen
 class Selection:
     """What a selector chose: one token per row, and log-probabilities where asked for.

@@ -466,6 +466,83 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
     return tuple(t if isinstance(t, ToolSpec) else ToolSpec.from_dict(t) for t in value)
 
 
+TOOL_CHOICES = ("auto", "none", "required", "tool")
+
+
+@attrs.frozen
+class ToolChoice:
+    """Whether and how the model calls the request's tools.
+
+    ``kind``: ``auto`` (it may call, or answer), ``none`` (it answers; the tools are not
+    shown), ``required`` (it calls at least one tool), ``tool`` (it calls the tool ``name``,
+    the only one shown). ``parallel`` False allows at most one call. ``strict`` makes even
+    optional calls valid by construction (a grammar over the calls; a required call always
+    is). Build it from what the dialects send with :meth:`coerce`: ``"auto"``, ``"none"``,
+    ``"required"`` (or ``"any"``), a tool's name, ``{"name": ...}``, OpenAI's
+    ``{"type": "function", "function": {"name": ...}}`` or Anthropic's ``{"type": "tool",
+    "name": ...}``.
+    """
+
+    kind: str = "auto"
+    name: str = ""
+    parallel: bool = True
+    strict: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.kind in TOOL_CHOICES, "tool_choice", self.kind,
+               f"must be one of {', '.join(TOOL_CHOICES)}")
+        _check(isinstance(self.name, str) and (self.kind == "tool") == bool(self.name),
+               "tool_choice", self.name, "a named choice names one tool; no other has a name")
+        check_text("tool_choice", self.name)
+        for field in ("parallel", "strict"):
+            _check(isinstance(getattr(self, field), bool), f"tool_choice.{field}",
+                   getattr(self, field), "must be true or false")
+
+    @property
+    def forced(self) -> bool:
+        """Whether the output must be a call."""
+        return self.kind in ("required", "tool")
+
+    @classmethod
+    def coerce(cls, value: Any) -> ToolChoice:
+        """A :class:`ToolChoice` from any of the forms in the class docstring (a mapping with
+        ``kind`` is the recorded form, read back)."""
+        if isinstance(value, ToolChoice):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            word = "required" if value == "any" else value
+            return cls(word) if word in ("auto", "none", "required") else cls("tool", value)
+        if not isinstance(value, Mapping):
+            raise InvalidValueError("tool_choice", value, "must be a string or a mapping")
+        if "kind" in value:
+            return from_mapping(cls, value)
+        kind = value.get("type")
+        function = value.get("function")
+        if kind == "function" and isinstance(function, Mapping) and "name" in function:
+            return cls("tool", str(function["name"]))
+        if kind in ("tool", None) and "name" in value:
+            return cls("tool", str(value["name"]))
+        if isinstance(kind, str) and kind in ("auto", "none", "required", "any"):
+            return cls.coerce(kind)
+        raise InvalidValueError("tool_choice", value, "must be 'auto', 'none', 'required' or "
+                                "name a tool ({\"name\": ...})")
+
+    def shown(self, tools: tuple[ToolSpec, ...]) -> tuple[ToolSpec, ...]:
+        """The tools the prompt shows under this choice (none for ``none``, the named one
+        for ``tool``)."""
+        if self.kind == "none":
+            return ()
+        if self.kind == "tool":
+            return tuple(t for t in tools if t.name == self.name)
+        return tools
+
+
+def _tool_choice(value: Any) -> ToolChoice:
+    return ToolChoice.coerce(value)
+
+
 def _config(value: Any) -> GenerationConfig:
     return value if isinstance(value, GenerationConfig) else GenerationConfig.from_dict(value)
 
@@ -495,6 +572,7 @@ class Request:
         factory=GenerationConfig, converter=_config)
     runtime_limits: RuntimeLimits = attrs.field(factory=RuntimeLimits, converter=_limits)
     tool_catalog: tuple[ToolSpec, ...] = attrs.field(default=(), converter=_tools)
+    tool_choice: ToolChoice = attrs.field(factory=ToolChoice, converter=_tool_choice)
     template_kwargs: Mapping[str, JSON] = attrs.field(
         factory=lambda: MappingProxyType({}), converter=_frozen_mapping, eq=False)
     client_metadata: Mapping[str, str] = attrs.field(
@@ -523,6 +601,16 @@ class Request:
         _check(isinstance(self.request_id, str) and bool(self.request_id), "request_id",
                self.request_id, "must be a non-empty string")
         check_text("request_id", self.request_id)
+        if self.tool_choice.kind == "tool":
+            _check(any(t.name == self.tool_choice.name for t in self.tool_catalog),
+                   "tool_choice", self.tool_choice.name, "names no tool in the request's tools")
+        _check(not self.tool_choice.forced or bool(self.tool_catalog), "tool_choice",
+               self.tool_choice.kind, "requires tools")
+
+    @property
+    def tools_shown(self) -> tuple[ToolSpec, ...]:
+        """The tools the prompt shows and the output may call (:meth:`ToolChoice.shown`)."""
+        return self.tool_choice.shown(self.tool_catalog)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Request:

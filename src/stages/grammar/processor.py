@@ -28,10 +28,20 @@ continuation never ends reaches) is not a sentence that ended: the processor rai
 :class:`~pipeline.errors.InvalidValueError` naming the request and the engine's reason, and
 the engine fails the request (never an EOS that would pass a cut output off as finished).
 The engine's own logging is off (``log_level=0``): the error reaches the caller instead.
+
+Every constrained output is kept finishable within ``max_tokens`` (the budget): the row's
+closing path (:mod:`stages.grammar.closing`, a token sequence after which the grammar
+accepts) is measured when the budget comes near it, and once the budget left would hold only
+the path, its EOS and :data:`MARGIN` tokens, the path's next token is the only one allowed;
+an output that accepts with no room to spare gets EOS only. So a schema whose objects stay
+open or whose numbers run on still ends valid, with ``finish_reason`` ``stop``.
+:meth:`GrammarProcessor.check_request` refuses, before anything is queued, a request whose
+``max_tokens`` cannot hold the closing path from its start (forced prefix included).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +52,9 @@ import torch
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar, after_thinking
 from pipeline.protocols import Batch, Row, Scores, Tokenizer
+from pipeline.types import GenerationConfig
 from stages.grammar.bitmask import apply_bitmask, bitmask_words
+from stages.grammar.closing import Closer
 from stages.grammar.vocab import ll_tokenizer, token_table
 
 MAX_COMPILED = 64
@@ -50,6 +62,19 @@ MAX_COMPILED = 64
 MAX_TRACKS = 1024
 """Request streams whose matcher is kept between steps (least recently used evicted; an
 evicted one is rebuilt from the row's ids when its request comes back)."""
+MARGIN = 2
+"""Tokens of slack kept beyond the closing path and its EOS (a path measured again after one
+of its tokens may come out a token longer: the tokenizer's encoding of a suffix)."""
+WINDOW = 32
+"""The closing path is measured every step once the budget left is within this many tokens
+of the last measure ..."""
+RECHECK = 16
+"""... and every this many tokens before that (a path may grow as the output nests)."""
+CHECKED = 8
+"""Structure-opening tokens checked per step near the budget (the likeliest ones)."""
+STRUCTURAL = frozenset(b'{[,:"<\n')
+"""Bytes with which a token may open a structure (an object, an array, a string, a key, a
+tool-call marker) and so lengthen the closing path by more than a token."""
 
 
 class _Track:
@@ -62,6 +87,12 @@ class _Track:
         self.ids: list[int] = []
         self.valid = 0
         self.failed = False
+        self.measured_at = -1
+        """How many ids the closing path was last measured after (-1: never)."""
+        self.distance: int | None = None
+        """That path's length (None: the search gave up)."""
+        self.jump = 0
+        """The most one token has lengthened the path (measured on consecutive steps)."""
 
     @property
     def broken(self) -> bool:
@@ -94,6 +125,10 @@ class GrammarProcessor:
         self._compiled: OrderedDict[tuple[str, int, bool], Any] = OrderedDict()
         self._think: tuple[int, str] | None | bool = False   # False: not looked up yet
         self._tracks: OrderedDict[tuple[str, int], _Track] = OrderedDict()
+        self._closer: Closer | None = None
+        self._plain_masks: dict[int, torch.Tensor] = {}
+        self._plain_packed: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()   # check_request runs on callers' threads
 
     def active(self, row: Row) -> bool:
         """Active when the row's config has a grammar."""
@@ -105,7 +140,7 @@ class GrammarProcessor:
         rows = [i for i, r in enumerate(batch.rows) if self.active(r)]
         bitmask = torch.zeros(len(rows), bitmask_words(values.shape[1]), dtype=torch.int32)
         for k, i in enumerate(rows):
-            self._fill(batch.rows[i], values.shape[1], bitmask[k])
+            self._fill(batch.rows[i], values.shape[1], bitmask[k], values[i])
         if len(rows) == len(batch.rows):
             apply_bitmask(values, bitmask)
             return Scores(values)
@@ -115,9 +150,10 @@ class GrammarProcessor:
         values.index_copy_(0, index, sub)
         return Scores(values)
 
-    def _fill(self, row: Row, vocab: int, out: torch.Tensor) -> None:
-        """Write ``row``'s allowed next tokens into ``out`` (one int32 row of bits); raises
-        :class:`InvalidValueError` when the grammar engine fails on the row."""
+    def _fill(self, row: Row, vocab: int, out: torch.Tensor, logits: torch.Tensor) -> None:
+        """Write ``row``'s allowed next tokens into ``out`` (one int32 row of bits; ``logits``
+        the row's, for steering); raises :class:`InvalidValueError` when the grammar engine
+        fails on the row."""
         track = self._sync(row, vocab)
         m = track.matcher
         if not track.broken:
@@ -128,10 +164,111 @@ class GrammarProcessor:
             raise _engine_failed(row, m)
         if track.broken:
             out.zero_()
+        else:
+            self._steer(row, track, out, logits)
         accepting = track.broken or m.is_accepting() or m.is_stopped()
         for eos in row.eos_token_ids:
             if eos < vocab:
                 _set_bit(out, eos, accepting)
+
+    def _steer(self, row: Row, track: _Track, out: torch.Tensor, logits: torch.Tensor) -> None:
+        """Keep the row finishable within ``max_tokens`` (see the module docstring): measure
+        the closing path when due; with no slack left allow only its next token; with little
+        slack (less than :data:`WINDOW` plus twice the largest jump of the path's length one
+        token has made) allow a token that may open structure (:data:`STRUCTURAL`) only if
+        it is among the :data:`CHECKED` likeliest and the path after it still fits."""
+        done = len(row.output_ids)
+        budget = row.config.max_tokens - done            # tokens left, this one included
+        before = track.distance
+        near = before is not None and budget <= before + WINDOW + 2 * track.jump
+        if not (near or track.measured_at < 0 or done - track.measured_at >= RECHECK):
+            return
+        closer = self._closing()
+        path = closer.path(track.matcher)
+        if path is not None and before is not None and track.measured_at == done - 1:
+            track.jump = max(track.jump, len(path) - before + 1)
+        track.measured_at, track.distance = done, None if path is None else len(path)
+        if path is None:
+            return
+        slack = budget - (len(path) + 1 + MARGIN)
+        if slack > WINDOW + 2 * track.jump:
+            return
+        if slack <= 0:
+            out.zero_()
+            if path:
+                _set_bit(out, path[0], True)
+            return
+        masked = logits.clone()
+        apply_bitmask(masked.unsqueeze(0), out.unsqueeze(0))
+        risky = masked.masked_fill(self._plain(masked.shape[0], masked.device), float("-inf"))
+        top = risky.topk(min(CHECKED, risky.shape[0]))
+        out.bitwise_and_(self._plain_words(masked.shape[0]))
+        if path:
+            _set_bit(out, path[0], True)
+        for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            if value == float("-inf"):
+                break
+            if token in row.eos_token_ids:
+                continue
+            after = track.matcher.deep_copy()
+            after.consume_token(token)
+            then = closer.path(after)
+            if then is not None and len(then) + 1 + MARGIN <= budget - 1:
+                _set_bit(out, token, True)
+
+    def _plain(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """``[vocab]`` bool: tokens with no :data:`STRUCTURAL` byte (they cannot open a
+        structure, so cannot make the closing path jump)."""
+        found = self._plain_masks.get(vocab)
+        if found is None:
+            table = self._closing_table()
+            plain = [bool(t) and not any(b in STRUCTURAL for b in t) for t in table]
+            plain += [False] * (vocab - len(plain))
+            found = torch.tensor(plain[:vocab], dtype=torch.bool)
+            words = torch.zeros(bitmask_words(vocab) * 32, dtype=torch.int64)
+            words[:vocab] = found.to(torch.int64)
+            packed = (words.view(-1, 32) << torch.arange(32)).sum(1)
+            self._plain_packed[vocab] = torch.where(packed >= 1 << 31, packed - (1 << 32),
+                                                    packed).to(torch.int32)
+            self._plain_masks[vocab] = found
+        return found.to(device)
+
+    def _plain_words(self, vocab: int) -> torch.Tensor:
+        """:meth:`_plain` as packed int32 words."""
+        self._plain(vocab, torch.device("cpu"))
+        return self._plain_packed[vocab]
+
+    def check_request(self, config: GenerationConfig, prompt_ids: Sequence[int]) -> None:
+        """Refuse (:class:`InvalidValueError` on ``max_tokens``) a request whose grammar's
+        closing path, after its forced prefix, does not fit in ``max_tokens`` with its EOS:
+        no output could be whole. Nothing to check without a grammar, or when the output
+        starts as reasoning (its length is the model's)."""
+        grammar = config.grammar
+        if grammar is None or self._tok is None or self._opens_thinking(prompt_ids):
+            return
+        m = self._matcher(grammar, (grammar.digest, self._tok.vocab_size, False))
+        prefix = list(config.forced_prefix)
+        if prefix and m.try_consume_tokens(prefix) != len(prefix):
+            raise InvalidValueError(grammar.field, "(grammar)", "the forced prefix leaves it")
+        path = self._closing().path(m)
+        if path is not None and len(prefix) + len(path) + 1 > config.max_tokens:
+            raise InvalidValueError(
+                "max_tokens", config.max_tokens,
+                f"cannot hold any output {grammar.field} allows: the shortest this server "
+                f"finds takes {len(prefix) + len(path) + 1} tokens (with the end-of-sequence "
+                "token); raise max_tokens")
+
+    def _closing(self) -> Closer:
+        if self._closer is None:
+            assert self._tok is not None
+            self._closer = Closer(self._tok, self._closing_table())
+        return self._closer
+
+    def _closing_table(self) -> list[bytes]:
+        assert self._tok is not None
+        if self._table is None:
+            self._table = token_table(self._tok)
+        return self._table
 
     def _sync(self, row: Row, vocab: int) -> _Track:
         """The row's matcher, having consumed exactly ``row.output_ids``."""
@@ -164,11 +301,15 @@ class GrammarProcessor:
         track.ids.extend(new)
 
     def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
-        return _Track(self._matcher(grammar, key).deep_copy(), key)
+        return _Track(self._matcher(grammar, key), key)
 
     def _matcher(self, grammar: Grammar, key: tuple[str, int, bool]) -> Any:
-        """The pristine compiled matcher of ``grammar`` at vocabulary width ``key[1]``, after
-        a reasoning block when ``key[2]``."""
+        """A fresh copy of the compiled matcher of ``grammar`` at vocabulary width ``key[1]``,
+        after a reasoning block when ``key[2]``."""
+        with self._lock:
+            return self._matcher_locked(grammar, key).deep_copy()
+
+    def _matcher_locked(self, grammar: Grammar, key: tuple[str, int, bool]) -> Any:
         found = self._compiled.pop(key, None)
         if found is None:
             source = grammar.engine_source()

@@ -1,16 +1,24 @@
-"""Tool-call grammars in the Hermes format (DESIGN §11).
+"""Tool-call grammars in each model family's own format (DESIGN §11).
 
-Owns the grammars of tool calls as the chat templates of the tiny model, SmolLM2 and Qwen
-write them (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``), ``name``
-one of the allowed tools' names and ``arguments`` valid for that tool's ``parameters``
-schema:
+Owns the grammars that make a model's tool calls valid by construction, one class per format
+the parsers of :mod:`stages.tools.formats` read, so a call a grammar forces is always parsed
+back:
 
-- :func:`tool_call_grammar`: exactly one call (``tool_choice`` required, or named): the
-  output parses as a call to an allowed tool on every seed;
-- :func:`tools_grammar`: the model may call (``tool_choice`` auto) but whatever call it makes
-  is valid: with a response format, the output is one call or the format's JSON (so tools
-  stay callable beside ``response_format``); without one (tools marked ``strict``), free text
-  with calls in it, each call constrained from its ``<tool_call>`` on.
+- :class:`HermesCalls` (the tiny model, SmolLM2 through the renderer's fallback, Qwen):
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls one per line;
+- :class:`Llama3Calls` (Llama 3.x): the answer is the call, ``{"name": ..., "parameters":
+  {...}}``, several joined by ``; ``;
+- :class:`MistralCalls`: ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}``.
+
+Each has two grammars: :meth:`forced` (``tool_choice`` required or named: one call, or one or
+more when parallel calls are allowed, with the text the output is made to start with) and
+:meth:`optional` (``tool_choice`` auto: the model may answer instead, but a call it makes is
+valid; with a JSON response format the answer is that JSON; without, free text). In both,
+``name`` is one of the allowed tools' names and the arguments validate against that tool's
+``parameters``, which must be an object schema (else :class:`InvalidValueError` naming the
+tool). A marker that is one special token of the model's vocabulary (``[TOOL_CALLS]`` in
+Mistral's) is matched as that token (``<[id]>``), never as text, which a special token's id
+would not spell (the ``marker`` argument: :func:`text_marker` when every marker is text).
 """
 
 from __future__ import annotations
@@ -20,57 +28,174 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.errors import InvalidValueError
-from pipeline.grammar import JSON_LAYOUT, Grammar
+from pipeline.grammar import JSON_LAYOUT, ForcedCall, Grammar, Marker, text_marker
 from pipeline.types import ToolSpec
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_OPEN = json.dumps(TOOL_OPEN)
-_BODY = f'body: "\\n" %json {{schema}} {json.dumps(chr(10) + TOOL_CLOSE)}\n'
-# free text with no call opening in it; text that ends by opening a call
-_TEXT = ('PLAIN: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n'
-         'LEAD: /(?s:.*)<tool_call>/ & ~/(?s:.*)<tool_call>(?s:.+)/\n')
+MISTRAL_CALLS = "[TOOL_CALLS]"
+
+def is_token(expression: str) -> bool:
+    """Whether a marker's expression is a special token, not text."""
+    return expression.startswith("<[")
 
 
-def _call_schema(tool: ToolSpec) -> dict[str, Any]:
-    return {"type": "object",
-            "properties": {"name": {"const": tool.name},
-                           "arguments": tool.to_template()["function"]["parameters"]},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def call_schema(tool: ToolSpec, arguments: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call to ``tool``: its name, and its arguments under
+    ``arguments`` (``parameters`` in Llama 3's format)."""
+    parameters = tool.to_template()["function"]["parameters"]
+    if not _object_schema(parameters):
+        raise InvalidValueError(f"tools[{tool.name}].parameters", "(schema)",
+                                "must be an object schema (\"type\": \"object\"): a call's "
+                                "arguments are a JSON object")
+    return {"type": "object", "properties": {"name": {"const": tool.name},
+                                             arguments: parameters},
+            "required": ["name", arguments], "additionalProperties": False}
 
 
-def _calls(tools: Sequence[ToolSpec]) -> str:
-    """The ``body`` rule: a call's JSON to any of ``tools``, then the closing marker. Each
-    tool's schema is compiled alone first, so an unsupported feature names its tool."""
-    for tool in tools:
-        Grammar.json_schema(_call_schema(tool), field=f"tools[{tool.name}].parameters")
-    schema = {"anyOf": [_call_schema(t) for t in tools], "x-guidance": JSON_LAYOUT}
-    return _BODY.replace("{schema}", json.dumps(schema))
+def _object_schema(schema: Any) -> bool:
+    """Whether ``schema`` admits only JSON objects (type ``object``, or no type at all: the
+    arguments object is what the call writes)."""
+    if schema is True or schema == {}:
+        return True
+    if not isinstance(schema, dict):
+        return False
+    kind = schema.get("type", "object")
+    return bool(kind == "object" or kind == ["object"])
 
 
-def tool_call_grammar(tools: Sequence[ToolSpec], name: str = "") -> Grammar:
-    """One call to ``name`` (``""``: to any of ``tools``), its arguments valid for that tool's
-    schema. :class:`InvalidValueError` when no tool is allowed or a tool's schema uses a
-    feature the grammar engine lacks (naming the tool)."""
+def _any_call(tools: Sequence[ToolSpec], arguments: str) -> dict[str, Any]:
+    """One call to any of ``tools``; each tool's schema is compiled alone first, so an
+    unsupported feature names its tool."""
+    if not tools:
+        raise InvalidValueError("tools", [], "no tool to call")
+    schemas = [call_schema(t, arguments) for t in tools]
+    for tool, schema in zip(tools, schemas, strict=True):
+        Grammar.json_schema(schema, field=f"tools[{tool.name}].parameters")
+    return {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+
+
+def _json(schema: Any) -> str:
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+
+
+def _answer(answer: Grammar) -> str:
+    if answer.kind not in ("json_schema", "json_object"):
+        raise InvalidValueError("grammar", answer.kind, "only a JSON answer combines with tools")
+    return _json({"type": "object"} if answer.kind == "json_object"
+                 else json.loads(answer.source))
+
+
+def _picked(tools: Sequence[ToolSpec], name: str) -> list[ToolSpec]:
     allowed = [t for t in tools if not name or t.name == name]
     if not allowed:
         raise InvalidValueError("tool_choice", name or "required", "no tool to call")
-    return Grammar.lark(f"start: {_OPEN} body\n{_calls(allowed)}", field="tool_choice")
+    return allowed
+
+
+class HermesCalls:
+    """``<tool_call>`` blocks (Hermes, Qwen, the tiny model, the renderer's fallback)."""
+
+    def forced(self, tools: Sequence[ToolSpec], name: str = "", *, parallel: bool = True,
+               marker: Marker = text_marker) -> ForcedCall:
+        """One call to ``name`` (``""``: any of ``tools``), or more when ``parallel``."""
+        allowed = _picked(tools, name)
+        first = TOOL_OPEN + "\n" + (f'{{"name": {json.dumps(name)}, "arguments": '
+                                    if name else "")
+        more = f'("\\n" {marker(TOOL_OPEN)} body)*' if parallel else ""
+        text = f"start: {marker(TOOL_OPEN)} body {more}\n{self._body(allowed, marker)}"
+        return ForcedCall(first, Grammar.lark(text, field="tool_choice"))
+
+    def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
+                 parallel: bool = True, marker: Marker = text_marker) -> Grammar:
+        """Calls the model may make, each valid: one (or more when ``parallel``) or the JSON
+        ``answer``; without ``answer``, free text with valid calls in it."""
+        body = self._body(_picked(tools, ""), marker)
+        opening = marker(TOOL_OPEN)
+        if answer is not None:
+            more = f'("\\n" {opening} body)*' if parallel else ""
+            return Grammar.lark(f"start: {opening} body {more} | answer\n{body}"
+                                f"answer: {_answer(answer)}\n", field=answer.field)
+        if is_token(opening):
+            text = (f"start: (PLAIN? {opening} body){'*' if parallel else '?'} PLAIN?\n"
+                    f"PLAIN: /(?s:.+)/\n{body}")
+        else:  # text with no opening in it; text that ends at its first opening
+            text = (f"start: (LEAD body){'*' if parallel else '?'} PLAIN?\n"
+                    "PLAIN: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n"
+                    "LEAD: /(?s:.*)<tool_call>/ & ~/(?s:.*)<tool_call>(?s:.+)/\n" + body)
+        return Grammar.lark(text, field="tools")
+
+    @staticmethod
+    def _body(tools: Sequence[ToolSpec], marker: Marker) -> str:
+        return (f'body: "\\n" {_json(_any_call(tools, "arguments"))} "\\n" '
+                f"{marker(TOOL_CLOSE)}\n")
+
+
+class Llama3Calls:
+    """Llama 3.x JSON calls: the answer is ``{"name", "parameters"}`` objects joined by
+    ``; ``."""
+
+    def forced(self, tools: Sequence[ToolSpec], name: str = "", *, parallel: bool = True,
+               marker: Marker = text_marker) -> ForcedCall:
+        """One call to ``name`` (``""``: any of ``tools``), or more when ``parallel``."""
+        allowed = _picked(tools, name)
+        first = f'{{"name": {json.dumps(name)}, "parameters": ' if name else ""
+        more = '("; " call)*' if parallel else ""
+        text = f"start: call {more}\ncall: {_json(_any_call(allowed, 'parameters'))}\n"
+        return ForcedCall(first, Grammar.lark(text, field="tool_choice"))
+
+    def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
+                 parallel: bool = True, marker: Marker = text_marker) -> Grammar:
+        """Calls (one, or more when ``parallel``), or an answer: the JSON ``answer``, or
+        text that does not open an object (the reader takes a leading ``{`` for a call)."""
+        more = '("; " call)*' if parallel else ""
+        other = "answer" if answer is not None else "TEXT"
+        rules = (f"answer: {_answer(answer)}\n" if answer is not None
+                 else "TEXT: /[^{\\s](?s:.*)/\n")
+        text = (f"start: call {more} | {other}\n"
+                f"call: {_json(_any_call(_picked(tools, ''), 'parameters'))}\n{rules}")
+        return Grammar.lark(text, field=answer.field if answer is not None else "tools")
+
+
+class MistralCalls:
+    """Mistral calls: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``."""
+
+    def forced(self, tools: Sequence[ToolSpec], name: str = "", *, parallel: bool = True,
+               marker: Marker = text_marker) -> ForcedCall:
+        """One call to ``name`` (``""``: any of ``tools``), or more when ``parallel``."""
+        allowed = _picked(tools, name)
+        first = MISTRAL_CALLS + (f'[{{"name": {json.dumps(name)}, "arguments": '
+                                 if name else "")
+        return ForcedCall(first, Grammar.lark(f"start: {self._calls(allowed, parallel, marker)}",
+                                              field="tool_choice"))
+
+    def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
+                 parallel: bool = True, marker: Marker = text_marker) -> Grammar:
+        """The calls, or an answer: the JSON ``answer``, or text, which may end in the
+        calls."""
+        calls = self._calls(_picked(tools, ""), parallel, marker)
+        if answer is not None:
+            return Grammar.lark(f"start: {calls} | answer\nanswer: {_answer(answer)}\n",
+                                field=answer.field)
+        opening = marker(MISTRAL_CALLS)
+        plain = ("/(?s:.+)/" if is_token(opening) else
+                 "/(?s:.+)/ & ~/(?s:.*)\\[TOOL_CALLS\\](?s:.*)/")
+        return Grammar.lark(f"start: PLAIN? | PLAIN? {calls}\nPLAIN: {plain}\n", field="tools")
+
+    @staticmethod
+    def _calls(tools: Sequence[ToolSpec], parallel: bool, marker: Marker) -> str:
+        array = {"type": "array", "items": _any_call(tools, "arguments"), "minItems": 1,
+                 **({} if parallel else {"maxItems": 1})}
+        return f"{marker(MISTRAL_CALLS)} {_json(array)}"
+
+
+def tool_call_grammar(tools: Sequence[ToolSpec], name: str = "") -> Grammar:
+    """One Hermes call to ``name`` (``""``: to any of ``tools``): :meth:`HermesCalls.forced`
+    with text markers."""
+    return HermesCalls().forced(tools, name, parallel=False).grammar
 
 
 def tools_grammar(tools: Sequence[ToolSpec], answer: Grammar | None) -> Grammar:
-    """Calls to ``tools`` that validate, the model free to make none: one call or the JSON
-    ``answer`` asks for (a ``json_schema`` or ``json_object`` grammar), or, when ``answer`` is
-    None, any text with valid calls in it."""
-    if not tools:
-        raise InvalidValueError("tools", [], "no tool to call")
-    if answer is None:
-        return Grammar.lark(f"start: (LEAD body)* PLAIN?\n{_TEXT}{_calls(tools)}",
-                            field="tools")
-    if answer.kind not in ("json_schema", "json_object"):
-        raise InvalidValueError("grammar", answer.kind, "only a JSON answer combines with tools")
-    schema = {"type": "object"} if answer.kind == "json_object" else json.loads(answer.source)
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    text = (f"start: {_OPEN} body | answer\n{_calls(tools)}"
-            f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}\n")
-    return Grammar.lark(text, field=answer.field)
+    """Hermes calls the model may make (:meth:`HermesCalls.optional`, text markers)."""
+    return HermesCalls().optional(tools, answer)

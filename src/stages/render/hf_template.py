@@ -10,7 +10,8 @@ tokens, then the caller's template kwargs, then ``messages`` (``Message.to_templ
 ``documents=None`` and ``add_generation_prompt``. Every failure inside the template is a
 :class:`~pipeline.errors.TemplateError`. Control/content spans are recovered as
 :mod:`stages.render.spans` describes: caller text is CONTENT, a caller's special-token string
-(``<|im_end|>``) included.
+(``<|im_end|>``) included. A template that renders no tools gets them through the Hermes
+fallback of :mod:`stages.render.tool_fallback`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import attrs
 import jinja2
 
 from pipeline.errors import InvalidValueError, TemplateError
@@ -31,6 +33,7 @@ from pipeline.types import Message, Rendered, ToolSpec
 from stages.render.sandbox import compile_template
 from stages.render.spans import (assemble, caller_strings, free_chars, map_caller, marked_spans,
                                  searched_spans, subtract, wrap)
+from stages.render.tool_fallback import SUFFIX, hermes_messages, renders_tools
 
 __all__ = ["NAMED_SPECIAL_TOKENS", "RESERVED_VARIABLES", "HFChatTemplateRenderer",
            "compile_template", "find_template", "named_special_tokens",
@@ -172,6 +175,7 @@ class HFChatTemplateRenderer:
         self._special = (re.compile("|".join(map(re.escape, self.special_token_strings)))
                          if self.special_token_strings else None)
         self._template = compile_template(source, clock)
+        self._shows_tools: bool | None = None
 
     @classmethod
     def from_template(cls, source: str, *, special_tokens: Mapping[str, str] | None = None,
@@ -199,10 +203,31 @@ class HFChatTemplateRenderer:
                add_generation_prompt: bool = True, **template_kwargs: Any) -> Rendered:
         """Render ``messages`` and ``tools``; ``template_kwargs`` reach the template.
 
+        A template that renders no tools gets them through the Hermes fallback
+        (:mod:`stages.render.tool_fallback`): the tool block in the system message, calls and
+        results as text; the rendering's name then ends in ``+hermes_tools``.
+
         Raises TemplateError when the template fails, InvalidValueError for a kwarg named
         like a variable the renderer sets (``messages``, ``tools``, ...)."""
         for key in RESERVED_VARIABLES & template_kwargs.keys():
             raise InvalidValueError("template_kwargs", key, "is set by the renderer")
+        if tools and not self.shows_tools:
+            out = self._render(hermes_messages(messages, tools), (), add_generation_prompt,
+                               template_kwargs)
+            return attrs.evolve(out, renderer=self.name + SUFFIX)
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)
+
+    @property
+    def shows_tools(self) -> bool:
+        """Whether the template renders the tools it is given (else the Hermes fallback
+        does; measured once, on a probe conversation)."""
+        if self._shows_tools is None:
+            self._shows_tools = renders_tools(
+                lambda messages, tools: self._render(messages, tools, True, {}))
+        return self._shows_tools
+
+    def _render(self, messages: Sequence[Message], tools: Sequence[ToolSpec],
+                add_generation_prompt: bool, template_kwargs: Mapping[str, Any]) -> Rendered:
         msgs = [_message_data(m) for m in messages]
         tool_data = [t.to_template() for t in tools]
         kwargs = _plain(template_kwargs)

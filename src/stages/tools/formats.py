@@ -5,7 +5,8 @@ any number, anywhere in the answer), :class:`Llama3Parser` (Llama 3.x: the answe
 call, ``{"name", "parameters"}``, optionally after ``<|python_tag|>``, several joined by
 ``;``) and :class:`MistralParser` (``[TOOL_CALLS][{"name", "arguments"}, ...]``). Each
 ``recognizes`` its format in a chat template's rendering of a call, which is how
-:func:`stages.tools.detect_parser` picks one for a model.
+:func:`pipeline.tools.parsing.choose_parser` picks one for a model, and carries the format's
+grammars as ``calls`` (:mod:`stages.grammar.tools`), which force and limit calls in it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+from stages.grammar.tools import HermesCalls, Llama3Calls, MistralCalls
 from stages.tools.reader import CallReader, held_suffix
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -75,6 +77,8 @@ class HermesParser:
     """Hermes / Qwen tool calls (the format of Qwen2.5, Qwen3, Hermes and the tiny model)."""
 
     name = "hermes"
+    calls = HermesCalls()
+    """The format's grammars (forced and optional calls)."""
 
     def recognizes(self, rendered_call: str) -> bool:
         """The rendering wraps the call in ``<tool_call>`` tags."""
@@ -166,6 +170,8 @@ class Llama3Parser:
     """Llama 3.x JSON tool calls (the built-in ``<|python_tag|>`` prefix is accepted)."""
 
     name = "llama3_json"
+    calls = Llama3Calls()
+    """The format's grammars (forced and optional calls)."""
 
     def recognizes(self, rendered_call: str) -> bool:
         """The rendering writes the call as a bare ``{"name", "parameters"}`` object (a tool's
@@ -230,6 +236,8 @@ class MistralParser:
     """Mistral tool calls: ``[TOOL_CALLS]`` and a JSON array of calls."""
 
     name = "mistral"
+    calls = MistralCalls()
+    """The format's grammars (forced and optional calls)."""
 
     def recognizes(self, rendered_call: str) -> bool:
         """The rendering writes ``[TOOL_CALLS]``."""

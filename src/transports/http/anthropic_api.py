@@ -24,10 +24,10 @@ import attrs
 from pipeline.errors import InvalidValueError
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolCallDelta,
-    ToolCallEnd, ToolSpec, Usage,
+    ToolCallEnd, ToolChoice, ToolSpec, Usage,
 )
 from transports.http.common import (
-    Parsed, ServerDefaults, config_from, output_grammar, text_content,
+    Parsed, ServerDefaults, config_from, text_content,
 )
 from transports.http.documented import (
     _cache_control as cache_control, anthropic_fields, anthropic_tool, one_of, unsupported,
@@ -102,34 +102,35 @@ def _messages(body: Obj) -> list[Message]:
     return out
 
 
-def _tools(body: Obj) -> tuple[list[ToolSpec], str | None]:
-    """The tools offered, and the tool call the output must open (``""``: any)."""
+def _tools(body: Obj) -> tuple[list[ToolSpec], ToolChoice]:
+    """The tools offered, and the choice among them (``tool_choice``, its
+    ``disable_parallel_tool_use``, any tool's ``strict``)."""
     tools = []
+    strict = False
     for path, raw in body.items("tools"):
         o = Obj(raw, path)
+        strict = strict or o.value.get("strict") is True
         anthropic_tool(o)
         tools.append(ToolSpec(o.need("name", "string"), o.get("description", "string", ""),
                               o.need("input_schema", "object")))
         o.done()
     choice = body.obj("tool_choice")
     if choice is None:
-        return tools, None
+        return tools, ToolChoice(strict=strict)
     kind = choice.need("type", "string")
-    choice.get("disable_parallel_tool_use", "boolean")
+    parallel = not choice.get("disable_parallel_tool_use", "boolean", False)
     name = choice.get("name", "string")
     choice.done()
-    if kind == "none":
-        return [], None
     if kind == "tool":
-        picked = [t for t in tools if t.name == name]
-        if not picked:
+        if not any(t.name == name for t in tools):
             raise InvalidValueError("tool_choice.name", name, "names no tool in 'tools'")
-        return picked, name
-    if kind not in ("auto", "any"):
+        return tools, ToolChoice("tool", name, parallel=parallel, strict=strict)
+    if kind not in ("auto", "any", "none"):
         raise InvalidValueError("tool_choice.type", kind, "must be auto, any, tool or none")
     if kind == "any" and not tools:
         raise InvalidValueError("tool_choice.type", kind, "requires 'tools'")
-    return tools, ("" if kind == "any" else None)
+    return tools, ToolChoice("required" if kind == "any" else kind, parallel=parallel,
+                             strict=strict)
 
 
 def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
@@ -185,7 +186,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     body = Obj(raw, "body")
     model = body.need("model", "string")
     messages = _messages(body)
-    tools, forced = _tools(body)
+    tools, choice = _tools(body)
     config, enable_thinking = _config(body, defaults, counting=counting)
     stream = False if counting else body.get("stream", "boolean", False)
     metadata = None if counting else body.obj("metadata")
@@ -195,14 +196,14 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
         metadata.done()
     grammar = anthropic_fields(body)
     body.done()
-    strict = any(t.get("strict") is True for t in body.value["tools"]) if tools else False
-    config = attrs.evolve(config, grammar=output_grammar(grammar, tools, forced, strict))
+    config = attrs.evolve(config, grammar=grammar)
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
+                      tool_choice=choice,
                       request_id=f"msg_{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {},
                       template_kwargs=({} if enable_thinking is None
                                        else {"enable_thinking": enable_thinking}))
-    return Parsed(model, request, stream, True, bool(tools), forced_tool=forced)
+    return Parsed(model, request, stream, True, bool(request.tools_shown))
 
 
 # --- responses -----------------------------------------------------------------------------

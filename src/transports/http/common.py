@@ -17,11 +17,9 @@ from typing import Any, Protocol
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Tokenizer
-from pipeline.grammar import Grammar
-from pipeline.types import Completion, Delta, GenerationConfig, Request, ToolSpec
+from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
-from transports.http.output import Part, tool_call_prefix
+from transports.http.output import Part
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -63,42 +61,11 @@ class Parsed:
     include_usage: bool = False
     thinking: bool = False
     """The prompt left a ``<think>`` block open: the output starts as reasoning."""
-    forced_tool: str | None = None
-    """A tool call is required: ``""`` for any tool, else the tool's name."""
     n: int = 1
     """Choices per prompt (:mod:`transports.http.choices` has the seed rule)."""
     raw: RawPrompts | None = None
     """The raw prompts of a completions request (``request`` is then the first prompt's;
     each prompt's own request replaces its prompt with the prompt's ids)."""
-
-
-def force_tool_call(request: Request, forced_tool: str | None, tokenizer: Tokenizer) -> Request:
-    """``request`` whose output must be a tool call (of ``forced_tool`` when it names one):
-    its opening through the engine's ``forced_prefix``, the whole call, arguments valid for
-    the tool's schema, through the ``grammar`` (:mod:`stages.grammar.tools`); unchanged when
-    no call is required."""
-    if forced_tool is None:
-        return request
-    from stages.grammar.tools import tool_call_grammar
-
-    ids = tuple(tokenizer.encode_text(tool_call_prefix(forced_tool), special=True))
-    grammar = tool_call_grammar(request.tool_catalog, forced_tool)
-    config = attrs.evolve(request.generation_config, forced_prefix=ids, grammar=grammar)
-    return attrs.evolve(request, generation_config=config)
-
-
-def output_grammar(answer: Grammar | None, tools: Sequence[ToolSpec], forced_tool: str | None,
-                   strict: bool) -> Grammar | None:
-    """The grammar a chat request's output follows: a required call's is set later (by
-    :func:`force_tool_call`, and it wins over a response format, which applies to an answer
-    that is not a call); with tools the model may call, a format's JSON or one valid call,
-    and with ``strict`` tools and no format, free text whose calls are valid
-    (:func:`stages.grammar.tools.tools_grammar`); else the format's own, or None."""
-    if forced_tool is not None or not tools or (answer is None and not strict):
-        return answer if forced_tool is None else None
-    from stages.grammar.tools import tools_grammar
-
-    return tools_grammar(tools, answer)
 
 
 class StreamEncoder(Protocol):

@@ -22,7 +22,7 @@ from pipeline.protocols import Detokenizer, Tokenizer
 from pipeline.types import Completion, Request
 from transports.http import anthropic_api, completions_api, openai_api
 from transports.http.choices import choice_requests, total_usage
-from transports.http.common import Parsed, StreamEncoder, force_tool_call
+from transports.http.common import Parsed, StreamEncoder
 from transports.http.errors import Dialect
 from transports.http.gateway import Flight, Gateway, ServedModel
 from transports.http.output import OutputSplitter, Part
@@ -66,7 +66,7 @@ def _inputs(gateway: Gateway, served: ServedModel, parsed: Parsed,
     refused before it is tokenized)."""
     tokenizer = _tokenizer(served)
     if parsed.raw is None:
-        return [force_tool_call(parsed.request, parsed.forced_tool, tokenizer)]
+        return [parsed.request]
     prompts = parsed.raw.prompts
     out = []
     for p, prompt in enumerate(prompts):

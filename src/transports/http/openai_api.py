@@ -24,11 +24,11 @@ from pipeline.errors import InvalidValueError
 from pipeline.protocols import Tokenizer
 from pipeline.types import (
     Completion, Delta, FinishReason, GenerationConfig, Message, Request, TokenLogprob, ToolCall,
-    ToolCallDelta, ToolCallEnd, ToolSpec, Usage, token_text,
+    ToolCallDelta, ToolCallEnd, ToolChoice, ToolSpec, Usage, token_text,
 )
 from transports.http.choices import total_usage
 from transports.http.common import (
-    Parsed, ServerDefaults, config_from, output_grammar, text_content,
+    Parsed, ServerDefaults, config_from, text_content,
 )
 from transports.http.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
@@ -112,19 +112,18 @@ def _tools(body: Obj) -> list[ToolSpec]:
     return tools
 
 
-def _tool_choice(body: Obj, tools: list[ToolSpec]) -> tuple[list[ToolSpec], str | None]:
-    """The tools the template sees (none, all, or the one a named choice picks), and the
-    tool call the output must open (``""``: any; None: not required)."""
+def _tool_choice(body: Obj, tools: list[ToolSpec]) -> ToolChoice:
+    """``tool_choice`` and ``parallel_tool_calls``, and whether a tool is ``strict``."""
     choice = body.value.get("tool_choice")
     body.has("tool_choice")
-    if choice is None or choice == "auto":
-        return tools, None
-    if choice == "required":
-        if not tools:
+    parallel = body.get("parallel_tool_calls", "boolean", True)
+    strict = any(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                 and t["function"].get("strict") is True for t in body.value.get("tools") or [])
+    if choice is None or choice in ("auto", "none", "required"):
+        kind = "auto" if choice is None else choice
+        if kind == "required" and not tools:
             raise InvalidValueError("tool_choice", choice, "requires 'tools'")
-        return tools, ""
-    if choice == "none":
-        return [], None
+        return ToolChoice(kind, parallel=parallel, strict=strict)
     o = Obj(choice, "tool_choice")
     fn = o.obj("function")
     if o.need("type", "string") != "function" or fn is None:
@@ -133,10 +132,9 @@ def _tool_choice(body: Obj, tools: list[ToolSpec]) -> tuple[list[ToolSpec], str 
     name = fn.need("name", "string")
     fn.done()
     o.done()
-    picked = [t for t in tools if t.name == name]
-    if not picked:
+    if not any(t.name == name for t in tools):
         raise InvalidValueError("tool_choice.function.name", name, "names no tool in 'tools'")
-    return picked, name
+    return ToolChoice("tool", name, parallel=parallel, strict=strict)
 
 
 def sampling(body: Obj, numbers: dict[str, tuple[str, float, float, bool]] | None = None
@@ -197,8 +195,8 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     messages = [_message(p, m) for p, m in body.items("messages", required=True)]
     if not messages:
         raise InvalidValueError("messages", [], "at least one message is required")
-    tools, forced = _tool_choice(body, _tools(body))
-    body.get("parallel_tool_calls", "boolean")
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
     config, given = _config(body, defaults)
     n = choice_count(body)
     stream = body.get("stream", "boolean", False)
@@ -209,16 +207,13 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     openai_chat_refused(body)
     grammar = response_format(body)
     body.done()
-    strict = any(t.get("function", {}).get("strict") is True for t in body.value["tools"]
-                 ) if tools else False
-    config = attrs.evolve(config, grammar=output_grammar(grammar, tools, forced, strict))
+    config = attrs.evolve(config, grammar=grammar)
     thinking = {} if effort is None else {"enable_thinking": effort != "none"}
     request = Request(messages=messages, generation_config=config, tool_catalog=tools,
-                      request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                      tool_choice=choice, request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {},
                       template_kwargs=thinking)
-    return Parsed(model, request, stream, given, bool(tools), include_usage, forced_tool=forced,
-                  n=n)
+    return Parsed(model, request, stream, given, bool(request.tools_shown), include_usage, n=n)
 
 
 # --- responses -----------------------------------------------------------------------------

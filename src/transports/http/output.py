@@ -13,7 +13,6 @@ streaming and not, go through this one splitter, so streamed and non-streamed an
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 import attrs
@@ -34,14 +33,6 @@ class TextPart:
 
 
 Part = TextPart | ToolCallDelta | ToolCallEnd
-
-
-def tool_call_prefix(name: str) -> str:
-    """The text a Hermes-format tool call must begin with: the opening marker, and, when
-    ``name`` is not empty, the call's name in the template's format up to its arguments."""
-    if not name:
-        return TOOL_OPEN + "\n"
-    return TOOL_OPEN + "\n" + '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 def opens_thinking(prompt: str) -> bool:

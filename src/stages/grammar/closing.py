@@ -1,0 +1,104 @@
+"""The closing path: a short way from where an output is to a whole sentence of its grammar.
+
+Owns :class:`Closer`, which finds, for a grammar matcher in any state, a token sequence that
+completes the output (the matcher then accepts, so EOS may follow). The grammar processor uses
+it to keep every constrained output finishable within ``max_tokens``: it forces the path's
+first token whenever the budget left would no longer hold the path (so the output steers to a
+valid end instead of being cut), and refuses a request whose budget cannot hold even the
+path from the start.
+
+The search is greedy and deterministic, not a shortest-path search: the matcher state has no
+identity to search over. At each state it takes the tokens the grammar forces (llguidance's
+fast-forward tokens), else the first single-character token the grammar allows in an order
+that closes structures first (``"`` ``}`` ``]``, then ``0`` ``,`` ``:`` ``.`` ``-`` and the
+letters of ``null``/``true``/``false``, then the rest of printable ASCII), a character chosen
+three times in a row moving to the back so a pattern such as ``^a+b$`` ends. The path found is
+then re-encoded by the tokenizer (fewer tokens: ``"0001-01-01"`` is not ten tokens) when the
+matcher accepts that encoding. It is a valid completion, and an upper bound on the shortest
+one measured in the same tokens; a search that does not end within :data:`MAX_PATH` tokens
+gives None (the processor then does not steer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.protocols import Tokenizer
+
+MAX_PATH = 1024
+"""Tokens the search may take before it gives up (a grammar whose greedy path never closes)."""
+ORDER = '"}]0,:.-1 tfnaelorus'
+"""Characters tried first, structure-closing ones before the rest of printable ASCII."""
+RUN = 3
+"""A character chosen this many times in a row is tried last at the next step."""
+
+
+class Closer:
+    """Closing paths over one tokenizer's vocabulary (``table``: every id's bytes).
+
+    Example::
+
+        closer = Closer(tokenizer, table)
+        path = closer.path(matcher)     # token ids after which matcher.is_accepting()
+    """
+
+    def __init__(self, tokenizer: Tokenizer, table: Sequence[bytes]) -> None:
+        self._tok = tokenizer
+        chars: dict[str, int] = {}
+        for token, text in enumerate(table):
+            if len(text) == 1 and 32 <= text[0] < 127:
+                chars.setdefault(chr(text[0]), token)
+        first = [c for c in ORDER if c in chars]
+        self._order = [(c, chars[c]) for c in first + sorted(set(chars) - set(first))]
+
+    def path(self, matcher: Any) -> list[int] | None:
+        """Token ids that take ``matcher`` (left unchanged) to an accepting state; ``[]``
+        when it accepts already; None when the search gives up or the matcher fails."""
+        m = matcher.deep_copy()
+        path: list[int] = []
+        last, run = "", 0
+        while not m.is_accepting():
+            if len(path) >= MAX_PATH or m.is_error() or m.is_stopped():
+                return None
+            forced = list(m.compute_ff_tokens())
+            taken = m.try_consume_tokens(forced) if forced else 0
+            if taken:
+                path += forced[:taken]
+                last, run = "", 0
+                continue
+            pick = self._pick(m, last if run >= RUN else "")
+            if pick is None:
+                return None
+            char, token = pick
+            m.consume_token(token)
+            path.append(token)
+            run = run + 1 if char == last else 1
+            last = char
+        return self._shorter(matcher, path)
+
+    def _pick(self, m: Any, tired: str) -> tuple[str, int] | None:
+        """The first allowed single-character token, ``tired`` (if any) tried last."""
+        for char, token in self._order:
+            if char != tired and m.validate_tokens([token]) == 1:
+                return char, token
+        for char, token in self._order:
+            if char == tired and m.validate_tokens([token]) == 1:
+                return char, token
+        return None
+
+    def _shorter(self, matcher: Any, path: list[int]) -> list[int]:
+        """``path``'s text as the tokenizer encodes it, when that is shorter and the matcher
+        takes all of it to an accepting state; else ``path``."""
+        if len(path) < 2:
+            return path
+        text = self._tok.decode(path, skip_special_tokens=False)
+        try:
+            encoded = self._tok.encode_text(text)
+        except Exception:  # a tokenizer that cannot encode its own text: keep the path
+            return path
+        if len(encoded) >= len(path) or matcher.validate_tokens(encoded) != len(encoded):
+            return path
+        m = matcher.deep_copy()
+        m.consume_tokens(encoded)
+        return encoded if m.is_accepting() else path
