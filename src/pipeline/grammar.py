@@ -34,6 +34,7 @@ from urllib.parse import unquote
 import attrs
 
 from pipeline.errors import InvalidValueError
+from pipeline.schema_compat import rewrite, without_unique
 
 KINDS = ("json_schema", "json_object", "lark", "regex", "choice")
 """What a grammar's ``source`` is: a JSON schema (JSON text), nothing (any JSON object), a
@@ -67,10 +68,13 @@ class Grammar:
     source: str = attrs.field(validator=attrs.validators.instance_of(str))
     field: str = attrs.field(default="grammar", eq=False)
     """The request field the grammar came from, for error messages."""
+    origin: Any = attrs.field(default=None, eq=False, repr=False)
+    """The caller's schema before its rewrites (where an error's JSON Pointer points)."""
 
     def __attrs_post_init__(self) -> None:
         schema = json.loads(self.source) if self.kind == "json_schema" else None
-        check(self.engine_source(), self.field, schema)
+        check(self.engine_source(), self.field,
+              self.origin if self.origin is not None else schema)
         if schema is not None:
             check_finite(schema, self.field)
 
@@ -86,8 +90,8 @@ class Grammar:
                 raise InvalidValueError(field, schema, f"is not JSON: {e}") from None
         if not isinstance(schema, (Mapping, bool)):
             raise InvalidValueError(field, schema, "a JSON schema is an object or a boolean")
-        schema = annotations_dropped(schema, field)
-        return cls("json_schema", json.dumps(schema), field)   # key order kept: it is the output's
+        tidy = annotations_dropped(schema, field)
+        return cls("json_schema", json.dumps(tidy), field, schema)   # key order: the output's
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -152,7 +156,8 @@ class Grammar:
             options = " | ".join(json.dumps(o) for o in json.loads(self.source))
             return json.dumps({"grammars": [{"name": "main",
                                              "lark_grammar": f"start: {options}\n"}]})
-        schema: Any = {"type": "object"} if self.kind == "json_object" else json.loads(self.source)
+        schema: Any = ({"type": "object"} if self.kind == "json_object"
+                       else without_unique(json.loads(self.source)))
         text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                              overrides=cast(Any, JSON_LAYOUT))
         return str(text)
@@ -210,10 +215,13 @@ def annotations_dropped(schema: Any, field: str) -> Any:
     JSON Schema makes ``format`` an annotation unless a validator opts in to asserting it, so a
     format the engine cannot enforce (``byte``, ``non-blank``) constrains nothing rather than
     failing the request; formats it knows (``date-time``, ``email``, ``uuid``, ...) are kept
-    and enforced. Only schema positions are walked (a property *named* ``format`` is kept)."""
+    and enforced. Only schema positions are walked (a property *named* ``format`` is kept).
+    Keywords the engine lacks are rewritten into ones it has where the result allows no
+    instance the original forbids (:mod:`pipeline.schema_compat`: dependencies, ``not``,
+    ``propertyNames``, exclusive ``oneOf``, ``if`` on a constant)."""
     if not isinstance(schema, Mapping):
         return schema
-    return _tidy(schema, "", field)
+    return _tidy(schema, "", field, schema)
 
 
 def _subschemas(node: Mapping[str, Any], pointer: str
@@ -232,7 +240,8 @@ def _subschemas(node: Mapping[str, Any], pointer: str
                 yield key, name, f"{at}/{_escape(name)}", item
 
 
-def _tidy(node: Any, pointer: str, field: str) -> Any:
+def _tidy(node: Any, pointer: str, field: str, root: Any,
+          siblings: Mapping[str, Any] | None = None) -> Any:
     if not isinstance(node, Mapping):
         return node
     for key in ENGINE_KEYS:
@@ -245,12 +254,15 @@ def _tidy(node: Any, pointer: str, field: str) -> Any:
               if isinstance(value, Mapping) else value)
         for key, value in node.items()
         if not (key == "format" and isinstance(value, str) and not _engine_format(value))}
+    props = node.get("properties") if isinstance(node.get("properties"), Mapping) else None
+    around = props if props is not None else siblings   # the object's declared properties
     for key, within, at, child in _subschemas(node, pointer):
+        context = around if key in ("allOf", "then", "else") else None
         if within is None:
-            out[key] = _tidy(child, at, field)
+            out[key] = _tidy(child, at, field, root, context)
         else:
-            out[key][within] = _tidy(child, at, field)
-    return out
+            out[key][within] = _tidy(child, at, field, root, context)
+    return rewrite(out, root, around)
 
 
 @functools.lru_cache(maxsize=256)
@@ -274,14 +286,19 @@ def check(engine_source: str, field: str, schema: Any = None) -> None:
     if is_error:
         reason = messages[0] if messages else "the grammar engine cannot compile it"
         keys = re.search(r"Unimplemented keys: (\[.*?\])", reason)
-        if keys is not None and schema is not None:
+        named: list[str] = []
+        if keys is not None:
             try:
                 named = [k for k in json.loads(keys.group(1)) if isinstance(k, str)]
             except json.JSONDecodeError:
-                named = []
-            where = _where(schema, set(named), "")
-            if where is not None:
-                reason = f"{reason} at {where or '/'}"
+                pass
+        elif "min/maxProperties" in reason:
+            named = ["minProperties", "maxProperties"]
+        elif re.search(r"in regex /", reason):
+            named = ["pattern", "patternProperties"]
+        where = _where(schema, set(named), "") if named and schema is not None else None
+        if where is not None:
+            reason = f"{reason.splitlines()[0].strip()} at {where or '/'}"
         raise InvalidValueError(field, "(schema)" if schema is not None else "(grammar)",
                                 f"is not supported here: {reason}")
 

@@ -240,7 +240,8 @@ class Pipeline:
     def run(self, messages: str | Sequence[Message | Mapping[str, Any]], *,
             tools: Sequence[Any], max_rounds: int = 4, policy: Any = None, ask: Any = None,
             ledger: Any = None, run_id: str | None = None, cancel: Any = None,
-            config: GenerationConfig | None = None, **options: Any) -> ToolRun:
+            config: GenerationConfig | None = None, tool_choice: Any = None,
+            **options: Any) -> ToolRun:
         """Let the model call ``tools`` and answer with their results (DESIGN §11).
 
         ``tools`` are typed Python functions (their JSON schemas come from type hints and
@@ -256,14 +257,18 @@ class Pipeline:
         ``max_rounds + 1`` times); ``run_id`` seeds the idempotency keys (reuse it with the
         same ledger to resume a run without repeating effects); ``cancel`` (a
         ``threading.Event``) stops the loop — a call already committed keeps its effect.
-        ``config`` and ``options`` are :meth:`generate`'s. Every transition is a ``tool.*``
-        event in the round's trace; returns a :class:`~pipeline.tools.ToolRun`.
+        ``tool_choice`` applies to every round, or per round: a list (round ``i`` takes entry
+        ``i``, the last repeating; ``["required", "none"]`` calls, then answers) or a function
+        of the round's number. ``config`` and ``options`` are :meth:`generate`'s
+        (``parallel_tool_calls=False`` among them). Every transition is a ``tool.*`` event in
+        the round's trace; returns a :class:`~pipeline.tools.ToolRun`, whose ``stopped`` says
+        why the loop ended.
         """
         from pipeline.tools.loop import run_tools
 
         return run_tools(self, messages, tools=tools, sinks=self._sinks, max_rounds=max_rounds,
                          policy=policy, ask=ask, ledger=ledger, run_id=run_id, cancel=cancel,
-                         config=config, **options)
+                         config=config, tool_choice=tool_choice, **options)
 
     def restart_engine(self) -> None:
         """Replace an engine whose loop stopped after an internal error (``engine.failure``)

@@ -7,7 +7,10 @@ go through the :class:`~pipeline.tools.boundary.ToolBoundary` in order, their ev
 that generation's trace, and the results come back as ``tool`` messages. The loop ends when
 the model answers without calling a tool, when ``max_rounds`` rounds of calls have run (the
 calls of the answer after them are recorded as ``tool.skipped``, not executed), or on
-cancel. Idempotency keys derive from ``run_id``, the round, the call's place and its
+cancel; ``ToolRun.stopped`` says which, and says ``length`` or ``malformed_call`` for an
+answer that is not one (cut by ``max_tokens``, or a call the parser could not read). Each
+round may have its own ``tool_choice`` (a list, one per round, the last repeating, or a
+function of the round's number): ``["required", "none"]`` calls first, then answers. Idempotency keys derive from ``run_id``, the round, the call's place and its
 content, so re-running a run with the same ``run_id`` and ledger never repeats an effect.
 """
 
@@ -28,7 +31,8 @@ from pipeline.tools.boundary import Ask, CallOutcome, ToolBoundary
 from pipeline.tools.executor import AllowAll, FunctionTool, ToolExecutor, ToolPolicy
 from pipeline.tools.ledger import JsonlLedger, Ledger, MemoryLedger
 from pipeline.types import (
-    Completion, FinishReason, GenerationConfig, Message, TextPiece, ToolCall, ToolSpec,
+    Completion, FinishReason, GenerationConfig, Message, TextPiece, ToolCall, ToolChoice,
+    ToolSpec,
 )
 
 if TYPE_CHECKING:
@@ -51,7 +55,9 @@ class Round:
 @attrs.frozen
 class ToolRun:
     """What a tool loop did: the last completion, every round, the whole conversation, and
-    why it stopped (``answered``, ``max_rounds`` or ``cancelled``)."""
+    why it stopped: ``answered`` (an answer with no call, ended by the model), ``length`` (an
+    answer with no call, cut by ``max_tokens``), ``malformed_call`` (no call could be read, and
+    the model wrote one that is not well formed), ``max_rounds`` or ``cancelled``."""
 
     completion: Completion
     rounds: tuple[Round, ...]
@@ -87,7 +93,7 @@ def run_tools(pipe: Pipeline, messages: str | Sequence[Message | Mapping[str, An
               policy: ToolPolicy | str | None = None, ask: Ask | None = None,
               ledger: Ledger | str | Path | None = None, run_id: str | None = None,
               cancel: threading.Event | None = None, config: GenerationConfig | None = None,
-              **options: Any) -> ToolRun:
+              tool_choice: Any = None, **options: Any) -> ToolRun:
     """Run the tool loop (see :meth:`pipeline.Pipeline.run`)."""
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
         raise InvalidValueError("max_rounds", max_rounds, "must be an integer >= 0")
@@ -97,25 +103,43 @@ def run_tools(pipe: Pipeline, messages: str | Sequence[Message | Mapping[str, An
     executors = _executors(pipe, tools)
     boundary = ToolBoundary(executors, policy=_policy(pipe, policy), ledger=_ledger(ledger),
                             ask=ask, cancel=cancel)
-    loop = _Loop(pipe, boundary, tuple(sinks), run_id or uuid.uuid4().hex, cancel)
+    loop = _Loop(pipe, boundary, tuple(sinks), run_id or uuid.uuid4().hex, cancel,
+                 _per_round(tool_choice))
     specs = [tool.spec for tool in executors.values()]
     conversation = ([Message("user", messages)] if isinstance(messages, str) else
                     [m if isinstance(m, Message) else Message.from_dict(m) for m in messages])
     return loop.run(conversation, specs, max_rounds, config, options)
 
 
+def _per_round(choice: Any) -> Callable[[int], Any]:
+    """``tool_choice`` as a function of the round's number (None: the request's default)."""
+    if callable(choice):
+        return choice   # type: ignore[no-any-return]
+    if isinstance(choice, (list, tuple)):
+        if not choice:
+            raise InvalidValueError("tool_choice", [], "give at least one round's choice")
+        rounds = [ToolChoice.coerce(c) for c in choice]   # checked before anything runs
+        return lambda number: rounds[min(number, len(rounds) - 1)]
+    fixed = None if choice is None else ToolChoice.coerce(choice)
+    return lambda _: fixed
+
+
 class _Loop:
     def __init__(self, pipe: Pipeline, boundary: ToolBoundary, sinks: tuple[EventSink, ...],
-                 run_id: str, cancel: threading.Event | None) -> None:
+                 run_id: str, cancel: threading.Event | None,
+                 choice: Callable[[int], Any]) -> None:
         self.pipe, self.boundary, self.sinks = pipe, boundary, sinks
-        self.run_id, self.cancel = run_id, cancel
+        self.run_id, self.cancel, self.choice = run_id, cancel, choice
 
     def run(self, conversation: list[Message], specs: list[ToolSpec], max_rounds: int,
             config: GenerationConfig | None, options: dict[str, Any]) -> ToolRun:
         rounds: list[Round] = []
         stopped = "answered"
         for number in range(max_rounds + 1):
-            completion = self._generate(conversation, specs, config, options)
+            choice = self.choice(number)
+            completion = self._generate(conversation, specs, config,
+                                        options if choice is None
+                                        else {**options, "tool_choice": choice})
             tracer = Tracer.resume(completion.trace, self.sinks)
             calls = completion.tool_calls
             conversation.append(Message("assistant", self._answer(completion) or None, calls))
@@ -124,6 +148,7 @@ class _Loop:
                 outcomes = self._skip(calls, tracer, "the request was cancelled")
             elif not calls:
                 outcomes = ()
+                stopped = _unanswered(completion) or stopped
             elif number == max_rounds:
                 stopped = "max_rounds"
                 outcomes = self._skip(calls, tracer, f"max_rounds={max_rounds} reached")
@@ -172,6 +197,16 @@ class _Loop:
             tracer.emit("tools", "tool.skipped", {"call_id": call.id, "name": call.name,
                                                   "reason": why}, parsed.get(call.id))
         return tuple(CallOutcome(call, None, "skipped", error=why) for call in calls)
+
+
+def _unanswered(completion: Completion) -> str | None:
+    """Why a completion with no call is no answer: ``malformed_call`` (the model wrote a call
+    the parser could not read), ``length`` (cut by ``max_tokens``); None for an answer."""
+    if any(e.event_type == "tool.malformed" for e in completion.trace):
+        return "malformed_call"
+    if completion.finish_reason is FinishReason.LENGTH:
+        return "length"
+    return None
 
 
 def _executors(pipe: Pipeline, tools: Sequence[Tool]) -> dict[str, ToolExecutor]:

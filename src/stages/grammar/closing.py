@@ -10,7 +10,7 @@ path from the start.
 The search is greedy and deterministic, not a shortest-path search: the matcher state has no
 identity to search over. At each state it takes the tokens the grammar forces (llguidance's
 fast-forward tokens), else the first single-character token the grammar allows in an order
-that closes structures first (``"`` ``}`` ``]``, then ``0`` ``,`` ``:`` ``.`` ``-`` and the
+that closes structures first (``"`` ``}`` ``]`` ``,``, then ``0`` ``:`` ``.`` ``-`` and the
 letters of ``null``/``true``/``false``, then the rest of printable ASCII), a character chosen
 three times in a row moving to the back so a pattern such as ``^a+b$`` ends. The path found is
 then re-encoded by the tokenizer (fewer tokens: ``"0001-01-01"`` is not ten tokens) when the
@@ -21,14 +21,16 @@ gives None (the processor then does not steer).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.protocols import Tokenizer
+from stages.grammar.guard import JsonGuard, JsonScan
 
 MAX_PATH = 1024
 """Tokens the search may take before it gives up (a grammar whose greedy path never closes)."""
-ORDER = '"}]0,:.-1 tfnaelorus'
+ORDER = '"}],0:.-1 tfnaelorus'
 """Characters tried first, structure-closing ones before the rest of printable ASCII."""
 RUN = 3
 """A character chosen this many times in a row is tried last at the next step."""
@@ -51,11 +53,17 @@ class Closer:
                 chars.setdefault(chr(text[0]), token)
         first = [c for c in ORDER if c in chars]
         self._order = [(c, chars[c]) for c in first + sorted(set(chars) - set(first))]
+        self._table = table
 
-    def path(self, matcher: Any) -> list[int] | None:
+    def path(self, matcher: Any, scan: JsonScan | None = None,
+             guard: JsonGuard | None = None) -> list[int] | None:
         """Token ids that take ``matcher`` (left unchanged) to an accepting state; ``[]``
-        when it accepts already; None when the search gives up or the matcher fails."""
+        when it accepts already; None when the search gives up or the matcher fails. With
+        a JSON ``scan`` of the output and its ``guard``, the path repeats no key and no
+        unique item either (a character that leads where nothing may follow is taken back
+        and the next one tried)."""
         m = matcher.deep_copy()
+        scan = copy.deepcopy(scan) if scan is not None and guard is not None else None
         path: list[int] = []
         last, run = "", 0
         while not m.is_accepting():
@@ -65,27 +73,52 @@ class Closer:
             taken = m.try_consume_tokens(forced) if forced else 0
             if taken:
                 path += forced[:taken]
+                self._feed(scan, forced[:taken])
                 last, run = "", 0
                 continue
-            pick = self._pick(m, last if run >= RUN else "")
+            pick = self._step(m, last if run >= RUN else "", scan, guard)
             if pick is None:
                 return None
-            char, token = pick
-            m.consume_token(token)
+            char, token, scan = pick
             path.append(token)
             run = run + 1 if char == last else 1
             last = char
         return self._shorter(matcher, path)
 
-    def _pick(self, m: Any, tired: str) -> tuple[str, int] | None:
-        """The first allowed single-character token, ``tired`` (if any) tried last."""
-        for char, token in self._order:
-            if char != tired and m.validate_tokens([token]) == 1:
-                return char, token
-        for char, token in self._order:
-            if char == tired and m.validate_tokens([token]) == 1:
-                return char, token
+    def _step(self, m: Any, tired: str, scan: JsonScan | None, guard: JsonGuard | None
+              ) -> tuple[str, int, JsonScan | None] | None:
+        """Consume the first allowed single-character token, ``tired`` (if any) tried last,
+        that the guard allows and after which something may follow; returns it and the scan
+        after it."""
+        banned = set(guard.forbidden(scan)) if guard is not None and scan is not None else set()
+        order = [c for c in self._order if c[0] != tired] + [c for c in self._order
+                                                              if c[0] == tired]
+        for char, token in order:
+            if token in banned or m.validate_tokens([token]) != 1:
+                continue
+            if scan is None:
+                m.consume_token(token)
+                return char, token, None
+            after = copy.deepcopy(scan)
+            self._feed(after, [token])
+            m.consume_token(token)
+            if m.is_accepting() or self._open(m, after, guard):
+                return char, token, after
+            m.rollback(1)
         return None
+
+    def _open(self, m: Any, scan: JsonScan, guard: JsonGuard | None) -> bool:
+        """Whether some token may follow in ``m`` that the guard allows at ``scan``."""
+        banned = set(guard.forbidden(scan)) if guard is not None else set()
+        forced = m.compute_ff_tokens()
+        if forced:
+            return forced[0] not in banned
+        return any(t not in banned and m.validate_tokens([t]) == 1 for _, t in self._order)
+
+    def _feed(self, scan: JsonScan | None, tokens: Sequence[int]) -> None:
+        if scan is not None:
+            scan.feed(b"".join(self._table[t] if t < len(self._table) else b""
+                               for t in tokens))
 
     def _shorter(self, matcher: Any, path: list[int]) -> list[int]:
         """``path``'s text as the tokenizer encodes it, when that is shorter and the matcher

@@ -35,12 +35,18 @@ accepts) is measured when the budget comes near it, and once the budget left wou
 the path, its EOS and :data:`MARGIN` tokens, the path's next token is the only one allowed;
 an output that accepts with no room to spare gets EOS only. So a schema whose objects stay
 open or whose numbers run on still ends valid, with ``finish_reason`` ``stop``.
+
+In a JSON output the guard of :mod:`stages.grammar.guard` also removes the tokens that would
+repeat a key of the open object or an item of a ``uniqueItems`` array (which the grammar
+engine's copy of the schema leaves out).
 :meth:`GrammarProcessor.check_request` refuses, before anything is queued, a request whose
 ``max_tokens`` cannot hold the closing path from its start (forced prefix included).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -55,6 +61,7 @@ from pipeline.protocols import Batch, Row, Scores, Tokenizer
 from pipeline.types import GenerationConfig
 from stages.grammar.bitmask import apply_bitmask, bitmask_words
 from stages.grammar.closing import Closer
+from stages.grammar.guard import JsonGuard, JsonScan, unique_paths
 from stages.grammar.vocab import ll_tokenizer, token_table
 
 MAX_COMPILED = 64
@@ -93,6 +100,10 @@ class _Track:
         """That path's length (None: the search gave up)."""
         self.jump = 0
         """The most one token has lengthened the path (measured on consecutive steps)."""
+        self.plan: tuple[list[int], int] = ([], 0)
+        """The closing path being followed and how many ids preceded it (none: ``[]``)."""
+        self.scan: JsonScan | None = None
+        """Where a JSON output is (keys and unique items so far: :mod:`stages.grammar.guard`)."""
 
     @property
     def broken(self) -> bool:
@@ -126,6 +137,8 @@ class GrammarProcessor:
         self._think: tuple[int, str] | None | bool = False   # False: not looked up yet
         self._tracks: OrderedDict[tuple[str, int], _Track] = OrderedDict()
         self._closer: Closer | None = None
+        self._guard: JsonGuard | None = None
+        self._unique: dict[str, frozenset[tuple[str, ...]]] = {}
         self._plain_masks: dict[int, torch.Tensor] = {}
         self._plain_packed: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()   # check_request runs on callers' threads
@@ -165,6 +178,10 @@ class GrammarProcessor:
         if track.broken:
             out.zero_()
         else:
+            if track.scan is not None:
+                for token in self._json_guard().forbidden(track.scan):
+                    if token < vocab:
+                        _set_bit(out, token, False)
             self._steer(row, track, out, logits)
         accepting = track.broken or m.is_accepting() or m.is_stopped()
         for eos in row.eos_token_ids:
@@ -179,12 +196,19 @@ class GrammarProcessor:
         it is among the :data:`CHECKED` likeliest and the path after it still fits."""
         done = len(row.output_ids)
         budget = row.config.max_tokens - done            # tokens left, this one included
+        plan, start = track.plan
+        if plan and done - start < len(plan) \
+                and list(row.output_ids[start:]) == plan[:done - start]:
+            out.zero_()                      # on a closing path already: follow it to its end
+            _set_bit(out, plan[done - start], True)
+            return
         before = track.distance
         near = before is not None and budget <= before + WINDOW + 2 * track.jump
         if not (near or track.measured_at < 0 or done - track.measured_at >= RECHECK):
             return
         closer = self._closing()
-        path = closer.path(track.matcher)
+        guard = self._json_guard() if track.scan is not None else None
+        path = closer.path(track.matcher, track.scan, guard)
         if path is not None and before is not None and track.measured_at == done - 1:
             track.jump = max(track.jump, len(path) - before + 1)
         track.measured_at, track.distance = done, None if path is None else len(path)
@@ -196,6 +220,7 @@ class GrammarProcessor:
         if slack <= 0:
             out.zero_()
             if path:
+                track.plan = (path, done)
                 _set_bit(out, path[0], True)
             return
         masked = logits.clone()
@@ -212,7 +237,12 @@ class GrammarProcessor:
                 continue
             after = track.matcher.deep_copy()
             after.consume_token(token)
-            then = closer.path(after)
+            scan = None
+            if track.scan is not None:
+                scan = copy.deepcopy(track.scan)
+                scan.feed(self._closing_table()[token] if token < len(self._closing_table())
+                          else b"")
+            then = closer.path(after, scan, guard)
             if then is not None and len(then) + 1 + MARGIN <= budget - 1:
                 _set_bit(out, token, True)
 
@@ -285,6 +315,9 @@ class GrammarProcessor:
                             and not track.matcher.rollback(track.valid - common)):
             track, common = self._fresh(grammar, compiled), 0
         track.valid = min(track.valid, common)
+        if common < len(track.ids) and track.scan is not None:   # went back: scan again
+            track.scan = self._scan(grammar, compiled)
+            self._feed(track, track.ids[:common])
         del track.ids[common:]
         self._consume(track, ids[common:])
         self._tracks[key] = track
@@ -298,10 +331,39 @@ class GrammarProcessor:
         if new and not track.broken:
             track.valid += track.matcher.try_consume_tokens(list(new))
             track.failed = bool(track.matcher.is_error())
+        self._feed(track, new)
         track.ids.extend(new)
 
+    def _feed(self, track: _Track, ids: Sequence[int]) -> None:
+        """Feed ``ids``' bytes to the track's JSON scan (if it has one)."""
+        if track.scan is not None and ids:
+            table = self._closing_table()
+            track.scan.feed(b"".join(table[i] if i < len(table) else b"" for i in ids))
+
     def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
-        return _Track(self._matcher(grammar, key), key)
+        track = _Track(self._matcher(grammar, key), key)
+        track.scan = self._scan(grammar, key)
+        return track
+
+    def _scan(self, grammar: Grammar, key: tuple[str, int, bool]) -> JsonScan | None:
+        """A fresh JSON scan for a JSON grammar's output (None for other grammars, and for an
+        output that starts as reasoning)."""
+        if grammar.kind not in ("json_schema", "json_object") or key[2]:
+            return None
+        with self._lock:
+            unique = self._unique.get(grammar.digest)
+            if unique is None:
+                unique = (unique_paths(json.loads(grammar.source))
+                          if grammar.kind == "json_schema" else frozenset())
+                self._unique[grammar.digest] = unique
+                while len(self._unique) > MAX_COMPILED:
+                    self._unique.pop(next(iter(self._unique)))
+        return JsonScan(unique)
+
+    def _json_guard(self) -> JsonGuard:
+        if self._guard is None:
+            self._guard = JsonGuard(self._closing_table())
+        return self._guard
 
     def _matcher(self, grammar: Grammar, key: tuple[str, int, bool]) -> Any:
         """A fresh copy of the compiled matcher of ``grammar`` at vocabulary width ``key[1]``,

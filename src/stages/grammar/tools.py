@@ -16,7 +16,8 @@ more when parallel calls are allowed, with the text the output is made to start 
 valid; with a JSON response format the answer is that JSON; without, free text). In both,
 ``name`` is one of the allowed tools' names and the arguments validate against that tool's
 ``parameters``, which must be an object schema (else :class:`InvalidValueError` naming the
-tool). A marker that is one special token of the model's vocabulary (``[TOOL_CALLS]`` in
+tool), rewritten as a response format's schema is (:mod:`pipeline.schema_compat`; a tool's
+``uniqueItems`` is not enforced inside a call). A marker that is one special token of the model's vocabulary (``[TOOL_CALLS]`` in
 Mistral's) is matched as that token (``<[id]>``), never as text, which a special token's id
 would not spell (the ``marker`` argument: :func:`text_marker` when every marker is text).
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import JSON_LAYOUT, ForcedCall, Grammar, Marker, text_marker
+from pipeline.schema_compat import without_unique
 from pipeline.types import ToolSpec
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -68,9 +70,8 @@ def _any_call(tools: Sequence[ToolSpec], arguments: str) -> dict[str, Any]:
     unsupported feature names its tool."""
     if not tools:
         raise InvalidValueError("tools", [], "no tool to call")
-    schemas = [call_schema(t, arguments) for t in tools]
-    for tool, schema in zip(tools, schemas, strict=True):
-        Grammar.json_schema(schema, field=f"tools[{tool.name}].parameters")
+    schemas = [without_unique(json.loads(Grammar.json_schema(
+        call_schema(t, arguments), field=f"tools[{t.name}].parameters").source)) for t in tools]
     return {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
 
 
@@ -84,7 +85,7 @@ def _answer(answer: Grammar) -> str:
     if answer.kind not in ("json_schema", "json_object"):
         raise InvalidValueError("grammar", answer.kind, "only a JSON answer combines with tools")
     return _json({"type": "object"} if answer.kind == "json_object"
-                 else json.loads(answer.source))
+                 else without_unique(json.loads(answer.source)))
 
 
 def _picked(tools: Sequence[ToolSpec], name: str) -> list[ToolSpec]:

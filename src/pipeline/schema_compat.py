@@ -1,0 +1,276 @@
+"""JSON Schema keywords the grammar engine lacks, rewritten into ones it has.
+
+Owns :func:`rewrite`, applied to every caller schema before it is compiled
+(:func:`pipeline.grammar.annotations_dropped` calls it for each subschema). Each rewrite gives a
+schema whose instances are instances of the original (never more), so an output valid for the
+rewrite is valid for what the caller sent; where that cannot be had, the keyword stays and the
+engine's refusal names it with its JSON Pointer.
+
+- ``dependentRequired`` and ``dependencies`` with a list (``{"a": ["b"]}``: with ``a``, also
+  ``b``): ``allOf`` of ``anyOf: [{"required": ["a", "b"]}, {"properties": {"a": false}}]``.
+- ``dependentSchemas`` and ``dependencies`` with a schema: the same, the schema joining the
+  first branch.
+- ``not``, where its complement is a schema: ``not {"required": [...]}`` (one of them absent),
+  ``not {"type": ...}`` (the other types), ``not {"const"/"enum"}`` over a sibling ``enum``, a
+  boolean or an integer (the other values; an integer's neighbours as ranges). Any other
+  ``not`` is refused.
+- ``propertyNames`` with only a ``pattern`` (or an ``enum``) on an object without
+  ``properties``: ``patternProperties`` (or ``properties``) of the additional-property schema,
+  and nothing else allowed.
+- ``oneOf`` whose branches exclude one another: ``anyOf`` (exactly one then holds). Branches
+  exclude one another when they allow different ``type``\\ s, or require one property with
+  different constant values, or are told apart by required properties (each branch then
+  forbids the properties only the others require). Otherwise refused, naming where.
+- ``if``/``then``/``else`` whose condition is one property's constant (``{"properties": {"k":
+  {"const": v}}}``, ``required`` or not) and whose sibling ``k`` is an ``enum`` or a boolean:
+  ``anyOf`` of the condition with ``then`` and of the other values with ``else``.
+
+``uniqueItems`` is not rewritten: no grammar compares items. :func:`without_unique` takes it
+out of the engine's copy of a schema (the :class:`~pipeline.grammar.Grammar` keeps it), and the
+grammar processor enforces it while the output is generated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def rewrite(node: dict[str, Any], root: Any, siblings: Mapping[str, Any] | None = None
+            ) -> dict[str, Any]:
+    """``node`` (one subschema, already copied, its own subschemas already rewritten) with
+    the keywords above rewritten in place and returned. ``root`` is the whole schema (for
+    local ``$ref``\ s); ``siblings`` are the ``properties`` of the object schema ``node``
+    applies to when it is an ``allOf`` branch of it (where a condition's property is
+    declared)."""
+    props = node.get("properties") if isinstance(node.get("properties"), Mapping) else None
+    context = props if props is not None else siblings
+    extra: list[Any] = []
+    for key in ("dependentRequired", "dependentSchemas", "dependencies"):
+        value = node.get(key)
+        if isinstance(value, Mapping) and _dependencies(value, extra):
+            del node[key]
+    if "not" in node:
+        done = _not(node, node["not"], context)
+        if done:
+            del node["not"]
+    if "propertyNames" in node:
+        _property_names(node)
+    if "if" in node:
+        branch = _condition(node, context)
+        if branch is not None:
+            for key in ("if", "then", "else"):
+                node.pop(key, None)
+            extra.append(branch)
+    if isinstance(node.get("oneOf"), list):
+        exclusive = _exclusive(node["oneOf"], root)
+        if exclusive is not None:
+            del node["oneOf"]
+            extra.append({"anyOf": exclusive})
+    if extra:
+        node["allOf"] = [*(node.get("allOf") or []), *extra]
+    return node
+
+
+def _dependencies(value: Mapping[str, Any], extra: list[Any]) -> bool:
+    """Append each dependency as an ``anyOf`` to ``extra``; False (nothing appended) when one
+    is neither a list of names nor a schema."""
+    parts = []
+    for name, need in value.items():
+        absent = {"properties": {name: False}}
+        if isinstance(need, list) and all(isinstance(n, str) for n in need):
+            parts.append({"anyOf": [{"required": [name, *need]}, absent]})
+        elif isinstance(need, (Mapping, bool)):
+            parts.append({"anyOf": [{"allOf": [{"required": [name]}, need]}, absent]})
+        else:
+            return False
+    extra.extend(parts)
+    return True
+
+
+def _not(node: dict[str, Any], negated: Any, context: Mapping[str, Any] | None) -> bool:
+    """Rewrite ``node["not"]`` into positive keywords of ``node``; False when it cannot."""
+    if not isinstance(negated, Mapping) or len(negated) != 1:
+        return False
+    (word, value), = negated.items()
+    if word == "required" and isinstance(value, list) and value:
+        node.setdefault("allOf", []).append(
+            {"anyOf": [{"properties": {name: False}} for name in value]})
+        return True
+    if word == "type":
+        banned = {value} if isinstance(value, str) else set(value)
+        if "integer" in banned and "number" not in banned:
+            return False
+        own = node.get("type")
+        allowed = ([own] if isinstance(own, str) else list(own)) if own else list(TYPES)
+        kept = [t for t in allowed if t not in banned and not (t == "integer" and "number"
+                                                                in banned)]
+        if not kept:
+            return False
+        node["type"] = kept
+        return True
+    if word in ("const", "enum"):
+        banned_values = [value] if word == "const" else value
+        return isinstance(banned_values, list) and _other_values(node, banned_values)
+    return False
+
+
+def _other_values(node: dict[str, Any], banned: list[Any]) -> bool:
+    """Keep ``node``'s values other than ``banned``: a sibling ``enum``/``const`` filtered, a
+    boolean's other value, an integer's neighbouring ranges."""
+    if isinstance(node.get("enum"), list):
+        node["enum"] = [v for v in node["enum"] if v not in banned]
+        return bool(node["enum"])
+    if node.get("type") == "boolean":
+        left = [v for v in (True, False) if v not in banned]
+        if not left:
+            return False
+        node["enum"] = left
+        return True
+    if node.get("type") == "integer" and all(isinstance(v, int) and not isinstance(v, bool)
+                                             for v in banned):
+        gaps: list[dict[str, Any]] = []
+        low: int | None = None
+        for v in sorted(set(banned)):
+            gaps.append({"maximum": v - 1} if low is None else
+                        {"minimum": low, "maximum": v - 1})
+            low = v + 1
+        gaps.append({"minimum": low})
+        node.setdefault("allOf", []).append({"anyOf": gaps})
+        return True
+    return False
+
+
+def _property_names(node: dict[str, Any]) -> None:
+    """``propertyNames`` as ``patternProperties`` / ``properties`` where that is exact."""
+    names = node["propertyNames"]
+    if not isinstance(names, Mapping) or node.get("properties") or node.get("patternProperties"):
+        return
+    each = node.get("additionalProperties", True)
+    if set(names) == {"pattern"} and isinstance(names["pattern"], str):
+        node["patternProperties"] = {names["pattern"]: each}
+    elif set(names) == {"enum"} and isinstance(names["enum"], list) \
+            and all(isinstance(n, str) for n in names["enum"]):
+        node["properties"] = {n: copy.deepcopy(each) for n in names["enum"]}
+    else:
+        return
+    node["additionalProperties"] = False
+    del node["propertyNames"]
+
+
+def _condition(node: dict[str, Any], context: Mapping[str, Any] | None) -> Any:
+    """``if``/``then``/``else`` as ``{"anyOf": [...]}`` (None when the condition is not one
+    property's constant over a declared enum or boolean)."""
+    condition = node["if"]
+    if not isinstance(condition, Mapping) or set(condition) - {"properties", "required"}:
+        return None
+    props = condition.get("properties")
+    if not isinstance(props, Mapping) or len(props) != 1:
+        return None
+    (name, test), = props.items()
+    if not isinstance(test, Mapping) or set(test) != {"const"}:
+        return None
+    required = condition.get("required", [])
+    if required not in ([], [name]) or context is None or name not in context:
+        return None
+    declared = context[name]
+    if not isinstance(declared, Mapping):
+        return None
+    if isinstance(declared.get("enum"), list):
+        others = [v for v in declared["enum"] if v != test["const"]]
+    elif declared.get("type") == "boolean" and isinstance(test["const"], bool):
+        others = [not test["const"]]
+    else:
+        return None
+    holds: dict[str, Any] = {"properties": {name: {"const": test["const"]}},
+                             **({"required": [name]} if required else {})}
+    then, other = node.get("then", True), node.get("else", True)
+    branches: list[Any] = [{"allOf": [holds, then]}]
+    if others:
+        branches.append({"allOf": [{"properties": {name: {"enum": others}},
+                                    "required": [name]}, other]})
+    if required:   # the condition also fails when the property is absent
+        branches.append({"allOf": [{"properties": {name: False}}, other]})
+    return {"anyOf": branches}
+
+
+def _exclusive(given: list[Any], root: Any) -> list[Any] | None:
+    """``given`` made (or found) mutually exclusive, for ``anyOf``; None if they cannot be.
+    A branch that is a local ``$ref`` is judged by the schema it names."""
+    branches = [_deref(b, root) for b in given]
+    if not all(isinstance(b, Mapping) for b in branches):
+        return None
+    types = [b.get("type") for b in branches]
+    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types):
+        return list(given)
+    if _discriminated(branches):
+        return list(given)
+    needs = [set(b.get("required", [])) if isinstance(b.get("required"), list) else set()
+             for b in branches]
+    if any(not n for n in needs):
+        return None
+    out = []
+    for i, branch in enumerate(given):
+        others = set().union(*(needs[j] - needs[i] for j in range(len(branches)) if j != i))
+        if any(not (needs[j] - needs[i]) for j in range(len(branches)) if j != i):
+            return None   # another branch requires nothing this one lacks: not separable
+        out.append({"allOf": [branch, {"properties": {n: False for n in sorted(others)}}]})
+    return out
+
+
+def _discriminated(branches: list[Any]) -> bool:
+    """Whether one property is required by every branch with a constant (``const`` or a
+    one-value ``enum``) that differs from branch to branch."""
+    common: set[str] | None = None
+    for b in branches:
+        required = set(b.get("required", [])) if isinstance(b.get("required"), list) else set()
+        common = required if common is None else common & required
+    for name in sorted(common or ()):
+        values = []
+        for b in branches:
+            prop = (b.get("properties") or {}).get(name)
+            if not isinstance(prop, Mapping):
+                break
+            if "const" in prop:
+                values.append(repr(prop["const"]))
+            elif isinstance(prop.get("enum"), list) and len(prop["enum"]) == 1:
+                values.append(repr(prop["enum"][0]))
+            else:
+                break
+        else:
+            if len(set(values)) == len(values):
+                return True
+    return False
+
+
+def _deref(node: Any, root: Any) -> Any:
+    """The schema a local ``{"$ref": "#/..."}`` names (followed a few times), else ``node``."""
+    from pipeline.grammar import _resolve
+
+    for _ in range(8):
+        if not (isinstance(node, Mapping) and set(node) == {"$ref"}):
+            return node
+        found = _resolve(root, node["$ref"])
+        if found is None:
+            return node
+        node = found
+    return node
+
+
+def without_unique(node: Any) -> Any:
+    """``node`` (a schema) without any ``uniqueItems``, for the engine."""
+    from pipeline.grammar import _subschemas
+
+    if not isinstance(node, Mapping):
+        return node
+    out = {k: v for k, v in node.items() if k != "uniqueItems"}
+    for key, within, _, child in _subschemas(node, ""):
+        if within is None:
+            out[key] = without_unique(child)
+        else:
+            out[key] = (list(out[key]) if isinstance(out[key], list) else dict(out[key]))
+            out[key][within] = without_unique(child)
+    return out

@@ -1,0 +1,241 @@
+"""What a grammar cannot say about JSON: no key twice in an object, no item twice in a unique array.
+
+Owns :class:`JsonGuard` (per tokenizer: which tokens would complete a given key or item) and
+:class:`JsonScan` (per output: where in the JSON the output is, the keys each open object has,
+the items each open ``uniqueItems`` array has). The grammar processor applies it to outputs of
+``json_schema`` and ``json_object`` grammars: each step, the tokens that would finish a key the
+object already has, or a string or number item the unique array already has, are removed from
+what the grammar allows. A context-free grammar cannot compare two keys, so an open object
+(``additionalProperties`` not false) would otherwise allow ``{"a": 1, "a": 2, "a": 3, ...}``
+until ``max_tokens``; JSON objects should not repeat names (RFC 8259), and a schema's
+``uniqueItems`` is taken out of the engine's copy of the schema
+(:func:`pipeline.schema_compat.without_unique`) and enforced here instead.
+
+What is compared is the text as written (the output's layout is fixed, so equal strings and
+numbers are written alike); arrays of objects or arrays under ``uniqueItems`` are not checked.
+Unique arrays are found by their place in the output (property names and array positions, an
+additional property matching any name), the union over ``anyOf``/``oneOf`` branches: an
+array is kept unique wherever some branch asks for it (a unique array is valid either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ANY = "\0*"
+"""A path step matching any array position or any additional property's name."""
+_SPACE = b" \t\n\r"
+_END = b" \t\n\r,]}"
+
+
+class JsonGuard:
+    """Token lookups over one vocabulary (``table``: every id's bytes), built once.
+
+    ``closing[text]``: the tokens that begin with ``text`` and then a ``"`` (they finish a
+    string whose rest is ``text``); ``whole[text]``: tokens that are blank or ``,`` then a whole
+    string ``"text"``; ``ending[text]``: tokens that are ``text`` then a ``,``, ``]`` or ``}``
+    (they finish a number or literal)."""
+
+    def __init__(self, table: Sequence[bytes]) -> None:
+        self.closing: dict[bytes, list[int]] = {}
+        self.whole: dict[bytes, list[int]] = {}
+        self.ending: dict[bytes, list[int]] = {}
+        for token, text in enumerate(table):
+            quote = text.find(b'"')
+            if quote >= 0 and b"\\" not in text[:quote]:
+                self.closing.setdefault(text[:quote], []).append(token)
+                lead = text[:quote].lstrip(_SPACE + b",")
+                if not lead:
+                    second = text.find(b'"', quote + 1)
+                    if second > 0 and b"\\" not in text[quote + 1:second]:
+                        self.whole.setdefault(text[quote + 1:second], []).append(token)
+            ends = [at for at in (text.find(b","), text.find(b"]"), text.find(b"}")) if at >= 0]
+            if ends:
+                self.ending.setdefault(text[:min(ends)], []).append(token)
+
+    def forbidden(self, scan: JsonScan) -> list[int]:
+        """The tokens that would repeat a key or a unique item where ``scan`` stands."""
+        if not scan.stack:
+            return []
+        frame = scan.stack[-1]
+        out: list[int] = []
+        seen = frame.seen
+        if not seen:
+            return out
+        if scan.string is not None and scan.string_frame is frame:
+            current = bytes(scan.string)
+            for earlier in seen:
+                if earlier.startswith(b'"') and earlier[1:-1].startswith(current):
+                    out += self.closing.get(earlier[1 + len(current):-1], [])
+        elif scan.scalar is not None and frame.kind == "a":
+            current = bytes(scan.scalar)
+            value = _number(current)
+            for earlier in seen:
+                if earlier.startswith(current) and not earlier.startswith(b'"'):
+                    out += self.ending.get(earlier[len(current):], [])
+                elif value is not None and _number(earlier) == value:   # -0 and 0, 1 and 1.0
+                    out += self.ending.get(b"", [])
+        elif scan.string is None and scan.scalar is None and frame.expect in (
+                ("key", "comma") if frame.kind == "o" else ("value", "comma")):
+            for earlier in seen:
+                if earlier.startswith(b'"'):
+                    out += self.whole.get(earlier[1:-1], [])
+        return out
+
+
+class _Frame:
+    __slots__ = ("kind", "path", "seen", "expect", "start", "key", "unique")
+
+    def __init__(self, kind: str, path: tuple[str, ...], start: int, unique: bool) -> None:
+        self.kind = kind              # "o" object, "a" array
+        self.path = path
+        self.seen: list[bytes] = []   # an object's keys / a unique array's items, as written
+        self.expect = "key" if kind == "o" else "value"
+        self.start = start            # where the array's current item began
+        self.key = ""
+        self.unique = unique
+
+
+class JsonScan:
+    """Where an output is in its JSON, fed the output's bytes as they come. ``unique`` holds
+    the paths (tuples of property names, :data:`ANY` for an array position or any name) of
+    the arrays whose items must differ."""
+
+    def __init__(self, unique: frozenset[tuple[str, ...]] = frozenset()) -> None:
+        self.unique = unique
+        self.text = bytearray()
+        self.stack: list[_Frame] = []
+        self.string: bytearray | None = None     # the open string's content so far
+        self.string_frame: _Frame | None = None  # whose key or item it is (None: neither)
+        self.escaped = False
+        self.scalar: bytearray | None = None     # the open number or literal so far
+
+    def feed(self, data: bytes) -> None:
+        """Read more of the output."""
+        for byte in data:
+            self._byte(byte)
+
+    def _byte(self, c: int) -> None:
+        at = len(self.text)
+        self.text.append(c)
+        if self.string is not None:
+            if self.escaped:
+                self.escaped = False
+            elif c == 0x5C:   # backslash
+                self.escaped = True
+            elif c == 0x22:   # the closing quote
+                self._string_done()
+                return
+            self.string.append(c)
+            return
+        if self.scalar is not None:
+            if c not in _END:
+                self.scalar.append(c)
+                return
+            self.scalar = None
+            self._value_done()
+        top = self.stack[-1] if self.stack else None
+        if c in _SPACE:
+            return
+        if c == 0x7B or c == 0x5B:   # { [
+            kind = "o" if c == 0x7B else "a"
+            path = self._child_path(top)
+            unique = kind == "a" and _matches(path, self.unique)
+            self.stack.append(_Frame(kind, path, at + 1, unique))
+        elif c == 0x22:
+            self.string = bytearray()
+            is_key = top is not None and top.kind == "o" and top.expect == "key"
+            item = top is not None and top.kind == "a" and top.unique
+            self.string_frame = top if (is_key or item) else None
+        elif c == 0x3A and top is not None:   # :
+            top.expect = "value"
+        elif c == 0x2C and top is not None:   # ,
+            if top.kind == "a":
+                self._item_done(top, at)
+                top.start, top.expect = at + 1, "value"
+            else:
+                top.expect = "key"
+        elif (c == 0x5D or c == 0x7D) and top is not None:   # ] }
+            if top.kind == "a":
+                self._item_done(top, at)
+            self.stack.pop()
+            self._value_done()
+        else:
+            self.scalar = bytearray([c])
+
+    def _child_path(self, top: _Frame | None) -> tuple[str, ...]:
+        if top is None:
+            return ()
+        return top.path + ((top.key,) if top.kind == "o" else (ANY,))
+
+    def _string_done(self) -> None:
+        assert self.string is not None
+        content, self.string, self.string_frame = bytes(self.string), None, None
+        top = self.stack[-1] if self.stack else None
+        if top is not None and top.kind == "o" and top.expect == "key":
+            top.seen.append(b'"' + content + b'"')
+            top.key = content.decode("utf-8", "replace")
+            top.expect = "colon"
+            return
+        self._value_done()
+
+    def _value_done(self) -> None:
+        if self.stack:
+            self.stack[-1].expect = "comma"
+
+    def _item_done(self, frame: _Frame, at: int) -> None:
+        if frame.unique:
+            item = bytes(self.text[frame.start:at]).strip(_SPACE)
+            if item:
+                frame.seen.append(item)
+
+
+def _number(text: bytes) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _matches(path: tuple[str, ...], patterns: frozenset[tuple[str, ...]]) -> bool:
+    return any(len(p) == len(path) and all(a == b or a == ANY for a, b in zip(p, path,
+                                                                             strict=True))
+               for p in patterns)
+
+
+def unique_paths(schema: Any) -> frozenset[tuple[str, ...]]:
+    """The output paths of the arrays ``schema`` marks ``uniqueItems`` (see the module
+    docstring), following local ``$ref``\\ s."""
+    from pipeline.grammar import _resolve
+
+    found: set[tuple[str, ...]] = set()
+    visiting: set[tuple[int, tuple[str, ...]]] = set()
+
+    def walk(node: Any, path: tuple[str, ...], depth: int) -> None:
+        if not isinstance(node, Mapping) or depth > 32 or (id(node), path) in visiting:
+            return
+        visiting.add((id(node), path))
+        if node.get("uniqueItems") is True:
+            found.add(path)
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            walk(_resolve(schema, ref), path, depth + 1)
+        for word in ("allOf", "anyOf", "oneOf"):
+            for branch in node.get(word) or ():
+                walk(branch, path, depth + 1)
+        for word in ("then", "else", "not"):
+            walk(node.get(word), path, depth + 1)
+        for name, sub in (node.get("properties") or {}).items():
+            walk(sub, (*path, name), depth + 1)
+        for sub in (node.get("patternProperties") or {}).values():
+            walk(sub, (*path, ANY), depth + 1)
+        walk(node.get("additionalProperties"), (*path, ANY), depth + 1)
+        for sub in (node.get("dependentSchemas") or {}).values():
+            walk(sub, path, depth + 1)
+        walk(node.get("items"), (*path, ANY), depth + 1)
+        for sub in node.get("prefixItems") or ():
+            walk(sub, (*path, ANY), depth + 1)
+
+    walk(schema, (), 0)
+    return frozenset(found)
