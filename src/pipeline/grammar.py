@@ -68,13 +68,10 @@ class Grammar:
     source: str = attrs.field(validator=attrs.validators.instance_of(str))
     field: str = attrs.field(default="grammar", eq=False)
     """The request field the grammar came from, for error messages."""
-    origin: Any = attrs.field(default=None, eq=False, repr=False)
-    """The caller's schema before its rewrites (where an error's JSON Pointer points)."""
 
     def __attrs_post_init__(self) -> None:
         schema = json.loads(self.source) if self.kind == "json_schema" else None
-        check(self.engine_source(), self.field,
-              self.origin if self.origin is not None else schema)
+        check(self.engine_source(), self.field, schema)
         if schema is not None:
             check_finite(schema, self.field)
 
@@ -91,7 +88,8 @@ class Grammar:
         if not isinstance(schema, (Mapping, bool)):
             raise InvalidValueError(field, schema, "a JSON schema is an object or a boolean")
         tidy = annotations_dropped(schema, field)
-        return cls("json_schema", json.dumps(tidy), field, schema)   # key order: the output's
+        check(_schema_source(tidy), field, schema)   # an error points into the caller's schema
+        return cls("json_schema", json.dumps(tidy), field)   # key order kept: the output's
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -156,11 +154,17 @@ class Grammar:
             options = " | ".join(json.dumps(o) for o in json.loads(self.source))
             return json.dumps({"grammars": [{"name": "main",
                                              "lark_grammar": f"start: {options}\n"}]})
-        schema: Any = ({"type": "object"} if self.kind == "json_object"
-                       else without_unique(json.loads(self.source)))
-        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                             overrides=cast(Any, JSON_LAYOUT))
-        return str(text)
+        return _schema_source({"type": "object"} if self.kind == "json_object"
+                              else json.loads(self.source))
+
+
+def _schema_source(schema: Any) -> str:
+    """The engine's grammar for a JSON schema (its ``uniqueItems`` left to the processor)."""
+    import llguidance
+
+    text = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(without_unique(schema)), overrides=cast(Any, JSON_LAYOUT))
+    return str(text)
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ engine's refusal names it with its JSON Pointer.
   ``properties``: ``patternProperties`` (or ``properties``) of the additional-property schema,
   and nothing else allowed.
 - ``oneOf`` whose branches exclude one another: ``anyOf`` (exactly one then holds). Branches
-  exclude one another when they allow different ``type``\\ s, or require one property with
+  exclude one another when they allow different types, or require one property with
   different constant values, or are told apart by required properties (each branch then
   forbids the properties only the others require). Otherwise refused, naming where.
 - ``if``/``then``/``else`` whose condition is one property's constant (``{"properties": {"k":
@@ -43,7 +43,7 @@ def rewrite(node: dict[str, Any], root: Any, siblings: Mapping[str, Any] | None 
             ) -> dict[str, Any]:
     """``node`` (one subschema, already copied, its own subschemas already rewritten) with
     the keywords above rewritten in place and returned. ``root`` is the whole schema (for
-    local ``$ref``\ s); ``siblings`` are the ``properties`` of the object schema ``node``
+    local local references); ``siblings`` are the ``properties`` of the object schema ``node``
     applies to when it is an ``allOf`` branch of it (where a condition's property is
     declared)."""
     props = node.get("properties") if isinstance(node.get("properties"), Mapping) else None

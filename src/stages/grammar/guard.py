@@ -206,7 +206,7 @@ def _matches(path: tuple[str, ...], patterns: frozenset[tuple[str, ...]]) -> boo
 
 def unique_paths(schema: Any) -> frozenset[tuple[str, ...]]:
     """The output paths of the arrays ``schema`` marks ``uniqueItems`` (see the module
-    docstring), following local ``$ref``\\ s."""
+    docstring), following local references (``$ref``)."""
     from pipeline.grammar import _resolve
 
     found: set[tuple[str, ...]] = set()
