@@ -225,7 +225,7 @@ REFUSALS = [
      "response_format.json_schema.schema"),
     ("openai", {"modalities": ["text", "audio"]}, "modalities[1]"),
     ("anthropic", {"output_config": {"format": {"type": "json_schema",  # not: unimplemented
-                                                "schema": {"not": {"type": "string"}}}}},
+                                                "schema": {"not": {"pattern": "^a"}}}}},
      "output_config.format.schema"),
     ("anthropic", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
      "tools[0].type"),

@@ -10,13 +10,17 @@ path from the start.
 The search is greedy and deterministic, not a shortest-path search: the matcher state has no
 identity to search over. At each state it takes the tokens the grammar forces (llguidance's
 fast-forward tokens), else the first single-character token the grammar allows in an order
-that closes structures first (``"`` ``}`` ``]`` ``,``, then ``0`` ``:`` ``.`` ``-`` and the
+that closes structures first (``"`` ``}`` ``]`` ``)`` ``>``, then ``,`` ``0`` ``:`` ``.`` ``-`` and the
 letters of ``null``/``true``/``false``, then the rest of printable ASCII), a character chosen
-three times in a row moving to the back so a pattern such as ``^a+b$`` ends. The path found is
+three times in a row moving to the back so a pattern such as ``^a+b$`` ends; when that search
+does not close within :data:`FIRST_TRY` tokens, a second one takes the least-used character
+first (an e-mail address needs its ``@``). In both, where a quote is not allowed, runs of
+up to three characters of :data:`LOOKAHEAD` are tried for the shortest after which one is (a
+string with a format or a pattern closes sooner), and its first character goes first. The path found is
 then re-encoded by the tokenizer (fewer tokens: ``"0001-01-01"`` is not ten tokens) when the
 matcher accepts that encoding. It is a valid completion, and an upper bound on the shortest
-one measured in the same tokens; a search that does not end within :data:`MAX_PATH` tokens
-gives None (the processor then does not steer).
+one measured in the same tokens; a second search that does not end within :data:`MAX_PATH`
+tokens gives None (the processor then does not steer).
 """
 
 from __future__ import annotations
@@ -28,10 +32,17 @@ from typing import Any
 from pipeline.protocols import Tokenizer
 from stages.grammar.guard import JsonGuard, JsonScan
 
-MAX_PATH = 1024
-"""Tokens the search may take before it gives up (a grammar whose greedy path never closes)."""
-ORDER = '"}],0:.-1 tfnaelorus'
+FIRST_TRY = 160
+"""Tokens the first search may take before the second is tried ..."""
+MAX_PATH = 512
+"""... and the second before the search gives up (a grammar whose greedy paths never close)."""
+ORDER = '"}])>,0:.-1 tfnaelorus'
 """Characters tried first, structure-closing ones before the rest of printable ASCII."""
+CLOSERS = '"}])>'
+"""Characters that end a structure: first in both searches."""
+LOOKAHEAD = "0aA@.-:/_ +"
+"""Characters tried in runs of up to three when a quote is not allowed, for the shortest run
+after which one is (formats and patterns: ``0@A`` closes an e-mail address)."""
 RUN = 3
 """A character chosen this many times in a row is tried last at the next step."""
 
@@ -53,6 +64,7 @@ class Closer:
                 chars.setdefault(chr(text[0]), token)
         first = [c for c in ORDER if c in chars]
         self._order = [(c, chars[c]) for c in first + sorted(set(chars) - set(first))]
+        self._chars = chars
         self._table = table
 
     def path(self, matcher: Any, scan: JsonScan | None = None,
@@ -62,12 +74,25 @@ class Closer:
         a JSON ``scan`` of the output and its ``guard``, the path repeats no key and no
         unique item either (a character that leads where nothing may follow is taken back
         and the next one tried)."""
+        for fresh in (False, True):
+            found = self._search(matcher, scan, guard, fresh)
+            if found is not None:
+                return self._shorter(matcher, found)
+        return None
+
+    def _search(self, matcher: Any, scan: JsonScan | None, guard: JsonGuard | None,
+                fresh: bool) -> list[int] | None:
+        """One greedy search: the order of :data:`ORDER` (``fresh`` False), or :data:`CLOSERS`
+        then the character used least so far (``fresh``: the second try, for a pattern the
+        first order loops in, as an e-mail address's ``@`` that comes after the letters)."""
         m = matcher.deep_copy()
         scan = copy.deepcopy(scan) if scan is not None and guard is not None else None
         path: list[int] = []
         last, run = "", 0
+        used: dict[str, int] | None = {} if fresh else None
+        limit = MAX_PATH if fresh else FIRST_TRY
         while not m.is_accepting():
-            if len(path) >= MAX_PATH or m.is_error() or m.is_stopped():
+            if len(path) >= limit or m.is_error() or m.is_stopped():
                 return None
             forced = list(m.compute_ff_tokens())
             taken = m.try_consume_tokens(forced) if forced else 0
@@ -76,23 +101,33 @@ class Closer:
                 self._feed(scan, forced[:taken])
                 last, run = "", 0
                 continue
-            pick = self._step(m, last if run >= RUN else "", scan, guard)
+            pick = self._step(m, last if run >= RUN else "", scan, guard, used)
             if pick is None:
                 return None
             char, token, scan = pick
             path.append(token)
             run = run + 1 if char == last else 1
             last = char
-        return self._shorter(matcher, path)
+            if used is not None:
+                used[char] = used.get(char, 0) + 1
+        return path
 
-    def _step(self, m: Any, tired: str, scan: JsonScan | None, guard: JsonGuard | None
-              ) -> tuple[str, int, JsonScan | None] | None:
-        """Consume the first allowed single-character token, ``tired`` (if any) tried last,
-        that the guard allows and after which something may follow; returns it and the scan
-        after it."""
+    def _step(self, m: Any, tired: str, scan: JsonScan | None, guard: JsonGuard | None,
+              used: dict[str, int] | None) -> tuple[str, int, JsonScan | None] | None:
+        """Consume the first allowed single-character token (``tired``, if any, tried last;
+        with ``used``, the least used first) that the guard allows and after which something
+        may follow; returns it and the scan after it."""
         banned = set(guard.forbidden(scan)) if guard is not None and scan is not None else set()
         order = [c for c in self._order if c[0] != tired] + [c for c in self._order
                                                               if c[0] == tired]
+        if used is not None:   # the closers keep their place; the rest, least used first
+            order.sort(key=lambda c: (c[0] not in CLOSERS or c[0] == tired,
+                                      0 if c[0] in CLOSERS else used.get(c[0], 0)))
+        quote = self._chars.get('"')
+        if quote is not None and (quote in banned or m.validate_tokens([quote]) != 1):
+            toward = self._toward_closer(m, quote)
+            if toward is not None:
+                order = [toward, *order]
         for char, token in order:
             if token in banned or m.validate_tokens([token]) != 1:
                 continue
@@ -105,6 +140,26 @@ class Closer:
             if m.is_accepting() or self._open(m, after, guard):
                 return char, token, after
             m.rollback(1)
+        return None
+
+    def _toward_closer(self, m: Any, quote: int) -> tuple[str, int] | None:
+        """The first character of the shortest run of :data:`LOOKAHEAD` characters (at most
+        three) after which a quote is allowed, if there is one (checked without consuming:
+        an e-mail address is ``0@A`` before its closing quote)."""
+        closers = [quote]
+        alphabet = [(c, self._chars[c]) for c in LOOKAHEAD if c in self._chars]
+        runs: list[list[tuple[str, int]]] = [[]]
+        for _ in range(3):
+            longer = []
+            for run in runs:
+                for pair in alphabet:
+                    tokens = [t for _, t in run] + [pair[1]]
+                    if m.validate_tokens(tokens) != len(tokens):
+                        continue
+                    if any(m.validate_tokens([*tokens, c]) == len(tokens) + 1 for c in closers):
+                        return (run + [pair])[0]
+                    longer.append(run + [pair])
+            runs = longer
         return None
 
     def _open(self, m: Any, scan: JsonScan, guard: JsonGuard | None) -> bool:

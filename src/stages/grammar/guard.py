@@ -76,8 +76,10 @@ class JsonGuard:
                     out += self.ending.get(earlier[len(current):], [])
                 elif value is not None and _number(earlier) == value:   # -0 and 0, 1 and 1.0
                     out += self.ending.get(b"", [])
-        elif scan.string is None and scan.scalar is None and frame.expect in (
-                ("key", "comma") if frame.kind == "o" else ("value", "comma")):
+        elif scan.string is None and (frame.kind == "o" and (
+                scan.scalar is not None or frame.expect in ("key", "comma"))
+                or frame.kind == "a" and scan.scalar is None and frame.expect in ("value",
+                                                                                  "comma")):
             for earlier in seen:
                 if earlier.startswith(b'"'):
                     out += self.whole.get(earlier[1:-1], [])

@@ -280,7 +280,12 @@ class GrammarProcessor:
         prefix = list(config.forced_prefix)
         if prefix and m.try_consume_tokens(prefix) != len(prefix):
             raise InvalidValueError(grammar.field, "(grammar)", "the forced prefix leaves it")
-        path = self._closing().path(m)
+        key = (grammar.digest, self._tok.vocab_size, False)
+        scan = self._scan(grammar, key)
+        if scan is not None:
+            table = self._closing_table()
+            scan.feed(b"".join(table[i] if i < len(table) else b"" for i in prefix))
+        path = self._closing().path(m, scan, self._json_guard() if scan is not None else None)
         if path is not None and len(prefix) + len(path) + 1 > config.max_tokens:
             raise InvalidValueError(
                 "max_tokens", config.max_tokens,

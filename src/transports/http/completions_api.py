@@ -23,12 +23,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from pipeline.errors import InvalidValueError
 from pipeline.protocols import Detokenizer, DocumentEncoder, Tokenizer
 from pipeline.types import Completion, Delta, FinishReason, Request, TokenLogprob, Usage
 from transports.http.choices import total_usage
 from transports.http.common import Parsed, RawPrompt, RawPrompts, ServerDefaults, config_from
-from transports.http.documented import unsupported
+from transports.http.documented import structured_outputs, unsupported
 from transports.http.fields import Obj, check
 from transports.http.openai_api import (
     TEXT_NUMBERS, choice_count, finish_word, sampling, stream_end, stream_options, token_of,
@@ -105,8 +107,10 @@ def parse_completions(raw: Any, defaults: ServerDefaults) -> Parsed:
     stream = body.get("stream", "boolean", False)
     include_usage = stream_options(body, stream)
     user = body.get("user", "string")
+    grammar = structured_outputs(body, None)
     body.done()
     config = config_from(fields, DEFAULT_MAX_TOKENS if given is None else given, defaults)
+    config = attrs.evolve(config, grammar=grammar)
     first = prompts[0]
     request = Request(prompt=first if isinstance(first, str) else None,
                       prompt_ids=None if isinstance(first, str) else first,

@@ -134,6 +134,64 @@ def response_format(body: Obj) -> Grammar | None:
     return grammar
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: Obj, fmt: Grammar | None) -> Grammar | None:
+    """The constraint fields vLLM's OpenAI server takes, beside ``response_format``
+    (``fmt``): ``structured_outputs`` (one of ``json`` (a schema), ``regex``, ``choice`` (a list
+    of strings), ``grammar`` (Lark or EBNF text), ``json_object: true``) and the older
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
+    (``guided_decoding_backend`` and ``guided_whitespace_pattern`` are type-checked and
+    ignored: there is one engine, and JSON has one layout). At most one constraint per
+    request, counting ``response_format``; each is a 400 naming its field when it does not
+    compile."""
+    asked: list[tuple[str, str, Any]] = []
+    spec = body.obj("structured_outputs")
+    if spec is not None:
+        for name in _CONSTRAINTS:
+            if spec.has(name) and spec.value[name] is not None:
+                asked.append((f"structured_outputs.{name}", name, spec.value[name]))
+        spec.get("disable_fallback", "boolean")
+        spec.get("disable_any_whitespace", "boolean")
+        spec.get("disable_additional_properties", "boolean")
+        spec.get("whitespace_pattern", "string")
+        spec.done()
+    for field, kind in _GUIDED.items():
+        if body.has(field) and body.value[field] is not None:
+            asked.append((field, kind, body.value[field]))
+    body.get("guided_decoding_backend", "string")
+    body.get("guided_whitespace_pattern", "string")
+    if len(asked) + (fmt is not None) > 1:
+        names = [a[0] for a in asked] + (["response_format"] if fmt is not None else [])
+        raise InvalidValueError(names[1], "(constraint)",
+                                f"give one constraint, not {' and '.join(names)}")
+    if not asked:
+        return fmt
+    field, kind, value = asked[0]
+    if kind == "json":
+        if not isinstance(value, (dict, bool, str)):
+            raise InvalidValueError(field, value, "must be a JSON schema (an object)")
+        return Grammar.json_schema(value, field=field)
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidValueError(field, value, "must be true")
+        return Grammar.json_object()
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise InvalidValueError(field, value, "must be a string")
+        return Grammar.regex(value, field=field)
+    if kind == "choice":
+        if not isinstance(value, list):
+            raise InvalidValueError(field, value, "must be a list of strings")
+        return Grammar.choice(value, field=field)
+    if not isinstance(value, str):
+        raise InvalidValueError(field, value, "must be a grammar's text (Lark or EBNF)")
+    return Grammar.text(value, field=field)
+
+
 # --- Anthropic -----------------------------------------------------------------------------
 
 _BETA_REFUSED = {

@@ -79,7 +79,8 @@ class Limits:
     max_stop_chars: int = _limit(1024, "characters in one stop string")
     max_tools: int = _limit(128, "tools in one request")
     max_tool_schema_bytes: int = _limit(64 * 1024, "bytes of one tool's compact JSON definition "
-                                               "or of a response format's JSON schema")
+                                               "or of a response format's JSON schema (or "
+                                               "other output constraint)")
     max_prompt_chars: int = _limit(1_000_000, "characters of prompt text, before tokenizing")
     max_logit_bias: int = _limit(2048, "logit_bias entries in one request")
     max_n: int = _limit(16, "choices in one request (n, times the prompts of a batched "
@@ -168,6 +169,18 @@ class Limits:
                     raise LimitExceededError(field, "max_tool_schema_bytes", size,
                                              self.max_tool_schema_bytes,
                                              "bytes of JSON schema")
+        spec = body.get("structured_outputs")
+        constraints = [(f"structured_outputs.{k}", v) for k, v in spec.items()] \
+            if isinstance(spec, dict) else []
+        constraints += [(k, body[k]) for k in ("guided_json", "guided_regex", "guided_choice",
+                                               "guided_grammar") if k in body]
+        for field, value in constraints:
+            size = _compact_size(value)
+            if size > self.max_tool_schema_bytes:
+                raise LimitExceededError(field, "max_tool_schema_bytes", size,
+                                         self.max_tool_schema_bytes,
+                                         "bytes of output constraint (schema, regular "
+                                         "expression, choices or grammar)")
 
 
 def _compact_size(value: Any) -> int:

@@ -32,6 +32,7 @@ from transports.http.common import (
 )
 from transports.http.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
+    structured_outputs,
 )
 from transports.http.fields import Obj, check
 from transports.http.output import Part, TextPart, calls_of
@@ -205,7 +206,7 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     openai_ignored(body)
     effort = openai_chat_ignored(body)
     openai_chat_refused(body)
-    grammar = response_format(body)
+    grammar = structured_outputs(body, response_format(body))
     body.done()
     config = attrs.evolve(config, grammar=grammar)
     thinking = {} if effort is None else {"enable_thinking": effort != "none"}

@@ -211,6 +211,7 @@ def _chat_request(max_n: int) -> Schema:
              "description": "json_object / json_schema: the output is one JSON object (valid "
                             "for the schema) by construction, strict or not; a schema feature "
                             "the grammar engine lacks is a 400"},
+         **_constraints(),
          "modalities": {**array({"const": "text"}), "description": "only text comes out"},
          "audio": refused("audio output"),
          "functions": refused("deprecated; send `tools`"),
@@ -239,7 +240,32 @@ def _completions_request(max_n: int) -> Schema:
          "best_of": integer(1, max_n, "must equal n (no server-side ranking)"),
          "suffix": {"const": "", "description": "not supported here: no fill-in-the-middle "
                                                 "(a 400 unless empty)"},
-         "stream": BOOLEAN, "stream_options": _stream_options(), "user": STRING})
+         "stream": BOOLEAN, "stream_options": _stream_options(), "user": STRING,
+         **_constraints()})
+
+
+def _constraints() -> dict[str, Schema]:
+    """vLLM's output-constraint fields (one constraint per request, ``response_format``
+    counted)."""
+    text = {"type": "string", "minLength": 1, "maxLength": 4096}
+    choice = array({"type": "string", "minLength": 1, "maxLength": 256}, minItems=1,
+                   maxItems=64)
+    why = ("the output follows it by construction; one constraint per request "
+           "(response_format counted); one that does not compile is a 400")
+    return {
+        "structured_outputs": {**request_object({}, {
+            "json": OBJECT, "regex": text, "choice": choice, "grammar": text,
+            "json_object": {"const": True}, "disable_fallback": BOOLEAN,
+            "disable_any_whitespace": BOOLEAN, "disable_additional_properties": BOOLEAN,
+            "whitespace_pattern": STRING}), "description": "give at most one of json, regex, "
+                                                            "choice, grammar (Lark or EBNF) "
+                                                            "and json_object: " + why},
+        "guided_json": {**OBJECT, "description": "a JSON schema (older form): " + why},
+        "guided_regex": {**text, "description": "a regular expression (older form): " + why},
+        "guided_choice": {**choice, "description": "strings (older form): " + why},
+        "guided_grammar": {**text, "description": "Lark or EBNF text (older form): " + why},
+        "guided_decoding_backend": {**STRING, "description": "accepted, ignored"},
+        "guided_whitespace_pattern": {**STRING, "description": "accepted, ignored"}}
 
 
 # --- the Anthropic dialect's requests --------------------------------------------------------
