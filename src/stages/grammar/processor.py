@@ -79,9 +79,10 @@ RECHECK = 16
 """... and every this many tokens before that (a path may grow as the output nests)."""
 CHECKED = 8
 """Structure-opening tokens checked per step near the budget (the likeliest ones)."""
-STRUCTURAL = frozenset(b'{[,:"<\n')
+STRUCTURAL = frozenset(b'{[(,;:"<\n')
 """Bytes with which a token may open a structure (an object, an array, a string, a key, a
-tool-call marker) and so lengthen the closing path by more than a token."""
+tool-call marker, another call after ``;``) and so lengthen the closing path by more than a
+token."""
 
 
 class _Track:

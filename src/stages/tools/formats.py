@@ -27,7 +27,7 @@ LLAMA_CALL = re.compile(r'\{"name": *"[^"]*", *"parameters": *[{"]')
 class HermesReader(CallReader):
     """``<tool_call>`` … ``</tool_call>`` blocks among answer text. Reasoning
     (``<think>`` … ``</think>``, which Qwen3 writes first) is text: a call it mentions is not
-    made."""
+    made. A ``</tool_call>`` inside one of the call's JSON strings is that string's content."""
 
     def __init__(self, request_id: str) -> None:
         super().__init__(request_id)
@@ -54,6 +54,9 @@ class HermesReader(CallReader):
             else:
                 self._take_text(self._buffer[:at])
             self._buffer = self._buffer[at + len(marker):]
+            if marker == TOOL_CLOSE and self._scanner is not None and self._scanner.in_string:
+                self._take_text(marker)   # inside one of the call's strings: its content
+                continue
             if marker == TOOL_OPEN:
                 self._open(TOOL_OPEN)
             elif marker == TOOL_CLOSE:

@@ -92,6 +92,12 @@ class CallScanner:
             self._char(char)
         return ""
 
+    @property
+    def in_string(self) -> bool:
+        """Whether the object's text so far ends inside a JSON string (a marker read there is
+        the string's content, not markup)."""
+        return self._in_string
+
     def spoil(self) -> None:
         """Mark the object as no call (its reader saw text where none may be)."""
         self.broken = True
