@@ -197,3 +197,74 @@ def test_strict_tools_make_every_call_valid_and_leave_text_free(oai: openai.Open
             calls += 1
         texts += bool(message.content) and "<tool_call>" not in (message.content or "")
     assert calls and texts
+
+
+def test_vllm_constraint_fields_over_both_openai_endpoints(oai: openai.OpenAI) -> None:
+    import re
+
+    chat = oai.chat.completions.create(model="default", messages=ASK, max_tokens=16, seed=1,
+                                       extra_body={"structured_outputs": {
+                                           "regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", chat.choices[0].message.content or "")
+    assert chat.choices[0].finish_reason == "stop"
+    picked = oai.chat.completions.create(model="default", messages=ASK, max_tokens=8, seed=2,
+                                         extra_body={"guided_choice": ["north", "south"]})
+    assert picked.choices[0].message.content in ("north", "south")
+    text = oai.completions.create(model="default", prompt="Point:", max_tokens=48, seed=3,
+                                  extra_body={"guided_json": POINT})
+    jsonschema.validate(json.loads(text.choices[0].text), POINT)
+    grammar = 'root ::= "<" [a-z]+ ">"'
+    for stream in (False, True):
+        if stream:
+            pieces = oai.chat.completions.create(model="default", messages=ASK, max_tokens=16,
+                                                 seed=4, stream=True, extra_body={
+                                                     "structured_outputs": {"grammar": grammar}})
+            out = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+        else:
+            out = oai.chat.completions.create(
+                model="default", messages=ASK, max_tokens=16, seed=4,
+                extra_body={"structured_outputs": {"grammar": grammar}}
+            ).choices[0].message.content or ""
+        assert re.fullmatch("<[a-z]+>", out), out
+
+
+def test_constraint_and_budget_refusals_are_400s(oai: openai.OpenAI) -> None:
+    cases: list[tuple[dict[str, Any], str, int]] = [
+        ({"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs.regex", 16),
+        ({"guided_choice": "north"}, "guided_choice", 16),
+        ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "guided_regex", 16),
+        ({"guided_json": {"type": "object", "required": ["a"], "properties": {
+            "a": {"type": "string", "minLength": 200}}}}, "max_tokens", 8),
+    ]
+    for extra, field, budget in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model="default", messages=ASK, max_tokens=budget,
+                                        extra_body=extra)
+        assert field in str(err.value), err.value
+
+
+def test_parallel_tool_calls_false_allows_one_call(oai: openai.OpenAI,
+                                                   claude: anthropic.Anthropic) -> None:
+    for seed in range(6):
+        done = oai.chat.completions.create(model="default", messages=ASK, tools=[TOOL, OTHER],
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           max_tokens=64, seed=seed)
+        calls = done.choices[0].message.tool_calls or []
+        assert len(calls) == 1 and done.choices[0].finish_reason == "tool_calls"
+        message = claude.messages.create(
+            model="default", max_tokens=64, messages=ASK,  # type: ignore[arg-type]
+            tools=[{"name": "locate", "description": "Find a place", "input_schema": POINT}],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            extra_body={"seed": seed})
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert len(uses) == 1 and message.stop_reason == "tool_use"
+        jsonschema.validate(uses[0].input, POINT)
+
+
+def test_a_tool_whose_parameters_are_not_an_object_is_a_400_when_forced(
+        oai: openai.OpenAI) -> None:
+    scalar = {"type": "function", "function": {"name": "echo", "description": "Echo",
+                                               "parameters": {"type": "string"}}}
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        oai.chat.completions.create(model="default", messages=ASK, tools=[scalar],
+                                    tool_choice="required", max_tokens=16)
