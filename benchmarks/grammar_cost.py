@@ -3,9 +3,14 @@
 The embedded default model (``build()``, SmolLM2-135M, V = 49,152), batch 1 and 8, same run.
 ``decode``: B requests submitted together (``ignore_eos``, ``--tokens`` each) run in
 lockstep; a step is (total - first token) / (tokens - 1) of a request, median of the B.
-``grammar``: the pipeline's own ``grammar`` processor on B rows of a JSON-schema request, at
-every step of a valid instance's token path (each row's matcher advanced by one token per
-step, its bitmask computed and applied to ``[B, V]`` logits), median per step. The ratio is
+``grammar``: the pipeline's own ``grammar`` processor on B rows of a constrained request, at
+every step of a valid output's token path (each row's matcher advanced by one token per
+step, its bitmask computed and applied to ``[B, V]`` logits), median per step, for each
+constraint kind: a JSON schema, any JSON object (the repeated-key guard working), a regular
+expression, a choice among 24 strings, and a forced Hermes tool call (a Lark grammar with an
+embedded schema); each with a roomy ``max_tokens`` (1024) and with a budget that leaves only
+four tokens of slack beside the output (the closing path measured and the likeliest
+structure-opening tokens checked at every step: the steering's worst case). The ratio is
 grammar / decode; the goal is at most 10 %. Prints a table and writes
 ``benchmarks/results/grammar_cost.json`` (with ``/proc/loadavg`` before and after).
 
@@ -55,14 +60,36 @@ def decode_step(pipe: Any, batch: int, tokens: int) -> float:
     return statistics.median(steps)
 
 
-def grammar_step(proc: GrammarProcessor, path: list[int], batch: int, vocab: int,
-                 round_: int) -> float:
-    config = GenerationConfig(grammar=Grammar.json_schema(SCHEMA))
+def kinds(tok: Any) -> list[tuple[str, Grammar, str, tuple[int, ...]]]:
+    """(name, grammar, a valid output, forced prefix ids) per constraint kind."""
+    from pipeline.tool_choice import special_marker
+    from pipeline.types import ToolSpec
+    from stages.grammar.tools import HermesCalls
+
+    words = [f"option number {i}" for i in range(24)]
+    tool = ToolSpec("get_weather", "Weather", {"type": "object", "required": ["city", "unit"],
+                                               "properties": {"city": {"type": "string"},
+                                                              "unit": {"enum": ["c", "f"]}}})
+    forced = HermesCalls().forced([tool], parallel=False, marker=special_marker(tok))
+    call = forced.prefix + '{"name": "get_weather", "arguments": {"city": "Paris", ' \
+                           '"unit": "c"}}\n</tool_call>'
+    prefix = tuple(tok.encode_text(forced.prefix, special=True))
+    return [("json_schema", Grammar.json_schema(SCHEMA), INSTANCE, ()),
+            ("json_object", Grammar.json_object(), INSTANCE, ()),
+            ("regex", Grammar.regex(r"[A-Z][a-z]+( [A-Z][a-z]+)*, [0-9]{5}"),
+             "Ada Lovelace Byron, 12345", ()),
+            ("choice", Grammar.choice(words), words[17], ()),
+            ("tool_call", forced.grammar, call, prefix)]
+
+
+def grammar_step(proc: GrammarProcessor, grammar: Grammar, path: list[int], batch: int,
+                 vocab: int, round_: int, max_tokens: int) -> float:
+    config = GenerationConfig(grammar=grammar, max_tokens=max_tokens)
     logits = torch.randn(batch, vocab)
     times = []
     for t in range(len(path)):
-        rows = tuple(Row(f"r{round_}-{b}", config, (1,), path[:t], t + 1, b, frozenset({2}))
-                     for b in range(batch))
+        rows = tuple(Row(f"r{round_}-{max_tokens}-{b}", config, (1,), path[:t], t + 1, b,
+                         frozenset({2})) for b in range(batch))
         t0 = time.perf_counter()
         proc(Scores(logits), Batch(rows, vocab))
         times.append(time.perf_counter() - t0)
@@ -82,21 +109,27 @@ def main() -> None:
         tok = pipe.stages.tokenizer
         assert tok is not None
         proc = GrammarProcessor(tok)
-        path = tok.encode_text(INSTANCE)
+        print(f"{'batch':>5} {'kind':>12} {'budget':>7} {'decode ms':>10} {'mask ms':>8} "
+              f"{'ratio':>7}")
         for batch in (1, 8):
             decode_step(pipe, batch, 8)                                   # warm-up
             dec = statistics.median(decode_step(pipe, batch, args.tokens)
                                     for _ in range(args.rounds))
-            gram = statistics.median(grammar_step(proc, path, batch, tok.vocab_size, r)
-                                     for r in range(args.rounds))
-            rows.append({"batch": batch, "decode_step_ms": dec * 1e3,
-                         "grammar_step_ms": gram * 1e3, "ratio": gram / dec})
-            print(f"batch {batch}: decode step {dec * 1e3:7.2f} ms   grammar mask "
-                  f"{gram * 1e3:6.3f} ms   ratio {gram / dec:6.1%}", flush=True)
+            for name, grammar, output, prefix in kinds(tok):
+                path = list(prefix) + tok.encode_text(output[len(tok.decode(list(prefix))):]
+                                                      if prefix else output)
+                for budget, max_tokens in (("roomy", 1024), ("tight", len(path) + 4)):
+                    gram = statistics.median(
+                        grammar_step(proc, grammar, path, batch, tok.vocab_size, r, max_tokens)
+                        for r in range(args.rounds))
+                    rows.append({"batch": batch, "kind": name, "budget": budget,
+                                 "decode_step_ms": dec * 1e3, "grammar_step_ms": gram * 1e3,
+                                 "ratio": gram / dec, "path_tokens": len(path)})
+                    print(f"{batch:>5} {name:>12} {budget:>7} {dec * 1e3:10.2f} "
+                          f"{gram * 1e3:8.3f} {gram / dec:7.1%}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows, "loadavg_before": before,
-                                    "loadavg_after": _loadavg(), "vocab": 49152,
-                                    "path_tokens": len(path)}, indent=1))
+                                    "loadavg_after": _loadavg(), "vocab": 49152}, indent=1))
     print(f"loadavg before {' '.join(before)}, after {' '.join(_loadavg())}; wrote {args.out}")
 
 

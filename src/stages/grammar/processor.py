@@ -77,7 +77,10 @@ WINDOW = 32
 of the last measure ..."""
 RECHECK = 16
 """... and every this many tokens before that (a path may grow as the output nests)."""
-CHECKED = 8
+RETRIES = 3
+"""A failed search (the output ends inside a character's bytes, say) is tried again at each
+of the next this many steps before waiting :data:`RECHECK` steps."""
+CHECKED = 4
 """Structure-opening tokens checked per step near the budget (the likeliest ones)."""
 STRUCTURAL = frozenset(b'{[(,;:"<\n')
 """Bytes with which a token may open a structure (an object, an array, a string, a key, a
@@ -101,8 +104,13 @@ class _Track:
         """That path's length (None: the search gave up)."""
         self.jump = 0
         """The most one token has lengthened the path (measured on consecutive steps)."""
+        self.misses = 0
+        """Searches for the path that failed in a row (mid-character, say: tried again)."""
         self.plan: tuple[list[int], int] = ([], 0)
         """The closing path being followed and how many ids preceded it (none: ``[]``)."""
+        self.path: tuple[list[int], int] = ([], 0)
+        """The last closing path measured and how many ids preceded it: while the output
+        follows it, the rest of it is the path (no new search)."""
         self.scan: JsonScan | None = None
         """Where a JSON output is (keys and unique items so far: :mod:`stages.grammar.guard`)."""
 
@@ -205,14 +213,22 @@ class GrammarProcessor:
             return
         before = track.distance
         near = before is not None and budget <= before + WINDOW + 2 * track.jump
-        if not (near or track.measured_at < 0 or done - track.measured_at >= RECHECK):
+        retry = before is None and 0 < track.misses <= RETRIES   # a search that failed
+        if not (near or retry or track.measured_at < 0 or done - track.measured_at >= RECHECK):
             return
         closer = self._closing()
         guard = self._json_guard() if track.scan is not None else None
-        path = closer.path(track.matcher, track.scan, guard)
+        last, at = track.path
+        if last and 0 < done - at <= len(last) and list(row.output_ids[at:]) == last[:done - at]:
+            path: list[int] | None = last[done - at:]   # the rest of a path is a path
+        else:
+            path = closer.path(track.matcher, track.scan, guard)
+            if path is not None:
+                track.path = (path, done)
         if path is not None and before is not None and track.measured_at == done - 1:
             track.jump = max(track.jump, len(path) - before + 1)
         track.measured_at, track.distance = done, None if path is None else len(path)
+        track.misses = track.misses + 1 if path is None else 0
         if path is None:
             return
         slack = budget - (len(path) + 1 + MARGIN)
@@ -234,8 +250,8 @@ class GrammarProcessor:
         for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
             if value == float("-inf"):
                 break
-            if token in row.eos_token_ids:
-                continue
+            if token in row.eos_token_ids or (path and token == path[0]):
+                continue   # EOS is the grammar's; the path's own next token fits
             after = track.matcher.deep_copy()
             after.consume_token(token)
             scan = None
