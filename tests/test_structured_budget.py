@@ -188,3 +188,20 @@ def test_bad_constraints_are_errors_that_name_them(tiny: Any) -> None:
         tiny.generate(ASK, grammar="root ::= (")
     with pytest.raises(InvalidValueError, match="give one of"):
         tiny.generate(ASK, regex="a", choice=["a"])
+
+
+def test_unique_enum_items_never_run_into_a_dead_end(tiny: Any) -> None:
+    # once "admin" is taken, '"admin' leads nowhere; once every value is taken, neither does
+    # another item: the guard must see that before, not leave the grammar no token
+    schemas = [
+        {"type": "object", "required": ["scopes"], "additionalProperties": False,
+         "properties": {"scopes": {"type": "array", "minItems": 1, "uniqueItems": True,
+                                   "items": {"enum": ["read:orders", "write:orders", "admin",
+                                                      "admin:all"]}}}},
+        {"type": "array", "minItems": 1, "uniqueItems": True,
+         "items": {"enum": ["a", "b", "c"]}},
+    ]
+    for schema in schemas:
+        for done in _each(tiny, 16, json_schema=schema, max_tokens=64, temperature=1.3):
+            jsonschema.validate(json.loads(done.text), schema)
+            assert done.finish_reason.value == "eos"

@@ -137,7 +137,7 @@ class Closer:
             after = copy.deepcopy(scan)
             self._feed(after, [token])
             m.consume_token(token)
-            if m.is_accepting() or self._open(m, after, guard):
+            if m.is_accepting() or self.can_continue(m, after, guard):
                 return char, token, after
             m.rollback(1)
         return None
@@ -162,8 +162,9 @@ class Closer:
             runs = longer
         return None
 
-    def _open(self, m: Any, scan: JsonScan, guard: JsonGuard | None) -> bool:
-        """Whether some token may follow in ``m`` that the guard allows at ``scan``."""
+    def can_continue(self, m: Any, scan: JsonScan, guard: JsonGuard | None) -> bool:
+        """Whether some token may follow in ``m`` that the guard allows at ``scan`` (the
+        grammar's forced token, or a single character)."""
         banned = set(guard.forbidden(scan)) if guard is not None else set()
         forced = m.compute_ff_tokens()
         if forced:

@@ -59,7 +59,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar, after_thinking
 from pipeline.protocols import Batch, Row, Scores, Tokenizer
 from pipeline.types import GenerationConfig
-from stages.grammar.bitmask import apply_bitmask, bitmask_words
+from stages.grammar.bitmask import allowed_mask, apply_bitmask, bitmask_words
 from stages.grammar.closing import Closer
 from stages.grammar.guard import JsonGuard, JsonScan, unique_paths
 from stages.grammar.vocab import ll_tokenizer, token_table
@@ -77,6 +77,9 @@ WINDOW = 32
 of the last measure ..."""
 RECHECK = 16
 """... and every this many tokens before that (a path may grow as the output nests)."""
+FEW = 64
+"""Inside a guarded string with at most this many tokens allowed, each is checked for a way
+on (an enum's values can run into a dead end once one is taken)."""
 RETRIES = 3
 """A failed search (the output ends inside a character's bytes, say) is tried again at each
 of the next this many steps before waiting :data:`RECHECK` steps."""
@@ -188,14 +191,48 @@ class GrammarProcessor:
             out.zero_()
         else:
             if track.scan is not None:
-                for token in self._json_guard().forbidden(track.scan):
-                    if token < vocab:
-                        _set_bit(out, token, False)
+                self._guard_row(row, track, out, vocab)
             self._steer(row, track, out, logits)
         accepting = track.broken or m.is_accepting() or m.is_stopped()
         for eos in row.eos_token_ids:
             if eos < vocab:
                 _set_bit(out, eos, accepting)
+
+    def _guard_row(self, row: Row, track: _Track, out: torch.Tensor, vocab: int) -> None:
+        """Remove the tokens that would repeat a key or a unique item (:mod:`.guard`); where
+        few tokens are left inside a guarded string (an enum's values), also those after which
+        nothing could follow (``"admin`` when ``"admin"`` is taken and no other value starts
+        so: the closing path's search from after each finds none); and never leave the
+        grammar's mask empty (then the guard yields)."""
+        scan = track.scan
+        assert scan is not None
+        guard = self._json_guard()
+        saved = out.clone()
+        for token in guard.forbidden(scan):
+            if token < vocab:
+                _set_bit(out, token, False)
+        frame = scan.string_frame
+        top = scan.stack[-1] if scan.stack else None
+        if frame is None and top is not None and top.unique and top.expect == "comma" \
+                and scan.scalar is None:
+            frame = top   # another item may be one no value is left for
+        if frame is not None and frame.seen:
+            allowed = allowed_mask(out.unsqueeze(0), vocab, torch.device("cpu"))[0]
+            ids = allowed.nonzero().flatten().tolist()
+            if len(ids) <= FEW:
+                table, closer = self._closing_table(), self._closing()
+                for token in ids:
+                    if token in row.eos_token_ids or token >= len(table):
+                        continue
+                    after = track.matcher.deep_copy()
+                    if after.try_consume_tokens([token]) != 1:
+                        continue
+                    ahead = copy.deepcopy(scan)
+                    ahead.feed(table[token])
+                    if not after.is_accepting() and closer.path(after, ahead, guard) is None:
+                        _set_bit(out, token, False)
+        if not bool(out.any()):
+            out.copy_(saved)
 
     def _steer(self, row: Row, track: _Track, out: torch.Tensor, logits: torch.Tensor) -> None:
         """Keep the row finishable within ``max_tokens`` (see the module docstring): measure
