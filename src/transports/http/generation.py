@@ -3,8 +3,8 @@ the dialect's body or stream encoder for what they produce.
 
 Owns :class:`Started` (the choices submitted for one HTTP request, with what its answer needs)
 and :func:`start`, the request-side work of every generation endpoint, run on the work pool:
-each prompt to the model's input (a forced tool-call opening for chat; a completions prompt
-to ids), the window fit (:meth:`~transports.http.gateway.Gateway.fit`), the choices'
+each prompt to the model's input (a completions prompt to ids; a chat request's tool choice
+is the pipeline's to apply, :mod:`pipeline.tool_choice`), the window fit (:meth:`~transports.http.gateway.Gateway.fit`), the choices'
 requests (:func:`~transports.http.choices.choice_requests`) and their admission together
 (:meth:`~transports.http.gateway.Gateway.submit`). :func:`answer` builds the non-stream body
 and :func:`encoder` the stream's encoder, in the dialect the request came in.
@@ -61,12 +61,12 @@ def _detokenizer(served: ServedModel) -> Detokenizer[Any]:
 
 def _inputs(gateway: Gateway, served: ServedModel, parsed: Parsed,
             checkpoint: Checkpoint) -> list[Request]:
-    """One request per prompt, ready to fit: chat's with its forced tool-call opening, a
-    completions request's with each prompt as ids (a text far too long for the window is
-    refused before it is tokenized)."""
-    tokenizer = _tokenizer(served)
+    """One request per prompt, ready to fit: chat's as parsed, a completions request's with
+    each prompt as ids (a text far too long for the window is refused before it is
+    tokenized)."""
     if parsed.raw is None:
         return [parsed.request]
+    tokenizer = _tokenizer(served)
     prompts = parsed.raw.prompts
     out = []
     for p, prompt in enumerate(prompts):
