@@ -238,8 +238,10 @@ class GrammarProcessor:
         """Keep the row finishable within ``max_tokens`` (see the module docstring): measure
         the closing path when due; with no slack left allow only its next token; with little
         slack (less than :data:`WINDOW` plus twice the largest jump of the path's length one
-        token has made) allow a token that may open structure (:data:`STRUCTURAL`) only if
-        it is among the :data:`CHECKED` likeliest and the path after it still fits."""
+        token has made) allow a token that may open structure (:data:`STRUCTURAL`), or any
+        token where the grammar allows at most :data:`FEW` (a key's or an enum's letters
+        choose among values of different lengths), only if it is among the :data:`CHECKED`
+        likeliest and the path after it still fits."""
         done = len(row.output_ids)
         budget = row.config.max_tokens - done            # tokens left, this one included
         plan, start = track.plan
@@ -279,9 +281,14 @@ class GrammarProcessor:
             return
         masked = logits.clone()
         apply_bitmask(masked.unsqueeze(0), out.unsqueeze(0))
-        risky = masked.masked_fill(self._plain(masked.shape[0], masked.device), float("-inf"))
+        few = int(torch.isfinite(masked).sum()) <= FEW   # a choice among few: keys, enums
+        risky = masked if few else masked.masked_fill(
+            self._plain(masked.shape[0], masked.device), float("-inf"))
         top = risky.topk(min(CHECKED, risky.shape[0]))
-        out.bitwise_and_(self._plain_words(masked.shape[0]))
+        if few:
+            out.zero_()
+        else:
+            out.bitwise_and_(self._plain_words(masked.shape[0]))
         if path:
             _set_bit(out, path[0], True)
         for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
