@@ -44,6 +44,7 @@ LOOKAHEAD = "0aA@.-:/_ +"
 """Characters tried in runs of up to three when a quote is not allowed, for the shortest run
 after which one is (formats and patterns: ``0@A`` closes an e-mail address)."""
 RUN = 3
+CAP = 8
 """A character chosen this many times in a row is tried last at the next step."""
 
 
@@ -83,8 +84,10 @@ class Closer:
     def _search(self, matcher: Any, scan: JsonScan | None, guard: JsonGuard | None,
                 fresh: bool) -> list[int] | None:
         """One greedy search: the order of :data:`ORDER` (``fresh`` False), or :data:`CLOSERS`
-        then the character used least so far (``fresh``: the second try, for a pattern the
-        first order loops in, as an e-mail address's ``@`` that comes after the letters)."""
+        (each but ``"`` until used :data:`CAP` times since the last ``"``) then the character
+        used least so far (``fresh``:
+        the second try, for a pattern the first order loops in, as an e-mail address's ``@``
+        that comes after the letters, or the spaces of a cron line)."""
         m = matcher.deep_copy()
         scan = copy.deepcopy(scan) if scan is not None and guard is not None else None
         path: list[int] = []
@@ -110,6 +113,9 @@ class Closer:
             last = char
             if used is not None:
                 used[char] = used.get(char, 0) + 1
+                if char == '"':   # a string ended or began: the closers' caps start again
+                    for closer in CLOSERS[1:]:
+                        used.pop(closer, None)
         return path
 
     def _step(self, m: Any, tired: str, scan: JsonScan | None, guard: JsonGuard | None,
@@ -120,9 +126,10 @@ class Closer:
         banned = set(guard.forbidden(scan)) if guard is not None and scan is not None else set()
         order = [c for c in self._order if c[0] != tired] + [c for c in self._order
                                                               if c[0] == tired]
-        if used is not None:   # the closers keep their place; the rest, least used first
-            order.sort(key=lambda c: (c[0] not in CLOSERS or c[0] == tired,
-                                      0 if c[0] in CLOSERS else used.get(c[0], 0)))
+        if used is not None:   # closers first (until each was used RUN times), then the
+            order.sort(key=lambda c: (   # rest, least used first
+                c[0] not in CLOSERS or c[0] == tired or used.get(c[0], 0) >= CAP,
+                used.get(c[0], 0)))
         quote = self._chars.get('"')
         if quote is not None and (quote in banned or m.validate_tokens([quote]) != 1):
             toward = self._toward_closer(m, quote)
