@@ -268,3 +268,19 @@ def test_a_tool_whose_parameters_are_not_an_object_is_a_400_when_forced(
     with pytest.raises(openai.BadRequestError, match="echo"):
         oai.chat.completions.create(model="default", messages=ASK, tools=[scalar],
                                     tool_choice="required", max_tokens=16)
+
+
+def test_tokenize_counts_the_tools_the_prompt_shows(base_url: str) -> None:
+    import httpx
+
+    def count(**extra: Any) -> int:
+        r = httpx.post(f"{base_url}/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "default", "messages": ASK, **extra})
+        assert r.status_code == 200, r.text
+        return int(r.json()["count"])
+
+    plain, shown = count(), count(tools=[TOOL, OTHER])
+    assert shown > plain + 20
+    assert count(tools=[TOOL, OTHER], tool_choice="none") == plain
+    assert plain < count(tools=[TOOL, OTHER], tool_choice={
+        "type": "function", "function": {"name": "noop"}}) < shown

@@ -281,7 +281,8 @@ class Server:
         return JSONResponse({"input_tokens": count})
 
     async def tokenize(self, http: HTTPRequest) -> Response:
-        """``POST /tokenize``: ``{model, prompt | messages}`` → token ids."""
+        """``POST /tokenize``: ``{model, prompt | messages (+ tools, tool_choice)}`` → token
+        ids."""
         raw = await self._read(http)
         return JSONResponse(await self.work.run(http, lambda check: self._tokens(http, raw,
                                                                                  check)))
@@ -292,8 +293,9 @@ class Server:
         served = self._served_name(http, model)
         pipe = served.pipe
         if body.has("messages"):
-            parsed = openai_api.parse_chat({"model": model, "messages": body.value["messages"]},
-                                           self.defaults)
+            chat = {"model": model, "messages": body.value["messages"],
+                    **{k: body.value[k] for k in ("tools", "tool_choice") if body.has(k)}}
+            parsed = openai_api.parse_chat(chat, self.defaults)
             add = body.get("add_generation_prompt", "boolean", True)
             body.done()
             request = attrs.evolve(parsed.request,

@@ -386,8 +386,12 @@ def _count_request() -> Schema:
 def _tokenize_request() -> Schema:
     chat = request_object({"model": ref("Model"), "messages": array(ref("OpenAIMessage"),
                                                                     minItems=1)},
-                          {"add_generation_prompt": {**BOOLEAN, "default": True}},
-                          description="messages through the chat template")
+                          {"add_generation_prompt": {**BOOLEAN, "default": True},
+                           "tools": array(ref("OpenAITool")),
+                           "tool_choice": ref("OpenAIToolChoice")},
+                          description="messages through the chat template (with the tools "
+                                      "it shows: the Hermes block for a template that "
+                                      "renders none)")
     text = request_object({"model": ref("Model"), "prompt": STRING},
                           {"messages": {"type": "null"}}, description="plain text, no template")
     return {"oneOf": [chat, text]}
