@@ -152,8 +152,8 @@ class Grammar:
             return str(llguidance.LLMatcher.grammar_from_regex(self.source))
         if self.kind == "choice":
             options = " | ".join(json.dumps(o) for o in json.loads(self.source))
-            return json.dumps({"grammars": [{"name": "main",
-                                             "lark_grammar": f"start: {options}\n"}]})
+            lark = f"start: CHOICE\nCHOICE: {options}\n"   # one terminal: no parser row
+            return json.dumps({"grammars": [{"name": "main", "lark_grammar": lark}]})
         return _schema_source({"type": "object"} if self.kind == "json_object"
                               else json.loads(self.source))
 
@@ -245,7 +245,7 @@ def _subschemas(node: Mapping[str, Any], pointer: str
 
 
 def _tidy(node: Any, pointer: str, field: str, root: Any,
-          siblings: Mapping[str, Any] | None = None) -> Any:
+          siblings: Mapping[str, Any] | None = None, negated: bool = False) -> Any:
     if not isinstance(node, Mapping):
         return node
     for key in ENGINE_KEYS:
@@ -262,11 +262,12 @@ def _tidy(node: Any, pointer: str, field: str, root: Any,
     around = props if props is not None else siblings   # the object's declared properties
     for key, within, at, child in _subschemas(node, pointer):
         context = around if key in ("allOf", "then", "else") else None
+        inner = negated or key == "not"   # a stricter rewrite under "not" would loosen it
         if within is None:
-            out[key] = _tidy(child, at, field, root, context)
+            out[key] = _tidy(child, at, field, root, context, inner)
         else:
-            out[key][within] = _tidy(child, at, field, root, context)
-    return rewrite(out, root, around)
+            out[key][within] = _tidy(child, at, field, root, context, inner)
+    return out if negated else rewrite(out, root, around)
 
 
 @functools.lru_cache(maxsize=256)

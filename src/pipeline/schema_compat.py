@@ -33,6 +33,7 @@ grammar processor enforces it while the output is generated.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,16 @@ TYPES = ("null", "boolean", "object", "array", "number", "string")
 
 def rewrite(node: dict[str, Any], root: Any, siblings: Mapping[str, Any] | None = None
             ) -> dict[str, Any]:
+    """:func:`_rewrite`, or ``node`` as it was when a keyword's value is malformed (the engine
+    then refuses it, naming it)."""
+    try:
+        return _rewrite(copy.deepcopy(node), root, siblings)
+    except (TypeError, AttributeError, ValueError, KeyError):
+        return node
+
+
+def _rewrite(node: dict[str, Any], root: Any, siblings: Mapping[str, Any] | None = None
+             ) -> dict[str, Any]:
     """``node`` (one subschema, already copied, its own subschemas already rewritten) with
     the keywords above rewritten in place and returned. ``root`` is the whole schema (for
     local local references); ``siblings`` are the ``properties`` of the object schema ``node``
@@ -96,12 +107,18 @@ def _not(node: dict[str, Any], negated: Any, context: Mapping[str, Any] | None) 
     if not isinstance(negated, Mapping) or len(negated) != 1:
         return False
     (word, value), = negated.items()
-    if word == "required" and isinstance(value, list) and value:
+    if word == "required" and isinstance(value, list) and value \
+            and all(isinstance(n, str) for n in value):   # an object lacking one of them
         node.setdefault("allOf", []).append(
-            {"anyOf": [{"properties": {name: False}} for name in value]})
+            {"anyOf": [{"type": "object", "properties": {name: False}} for name in value]})
         return True
     if word == "type":
+        if not (isinstance(value, str) or isinstance(value, list)
+                and all(isinstance(t, str) for t in value)):
+            return False
         banned = {value} if isinstance(value, str) else set(value)
+        if not banned <= {*TYPES, "integer"}:
+            return False
         if "integer" in banned and "number" not in banned:
             return False
         own = node.get("type")
@@ -121,11 +138,12 @@ def _not(node: dict[str, Any], negated: Any, context: Mapping[str, Any] | None) 
 def _other_values(node: dict[str, Any], banned: list[Any]) -> bool:
     """Keep ``node``'s values other than ``banned``: a sibling ``enum``/``const`` filtered, a
     boolean's other value, an integer's neighbouring ranges."""
+    gone = {_canonical(v) for v in banned}
     if isinstance(node.get("enum"), list):
-        node["enum"] = [v for v in node["enum"] if v not in banned]
+        node["enum"] = [v for v in node["enum"] if _canonical(v) not in gone]
         return bool(node["enum"])
     if node.get("type") == "boolean":
-        left = [v for v in (True, False) if v not in banned]
+        left = [v for v in (True, False) if _canonical(v) not in gone]
         if not left:
             return False
         node["enum"] = left
@@ -204,10 +222,11 @@ def _exclusive(given: list[Any], root: Any) -> list[Any] | None:
     if not all(isinstance(b, Mapping) for b in branches):
         return None
     types = [b.get("type") for b in branches]
-    if all(isinstance(t, str) for t in types) and len(set(types)) == len(types):
+    kinds = ["number" if t == "integer" else t for t in types]   # an integer is a number
+    if all(isinstance(t, str) for t in types) and len(set(kinds)) == len(kinds):
         return list(given)
-    if _discriminated(branches):
-        return list(given)
+    if _discriminated(branches):   # exclusive among objects; other values pass every branch
+        return [{"allOf": [{"type": "object"}, b]} for b in given]
     needs = [set(b.get("required", [])) if isinstance(b.get("required"), list) else set()
              for b in branches]
     if any(not n for n in needs):
@@ -217,7 +236,8 @@ def _exclusive(given: list[Any], root: Any) -> list[Any] | None:
         others = set().union(*(needs[j] - needs[i] for j in range(len(branches)) if j != i))
         if any(not (needs[j] - needs[i]) for j in range(len(branches)) if j != i):
             return None   # another branch requires nothing this one lacks: not separable
-        out.append({"allOf": [branch, {"properties": {n: False for n in sorted(others)}}]})
+        out.append({"allOf": [branch, {"type": "object",
+                                       "properties": {n: False for n in sorted(others)}}]})
     return out
 
 
@@ -235,15 +255,30 @@ def _discriminated(branches: list[Any]) -> bool:
             if not isinstance(prop, Mapping):
                 break
             if "const" in prop:
-                values.append(repr(prop["const"]))
+                values.append(_canonical(prop["const"]))
             elif isinstance(prop.get("enum"), list) and len(prop["enum"]) == 1:
-                values.append(repr(prop["enum"][0]))
+                values.append(_canonical(prop["enum"][0]))
             else:
                 break
         else:
             if len(set(values)) == len(values):
                 return True
     return False
+
+
+def _canonical(value: Any) -> str:
+    """``value`` as JSON Schema compares it: numbers by value (``1`` is ``1.0``, not
+    ``true``), objects whatever their key order."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return f"n:{float(value)!r}"
+    if isinstance(value, list):
+        return "[" + ",".join(_canonical(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{json.dumps(k)}:{_canonical(v)}"
+                              for k, v in sorted(value.items())) + "}"
+    return json.dumps(value)
 
 
 def _deref(node: Any, root: Any) -> Any:

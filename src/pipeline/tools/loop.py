@@ -103,9 +103,15 @@ def run_tools(pipe: Pipeline, messages: str | Sequence[Message | Mapping[str, An
     executors = _executors(pipe, tools)
     boundary = ToolBoundary(executors, policy=_policy(pipe, policy), ledger=_ledger(ledger),
                             ask=ask, cancel=cancel)
-    loop = _Loop(pipe, boundary, tuple(sinks), run_id or uuid.uuid4().hex, cancel,
-                 _per_round(tool_choice))
     specs = [tool.spec for tool in executors.values()]
+    choose = _per_round(tool_choice)
+    if isinstance(tool_choice, (list, tuple)):   # every round's choice checked before any runs
+        for i in range(len(tool_choice)):
+            chosen = choose(i)
+            if chosen.kind == "tool" and chosen.name not in executors:
+                raise InvalidValueError(f"tool_choice[{i}]", chosen.name,
+                                        "names no tool of this run")
+    loop = _Loop(pipe, boundary, tuple(sinks), run_id or uuid.uuid4().hex, cancel, choose)
     conversation = ([Message("user", messages)] if isinstance(messages, str) else
                     [m if isinstance(m, Message) else Message.from_dict(m) for m in messages])
     return loop.run(conversation, specs, max_rounds, config, options)

@@ -13,8 +13,8 @@ fast-forward tokens), else the first single-character token the grammar allows i
 that closes structures first (``"`` ``}`` ``]`` ``)`` ``>``, then ``,`` ``0`` ``:`` ``.`` ``-`` and the
 letters of ``null``/``true``/``false``, then the rest of printable ASCII), a character chosen
 three times in a row moving to the back so a pattern such as ``^a+b$`` ends; when that search
-does not close within :data:`FIRST_TRY` tokens, a second one takes the least-used character
-first (an e-mail address needs its ``@``). In both, where a quote is not allowed, runs of
+does not close (within :data:`MAX_PATH` tokens and half its work budget), a second one takes
+the least-used character first (an e-mail address needs its ``@``). In both, where a quote is not allowed, runs of
 up to three characters of :data:`LOOKAHEAD` are tried for the shortest after which one is (a
 string with a format or a pattern closes sooner), and its first character goes first. The path found is
 then re-encoded by the tokenizer (fewer tokens: ``"0001-01-01"`` is not ten tokens) when the
@@ -32,10 +32,9 @@ from typing import Any
 from pipeline.protocols import Tokenizer
 from stages.grammar.guard import JsonGuard, JsonScan
 
-FIRST_TRY = 160
-"""Tokens the first search may take before the second is tried ..."""
-MAX_PATH = 512
-"""... and the second before the search gives up (a grammar whose greedy paths never close)."""
+MAX_PATH = 768
+"""Tokens a search may take before it gives up (a grammar whose greedy path never closes;
+each search also has half of a :data:`WORK` budget)."""
 ORDER = '"}])>,0:.-1 tfnaelorus'
 """Characters tried first, structure-closing ones before the rest of printable ASCII."""
 CLOSERS = '"}])>'
@@ -46,6 +45,29 @@ after which one is (formats and patterns: ``0@A`` closes an e-mail address)."""
 RUN = 3
 CAP = 8
 """A character chosen this many times in a row is tried last at the next step."""
+
+
+WORK = 20_000
+"""Grammar checks (token validations) one search may make before it gives up: a path of a
+few hundred tokens with look-ahead fits; a schema built to make the search crawl does not
+hold the engine thread (tens of milliseconds at most)."""
+
+
+class _GaveUp(Exception):
+    """The search's work ran out."""
+
+
+class _Work:
+    """The grammar checks a search has left."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.long = False   # a search stopped at its length limit
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise _GaveUp
 
 
 class Closer:
@@ -69,45 +91,88 @@ class Closer:
         self._table = table
 
     def path(self, matcher: Any, scan: JsonScan | None = None,
-             guard: JsonGuard | None = None) -> list[int] | None:
+             guard: JsonGuard | None = None, *, work: int = WORK) -> list[int] | None:
         """Token ids that take ``matcher`` (left unchanged) to an accepting state; ``[]``
-        when it accepts already; None when the search gives up or the matcher fails. With
-        a JSON ``scan`` of the output and its ``guard``, the path repeats no key and no
-        unique item either (a character that leads where nothing may follow is taken back
-        and the next one tried)."""
-        for fresh in (False, True):
-            found = self._search(matcher, scan, guard, fresh)
+        when it accepts already; None when none was found (a dead end, or the search gave up:
+        :meth:`reach` tells them apart). With a JSON ``scan`` of the output and its
+        ``guard``, the path repeats no key and no unique item either (a character that leads
+        where nothing may follow is taken back and the next one tried). ``work`` bounds the
+        grammar checks the search may make."""
+        return self.reach(matcher, scan, guard, work=work)[0]
+
+    def reach(self, matcher: Any, scan: JsonScan | None = None,
+              guard: JsonGuard | None = None, *, work: int = WORK
+              ) -> tuple[list[int] | None, bool]:
+        """:meth:`path`, and whether the search gave up (its ``work`` ran out, or its length
+        limits) rather than found a dead end."""
+        gave_up = False
+        for fresh in (False, True):   # each search with half the work
+            budget = _Work(work // 2)
+            try:
+                found = self._search(matcher, scan, guard, fresh, budget)
+            except _GaveUp:
+                gave_up = True
+                continue
             if found is not None:
-                return self._shorter(matcher, found)
-        return None
+                return self._shorter(matcher, found), False
+            gave_up = gave_up or budget.long
+        return None, gave_up
+
+    def shortest(self, matcher: Any, scan: JsonScan | None = None,
+                 guard: JsonGuard | None = None, *, work: int = 4 * WORK
+                 ) -> list[int] | None:
+        """The shorter of both searches' paths (None when neither finds one): for the
+        refusal of a budget, where a longer path than needed would refuse a request that
+        fits."""
+        found = []
+        for fresh in (False, True):
+            try:
+                path = self._search(matcher, scan, guard, fresh, _Work(work // 2))
+            except _GaveUp:
+                continue
+            if path is not None:
+                found.append(self._shorter(matcher, path))
+        return min(found, key=len) if found else None
 
     def _search(self, matcher: Any, scan: JsonScan | None, guard: JsonGuard | None,
-                fresh: bool) -> list[int] | None:
+                fresh: bool, work: _Work) -> list[int] | None:
         """One greedy search: the order of :data:`ORDER` (``fresh`` False), or :data:`CLOSERS`
         (each but ``"`` until used :data:`CAP` times since the last ``"``) then the character
-        used least so far (``fresh``:
+        used least so far, :data:`LOOKAHEAD`'s before the others (``fresh``:
         the second try, for a pattern the first order loops in, as an e-mail address's ``@``
         that comes after the letters, or the spaces of a cron line)."""
         m = matcher.deep_copy()
         scan = copy.deepcopy(scan) if scan is not None and guard is not None else None
         path: list[int] = []
         last, run = "", 0
+        look = True
         used: dict[str, int] | None = {} if fresh else None
-        limit = MAX_PATH if fresh else FIRST_TRY
+        limit = MAX_PATH
         while not m.is_accepting():
-            if len(path) >= limit or m.is_error() or m.is_stopped():
+            if len(path) >= limit:
+                work.long = True
+                return None
+            if m.is_error() or m.is_stopped():
                 return None
             forced = list(m.compute_ff_tokens())
-            taken = m.try_consume_tokens(forced) if forced else 0
-            if taken:
-                path += forced[:taken]
-                self._feed(scan, forced[:taken])
-                last, run = "", 0
-                continue
-            pick = self._step(m, last if run >= RUN else "", scan, guard, used)
+            work.spend(1)
+            if forced:
+                if scan is not None and guard is not None \
+                        and forced[0] in guard.forbidden(scan):
+                    return None   # the grammar's only way on repeats a key or an item
+                if m.try_consume_tokens(forced[:1]) == 1:
+                    path.append(forced[0])
+                    self._feed(scan, forced[:1])
+                    last, run = "", 0
+                    look = look or b'"' in self._table[forced[0]] if forced[0] < len(
+                        self._table) else look
+                    continue
+            pick = self._step(m, last if run >= RUN else "", scan, guard, used, work,
+                              look)
             if pick is None:
                 return None
-            char, token, scan = pick
+            char, token, scan, found = pick
+            look = found or char == '"'   # a failed look-ahead is not tried again in a string
             path.append(token)
             run = run + 1 if char == last else 1
             last = char
@@ -119,7 +184,8 @@ class Closer:
         return path
 
     def _step(self, m: Any, tired: str, scan: JsonScan | None, guard: JsonGuard | None,
-              used: dict[str, int] | None) -> tuple[str, int, JsonScan | None] | None:
+              used: dict[str, int] | None, work: _Work, look: bool
+              ) -> tuple[str, int, JsonScan | None, bool] | None:
         """Consume the first allowed single-character token (``tired``, if any, tried last;
         with ``used``, the least used first) that the guard allows and after which something
         may follow; returns it and the scan after it."""
@@ -127,29 +193,33 @@ class Closer:
         order = [c for c in self._order if c[0] != tired] + [c for c in self._order
                                                               if c[0] == tired]
         if used is not None:   # closers first (until each was used RUN times), then the
-            order.sort(key=lambda c: (   # rest, least used first
+            order.sort(key=lambda c: (   # rest, least used first, LOOKAHEAD's first
                 c[0] not in CLOSERS or c[0] == tired or used.get(c[0], 0) >= CAP,
-                used.get(c[0], 0)))
+                c[0] not in LOOKAHEAD, used.get(c[0], 0)))
         quote = self._chars.get('"')
-        if quote is not None and (quote in banned or m.validate_tokens([quote]) != 1):
-            toward = self._toward_closer(m, quote)
+        found = look   # whether a look-ahead may still help in this string
+        if look and quote is not None and (quote in banned or m.validate_tokens([quote]) != 1):
+            toward = self._toward_closer(m, quote, work)
+            found = toward is not None
             if toward is not None:
                 order = [toward, *order]
         for char, token in order:
+            work.spend(1)
             if token in banned or m.validate_tokens([token]) != 1:
                 continue
             if scan is None:
                 m.consume_token(token)
-                return char, token, None
+                return char, token, None, found
             after = copy.deepcopy(scan)
             self._feed(after, [token])
             m.consume_token(token)
+            work.spend(len(self._order))
             if m.is_accepting() or self.can_continue(m, after, guard):
-                return char, token, after
+                return char, token, after, found
             m.rollback(1)
         return None
 
-    def _toward_closer(self, m: Any, quote: int) -> tuple[str, int] | None:
+    def _toward_closer(self, m: Any, quote: int, work: _Work) -> tuple[str, int] | None:
         """The first character of the shortest run of :data:`LOOKAHEAD` characters (at most
         three) after which a quote is allowed, if there is one (checked without consuming:
         an e-mail address is ``0@A`` before its closing quote)."""
@@ -161,6 +231,7 @@ class Closer:
             for run in runs:
                 for pair in alphabet:
                     tokens = [t for _, t in run] + [pair[1]]
+                    work.spend(2)
                     if m.validate_tokens(tokens) != len(tokens):
                         continue
                     if any(m.validate_tokens([*tokens, c]) == len(tokens) + 1 for c in closers):

@@ -74,7 +74,7 @@ class JsonGuard:
             for earlier in seen:
                 if earlier.startswith(current) and not earlier.startswith(b'"'):
                     out += self.ending.get(earlier[len(current):], [])
-                elif value is not None and _number(earlier) == value:   # -0 and 0, 1 and 1.0
+                if value is not None and _number(earlier) == value:   # -0 and 0, 1 and 1.0
                     out += self.ending.get(b"", [])
         elif scan.string is None and (frame.kind == "o" and (
                 scan.scalar is not None or frame.expect in ("key", "comma"))

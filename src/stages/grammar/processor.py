@@ -77,6 +77,11 @@ WINDOW = 32
 of the last measure ..."""
 RECHECK = 16
 """... and every this many tokens before that (a path may grow as the output nests)."""
+GUARD_WORK = 16_000
+"""Grammar checks the guard's look-ahead may make in one row's step (then the rest of the
+candidates stand unchecked)."""
+WORK_PER_CHECK = 4_000
+"""... and for one candidate."""
 FEW = 64
 """Inside a guarded string with at most this many tokens allowed, each is checked for a way
 on (an enum's values can run into a dead end once one is taken)."""
@@ -200,10 +205,12 @@ class GrammarProcessor:
 
     def _guard_row(self, row: Row, track: _Track, out: torch.Tensor, vocab: int) -> None:
         """Remove the tokens that would repeat a key or a unique item (:mod:`.guard`); where
-        few tokens are left inside a guarded string (an enum's values), also those after which
-        nothing could follow (``"admin`` when ``"admin"`` is taken and no other value starts
-        so: the closing path's search from after each finds none); and never leave the
-        grammar's mask empty (then the guard yields)."""
+        the open object or unique array has keys or items already and few tokens are left
+        (a key's letters, an enum's values, another item), also those after which the
+        closing search finds a dead end (``"admin`` when ``"admin"`` is taken and no other
+        value starts so), within :data:`GUARD_WORK` grammar checks a step; and never leave
+        the grammar's mask empty (the direct bans stand while anything else is left; a true
+        dead end lets the guard yield)."""
         scan = track.scan
         assert scan is not None
         guard = self._json_guard()
@@ -211,28 +218,31 @@ class GrammarProcessor:
         for token in guard.forbidden(scan):
             if token < vocab:
                 _set_bit(out, token, False)
-        frame = scan.string_frame
-        top = scan.stack[-1] if scan.stack else None
-        if frame is None and top is not None and top.unique and top.expect == "comma" \
-                and scan.scalar is None:
-            frame = top   # another item may be one no value is left for
-        if frame is not None and frame.seen:
+        direct = out.clone()
+        frame = scan.string_frame or (scan.stack[-1] if scan.stack else None)
+        if frame is not None and frame.seen and scan.scalar is None:
             allowed = allowed_mask(out.unsqueeze(0), vocab, torch.device("cpu"))[0]
             ids = allowed.nonzero().flatten().tolist()
             if len(ids) <= FEW:
                 table, closer = self._closing_table(), self._closing()
+                left = GUARD_WORK
                 for token in ids:
+                    if left <= 0:
+                        break
                     if token in row.eos_token_ids or token >= len(table):
                         continue
                     after = track.matcher.deep_copy()
-                    if after.try_consume_tokens([token]) != 1:
+                    if after.try_consume_tokens([token]) != 1 or after.is_accepting():
                         continue
                     ahead = copy.deepcopy(scan)
                     ahead.feed(table[token])
-                    if not after.is_accepting() and closer.path(after, ahead, guard) is None:
+                    work = min(left, WORK_PER_CHECK)
+                    found, gave_up = closer.reach(after, ahead, guard, work=work)
+                    left -= work
+                    if found is None and not gave_up:
                         _set_bit(out, token, False)
         if not bool(out.any()):
-            out.copy_(saved)
+            out.copy_(direct if bool(direct.any()) else saved)
 
     def _steer(self, row: Row, track: _Track, out: torch.Tensor, logits: torch.Tensor) -> None:
         """Keep the row finishable within ``max_tokens`` (see the module docstring): measure
@@ -281,7 +291,10 @@ class GrammarProcessor:
             return
         masked = logits.clone()
         apply_bitmask(masked.unsqueeze(0), out.unsqueeze(0))
-        few = int(torch.isfinite(masked).sum()) <= FEW   # a choice among few: keys, enums
+        scan = track.scan
+        few = (int(torch.isfinite(masked).sum()) <= FEW   # a choice among few: keys, enums
+               or scan is None                            # not JSON: any token may jump
+               or (scan.string_frame is not None and scan.string_frame.kind == "o"))  # a key
         risky = masked if few else masked.masked_fill(
             self._plain(masked.shape[0], masked.device), float("-inf"))
         top = risky.topk(min(CHECKED, risky.shape[0]))
@@ -298,12 +311,12 @@ class GrammarProcessor:
                 continue   # EOS is the grammar's; the path's own next token fits
             after = track.matcher.deep_copy()
             after.consume_token(token)
-            scan = None
-            if track.scan is not None:
-                scan = copy.deepcopy(track.scan)
-                scan.feed(self._closing_table()[token] if token < len(self._closing_table())
-                          else b"")
-            then = closer.path(after, scan, guard)
+            ahead = None
+            if scan is not None:
+                ahead = copy.deepcopy(scan)
+                ahead.feed(self._closing_table()[token] if token < len(self._closing_table())
+                           else b"")
+            then = closer.path(after, ahead, guard, work=WORK_PER_CHECK)
             if then is not None and len(then) + 1 + MARGIN <= budget - 1:
                 _set_bit(out, token, True)
 
@@ -346,13 +359,14 @@ class GrammarProcessor:
         if scan is not None:
             table = self._closing_table()
             scan.feed(b"".join(table[i] if i < len(table) else b"" for i in prefix))
-        path = self._closing().path(m, scan, self._json_guard() if scan is not None else None)
+        path = self._closing().shortest(m, scan,
+                                        self._json_guard() if scan is not None else None)
         if path is not None and len(prefix) + len(path) + 1 > config.max_tokens:
             raise InvalidValueError(
                 "max_tokens", config.max_tokens,
                 f"cannot hold any output {grammar.field} allows: the shortest this server "
                 f"finds takes {len(prefix) + len(path) + 1} tokens (with the end-of-sequence "
-                "token); raise max_tokens")
+                "token; a search's result, not a proven minimum); raise max_tokens")
 
     def _closing(self) -> Closer:
         if self._closer is None:

@@ -211,7 +211,8 @@ class HFChatTemplateRenderer:
         like a variable the renderer sets (``messages``, ``tools``, ...)."""
         for key in RESERVED_VARIABLES & template_kwargs.keys():
             raise InvalidValueError("template_kwargs", key, "is set by the renderer")
-        if tools and not self.shows_tools:
+        calls = any(m.tool_calls or m.role == "tool" for m in messages)
+        if (tools or calls) and not self.shows_tools:   # calls in the history need it too
             out = self._render(hermes_messages(messages, tools), (), add_generation_prompt,
                                template_kwargs)
             return attrs.evolve(out, renderer=self.name + SUFFIX)
