@@ -102,21 +102,22 @@ class Closer:
 
     def reach(self, matcher: Any, scan: JsonScan | None = None,
               guard: JsonGuard | None = None, *, work: int = WORK
-              ) -> tuple[list[int] | None, bool]:
-        """:meth:`path`, and whether the search gave up (its ``work`` ran out, or its length
-        limits) rather than found a dead end."""
-        gave_up = False
+              ) -> tuple[list[int] | None, bool, int]:
+        """:meth:`path`, whether the search gave up (its ``work`` ran out, or its length
+        limit) rather than found a dead end, and the work it spent."""
+        gave_up, spent = False, 0
         for fresh in (False, True):   # each search with half the work
             budget = _Work(work // 2)
             try:
                 found = self._search(matcher, scan, guard, fresh, budget)
             except _GaveUp:
-                gave_up = True
+                gave_up, spent = True, spent + work // 2
                 continue
+            spent += work // 2 - budget.left
             if found is not None:
-                return self._shorter(matcher, found), False
+                return self._shorter(matcher, found), False, spent
             gave_up = gave_up or budget.long
-        return None, gave_up
+        return None, gave_up, spent
 
     def shortest(self, matcher: Any, scan: JsonScan | None = None,
                  guard: JsonGuard | None = None, *, work: int = 4 * WORK

@@ -41,7 +41,14 @@ class JsonGuard:
         self.closing: dict[bytes, list[int]] = {}
         self.whole: dict[bytes, list[int]] = {}
         self.ending: dict[bytes, list[int]] = {}
+        self.exact: dict[bytes, list[int]] = {}
+        self.commas: set[int] = set()
+        """Tokens with a ``,`` in them (they may end one item or value and begin another)."""
         for token, text in enumerate(table):
+            if text:
+                self.exact.setdefault(text, []).append(token)
+            if b"," in text:
+                self.commas.add(token)
             quote = text.find(b'"')
             if quote >= 0 and b"\\" not in text[:quote]:
                 self.closing.setdefault(text[:quote], []).append(token)
@@ -53,6 +60,20 @@ class JsonGuard:
             ends = [at for at in (text.find(b","), text.find(b"]"), text.find(b"}")) if at >= 0]
             if ends:
                 self.ending.setdefault(text[:min(ends)], []).append(token)
+
+    def suspects(self, scan: JsonScan) -> list[int]:
+        """Where a key or an item is about to begin: the tokens that write the start of one
+        the open object or unique array has already (``0`` in ``[0, 1, ``), which may lead
+        where the only way on repeats it (the look-ahead's candidates when many are
+        allowed)."""
+        if not scan.stack or scan.string is not None or scan.scalar is not None:
+            return []
+        out: list[int] = []
+        for earlier in scan.stack[-1].seen:
+            for end in range(1, min(len(earlier), 12) + 1):
+                for lead in (b"", b" ", b", "):
+                    out += self.exact.get(lead + earlier[:end], [])
+        return out
 
     def forbidden(self, scan: JsonScan) -> list[int]:
         """The tokens that would repeat a key or a unique item where ``scan`` stands."""

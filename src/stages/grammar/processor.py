@@ -219,11 +219,21 @@ class GrammarProcessor:
             if token < vocab:
                 _set_bit(out, token, False)
         direct = out.clone()
-        frame = scan.string_frame or (scan.stack[-1] if scan.stack else None)
-        if frame is not None and frame.seen and scan.scalar is None:
+        top = scan.stack[-1] if scan.stack else None
+        frame = scan.string_frame or top
+        guarded = top is not None and (top.kind == "o" or top.unique)
+        if frame is not None and guarded and (frame.seen or scan.scalar is not None
+                                              or scan.string is not None):
             allowed = allowed_mask(out.unsqueeze(0), vocab, torch.device("cpu"))[0]
             ids = allowed.nonzero().flatten().tolist()
-            if len(ids) <= FEW:
+            suspects = [t for t in dict.fromkeys(guard.suspects(scan)) if t < vocab
+                        and bool(allowed[t])]   # those that start a repeat go first
+            if len(ids) > FEW:   # many ways on: those, and those that end one item or value
+                ids = suspects + ids_with(allowed, guard.commas)[:FEW]  # and begin another
+            else:
+                ids = suspects + [t for t in ids if t not in suspects
+                                  and (frame.seen or t in guard.commas)]
+            if ids and len(ids) <= 2 * FEW:
                 table, closer = self._closing_table(), self._closing()
                 left = GUARD_WORK
                 for token in ids:
@@ -236,9 +246,9 @@ class GrammarProcessor:
                         continue
                     ahead = copy.deepcopy(scan)
                     ahead.feed(table[token])
-                    work = min(left, WORK_PER_CHECK)
-                    found, gave_up = closer.reach(after, ahead, guard, work=work)
-                    left -= work
+                    found, gave_up, spent = closer.reach(after, ahead, guard,
+                                                         work=min(left, WORK_PER_CHECK))
+                    left -= spent
                     if found is None and not gave_up:
                         _set_bit(out, token, False)
         if not bool(out.any()):
@@ -498,6 +508,12 @@ class GrammarProcessor:
                 self._table = token_table(self._tok)
             self._ll[vocab] = ll_tokenizer(self._tok, self._table, n_vocab=vocab)
         return self._ll[vocab]
+
+
+def ids_with(allowed: torch.Tensor, tokens: set[int]) -> list[int]:
+    """The ids in ``tokens`` that ``allowed`` (a bool row) allows."""
+    size = allowed.shape[0]
+    return [t for t in tokens if t < size and bool(allowed[t])]
 
 
 def _engine_failed(row: Row, matcher: Any) -> InvalidValueError:
