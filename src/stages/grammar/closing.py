@@ -214,8 +214,7 @@ class Closer:
             after = copy.deepcopy(scan)
             self._feed(after, [token])
             m.consume_token(token)
-            work.spend(len(self._order))
-            if m.is_accepting() or self.can_continue(m, after, guard):
+            if m.is_accepting() or self.can_continue(m, after, guard, work):
                 return char, token, after, found
             m.rollback(1)
         return None
@@ -241,14 +240,20 @@ class Closer:
             runs = longer
         return None
 
-    def can_continue(self, m: Any, scan: JsonScan, guard: JsonGuard | None) -> bool:
+    def can_continue(self, m: Any, scan: JsonScan, guard: JsonGuard | None,
+                     work: _Work | None = None) -> bool:
         """Whether some token may follow in ``m`` that the guard allows at ``scan`` (the
-        grammar's forced token, or a single character)."""
+        grammar's forced token, or a single character); each check spends ``work``."""
         banned = set(guard.forbidden(scan)) if guard is not None else set()
         forced = m.compute_ff_tokens()
         if forced:
             return forced[0] not in banned
-        return any(t not in banned and m.validate_tokens([t]) == 1 for _, t in self._order)
+        for _, token in self._order:
+            if work is not None:
+                work.spend(1)
+            if token not in banned and m.validate_tokens([token]) == 1:
+                return True
+        return False
 
     def _feed(self, scan: JsonScan | None, tokens: Sequence[int]) -> None:
         if scan is not None:
