@@ -155,6 +155,7 @@ class GrammarProcessor:
         self._tracks: OrderedDict[tuple[str, int], _Track] = OrderedDict()
         self._closer: Closer | None = None
         self._guard: JsonGuard | None = None
+        self._commas: dict[int, torch.Tensor] = {}
         self._unique: dict[str, frozenset[tuple[str, ...]]] = {}
         self._plain_masks: dict[int, torch.Tensor] = {}
         self._plain_packed: dict[int, torch.Tensor] = {}
@@ -221,19 +222,23 @@ class GrammarProcessor:
         direct = out.clone()
         top = scan.stack[-1] if scan.stack else None
         frame = scan.string_frame or top
-        guarded = top is not None and (top.kind == "o" or top.unique)
-        if frame is not None and guarded and (frame.seen or scan.scalar is not None
-                                              or scan.string is not None):
+        item = top is not None and top.unique and (scan.scalar is not None
+                                                   or scan.string is not None)
+        if frame is not None and top is not None and (frame.seen or item):
             allowed = allowed_mask(out.unsqueeze(0), vocab, torch.device("cpu"))[0]
-            ids = allowed.nonzero().flatten().tolist()
-            suspects = [t for t in dict.fromkeys(guard.suspects(scan)) if t < vocab
-                        and bool(allowed[t])]   # those that start a repeat go first
-            if len(ids) > FEW:   # many ways on: those, and those that end one item or value
-                ids = suspects + ids_with(allowed, guard.commas)[:FEW]  # and begin another
+            few = int(allowed.sum()) <= FEW
+            if not (few or top.unique):
+                ids = []   # many ways on, and a free key cannot dead-end
             else:
-                ids = suspects + [t for t in ids if t not in suspects
-                                  and (frame.seen or t in guard.commas)]
-            if ids and len(ids) <= 2 * FEW:
+                suspects = [t for t in dict.fromkeys(guard.suspects(scan)) if t < vocab
+                            and bool(allowed[t])]   # those that start a repeat go first
+                if few:   # a choice among few: any may lead to a dead end
+                    ids = suspects + [t for t in allowed.nonzero().flatten().tolist()
+                                      if t not in suspects
+                                      and (frame.seen or t in guard.commas)]
+                else:   # in a unique array, those, and those ending one item and beginning
+                    ids = suspects + self._with_comma(allowed)[:FEW]   # another
+            if ids:
                 table, closer = self._closing_table(), self._closing()
                 left = GUARD_WORK
                 for token in ids:
@@ -253,6 +258,18 @@ class GrammarProcessor:
                         _set_bit(out, token, False)
         if not bool(out.any()):
             out.copy_(direct if bool(direct.any()) else saved)
+
+    def _with_comma(self, allowed: torch.Tensor) -> list[int]:
+        """The allowed tokens with a ``,`` in them (they may end one item and begin another)."""
+        vocab = allowed.shape[0]
+        commas = self._commas.get(vocab)
+        if commas is None:
+            commas = torch.zeros(vocab, dtype=torch.bool)
+            ids = [t for t in self._json_guard().commas if t < vocab]
+            commas[ids] = True
+            self._commas[vocab] = commas
+        found: list[int] = (allowed & commas).nonzero().flatten().tolist()
+        return found
 
     def _steer(self, row: Row, track: _Track, out: torch.Tensor, logits: torch.Tensor) -> None:
         """Keep the row finishable within ``max_tokens`` (see the module docstring): measure
@@ -508,12 +525,6 @@ class GrammarProcessor:
                 self._table = token_table(self._tok)
             self._ll[vocab] = ll_tokenizer(self._tok, self._table, n_vocab=vocab)
         return self._ll[vocab]
-
-
-def ids_with(allowed: torch.Tensor, tokens: set[int]) -> list[int]:
-    """The ids in ``tokens`` that ``allowed`` (a bool row) allows."""
-    size = allowed.shape[0]
-    return [t for t in tokens if t < size and bool(allowed[t])]
 
 
 def _engine_failed(row: Row, matcher: Any) -> InvalidValueError:
