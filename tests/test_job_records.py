@@ -27,7 +27,7 @@ from pipeline.testing import ByteDetokenizer, ByteTokenizer
 from pipeline.text_state import TextState
 from pipeline.types import (
     FinishReason, GenerationConfig, Message, Recording, Request, RuntimeLimits, TokenizedPrompt,
-    TokenLogprob, ToolCall, ToolSpec,
+    TokenLogprob, ToolCall, ToolChoice, ToolSpec,
 )
 from stages.stop import EosStopper, MaxTokensStopper, StopStringStopper
 
@@ -55,6 +55,7 @@ def specimens() -> list[JobSpec]:
     one another), with digests filled as the pipeline fills them."""
     chat = Request(messages=MESSAGES, request_id="req-chat", generation_config=FULL_CONFIG,
                    runtime_limits=LIMITS, tool_catalog=(TOOL,),
+                   tool_choice=ToolChoice("tool", TOOL.name, parallel=False, strict=True),
                    template_kwargs={"enable_thinking": False, "extra": [1, {"k": None}]},
                    client_metadata={"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
                    model_snapshot="sha256:m", template_version="sha256:t",
@@ -96,6 +97,7 @@ def test_the_specimens_set_every_field_of_every_record_they_hold() -> None:
         (Message, [m for r in requests for m in r.messages]),
         (ToolCall, [c for r in requests for m in r.messages for c in m.tool_calls]),
         (ToolSpec, [t for r in requests for t in r.tool_catalog]),
+        (ToolChoice, [r.tool_choice for r in requests]),
     ]
     for cls, values in records:
         for field in attrs.fields(cls):
