@@ -114,8 +114,6 @@ class _Track:
         """The most one token has lengthened the path (measured on consecutive steps)."""
         self.misses = 0
         """Searches for the path that failed in a row (mid-character, say: tried again)."""
-        self.plan: tuple[list[int], int] = ([], 0)
-        """The closing path being followed and how many ids preceded it (none: ``[]``)."""
         self.path: tuple[list[int], int] = ([], 0)
         """The last closing path measured and how many ids preceded it: while the output
         follows it, the rest of it is the path (no new search)."""
@@ -281,12 +279,6 @@ class GrammarProcessor:
         likeliest and the path after it still fits."""
         done = len(row.output_ids)
         budget = row.config.max_tokens - done            # tokens left, this one included
-        plan, start = track.plan
-        if plan and done - start < len(plan) \
-                and list(row.output_ids[start:]) == plan[:done - start]:
-            out.zero_()                      # on a closing path already: follow it to its end
-            _set_bit(out, plan[done - start], True)
-            return
         before = track.distance
         near = before is not None and budget <= before + WINDOW + 2 * track.jump
         retry = before is None and 0 < track.misses <= RETRIES   # a search that failed
@@ -312,8 +304,7 @@ class GrammarProcessor:
             return
         if slack <= 0:
             out.zero_()
-            if path:
-                track.plan = (path, done)
+            if path:   # followed, it is reused (its rest) to its end
                 _set_bit(out, path[0], True)
             return
         masked = logits.clone()
