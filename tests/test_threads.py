@@ -2,7 +2,8 @@
 
 Oracles: the chooser is driven with given step times (no clock, no machine load); that the
 choice never changes results is checked kernel by kernel (each product, attention and
-reduction of a step on one thread and on two, bit for bit) and for whole requests of the
+reduction of a step on one thread and on two, bit for bit; attention as the backend calls it,
+:func:`backends.torch.invariant.sdpa`) and for whole requests of the
 default model, greedy and seeded, run with one thread and with two.
 """
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backends.torch.invariant import sdpa
 from backends.torch.threads import PROBE_FIRST, PROBE_MOST, PROBE_STEPS, ThreadChooser
 from pipeline import build
 from pipeline.errors import ArtifactError
@@ -110,7 +112,13 @@ def test_every_kernel_of_a_step_gives_the_same_bits_on_one_and_two_threads() -> 
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xr, packed, 32, scales))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # one query, any history
         q, k, v = (torch.randn(1, 3, n, 64, generator=g).to(dtype) for n in (3, 700, 700))
-        assert _same_on_one_and_two(lambda: F.scaled_dot_product_attention(q, k, v)), dtype
+        assert _same_on_one_and_two(lambda: sdpa(q, k, v)), dtype
+        qg, kg = torch.randn(1, 9, 3, 64, generator=g).to(dtype), k[:, :, :40]  # GQA, masked
+        mask = torch.ones(3, 40, dtype=torch.bool).tril(37)
+        assert _same_on_one_and_two(
+            lambda: sdpa(qg, kg, v[:, :, :40], attn_mask=mask, enable_gqa=True)), dtype
+        assert _same_on_one_and_two(
+            lambda: sdpa(qg, kg[:, :, :3], v[:, :, :3], is_causal=True, enable_gqa=True)), dtype
         x8 = torch.randn(8, 1536, generator=g).to(dtype)  # a long inner dimension
         w = torch.randn(192, 1536, generator=g).to(dtype)
         assert _same_on_one_and_two(lambda: F.linear(x8, w)), dtype

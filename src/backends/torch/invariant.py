@@ -27,6 +27,13 @@ How it holds, by construction rather than by measurement:
   and the same visible keys whether its prompt was prefilled in one call, in budget-sized
   chunks, or after a prefix-cache hit.
 
+- :func:`sdpa` is the backend's one attention call. On a CPU in float32 it is written out
+  (query heads of a kv head folded into rows, a product, a softmax, a product) because
+  torch's fused float32 kernel gives a head other bits when it is the first a worker thread
+  takes than when it follows another (torch 2.13 on an AVX-512 CPU, one to three queries,
+  one thread against two), so the thread count would change tokens. Written out it costs a
+  decode's attention about what the fused kernel does (docs/performance.md).
+
 What it does not cover: a decode token (one query) still uses torch's attention, which is
 the same call alone or batched; a prompt position is always computed by a chunk and an
 output position by a decode, except when a preempted request recomputes its output as a
@@ -96,6 +103,29 @@ def tiled_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor],
     return out[:rows] if pad else out
 
 
+def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+         attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (same arguments, a boolean ``attn_mask [n, L]``)
+    with bits that do not depend on the thread count: for float32 on a CPU it is written out
+    as two batched products and a softmax (module doc), otherwise torch's fused kernel."""
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                              is_causal=is_causal, enable_gqa=enable_gqa)
+    b, hq, n, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    group = hq // hkv if enable_gqa else 1
+    # the query heads that share a kv head become rows of one product: [B, Hkv, g*n, D]
+    scores = torch.matmul(q.reshape(b, hkv, group * n, d), keys.transpose(-1, -2))
+    scores.mul_(d ** -0.5)
+    if is_causal:  # top-left aligned, as torch's is_causal
+        attn_mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores.view(b, hkv, group, n, length).masked_fill_(~attn_mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1), values)                            # [B,Hkv,g*n,D]
+    return out.view(b, hq, n, d)
+
+
 def grid_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    window: int | None) -> torch.Tensor:
     """Causal attention of the prompt queries ``q [n, Hq, D]`` at positions
@@ -130,8 +160,7 @@ def grid_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
             seen &= k_pos > q_pos - window
         absent = (q_pos < a) | (q_pos >= b)
         seen = torch.where(absent, k_pos == 0, seen)                          # [G, hi]
-        out = F.scaled_dot_product_attention(
-            qt.transpose(0, 1)[None], keys[:, :, :hi], values[:, :, :hi], attn_mask=seen,
-            enable_gqa=True)                                                   # [1, Hq, G, D]
+        out = sdpa(qt.transpose(0, 1)[None], keys[:, :, :hi], values[:, :, :hi],
+                   attn_mask=seen, enable_gqa=True)                                                   # [1, Hq, G, D]
         outs.append(out[0, :, a - lo:b - lo].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
-from backends.torch.invariant import RowTiles, grid_attention
+from backends.torch.invariant import RowTiles, grid_attention, sdpa
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.moe import RoutingSpec, moe_forward
 from backends.torch.packed import DenseFn, LinearFn, Linears, PromptRows
@@ -234,18 +234,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     windowed = window is not None and lk > window
     if n == 1 and not windowed:  # one query: causal and block attention coincide
         # One query: fold the heads that share a kv head onto it, [1, Hkv, Hq/Hkv, D].
-        out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), keys, values)
+        out = sdpa(q.view(1, hkv, hq // hkv, d), keys, values)
         return out.view(1, hq, d)
     qh = q.transpose(0, 1)[None]                                               # [1, Hq, n, D]
     if start == 0 and not windowed and not block:
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+        out = sdpa(qh, keys, values, is_causal=True, enable_gqa=True)
     elif block and not windowed:  # everything written so far: no mask at all
-        out = F.scaled_dot_product_attention(qh, keys, values, enable_gqa=True)
+        out = sdpa(qh, keys, values, enable_gqa=True)
     else:
         q_pos = torch.arange(start, start + n, device=q.device)[:, None]       # [n, 1]
         k_pos = torch.arange(lk, device=q.device)[None, :]                     # [1, Lk]
         mask = k_pos <= (torch.full_like(q_pos, start + n - 1) if block else q_pos)  # [n, Lk]
         if window is not None:
             mask &= k_pos > q_pos - window
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+        out = sdpa(qh, keys, values, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)                                              # [n, Hq, D]
