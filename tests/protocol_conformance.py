@@ -12,7 +12,7 @@ from pipeline import (
 )
 from pipeline import testing
 from pipeline.protocols import (
-    CacheInspector, DocumentEncoder, EmbeddingInputs, ModelDescriber, PagedBackend,
+    CacheInspector, DocumentEncoder, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
     ToolCallParser, ToolCallReader,
 )
 from pipeline.tools import (
@@ -71,6 +71,7 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
     draft: Proposer = DraftModelProposer(backend, chain, 10)
     speculative: Strategy = SpeculativeStrategy(chain, selectors[1], ngram, 4)
     embedding: EmbeddingInputs = torch_backend
+    embedder: Embedder = torch_backend
     integrators: list[Integrator] = [
         DiffusionIntegrator(NoiseSchedule.make(), 10), FlowIntegrator(uniform_grid(4), "heun")]
     continuous: Strategy = ContinuousStrategy("ddim", embedding, integrators[0], 16)

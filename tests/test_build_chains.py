@@ -60,8 +60,8 @@ def log_softmax_at(values: dict[int, float], token: int) -> float:
 
 def test_an_added_processor_runs_before_temperature_and_temperature_still_applies() -> None:
     with pipe(processors=[Boost()]) as p:
-        done = p.generate("x", max_tokens=2, temperature=2.0, seed=3, logprobs=True,
-                          top_logprobs=2)
+        done = p.generate("x", max_tokens=2, temperature=2.0, top_p=1.0, seed=3,
+                          logprobs=True, top_logprobs=2)
     # boost first (B: 5 + 20 = 25), then divide by T = 2: B 12.5, A 5, the rest 0
     expected = log_softmax_at({A: 10 / 2, B: (5 + BOOST) / 2}, B)
     top = done.logprobs[0].top

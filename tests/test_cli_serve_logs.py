@@ -125,6 +125,8 @@ def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int,
     openai = pytest.importorskip("openai")
     config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
     with serving(tmp_path, "tiny") as (url, log):
+        page = log.wait_for(r"chat page: (\S+) ").group(1)
+        assert page == url + "/" and "<html" in httpx.get(page).text.lower()
         ready = log.wait_for(r"model 'tiny' ready in (\d+\.\d\d) s: (.*)$")
         what = ready.group(2)
         assert float(ready.group(1)) > 0
@@ -166,7 +168,8 @@ def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int,
     assert sorted((m, p, s) for m, p, s, _ in lines) == sorted([
         ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 200),
         ("POST", "/v1/chat/completions", 200), ("POST", "/v1/chat/completions", 499),
-        ("GET", "/v1/no-such-thing", 404), ("POST", "/v1/chat/completions", 401)])
+        ("GET", "/v1/no-such-thing", 404), ("POST", "/v1/chat/completions", 401),
+        ("GET", "/", 200)])
     by_id = {fields["request_id"]: (status, fields) for _, _, status, fields in lines}
     for response, counts, n in ((plain, plain.usage, 7), (chunks[0], usage, 9)):
         status, fields = by_id[response.id]

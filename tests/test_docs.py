@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from doc_snippets import not_run, snippets
 from pipeline.models import TINY_MODEL_DIR, smollm2_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,10 +55,24 @@ def _run_page(page: Path, reader: tuple[Path, dict[str, str]]) -> list[dict[str,
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-@pytest.mark.parametrize("page", ["quickstart.md", "plugins.md", "tools.md", "continuous.md"])
+PAGES = sorted(p.relative_to(ROOT).as_posix()
+               for p in [*DOCS.glob("*.md"), ROOT / "README.md"] if snippets(p) or not_run(p))
+"""Every page with a Python block: each one runs, unless marked not to with a reason."""
+
+
+def test_the_pages_with_python_blocks_include_the_tutorials() -> None:
+    assert {"docs/quickstart.md", "docs/plugins.md", "docs/tools.md", "README.md"} <= set(PAGES)
+    for page in PAGES:
+        for line, reason in not_run(ROOT / page):
+            assert len(reason) > 10, f"{page}:{line}: say why the block does not run"
+
+
+@pytest.mark.parametrize("page", PAGES)
 def test_every_python_block_runs_and_prints_what_the_page_shows(
         page: str, reader: tuple[Path, dict[str, str]]) -> None:
-    results = _run_page(DOCS / page, reader)
+    if not snippets(ROOT / page):
+        pytest.skip(f"{page}: its only Python blocks are marked not to run")
+    results = _run_page(ROOT / page, reader)
     assert results, f"{page} has no Python blocks"
     for result in results:
         where = f"{page}, block at line {result['line']}"

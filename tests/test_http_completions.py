@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from pipeline.builder import build
 from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.types import Completion, Request
+from pipeline.types import Completion, GenerationConfig, Request
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig
@@ -51,11 +51,14 @@ def base_url(folder: Path) -> Iterator[str]:
                                  config_file=TINY_MODEL_DIR / "tokenizer_config.json")
 
     def builder(model: Path | None, cfg: ServerConfig) -> Pipeline:
+        # the library's answers below are a Request's own config (nothing laid under it): the
+        # served models' defaults are that neutral config too, not the model's recommendation
         if model is not None and model.name == "bos":
-            return build(TINY_MODEL_DIR, tokenizer=bos, options={"num_slots": cfg.num_slots})
+            return build(TINY_MODEL_DIR, tokenizer=bos, options={"num_slots": cfg.num_slots},
+                         defaults=GenerationConfig())
         if model is not None and model.name == "endless":
             return endless_model(delay_s=0.01)[0]
-        return build("tiny", options={"num_slots": cfg.num_slots})
+        return build("tiny", options={"num_slots": cfg.num_slots}, defaults=GenerationConfig())
 
     cfg = config(folder, models={"default": None, "bos": Path("bos"),
                                  "endless": Path("endless")})

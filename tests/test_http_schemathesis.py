@@ -69,7 +69,7 @@ def cap_max_tokens(context: schemathesis.HookContext, body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     capped = dict(body)
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = capped.get(key)
         if type(value) is int and MAX_TOKENS < value <= 1 << 30:
             capped[key] = MAX_TOKENS
@@ -241,6 +241,13 @@ SCRIPTED = [
                          "stream": True, "logprobs": 2, "stream_options": {"include_usage": True}}),
     ("/v1/completions", {"model": "default", "prompt": [1, 2, 3], "max_tokens": 4,
                          "stream": True, "echo": True}),
+    ("/v1/responses", {"model": "tools", "input": "Weather in Paris?", "max_output_tokens": 40,
+                       "tools": [{"type": "function", **WEATHER}]}),
+    ("/v1/responses", {"model": "tools", "input": "Weather in Paris?", "max_output_tokens": 40,
+                       "stream": True, "tools": [{"type": "function", **WEATHER}]}),
+    ("/v1/responses", {"model": "thinker", "input": "Hi", "max_output_tokens": 8,
+                       "stream": True}),
+    ("/v1/responses", {"model": "thinker", "input": "Hi", "max_output_tokens": 8}),
 ]
 
 

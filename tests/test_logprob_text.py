@@ -78,7 +78,7 @@ def partial_ids(n: int) -> list[int]:
 def test_every_record_and_alternative_has_the_tokens_bytes_and_text() -> None:
     with build("tiny") as pipe:
         done = pipe.generate("Write a word in Chinese.", max_tokens=12, temperature=0.9,
-                             seed=4, logprobs=True, top_logprobs=5)
+                             top_k=0, top_p=1.0, seed=4, logprobs=True, top_logprobs=5)
     assert done.logprobs is not None and len(done.logprobs) == done.usage.completion_tokens
     for lp in done.logprobs:
         assert lp.text is not None and lp.token_bytes is not None

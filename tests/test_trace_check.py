@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipeline import EngineConfig, build
+from pipeline import EngineConfig, GenerationConfig, build
 from pipeline.events import Event, digest_text
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits
 from pipeline.errors import InvariantViolation
@@ -18,7 +18,9 @@ from trace_runs import QUESTION, append, edit, is_, set_text
 @pytest.fixture(scope="module")
 def pipe():
     # Small prefill chunks so the prompt is written in several pieces (invariant 2).
-    with build("tiny", engine=EngineConfig(max_prefill_chunk=8)) as p:
+    # Neutral defaults: the tests name each processor they turn on (not the model's own).
+    with build("tiny", engine=EngineConfig(max_prefill_chunk=8),
+               defaults=GenerationConfig()) as p:
         yield p
 
 

@@ -36,7 +36,8 @@ def pipe():
 
 @pytest.fixture(scope="module")
 def full(pipe):
-    request = pipe.request(QUESTION, max_tokens=6, temperature=0.8, seed=3, recording="full")
+    request = pipe.request(QUESTION, max_tokens=6, temperature=0.8, top_k=0, top_p=1.0,
+                           repetition_penalty=1.0, seed=3, recording="full")
     return pipe.generate(attrs.evolve(request, client_metadata={"traceparent": TRACEPARENT}))
 
 
@@ -75,7 +76,7 @@ def test_prefill_logits_digest_and_top_k_are_those_of_the_backend(pipe, full) ->
 
 
 def test_greedy_processed_digest_is_the_raw_logits_digest(pipe) -> None:
-    done = pipe.generate(QUESTION, max_tokens=3, temperature=0)
+    done = pipe.generate(QUESTION, max_tokens=3, temperature=0, repetition_penalty=1.0)
     ids = pipe.tokenize(QUESTION).input_ids
     backend = _beside(pipe)
     slot = backend.allocate()

@@ -1,11 +1,13 @@
 """The web chat page at ``GET /``: over plain HTTP, and in a real headless Chromium.
 
 The browser tests drive the system's Chromium through playwright (never a browser playwright
-downloads): the page, served by a real server with an API key, lists the models, takes the key,
-streams answers and keeps the conversation, stops an answer, downloads a request's trace and
-shows the server's errors. Oracles: the library's own greedy generation of the same
-conversation (``pipe.generate``), its token count of the whole conversation (the trace's
-``input.tokenized`` must match it, so the history was really sent), and the trace invariants.
+downloads): the page, served by a real server with an API key, asks for the key when the
+server answers 401, lists the models, streams answers and keeps the conversation, stops an
+answer, downloads a request's trace and shows the server's errors; its scripts come from this
+server, each pinned by its integrity (``test_web_page_inspector.py`` covers the rest).
+Oracles: the library's own greedy generation of the same conversation (``pipe.generate``),
+its token count of the whole conversation (the trace's ``input.tokenized`` must match it, so
+the history was really sent), and the trace invariants.
 
 Without a Chromium binary the browser tests skip, unless ``PIPELINE_REQUIRE_BROWSER=1`` or
 ``CI`` is set (``make test`` sets the first and installs the browser): then they fail.
@@ -26,6 +28,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+import transports.http
 
 from pipeline.builder import build
 from pipeline.events import MINIMAL_TIMELINE, Event
@@ -104,7 +108,9 @@ def test_the_page_loads_without_a_key_under_a_strict_policy(base_url: str) -> No
     assert policy["connect-src"] == "'self'"
     assert policy["frame-ancestors"] == "'none'"
     assert "unsafe" not in page.headers["content-security-policy"]
-    assert set(policy["script-src"].split()) == inline_sources(html, "script") != set()
+    # the inline loader by its hash, and what it adds (each script pinned by its integrity)
+    assert set(policy["script-src"].split()) == inline_sources(html, "script") | {
+        "'strict-dynamic'"} != {"'strict-dynamic'"}
     assert set(policy["style-src"].split()) == inline_sources(html, "style") != set()
     assert page.headers["x-content-type-options"] == "nosniff"
 
@@ -115,6 +121,28 @@ def test_the_page_loads_without_a_key_under_a_strict_policy(base_url: str) -> No
     document = httpx.get(f"{base_url}/openapi.json").json()
     assert document["paths"]["/"]["get"]["security"] == []
     assert "/traces/{request_id}" in document["paths"]
+
+
+def test_the_pages_scripts_are_served_here_and_pinned_by_their_integrity(base_url: str) -> None:
+    html = httpx.get(f"{base_url}/").text
+    manifest = json.loads(re.search(r'<script type="application/json" id="assets">(.*?)'
+                                    r'</script>', html, flags=re.DOTALL).group(1))
+    web = Path(transports.http.__file__).parent / "web"
+    names = [entry["src"].removeprefix("/web/") for entry in manifest]
+    assert names == ["purify.min.js", "marked.min.js", "highlight.min.js", "inspector.js",
+                     "chat.js"]
+    for entry, name in zip(manifest, names):
+        script = httpx.get(base_url + entry["src"])  # no key needed
+        assert script.status_code == 200
+        assert script.headers["content-type"] == "text/javascript; charset=utf-8"
+        assert script.headers["x-content-type-options"] == "nosniff"
+        digest = base64.b64encode(hashlib.sha384(script.content).digest()).decode()
+        assert entry["integrity"] == f"sha384-{digest}"
+        shipped = web / name if (web / name).exists() else web / "vendor" / name
+        assert script.content == shipped.read_bytes()
+    assert (web / "vendor" / "README.md").exists()
+    for missing in ("nothing.js", "..%2Findex.html", "vendor%2Fmarked.min.js"):
+        assert httpx.get(f"{base_url}/web/{missing}").status_code == 404
 
 
 # --- in a real browser -----------------------------------------------------------------------
@@ -167,13 +195,23 @@ def page(browser: Any, base_url: str) -> Iterator[Any]:
            if "Content Security Policy" in message.text else None)
     tab.goto(f"{base_url}/")
     yield tab
+    tab.evaluate("localStorage.clear()")  # the next test's tab shares this origin's storage
     tab.close()
     assert not problems
 
 
 def enter_key(page: Any, key: str) -> None:
-    page.fill("#key", key)
-    page.press("#key", "Enter")
+    """Answer the key prompt (the server answered the page's model listing with a 401)."""
+    page.locator("#key-dialog[open]").wait_for()
+    page.fill("#key-input", key)
+    page.click("#key-ok")
+
+
+def kept_answer(page: Any, index: int) -> str:
+    """The text of the ``index``-th turn of the conversation the page keeps (localStorage):
+    what the model wrote, before the page renders it as Markdown."""
+    return page.evaluate(  # type: ignore[no-any-return]
+        f"JSON.parse(localStorage.getItem('pipeline.chat')).turns[{index}].content")
 
 
 def say(page: Any, text: str) -> Any:
@@ -212,17 +250,17 @@ def test_a_conversation_streams_greedy_answers_with_history_and_traces(page: Any
     with build("tiny") as pipe:
         conversation: list[dict[str, str]] = [{"role": "user", "content": first}]
         expected = pipe.generate(conversation, max_tokens=MAX_TOKENS, temperature=0).text
-        assert answer.locator(".content").text_content() == expected
+        assert kept_answer(page, 1) == expected
         stats = answer.locator(".meta")
         assert float(stats.get_attribute("data-tokens-per-second")) > 0
         assert float(stats.get_attribute("data-time-to-first-token-ms")) > 0
-        assert re.search(r"\d+\.\d tokens/s · first token \d+ ms", stats.text_content())
+        assert re.search(r"first token \d+ ms · \d+\.\d tokens/s decode", stats.text_content())
 
         answer = say(page, second)
         conversation += [{"role": "assistant", "content": expected},
                          {"role": "user", "content": second}]
         again = pipe.generate(conversation, max_tokens=MAX_TOKENS, temperature=0).text
-        assert answer.locator(".content").text_content() == again
+        assert kept_answer(page, 3) == again
         prompt_tokens = pipe.count_tokens(conversation)
     assert page.locator("article.message").count() == 4
     assert page.evaluate("sessionStorage.getItem('pipeline.apiKey')") == KEY
@@ -263,17 +301,25 @@ def test_stop_ends_a_growing_answer_and_the_server_cancels_it(page: Any, base_ur
     assert finished == ["cancelled"]
 
 
-def test_a_wrong_key_shows_the_servers_401_in_the_page(page: Any) -> None:
+def test_a_refused_key_is_asked_for_again_and_a_cancelled_prompt_shows_the_401(
+        page: Any) -> None:
     from playwright.sync_api import expect
 
     enter_key(page, KEY)
     page.wait_for_selector("#model option[value='default']", state="attached")
-    enter_key(page, "sk-wrong")
+    page.fill("#key", "sk-wrong")
+    page.press("#key", "Enter")
+    page.locator("#key-dialog[open]").wait_for()  # asked again, with why
+    expect(page.locator("#key-reason")).to_have_text(
+        re.compile(r"refused this key \(invalid API key"))
+    page.click("#key-cancel")
     error = page.locator("#error")
     expect(error).to_have_text(re.compile(r"^listing the models: 401: invalid API key"))
 
     page.fill("#input", "Hello?")
     page.press("#input", "Enter")
+    page.locator("#key-dialog[open]").wait_for()
+    page.click("#key-cancel")
     expect(error).to_have_text(re.compile(r"^401: invalid API key in the Authorization header"))
     assert page.locator("article.message").count() == 0  # the turn did not enter the chat
     assert page.input_value("#input") == "Hello?"
@@ -284,7 +330,8 @@ def test_an_answer_made_of_markup_is_shown_as_text(page: Any) -> None:
     page.wait_for_selector("#model option[value='markup']", state="attached")
     page.select_option("#model", "markup")
     answer = say(page, "Show me some HTML.")
-    assert answer.locator(".content").text_content() == MARKUP
-    assert answer.locator(".content *").count() == 0
+    assert kept_answer(page, 1) == MARKUP
+    assert answer.locator(".content").text_content().strip() == MARKUP  # HTML shown as text
+    assert answer.locator(".content img, .content b, .content script").count() == 0
     assert page.locator("#injected").count() == 0
     assert page.title() == "pipeline chat"

@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar, cast
 import attrs
 
 from pipeline.engine import Engine, EngineConfig
-from pipeline.errors import ArtifactError, InvalidValueError
+from pipeline.errors import ArtifactError, InvalidValueError, hint_keywords
 from pipeline.events import EventSink
 from pipeline.models import (
     DEFAULT_MODEL, GENERATION_KEY, TINY_MODEL_DIR, ResolvedModel, generation_marker,
@@ -27,6 +27,7 @@ from pipeline.protocols import (
     Tokenizer, ToolCallParser, Transport,
 )
 from pipeline.registry import BuildContext, Registry
+from pipeline.sampling_defaults import for_build
 from pipeline.tools.parsing import choose_parser
 from pipeline.types import Delta, GenerationConfig
 
@@ -51,6 +52,7 @@ StrategyMaker = Callable[[Sequence[LogitProcessor], Selector], Strategy]
 T = TypeVar("T")
 
 
+@hint_keywords
 def build(
     model: str | Path | None = None, *,
     backend: str | Backend | None = None,
@@ -72,6 +74,8 @@ def build(
     defaults: GenerationConfig | None = None,
     options: BackendOptions | Mapping[str, Any] | None = None,
     tool_parser: str | ToolCallParser | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> Pipeline:
     """Build a pipeline for ``model`` or from explicit stages.
 
@@ -85,7 +89,11 @@ def build(
     ``options`` configures the model backend (device, dtype, slots, ...): a
     :class:`~pipeline.options.BackendOptions` or a mapping of its fields (an unknown key is an
     :class:`~pipeline.errors.UnknownFieldError` naming the closest one); a device this
-    machine does not have is refused here, before anything loads.
+    machine does not have is refused here, before anything loads. ``device=`` and ``dtype=``
+    are short for the same fields of ``options`` (``build(device="cuda", dtype="bfloat16")``);
+    giving one both ways with different values is an error. A keyword ``build`` does not take
+    is an :class:`~pipeline.errors.UnknownKeywordError` (also a ``TypeError``) that names the
+    closest one it does.
 
     The processor chain runs in this order (a request may reorder it with
     ``GenerationConfig.processor_order``; the trace records the order used):
@@ -140,9 +148,15 @@ def build(
     ``tool_parser`` names (or is) the reader of the model's tool calls (``"hermes"``,
     ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
     (:func:`pipeline.tools.parsing.choose_parser`).
+
+    ``defaults`` are what a request gets for every field it does not set. Without them the
+    pipeline's defaults are the model's recommended sampling (its ``generation_config.json``,
+    or a GGUF file's ``general.sampling.*`` metadata), else the documented
+    :data:`~pipeline.sampling_defaults.PIPELINE_DEFAULT`; ``Pipeline.defaults_source`` says
+    which (:mod:`pipeline.sampling_defaults`).
     """
     registry = Registry(plugins)
-    backend_options = BackendOptions.coerce(options)
+    backend_options = _with_device(BackendOptions.coerce(options), device, dtype)
     backend_options.check_device()
     if model is None and backend is None and tokenizer is None:
         model = DEFAULT_MODEL
@@ -194,7 +208,9 @@ def build(
 
         eng = Engine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
     where = model_dir or model_file
-    return Pipeline(stages, eng, sinks=sinks, defaults=defaults,
+    sampling = for_build(context, defaults)  # the model's recommendation, else the default
+    return Pipeline(stages, eng, sinks=sinks, defaults=sampling.config,
+                    defaults_source=sampling.source,
                     description={"model": str(where) if where else None,
                                  "strategy": strategy}, registry=registry)
 
@@ -381,3 +397,19 @@ def off_the_calling_thread(make: Callable[[], R]) -> R:
     if failure:
         raise failure[0]
     return box[0]
+
+
+def _with_device(options: BackendOptions, device: str | None,
+                 dtype: str | None) -> BackendOptions:
+    """``options`` with ``build``'s ``device=`` and ``dtype=`` shorthands laid over them; a
+    field given both ways with different values is an error, never a silent choice."""
+    given = {name: value for name, value in (("device", device), ("dtype", dtype))
+             if value is not None}
+    if not given:
+        return options
+    changed = BackendOptions.coerce({**attrs.asdict(options, recurse=False), **given})
+    for name in given:
+        before, after = getattr(options, name), getattr(changed, name)
+        if before != after and before != getattr(BackendOptions(), name):
+            raise InvalidValueError(name, given[name], f"options= already says {before!r}")
+    return changed

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,14 +19,40 @@ from typing import Any
 import attrs
 
 from pipeline.cli_chat import add_parser as add_chat_parser
+from pipeline.cli_start import Figures
 from pipeline.cli_run import INVARIANCE, add_invariance
 from pipeline.cli_run import add_parser as add_run_parser
 from pipeline.cli_strategy import add_strategy
-from pipeline.registry import Registry
 from pipeline.trace.cli import add_parser as add_trace_parser
 
 
+def command() -> str:
+    """How the user can run this command again from where they are: ``pipeline`` when that
+    name finds this very program, else its path (``.venv/bin/pipeline``, for a hint printed
+    by ``make demo`` in a shell whose virtual environment is not active), or
+    ``PYTHON -m pipeline`` when it was started that way."""
+    program = Path(sys.argv[0])
+    if program.name != "pipeline":  # python -m pipeline
+        return f"{_shown(Path(sys.executable))} -m pipeline"
+    found = shutil.which("pipeline")
+    if found is not None and Path(found).resolve() == program.resolve():
+        return "pipeline"
+    return _shown(program)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it lies under it, else absolute (links
+    kept: a virtual environment's ``python`` is a link that must not be followed)."""
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute)
+    if relative.startswith(".."):
+        return absolute
+    return relative if os.sep in relative else f".{os.sep}{relative}"
+
+
 def _plugins(args: argparse.Namespace) -> int:
+    from pipeline.registry import Registry
+
     registry = Registry()
     rows = sorted(registry.components(), key=lambda c: (c.kind, c.name))
     width = max((len(c.name) for c in rows), default=4)
@@ -66,21 +92,17 @@ def _demo(args: argparse.Namespace) -> int:
         args.trace.unlink(missing_ok=True)  # one run's trace, not an ever-growing file
         sinks.append(JsonlSink(args.trace))
     with build(args.model, sinks=sinks, options={"num_slots": 1}) as pipe:
-        start = time.perf_counter()
         handle = pipe.submit(args.question, max_tokens=args.max_tokens, temperature=0.0)
         for delta in handle.deltas():
             sys.stdout.write(delta.text)
             sys.stdout.flush()
         done = handle.result()
-        elapsed = time.perf_counter() - start
     print()
-    ttft = done.timings.first_token_s or 0.0
-    decode_s = max(elapsed - ttft, 1e-9)
-    rate = max(done.usage.completion_tokens - 1, 0) / decode_s
-    print(f"ttft {ttft * 1e3:.1f} ms | {rate:.0f} tokens/s | finish {done.finish_reason.value}"
-          f" | {len(done.trace)} trace events")
+    figures = Figures.of(done)  # as `pipeline run` reports them: decode speed after ttft
+    print(f"ttft {(figures.ttft_s or 0.0) * 1e3:.1f} ms | {figures.decode_rate or 0.0:.0f} "
+          f"tokens/s | finish {figures.finish} | {len(done.trace)} trace events")
     if args.trace is not None:
-        print(f"trace: {args.trace} (show it with: pipeline trace show {args.trace})")
+        print(f"trace: {args.trace} (show it with: {command()} trace show {args.trace})")
     return 0
 
 
@@ -151,7 +173,7 @@ def _add_limits(serve: Any) -> None:
                            help=f"{field.metadata['help']} (default {field.default})")
 
 
-def _add_serve(sub: Any) -> None:
+def _add_serve(sub: Any, limits: bool = True) -> None:
     serve = sub.add_parser("serve", help="serve models over HTTP (OpenAI + Anthropic dialects)")
     serve.add_argument("--model", action="append", default=[],
                        help="MODEL or NAME=MODEL, repeatable; MODEL is a folder, GGUF file, "
@@ -207,7 +229,8 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="time a request's body may take to arrive (then 408, close)")
     add_strategy(serve, per_model=True)
-    _add_limits(serve)
+    if limits:  # their table lives in the HTTP transport, whose import brings torch
+        _add_limits(serve)
     serve.set_defaults(run=_serve)
 
 
@@ -242,9 +265,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="keep the run's trace as JSONL in FILE")
     demo.set_defaults(run=_demo)
     add_trace_parser(sub)
-    _add_serve(sub)
+    _add_serve(sub, limits=_command(argv) not in QUICK_START)
     args = parser.parse_args(argv)
     return _guarded(args)
+
+
+QUICK_START = ("run", "chat")
+"""The commands that write their loading line before the library loads torch: their
+parser leaves out what would import it first (``serve``'s request-limit flags)."""
+
+
+def _command(argv: Sequence[str] | None) -> str | None:
+    """The command word of ``argv`` (None: the process's own arguments), if any."""
+    words = sys.argv[1:] if argv is None else argv
+    return next((w for w in words if not w.startswith("-")), None)
 
 
 def _guarded(args: argparse.Namespace) -> int:

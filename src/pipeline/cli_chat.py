@@ -19,6 +19,9 @@ sampling flags, ``--device``, ``--dtype`` and the strategy flags (``--strategy``
   Ctrl-D), which ends the session.
 - A conversation that no longer fits the model's window is refused with one line that says
   so and suggests ``/reset``; so is one whose answer filled the window.
+- Standard error first says what loads and, once it is ready, the sampling defaults in
+  effect and their source (:mod:`pipeline.cli_start`); then, on a terminal, the banner says
+  what is loaded and that ``/help`` lists the commands.
 - On a terminal there is a ``>>>`` prompt with line editing and a banner; with standard
   input from a pipe there is no decoration at all: each line read is one turn, each answer
   is one block of output ending in a newline, notes go to standard error.
@@ -36,14 +39,17 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.cli_run import add_backend, add_sampling, backend_options, sampling_params
+from pipeline.cli_start import DEFAULT_NAME, Loading
 from pipeline.cli_strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import ArtifactError, PipelineError
-from pipeline.handle import RequestHandle
-from pipeline.pipe import Pipeline
 from pipeline.types import Completion, FinishReason, GenerationConfig, from_mapping
+
+if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
+    from pipeline.handle import RequestHandle
+    from pipeline.pipe import Pipeline
 
 Message = dict[str, str]
 PROMPT = ">>> "
@@ -80,19 +86,23 @@ def add_parser(sub: Any) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from backends.torch.native_memory import bound_native_caches
-    from pipeline.events import JsonlSink
-
-    bound_native_caches()  # the process is ours: a load's scratch goes back to the system
     params = sampling_params(args)
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not at the 1st turn
-    options = backend_options(args, max_context=args.max_context)
     choice = strategy_choice(args)
-    sinks = [JsonlSink(args.trace)] if args.trace is not None else []
+    start = Loading(sys.stderr, args.model)
+    with start.loading():  # the line shows now, before torch is imported
+        from backends.torch.native_memory import bound_native_caches
+        from pipeline.events import JsonlSink
+
+        bound_native_caches()  # the process is ours: a load's scratch goes back to the system
+        options = backend_options(args, max_context=args.max_context)
+        sinks = [JsonlSink(args.trace)] if args.trace is not None else []
+        pipe = build_with(args.model, choice, sinks=sinks, options=options)
     terminal = Terminal(sys.stdin.isatty() and sys.stdout.isatty())
-    with build_with(args.model, choice, sinks=sinks, options=options) as pipe:
+    with pipe:
         session = Session(pipe, Conversation(args.system or None), params, terminal)
-        terminal.banner(args.model or "SmolLM2-135M-Instruct", pipe, session.window)
+        start.ready(pipe)
+        terminal.banner(args.model or DEFAULT_NAME, pipe, session.window)
         return session.run()
 
 
@@ -171,7 +181,7 @@ class Terminal:
         print(text, file=sys.stderr, flush=True)
 
     def banner(self, model: str, pipe: Pipeline, window: int) -> None:
-        """The first line on a terminal: the model and how to get help."""
+        """Once the model is ready, on a terminal: what is loaded and how to get help."""
         if not self.interactive:
             return
         info = pipe.model_info()

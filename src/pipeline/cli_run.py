@@ -6,7 +6,12 @@ Owns the command's options (the sampling fields people use, in the spellings of
 the text as it streams, or with ``--json`` one JSON object (text, finish reason, usage,
 timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace;
 ``--json-schema`` constrains the answer to a JSON schema (a file or inline JSON). The prompt
-is the argument, or standard input when the argument is ``-`` or absent. The strategy flags
+is the argument, or standard input when the argument is ``-`` or absent. Standard error gets
+the start lines (:mod:`pipeline.cli_start`: loading, then ready with the sampling defaults in
+effect and their source) and, after the answer, the run's figures: with ``--verbose`` time to
+first token, prompt tokens and prefill speed, tokens generated and decode speed, finish
+reason; without it one summary line when the answer went to a terminal. A sampling flag left
+out takes the pipeline's defaults (:mod:`pipeline.sampling_defaults`). The strategy flags
 (``--strategy``, ``--steps``, ``--block-length``, ``--strategy-option``) are
 :mod:`pipeline.cli_strategy`'s. ``pipeline chat`` takes the same flags through
 :func:`add_sampling`, :func:`sampling_params`, :func:`add_backend` and
@@ -27,18 +32,24 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.cli_start import Figures, Loading, summary_line, verbose_lines
 from pipeline.cli_strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
+from pipeline.sampling_defaults import PIPELINE_DEFAULT
 
-if TYPE_CHECKING:  # importing it imports torch: the command line loads that only when used
+if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.options import BackendOptions
+    from pipeline.types import Completion
 
+_MODEL_DEFAULT = "(default: the model's own)"
 _SAMPLING = (  # flag, GenerationConfig field, type, help
-    ("--temperature", "temperature", float, "0 is greedy (default 1.0)"),
-    ("--top-p", "top_p", float, "nucleus mass to keep"),
-    ("--top-k", "top_k", int, "most likely tokens to keep (0: all)"),
-    ("--min-p", "min_p", float, "keep tokens at least this × the top probability"),
-    ("--repetition-penalty", "repetition_penalty", float, "divide repeated tokens' logits"),
+    ("--temperature", "temperature", float, f"0 is greedy {_MODEL_DEFAULT}"),
+    ("--top-p", "top_p", float, f"nucleus mass to keep {_MODEL_DEFAULT}"),
+    ("--top-k", "top_k", int, f"most likely tokens to keep, 0: all {_MODEL_DEFAULT}"),
+    ("--min-p", "min_p", float, f"keep tokens at least this × the top probability "
+                                f"{_MODEL_DEFAULT}"),
+    ("--repetition-penalty", "repetition_penalty", float,
+     f"divide repeated tokens' logits {_MODEL_DEFAULT}"),
     ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
     ("--max-tokens", "max_tokens", int, "most tokens to generate (default 256)"),
     ("--min-tokens", "min_tokens", int, "fewest tokens before EOS or a stop string may end"),
@@ -63,15 +74,29 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--trace", type=Path, default=None, metavar="FILE",
                      help="write the request's trace as JSONL to FILE")
+    run.add_argument("--verbose", "-v", action="store_true",
+                     help="after the answer, print on standard error the time to first token, "
+                          "the prompt's tokens and prefill speed, the tokens generated and the "
+                          "decode speed (after the first token), and the finish reason (without "
+                          "it, one summary line when the answer goes to a terminal)")
     run.set_defaults(run=_run)
+
+
+SAMPLING_HELP = (
+    "A flag left out takes the model's own recommended value (its generation_config.json, "
+    "or a GGUF file's general.sampling.* metadata); a model that recommends none samples at "
+    + ", ".join(f"{k} {v:g}" for k, v in PIPELINE_DEFAULT.items())
+    + ". The ready line on standard error shows the values in effect and their source.")
+"""The sampling flags' group description (what ``--help`` says about their defaults)."""
 
 
 def add_sampling(parser: Any) -> None:
     """The sampling flags (``--temperature`` ... ``--max-tokens``) and ``--stop``."""
+    group = parser.add_argument_group("sampling", SAMPLING_HELP)
     for flag, field, kind, text in _SAMPLING:
-        parser.add_argument(flag, dest=field, type=kind, default=None, help=text)
-    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                        help="stop before this text (repeatable)")
+        group.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="stop before this text (repeatable)")
 
 
 def add_backend(parser: Any) -> None:
@@ -149,17 +174,24 @@ def _schema(value: str | None) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from backends.torch.native_memory import bound_native_caches
-    from pipeline.events import JsonlSink
+    from pipeline.types import GenerationConfig, from_mapping
 
-    bound_native_caches()  # the process is ours: a load's scratch goes back to the system
-    options = backend_options(args)
     choice = strategy_choice(args)
     messages = _messages(args)
-    sinks = [JsonlSink(args.trace)] if args.trace is not None else []
-    with build_with(args.model, choice, sinks=sinks, options=options) as pipe:
-        handle = pipe.submit(messages, json_schema=_schema(args.json_schema),
-                             **sampling_params(args))
+    params = sampling_params(args)
+    from_mapping(GenerationConfig, params)  # a bad flag is one line now, not after the load
+    start = Loading(sys.stderr, args.model)  # a model that is nowhere: one line, not two
+    with start.loading():  # the line shows now, before torch is imported
+        from backends.torch.native_memory import bound_native_caches
+        from pipeline.events import JsonlSink
+
+        bound_native_caches()  # the process is ours: a load's scratch goes back to the system
+        options = backend_options(args)
+        sinks = [JsonlSink(args.trace)] if args.trace is not None else []
+        pipe = build_with(args.model, choice, sinks=sinks, options=options)
+    with pipe:
+        start.ready(pipe)
+        handle = pipe.submit(messages, json_schema=_schema(args.json_schema), **params)
         try:
             for delta in handle.deltas():
                 if not args.json:
@@ -180,4 +212,19 @@ def _run(args: argparse.Namespace) -> int:
                         "total_s": done.timings.total_s}}, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+    _report(args, done)
     return 0
+
+
+def _report(args: argparse.Namespace, done: Completion) -> None:
+    """The run's figures on standard error: every one with ``--verbose``, else one line when
+    the answer went to a terminal."""
+    figures = Figures.of(done)
+    if args.verbose:
+        lines = verbose_lines(figures)
+    elif sys.stdout.isatty() and not args.json:
+        lines = [summary_line(figures)]
+    else:
+        return
+    sys.stderr.write("".join(line + "\n" for line in lines))
+    sys.stderr.flush()

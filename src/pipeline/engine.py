@@ -54,6 +54,7 @@ backend (before that it raises :class:`~pipeline.errors.StepStillRunning`).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -61,7 +62,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -83,6 +84,7 @@ from pipeline.commit import Committer, logits_records
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
+T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")
 
 
@@ -147,8 +149,9 @@ class _Plan:
 class Engine:
     """Runs submitted :class:`Job`\\s to completion on a background thread.
 
-    ``submit`` and ``close`` may be called from any thread. The engine thread alone touches
-    the backend and the jobs' decode state.
+    ``submit``, ``call`` and ``close`` may be called from any thread. The engine thread alone
+    touches the backend (``call`` runs other work on it between steps) and the jobs' decode
+    state.
     """
 
     def __init__(self, backend: Backend, strategies: StrategyFactory,
@@ -180,6 +183,7 @@ class Engine:
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._queue: deque[Job] = deque()
         self._active: list[Job] = []
         self._held: set[int] = set()  # slots allocated and not yet released
@@ -216,6 +220,24 @@ class Engine:
                 raise EngineClosed("the engine is closed")
             self._incoming.append(job)
             self._cv.notify()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the engine thread between two steps (any thread may ask): the way
+        to use the backend beside the engine's own calls (embeddings' forwards), since it is
+        not thread-safe. One call runs per step, so a long series of them interleaves with
+        decoding; an exception ``fn`` raises goes to the future. Raises
+        :class:`EngineClosed` as :meth:`submit` does; calls still waiting when the engine
+        stops or is abandoned fail with it. A call cancelled before it starts never runs."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cv:
+            if self.failure is not None:
+                raise EngineClosed(f"the engine stopped after an internal error "
+                                   f"({self.failure}); a fresh one must be started")
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return future
 
     def wake(self) -> None:
         """Make the loop look at its requests now (cancellation calls this)."""
@@ -278,6 +300,7 @@ class Engine:
             jobs = list(self._incoming) + list(self._queue) + list(self._active)
             self._queue.extend(self._incoming)
             self._incoming.clear()
+        self._refuse_calls(why)
         log.error("abandoning the engine: %s", why)
         for job in jobs:
             job.abort(f"{ENGINE_DOWN}: {why}")
@@ -326,20 +349,27 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._closed or self._incoming or self._active or self._queue):
+                while not (self._closed or self._incoming or self._active or self._queue
+                           or self._calls):
                     self._cv.wait()
                 if not (self._active or self._queue or self._incoming):
                     if self._closed:
+                        self._refuse_calls("the engine is closed")
                         return
                 closing = self._closed
                 incoming, self._incoming = self._incoming, []
                 self._queue.extend(incoming)
+                call = self._calls.popleft() if self._calls and not closing else None
             if closing:
+                self._refuse_calls("the engine is closed")
                 self._cancel_all()
                 continue
             try:
                 self._steps += 1
                 self._step_started = started = self._clock()
+                if call is not None:
+                    self._phase = "a call between steps"
+                    _run_call(*call)
                 shape = self._step()
                 if shape is not None and self._pacer is not None:
                     self._pacer.observe((self._clock() - started) / 1e9, *shape)
@@ -373,6 +403,14 @@ class Engine:
         log.warning("the abandoned engine's step %d returned; its resources are free",
                     self._steps)
 
+    def _refuse_calls(self, why: str) -> None:
+        """Fail every :meth:`call` still waiting with :class:`EngineClosed`."""
+        with self._cv:
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosed(f"the engine stopped: {why}"))
+
     def _stopped(self, why: str) -> None:
         """The loop is ending abnormally: refuse new work, end every job it holds. Whatever
         raises here (even a ``BaseException`` again), every handle is completed and
@@ -381,6 +419,8 @@ class Engine:
             self.failure = why
             jobs = list(self._incoming) + list(self._queue) + list(self._active)
             self._incoming.clear()
+        with contextlib.suppress(BaseException):
+            self._refuse_calls(why)
         try:
             for job in jobs:
                 try:
@@ -690,3 +730,13 @@ class Engine:
 
 __all__ = ["ENGINE_DOWN", "Engine", "EngineConfig", "RequestHandle", "RequestState", "Stall",
            "Tracer"]
+
+
+def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:
+    """Run one :meth:`Engine.call` (unless it was cancelled), its outcome to ``future``."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as exc:  # the caller's failure, not the engine's
+        future.set_exception(exc)

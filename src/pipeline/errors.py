@@ -9,6 +9,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     ├── ValidationError (also ValueError)      bad input from a caller
     │   ├── InvalidValueError                    a field holds a value outside its domain
     │   ├── UnknownFieldError                    a key that the type does not have
+    │   │   └── UnknownKeywordError (also TypeError)  a keyword a function does not take
     │   ├── TraceError                           a trace file that cannot be read as traces
     │   ├── ContextWindowError                   prompt (+ max_tokens) does not fit the window
     │   └── LimitExceededError                   a request exceeds a configured size limit
@@ -41,8 +42,14 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import reprlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def brief(value: object, limit: int = 80) -> str:
@@ -105,6 +112,35 @@ class UnknownFieldError(ValidationError):
         )
 
 
+class UnknownKeywordError(UnknownFieldError, TypeError):
+    """A function was called with a keyword it does not take (``build(devcie=...)``): the
+    message names the closest keyword it does take. Also a ``TypeError``, what Python raises
+    for it."""
+
+    def __init__(self, function: str, keyword: str, allowed: Iterable[str]) -> None:
+        super().__init__(f"{function}()", keyword, allowed)
+        hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
+        self.args = (f"{function}() takes no keyword {keyword!r}{hint}; its keywords: "
+                     f"{', '.join(self.allowed)}",)
+
+
+def hint_keywords(function: Callable[P, R]) -> Callable[P, R]:
+    """``function`` refusing a keyword it does not take with an :class:`UnknownKeywordError`
+    that names the closest one (Python's own ``TypeError`` names none). The signature, and
+    so static checking, is unchanged."""
+    names = frozenset(name for name, p in inspect.signature(function).parameters.items()
+                      if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+    @functools.wraps(function)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        for keyword in kwargs:
+            if keyword not in names:
+                raise UnknownKeywordError(function.__name__, keyword, names)
+        return function(*args, **kwargs)
+
+    return checked
+
+
 class TraceError(ValidationError):
     """A trace (file or event list) that cannot be read or is not what was asked for."""
 class ContextWindowError(ValidationError):
@@ -156,8 +192,17 @@ class UnknownNameError(RegistryError):
         self.kind = kind
         self.name = name
         self.available = tuple(sorted(available))
+        self.suggestion = closest(name, self.available)
         listed = ", ".join(self.available) or "(none)"
-        super().__init__(f"no {kind} named {name!r}; registered {kind}s: {listed}")
+        hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
+        super().__init__(f"no {kind} named {name!r}{hint}; registered {plural(kind)}: {listed}")
+
+
+def plural(noun: str) -> str:
+    """``noun``'s plural, for the nouns messages name (``strategy`` → ``strategies``)."""
+    if noun.endswith("y") and noun[-2:-1] not in ("a", "e", "o", "u"):
+        return noun[:-1] + "ies"
+    return noun + ("es" if noun.endswith(("s", "x", "ch", "sh")) else "s")
 
 
 class PluginLoadError(RegistryError):

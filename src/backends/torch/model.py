@@ -143,8 +143,21 @@ class Transformer:
         self.linears.plan = outputs
         return self.linears(h, self.weights.lm_head).float()                   # [N, V]
 
+    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[T, H]`` float32 of ``token_ids [T]``, one causal
+        sequence from position 0: the last layer's output after the final norm, the output
+        head's input. No cache is read or written (embeddings)."""
+        h = self.embed(token_ids)                                              # [T, H]
+        self.linears.plan, self.linears.prompt_rows = None, None
+        positions = torch.arange(token_ids.shape[0], device=h.device)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, h.dtype)
+        for i, layer in enumerate(self.weights.layers):
+            h = self._layer(i, layer, h, cos, sin, None, None)
+        return rms_norm(h, self.weights.norm, self.spec.rms_norm_eps).float()  # [T, H]
+
     def _layer(self, i: int, layer: LayerWeights, h: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
+               sin: torch.Tensor, cache: KVCache | None,
+               batch: RaggedBatch | None) -> torch.Tensor:
         eps = self.spec.rms_norm_eps
         x = rms_norm(h, layer.input_norm, eps)
         h = h + self._attention(i, layer.attention, x, cos, sin, cache, batch)
@@ -154,7 +167,8 @@ class Transformer:
         return h + mlp_forward(layer.mlp, x, self.linears)
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, cache: KVCache, batch: RaggedBatch) -> torch.Tensor:
+                   sin: torch.Tensor, cache: KVCache | None,
+                   batch: RaggedBatch | None) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
         lin = self.linears
         q = lin(x, w.q, w.q_bias).view(t, s.num_heads, s.head_dim)             # [T, Hq, D]
@@ -164,6 +178,10 @@ class Transformer:
             q, k = rms_norm(q, w.q_norm, s.rms_norm_eps), rms_norm(k, w.k_norm, s.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = s.sliding_windows[i]
+        if cache is None or batch is None:  # one sequence from position 0, nothing kept
+            keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]    # [1, Hkv, T, D]
+            alone = attend(q, keys, values, 0, window)                         # [T, Hq, D]
+            return lin(alone.reshape(t, -1), w.o, w.o_bias)                    # [T, H]
         cache.update(i, batch, k, v)
         outs = []
         for b, (start, n, at) in enumerate(zip(batch.starts, batch.lengths, batch.offsets)):

@@ -27,7 +27,7 @@ from pipeline.types import (
     ToolCallEnd, ToolChoice, ToolSpec, Usage,
 )
 from transports.http.common import (
-    Parsed, ServerDefaults, config_from, text_content,
+    Parsed, ServerDefaults, config_from, sampling_given, text_content,
 )
 from transports.http.documented import (
     _cache_control as cache_control, anthropic_fields, anthropic_tool, one_of, unsupported,
@@ -203,7 +203,8 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
                       client_metadata={"user": user} if user else {},
                       template_kwargs=({} if enable_thinking is None
                                        else {"enable_thinking": enable_thinking}))
-    return Parsed(model, request, stream, True, bool(request.tools_shown))
+    return Parsed(model, request, stream, True, bool(request.tools_shown),
+                  sampling_given=sampling_given(raw))
 
 
 # --- responses -----------------------------------------------------------------------------

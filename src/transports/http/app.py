@@ -15,6 +15,11 @@ is watched for ``http.disconnect`` the same way. A client whose body never fully
 left, or a read deadline of :mod:`transports.http.timeouts` cut it off) is counted as 499,
 nginx's "client closed request", not as a server error.
 
+``POST /v1/responses`` takes the same flow: :mod:`transports.http.responses_api` turns its
+body into the chat request it amounts to and brings a :class:`~transports.http.generation.Form`
+that answers in the Responses shape. ``POST /v1/embeddings``
+(:mod:`transports.http.embeddings_api`) runs its forwards on the engine's thread.
+
 Every generation response carries its request id (the body's ``id``) in ``x-request-id``;
 ``GET /traces/{id}`` returns that request's trace as JSONL to a key that made it, every
 choice's trace when it asked for several, and ``GET /traces/{id}-{k}`` choice ``k``'s alone
@@ -50,9 +55,14 @@ from pipeline.errors import (
 )
 from pipeline.handle import RequestHandle
 from pipeline.types import Completion
-from transports.http import anthropic_api, completions_api, generation, openai_api
+from transports.http import (
+    anthropic_api, completions_api, embeddings_api, generation, openai_api, responses_api,
+    responses_output,
+)
 from transports.http.choices import merged
-from transports.http.common import Parsed, ServerDefaults, StreamEncoder, traceparent
+from transports.http.common import (
+    Parsed, ServerDefaults, StreamEncoder, traceparent, with_model_defaults,
+)
 from transports.http.errors import Dialect, classify, error_body, route_error, status_for
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import Gateway, ModelState, ServedModel
@@ -61,7 +71,8 @@ from transports.http.logs import CLIENT_CLOSED, AccessLog, record_generation
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
 from transports.http.output import OutputSplitter, Part
-from transports.http.page import MEDIA_TYPE as HTML, ChatPage
+from transports.http.inspector import RECORDING_HEADER, TraceViews, with_recording
+from transports.http.page import MEDIA_TYPE as HTML, ChatPage, asset_handler
 from transports.http.traces import MEDIA_TYPE as JSONL
 from transports.http.work import Checkpoint, Workers, disconnected
 from transports.sse import SSEEvent, encode, encode_comment
@@ -99,6 +110,7 @@ class Server:
         self.defaults = ServerDefaults(c.default_max_tokens, c.reasoning_budget_tokens)
         self.limits = c.limits
         self.work = Workers(c.work_threads, c.work_queue)
+        self.conversations = responses_output.Conversations()
 
     # --- the shared front of every authenticated endpoint ----------------------------------
 
@@ -174,12 +186,34 @@ class Server:
             http, lambda body: completions_api.parse_completions(body, self.defaults))
         return await self._generate(http, parsed, Dialect.OPENAI, "completions")
 
+    async def responses(self, http: HTTPRequest) -> Response:
+        """``POST /v1/responses``: translated to the chat flow, answered in its own form."""
+        raw, keys = await self._read(http), http.state.keys
+        asked = await self.work.run(http, lambda _: responses_api.parse_responses(
+            self._door(raw), self.defaults, self.limits, self.conversations, keys))
+        return await self._generate(http, asked.parsed, Dialect.OPENAI, "responses",
+                                    asked.form)
+
+    async def embeddings(self, http: HTTPRequest) -> Response:
+        """``POST /v1/embeddings`` (the forwards run on the engine's thread)."""
+        raw = await self._read(http)
+        ask = await self.work.run(
+            http, lambda _: embeddings_api.parse_embeddings(self._door(raw), self.limits))
+        served = self._served_name(http, ask.model)
+        inputs = await self.work.run(
+            http, lambda check: embeddings_api.token_inputs(self.gateway, served, ask, check))
+        vectors = await embeddings_api.embed(http, served, inputs)
+        return JSONResponse(embeddings_api.embeddings_body(ask, inputs, vectors))
+
     async def _generate(self, http: HTTPRequest, parsed: Parsed, dialect: Dialect,
-                        endpoint: str) -> Response:
+                        endpoint: str, form: generation.Form | None = None) -> Response:
         served = self._served(http, parsed)
+        parsed = with_model_defaults(parsed, served.pipe.defaults)  # what the body left out
         meta = {**parsed.request.client_metadata,
                 **traceparent(http.headers.get("traceparent"))}
-        parsed = attrs.evolve(parsed, request=attrs.evolve(parsed.request, client_metadata=meta))
+        request = attrs.evolve(parsed.request, client_metadata=meta)
+        recording = http.headers.get(RECORDING_HEADER)  # the page's inspector asks for full
+        parsed = attrs.evolve(parsed, request=with_recording(request, recording))
         loop = asyncio.get_running_loop()
         owners: frozenset[str] = http.state.keys
         started = await self.work.run(
@@ -193,7 +227,7 @@ class Server:
         if parsed.stream:
             # The generator's own ``finally`` cancels when the client leaves; the background
             # task cancels too when the stream never started (a disconnect seen first).
-            return StreamingResponse(self._stream(served, started, parsed, dialect),
+            return StreamingResponse(self._stream(served, started, parsed, dialect, form),
                                      media_type="text/event-stream",
                                      headers={"cache-control": "no-cache", **request_id},
                                      background=BackgroundTask(started.cancel))
@@ -201,8 +235,9 @@ class Server:
         failed = next((c for c in completions if c.error is not None), None)
         if failed is not None:
             raise _failed(failed)
-        return JSONResponse(generation.answer(served, parsed, dialect, started, completions),
-                            headers=request_id)
+        body = (form.answer(served, parsed, started, completions) if form is not None
+                else generation.answer(served, parsed, dialect, started, completions))
+        return JSONResponse(body, headers=request_id)
 
     async def _wait(self, http: HTTPRequest, started: Started) -> list[Completion]:
         """Every choice's completion; a client that disconnects first cancels them."""
@@ -217,8 +252,11 @@ class Server:
         return list(await done)
 
     async def _stream(self, served: ServedModel, started: Started, parsed: Parsed,
-                      dialect: Dialect) -> AsyncIterator[bytes]:
-        encoder = generation.encoder(served, parsed, dialect, started)
+                      dialect: Dialect, form: generation.Form | None = None
+                      ) -> AsyncIterator[bytes]:
+        own = form.encoder(served, parsed, started) if form is not None else None
+        encoder = own if own is not None else generation.encoder(served, parsed, dialect,
+                                                                 started)
         splitters = [generation.splitter(served, parsed, f.handle.request_id)
                      for f in started.flights]
         opening = encoder.start()
@@ -236,7 +274,8 @@ class Server:
         completions = await asyncio.gather(*(f.done for f in started.flights))
         failed = next((c for c in completions if c.error is not None), None)
         if failed is not None:
-            yield self._stream_error(_failed(failed), dialect)
+            yield (own.fail(_failed(failed)) if own is not None
+                   else self._stream_error(_failed(failed), dialect))
             return
         yield encoder.end(completions)
 
@@ -416,12 +455,15 @@ class Server:
 def create_app(gateway: Gateway) -> Starlette:
     """The Starlette app serving ``gateway``'s models; closing the app closes the gateway."""
     s = Server(gateway)
+    views = TraceViews(gateway, s.work)
     oa, an = Dialect.OPENAI, Dialect.ANTHROPIC
     routes = [
         Route("/v1/chat/completions", s.endpoint("chat.completions", oa, s.chat),
               methods=["POST"]),
         Route("/v1/completions", s.endpoint("completions", oa, s.completions),
               methods=["POST"]),
+        Route("/v1/responses", s.endpoint("responses", oa, s.responses), methods=["POST"]),
+        Route("/v1/embeddings", s.endpoint("embeddings", oa, s.embeddings), methods=["POST"]),
         Route("/v1/messages", s.endpoint("messages", an, s.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", s.endpoint("count_tokens", an, s.count_tokens),
               methods=["POST"]),
@@ -433,6 +475,10 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/openapi.json", s.openapi, methods=["GET"]),
         Route("/traces/{request_id}", s.endpoint("traces", oa, s.trace), methods=["GET"]),
+        Route("/traces/{request_id}/inspect", s.endpoint("traces", oa, views.inspect),
+              methods=["GET"]),
+        Route("/traces/{a}/diff/{b}", s.endpoint("traces", oa, views.diff), methods=["GET"]),
+        Route("/web/{name}", asset_handler(s.page), methods=["GET"]),
         Route("/", s.chat_page, methods=["GET"]),  # Starlette adds HEAD to a GET route
     ]
 

@@ -5,6 +5,7 @@ Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline
 plus how to answer it), :class:`RawPrompts` (a completions request's prompts),
 :class:`ServerDefaults` (the server-side defaults a body may leave out),
 :class:`StreamEncoder` (a dialect's streamed answer), :func:`config_from`,
+:func:`with_model_defaults` (the served model's sampling in the fields a body left out),
 :func:`text_content` and :func:`traceparent`.
 """
 
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 import attrs
 
 from pipeline.errors import InvalidValueError
+from pipeline.sampling_defaults import SAMPLING_FIELDS
 from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
 from transports.http.output import Part
@@ -66,6 +68,10 @@ class Parsed:
     raw: RawPrompts | None = None
     """The raw prompts of a completions request (``request`` is then the first prompt's;
     each prompt's own request replaces its prompt with the prompt's ids)."""
+    sampling_given: frozenset[str] | None = None
+    """The sampling fields (:data:`~pipeline.sampling_defaults.SAMPLING_FIELDS`) the body
+    set; the others take the served pipeline's defaults (:func:`with_model_defaults`).
+    None: the request's config is complete as parsed."""
 
 
 class StreamEncoder(Protocol):
@@ -94,6 +100,26 @@ def config_from(fields: dict[str, Any], max_tokens: int | None,
     if "reasoning_budget_tokens" not in fields and defaults.reasoning_budget_tokens is not None:
         fields["reasoning_budget_tokens"] = defaults.reasoning_budget_tokens
     return GenerationConfig.from_dict(fields)
+
+
+def sampling_given(raw: Any) -> frozenset[str]:
+    """The sampling fields a request body sets (a ``null`` sets nothing)."""
+    if not isinstance(raw, dict):
+        return frozenset()
+    return frozenset(f for f in SAMPLING_FIELDS if raw.get(f) is not None)
+
+
+def with_model_defaults(parsed: Parsed, defaults: GenerationConfig) -> Parsed:
+    """``parsed`` with the served pipeline's defaults (``Pipeline.defaults``: the model's
+    recommended sampling, else the pipeline default) in every sampling field the body left
+    out. The dialects' own documented defaults (temperature 1 in OpenAI's and Anthropic's
+    APIs) are deliberately not used: a request that sets nothing samples as the library and
+    the command line do (docs/serving.md)."""
+    if parsed.sampling_given is None:
+        return parsed
+    fill = {f: getattr(defaults, f) for f in SAMPLING_FIELDS if f not in parsed.sampling_given}
+    config = attrs.evolve(parsed.request.generation_config, **fill)
+    return attrs.evolve(parsed, request=attrs.evolve(parsed.request, generation_config=config))
 
 
 def text_content(path: str, value: Any, text_type: str,

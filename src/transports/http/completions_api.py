@@ -29,7 +29,9 @@ from pipeline.errors import InvalidValueError
 from pipeline.protocols import Detokenizer, DocumentEncoder, Tokenizer
 from pipeline.types import Completion, Delta, FinishReason, Request, TokenLogprob, Usage
 from transports.http.choices import total_usage
-from transports.http.common import Parsed, RawPrompt, RawPrompts, ServerDefaults, config_from
+from transports.http.common import (
+    Parsed, RawPrompt, RawPrompts, ServerDefaults, config_from, sampling_given,
+)
 from transports.http.documented import structured_outputs, unsupported
 from transports.http.fields import Obj, check
 from transports.http.openai_api import (
@@ -117,7 +119,7 @@ def parse_completions(raw: Any, defaults: ServerDefaults) -> Parsed:
                       generation_config=config, request_id=f"cmpl-{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {})
     return Parsed(model, request, stream, given is not None, False, include_usage, n=n,
-                  raw=RawPrompts(prompts, echo, logprobs))
+                  raw=RawPrompts(prompts, echo, logprobs), sampling_given=sampling_given(raw))
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: RawPrompt, path: str) -> tuple[int, ...]:

@@ -7,14 +7,15 @@ each prompt to the model's input (a completions prompt to ids; a chat request's 
 is the pipeline's to apply, :mod:`pipeline.tool_choice`), the window fit (:meth:`~transports.http.gateway.Gateway.fit`), the choices'
 requests (:func:`~transports.http.choices.choice_requests`) and their admission together
 (:meth:`~transports.http.gateway.Gateway.submit`). :func:`answer` builds the non-stream body
-and :func:`encoder` the stream's encoder, in the dialect the request came in.
+and :func:`encoder` the stream's encoder, in the dialect the request came in; an endpoint
+with an answer of its own over the same flow (``/v1/responses``) brings a :class:`Form`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -146,3 +147,27 @@ def encoder(served: ServedModel, parsed: Parsed, dialect: Dialect,
         return completions_api.TextStream(parsed, started.echoes, started.prompts,
                                           _tokenizer(served), _detokenizer(served))
     return openai_api.ChatStream(parsed, parsed.request.request_id, _tokenizer(served))
+
+
+class FormStream(StreamEncoder, Protocol):
+    """A :class:`Form`'s stream encoder, which also writes the event that ends a stream
+    whose generation failed."""
+
+    def fail(self, exc: BaseException) -> bytes:
+        """The closing error event for ``exc``."""
+        ...
+
+
+class Form(Protocol):
+    """An endpoint's own answer over the generation flow (``/v1/responses``): the non-stream
+    body and the stream encoder that replace the dialect's :func:`answer` and
+    :func:`encoder`."""
+
+    def answer(self, served: ServedModel, parsed: Parsed, started: Started,
+               completions: Sequence[Completion]) -> dict[str, Any]:
+        """The non-stream body."""
+        ...
+
+    def encoder(self, served: ServedModel, parsed: Parsed, started: Started) -> FormStream:
+        """The stream's encoder."""
+        ...

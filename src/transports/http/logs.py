@@ -18,6 +18,7 @@ Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.acc
     2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy autoregressive
     2025-01-31 12:00:00.903 INFO pipeline.serve: model 'masked' ready in 0.36 s: Qwen3ForCausalLM, 2.8M parameters (2803968), bfloat16 on cpu, weights 5.3 MiB (5607936 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy fast_dllm (steps=4 block_length=8 threshold=0.1)
     2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000 (models: tiny)
+    2025-01-31 12:00:00.601 INFO pipeline.serve: chat page: http://127.0.0.1:8000/ (OpenAPI description: http://127.0.0.1:8000/openapi.json)
     2025-01-31 12:00:03.002 INFO pipeline.serve.access: POST /v1/chat/completions 200 412.3ms model=tiny prompt_tokens=17 completion_tokens=32 finish=length request_id=chatcmpl-6c1f... client=127.0.0.1:50412
     2025-01-31 12:00:04.310 INFO pipeline.serve.access: POST /v1/messages 400 3.1ms error=invalid_request_error reason="messages[0].role='system': must be 'user' or 'assistant'" request_id=- client=127.0.0.1:50414
     2025-01-31 12:00:05.020 INFO pipeline.serve.access: - - 431 - error=header_fields_too_large reason="request header fields too large: 70012 bytes of request line and header fields exceeds the limit of 65536 (server setting max_header_bytes)" request_id=- client=127.0.0.1:50416
@@ -126,8 +127,10 @@ def model_failed(name: str, exc: BaseException) -> None:
 
 
 def listening(url: str, models: Iterable[str]) -> None:
-    """The server accepts connections."""
+    """The server accepts connections; the next line says where the chat page is."""
     log.info("listening on %s (models: %s)", url, ", ".join(models))
+    page = url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+    log.info("chat page: %s/ (OpenAPI description: %s/openapi.json)", page, page)
 
 
 def url(host: str, port: int) -> str:

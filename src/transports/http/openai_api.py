@@ -28,7 +28,7 @@ from pipeline.types import (
 )
 from transports.http.choices import total_usage
 from transports.http.common import (
-    Parsed, ServerDefaults, config_from, text_content,
+    Parsed, ServerDefaults, config_from, sampling_given, text_content,
 )
 from transports.http.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
@@ -214,7 +214,8 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
                       tool_choice=choice, request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                       client_metadata={"user": user} if user else {},
                       template_kwargs=thinking)
-    return Parsed(model, request, stream, given, bool(request.tools_shown), include_usage, n=n)
+    return Parsed(model, request, stream, given, bool(request.tools_shown), include_usage, n=n,
+                  sampling_given=sampling_given(raw))
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -112,6 +112,63 @@ def _completion_responses() -> dict[str, Schema]:
     }
 
 
+def _responses_api() -> dict[str, Schema]:
+    """The Responses API's ``response``, its items and its stream's events (each ``event:``
+    named by its ``type``); the embeddings list."""
+    status = {"type": "string", "enum": ["in_progress", "completed", "incomplete"]}
+    text = out({"type": {"const": "output_text"}, "text": STRING,
+                "annotations": {"type": "array"}})
+    thought = out({"type": {"const": "reasoning_text"}, "text": STRING})
+    usage = out({"input_tokens": COUNT, "output_tokens": COUNT, "total_tokens": COUNT,
+                 "input_tokens_details": out({"cached_tokens": COUNT})})
+
+    def event(kind: str, **fields: Schema) -> Schema:
+        return out({"type": {"const": kind}, "sequence_number": COUNT, **fields})
+
+    at: dict[str, Schema] = {"item_id": STRING, "output_index": COUNT}
+    part_at: dict[str, Schema] = {**at, "content_index": COUNT}
+    lifecycle = [event(f"response.{k}", response=ref("Response"))
+                 for k in ("created", "in_progress", "completed", "incomplete")]
+    events = [*lifecycle,
+              *(event(f"response.output_item.{k}", output_index=COUNT, item=ref("ResponseItem"))
+                for k in ("added", "done")),
+              *(event(f"response.content_part.{k}", **part_at, part={"oneOf": [text, thought]})
+                for k in ("added", "done")),
+              *(event(f"response.{k}.delta", **part_at, delta=STRING)
+                for k in ("output_text", "reasoning_text")),
+              *(event(f"response.{k}.done", **part_at, text=STRING)
+                for k in ("output_text", "reasoning_text")),
+              event("response.function_call_arguments.delta", **at, delta=STRING),
+              event("response.function_call_arguments.done", **at, name=STRING,
+                    arguments=STRING),
+              event("error", message=STRING, code={"type": ["string", "null"]},
+                    param={"type": ["string", "null"]})]
+    names = [e["properties"]["type"]["const"] for e in events]
+    vector = {"anyOf": [array({"type": "number"}), {**STRING, "description": "base64 of "
+                                                              "little-endian float32"}]}
+    return {
+        "ResponseItem": {"oneOf": [
+            out({"id": STRING, "type": {"const": "message"}, "role": {"const": "assistant"},
+                 "status": status, "content": array(text)}),
+            out({"id": STRING, "type": {"const": "reasoning"}, "status": status,
+                 "summary": {"type": "array"}, "content": array(thought)}),
+            out({"id": STRING, "type": {"const": "function_call"}, "status": status,
+                 "call_id": STRING, "name": STRING, "arguments": STRING})]},
+        "Response": out({
+            "id": STRING, "object": {"const": "response"}, "created_at": COUNT,
+            "status": status, "model": STRING, "output": array(ref("ResponseItem")),
+            "incomplete_details": nullable(out({"reason": {"const": "max_output_tokens"}})),
+            "usage": nullable(usage)}),
+        "ResponseStreamEvent": _stream_event({"type": "string", "enum": names},
+                                             _json_text({"oneOf": events})),
+        "EmbeddingList": out({
+            "object": {"const": "list"}, "model": STRING,
+            "data": array(out({"object": {"const": "embedding"}, "index": COUNT,
+                               "embedding": vector})),
+            "usage": out({"prompt_tokens": COUNT, "total_tokens": COUNT})}),
+    }
+
+
 STOP_REASON: Schema = {"type": "string", "enum": [
     "end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"]}
 
@@ -241,6 +298,25 @@ TRACEPARENT: Schema = {
         "^(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}$")}}
 
 
+RECORDING: Schema = {
+    "name": "x-pipeline-recording", "in": "header", "required": False,
+    "description": "the request's trace level: `digest` (the default) or `full` (also the "
+                   "text, the ids and each step's raw and processed logits' top-k, which "
+                   "`GET /traces/{request_id}/inspect` shows); anything else is a 400",
+    "schema": {"type": "string", "enum": ["digest", "full"]}}
+ID_PATTERN = "^[A-Za-z0-9_.-]{1,128}$"
+
+
+def _trace_view(summary: str, description: str, names: Sequence[str]) -> Schema:
+    """A GET over kept traces, each named by a request (or choice) id in the path."""
+    return {"get": {
+        "summary": summary, "description": description,
+        "parameters": [{"name": n, "in": "path", "required": True,
+                        "schema": {"type": "string", "pattern": ID_PATTERN}} for n in names],
+        "responses": {"200": _json({"type": "object"}, "the view, as JSON"),
+                      **_errors(OPENAI, (400, *LISTING, 404))}}}
+
+
 def _generation(summary: str, body: str, answer: str, event: str, shape: str,
                 overloaded: int) -> Schema:
     # Before OpenAPI 3.2 (itemSchema), an event stream's `schema` describes each event.
@@ -252,7 +328,7 @@ def _generation(summary: str, body: str, answer: str, event: str, shape: str,
               "schema": STRING}},
           "content": {JSON: {"schema": ref(answer)}, SSE: {"schema": ref(event)}}}
     return {"post": {
-        "summary": summary, "parameters": [TRACEPARENT], "requestBody": _body(body),
+        "summary": summary, "parameters": [TRACEPARENT, RECORDING], "requestBody": _body(body),
         "responses": {"200": ok, **_errors(shape, (*GENERATION, overloaded))}}}
 
 
@@ -275,6 +351,13 @@ def _paths() -> Schema:
         "/v1/completions": _generation("OpenAI (legacy) text completions: raw prompts, no chat "
                                        "template", "CompletionRequest", "TextCompletion",
                                        "TextStreamEvent", OPENAI, 429),
+        "/v1/responses": _generation("OpenAI Responses: the chat flow, answered as a "
+                                     "`response` (kept for `previous_response_id`)",
+                                     "ResponsesRequest", "Response", "ResponseStreamEvent",
+                                     OPENAI, 429),
+        "/v1/embeddings": _post("OpenAI embeddings: each input's final hidden states, "
+                                "mean-pooled and L2-normalized", "EmbeddingsRequest",
+                                "EmbeddingList", OPENAI),
         "/v1/messages": _generation("Anthropic Messages", "MessagesRequest", "Message",
                                     "MessageStreamEvent", ANTHROPIC, 529),
         "/v1/messages/count_tokens": _post("the prompt's exact token count",
@@ -311,6 +394,22 @@ def _paths() -> Schema:
             "responses": {"200": {"description": "one JSON event per line",
                                   "content": {JSONL: {"schema": STRING}}},
                           **_errors(OPENAI, (*LISTING, 404))}}},
+        "/traces/{request_id}/inspect": _trace_view(
+            "one kept trace as the chat page's inspector shows it",
+            "Each step's token with its raw and processed top-k (a trace recorded at `full`) "
+            "and the processors applied, and the timeline (phases, latencies, ending). The "
+            "same keys read it as `GET /traces/{request_id}`; a request of several choices "
+            "is named by a choice's id (a 400 otherwise).", ["request_id"]),
+        "/traces/{a}/diff/{b}": _trace_view(
+            "the first divergence between two kept traces (`pipeline trace diff`)",
+            "The diff report's JSON (first divergent product, its level and step, the shared "
+            "reproducibility level, the declared differences), `first_token_step` (the first "
+            "step whose tokens differ) and the report as `text`. Both traces must be readable "
+            "with the caller's key (a 404 otherwise).", ["a", "b"]),
+        "/web/{name}": _open_get("one of the chat page's scripts (vendored or its own)", {
+            "200": {"description": "JavaScript",
+                    "content": {"text/javascript": {"schema": STRING}}},
+            **_errors(OPENAI, (404,))}),
         "/": _open_get("the web chat page", {
             "200": {"description": "a self-contained HTML page",
                     "content": {"text/html": {"schema": STRING}}}}),
@@ -323,7 +422,8 @@ def _schemas(served_models: Sequence[str], max_n: int) -> Schema:
                             "(`model_not_found`, with `served_models`)"}
     return {
         "Model": model, **request_schemas(max_n), **_openai_responses(),
-        **_completion_responses(), **_anthropic_responses(), **_other_responses(),
+        **_completion_responses(), **_responses_api(), **_anthropic_responses(),
+        **_other_responses(),
         **_error_schemas(),
     }
 

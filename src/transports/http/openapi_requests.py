@@ -268,6 +268,101 @@ def _constraints() -> dict[str, Schema]:
         "guided_whitespace_pattern": {**STRING, "description": "accepted, ignored"}}
 
 
+# --- OpenAI's Responses API and embeddings ----------------------------------------------------
+
+
+def _responses_items() -> dict[str, Schema]:
+    """The input items of ``POST /v1/responses`` (``_input`` in responses_api)."""
+    status = enum("in_progress", "completed", "incomplete")
+    text = request_object({"type": enum("input_text", "output_text"), "text": STRING},
+                          {"annotations": {"type": "array"}, "logprobs": {"type": "array"}})
+    refusal = request_object({"type": {"const": "refusal"}, "refusal": STRING},
+                             description="in an assistant message only")
+    content = {"anyOf": [STRING, array({"anyOf": [text, refusal]})]}
+    return {
+        "ResponsesInputItem": {"anyOf": [
+            request_object({"role": enum("user", "system", "developer", "assistant"),
+                            "content": content},
+                           {"type": {"const": "message"}, "id": STRING, "status": status,
+                            "phase": enum("commentary", "final_answer")}),
+            request_object({"type": {"const": "function_call"}, "call_id": STRING,
+                            "name": STRING, "arguments": STRING},
+                           {"id": STRING, "status": status, "namespace": STRING},
+                           description="joins the assistant turn before it"),
+            request_object({"type": {"const": "function_call_output"}, "call_id": STRING,
+                            "output": {"anyOf": [STRING, array(text)]}},
+                           {"id": STRING, "status": status}),
+            request_object({"type": {"const": "reasoning"}},
+                           {"id": STRING, "summary": {"type": "array"},
+                            "content": {"type": "array"}, "encrypted_content": STRING,
+                            "status": status}, description="accepted, dropped")],
+            "description": "a message needs at least one of them in `input`"},
+    }
+
+
+def _responses_request() -> Schema:
+    tool = request_object({"type": {"const": "function"}, "name": TOOL_NAME},
+                          {"description": STRING, "parameters": OBJECT,
+                           "strict": {**BOOLEAN, "description": "true when absent"},
+                           "defer_loading": BOOLEAN})
+    choice = {"anyOf": [enum("none", "auto", "required"),
+                        request_object({"type": {"const": "function"}, "name": STRING},
+                                       description="must name a tool in `tools`")]}
+    fmt = {"anyOf": [
+        request_object({"type": enum("text", "json_object")}),
+        request_object({"type": {"const": "json_schema"}, "name": STRING, "schema": OBJECT},
+                       {"description": STRING, "strict": BOOLEAN})],
+        "description": "json_object / json_schema: the output is one JSON object (valid for "
+                       "the schema) by construction; a schema feature the grammar engine "
+                       "lacks is a 400"}
+    sampling = {k: v for k, v in _sampling_openai().items()
+                if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                         "seed", "logit_bias", "stop")}
+    return request_object(
+        {"model": ref("Model"),
+         "input": {"anyOf": [STRING, array(ref("ResponsesInputItem"), minItems=1)]}},
+        {**sampling, **_openai_ignored(),
+         "instructions": {**STRING, "description": "a system message first (not kept for "
+                                                   "`previous_response_id`)"},
+         "previous_response_id": {**STRING, "description": "a response kept here, made with "
+                                                           "this key (a 400 otherwise)"},
+         "max_output_tokens": integer(1, description="clamped to the room left in the window "
+                                                     "unless the server runs with --no-clamp"),
+         "tools": array(tool), "tool_choice": choice, "parallel_tool_calls": BOOLEAN,
+         "text": request_object({}, {"format": fmt, "verbosity": enum("low", "medium",
+                                                                      "high")}),
+         "reasoning": request_object({}, {
+             "effort": enum("none", "minimal", "low", "medium", "high", "xhigh",
+                            description="`none` turns the template's enable_thinking off"),
+             "summary": enum("auto", "concise", "detailed"),
+             "generate_summary": enum("auto", "concise", "detailed")}),
+         "stream": BOOLEAN, "stream_options": request_object({}, {"include_obfuscation":
+                                                                  BOOLEAN}),
+         "user": STRING,
+         "background": {"const": False, "description": "not supported here when true"},
+         "include": {"type": "array", "maxItems": 0,
+                     "description": "not supported here: no extra output data"},
+         "truncation": enum("disabled", description="`auto` is not supported here"),
+         "top_logprobs": integer(0, 0, "not supported here above 0"),
+         "conversation": refused("no server-held conversations"),
+         "prompt": refused("no stored prompt templates"),
+         "max_tool_calls": refused("no server-side tools"),
+         "context_management": refused("no server-side context editing")})
+
+
+def _embeddings_request() -> Schema:
+    ids = array({**COUNT, "description": "below the model's vocabulary size"}, minItems=1)
+    return request_object(
+        {"model": ref("Model"),
+         "input": {"anyOf": [STRING, ids, array({"anyOf": [STRING, ids]}, minItems=1,
+                                                 maxItems=2048)],
+                   "description": "text (tokenized as /v1/completions tokenizes a prompt), "
+                                  "token ids, or a list of either; each within the window"}},
+        {"encoding_format": enum("float", "base64"),
+         "dimensions": integer(1, description="only the model's own size"),
+         "user": STRING})
+
+
 # --- the Anthropic dialect's requests --------------------------------------------------------
 
 
@@ -408,6 +503,8 @@ def request_schemas(max_n: int) -> dict[str, Schema]:
         **_openai_parts(), "OpenAIMessage": _openai_message(),
         "ChatCompletionRequest": _chat_request(max_n),
         "CompletionRequest": _completions_request(max_n),
+        **_responses_items(), "ResponsesRequest": _responses_request(),
+        "EmbeddingsRequest": _embeddings_request(),
         **_anthropic_blocks(), **_anthropic_tools(),
         "MessagesRequest": _messages_request(), "CountTokensRequest": _count_request(),
         "TokenizeRequest": _tokenize_request(), "DetokenizeRequest": _detokenize_request(),

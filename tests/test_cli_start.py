@@ -1,0 +1,330 @@
+"""A start that talks, and one sampling default everywhere.
+
+- ``pipeline run`` writes ``loading MODEL (size, precision) ...`` first on standard error,
+  then ``ready in N.N s: sampling ... (source)``; ``--verbose`` adds the run's figures (time
+  to first token, prompt tokens and prefill speed, tokens generated and decode speed, finish
+  reason), which must agree with the run's own ``--json`` timings and usage.
+- ``pipeline chat`` in a pseudo-terminal: the loading line is its first output, and it comes
+  before torch (and the weights' loader) is imported, by the order of the child's own
+  ``-X importtime`` lines on the same terminal, not by a stopwatch.
+- The defaults: a model folder's ``generation_config.json`` (``do_sample: false`` is no
+  recommendation), a GGUF file's ``general.sampling.*`` keys written with ``gguf.GGUFWriter``,
+  the pipeline default for a model that says nothing; ``build(defaults=...)`` and per-call
+  keywords over them.
+- The server: a request that leaves the sampling fields out gets the served pipeline's
+  defaults (the trace's ``request.normalized`` config), one that sets a field keeps it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipeline import GenerationConfig, build, cli
+from pipeline.cli_start import SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, summary_line
+from pipeline.errors import ArtifactError
+from pipeline.events import Event
+from pipeline.models import TINY_MODEL_DIR
+from pipeline.sampling_defaults import (
+    CALLER, GENERATION_CONFIG, GGUF_METADATA, PIPELINE, PIPELINE_DEFAULT, model_sampling,
+)
+from pipeline.testing import ScriptedBackend, build_scripted, peaked
+from stages.tokenize import HFTokenizer
+from tests.http_support import config, endless_model, running
+from transports.http import Gateway, ServerConfig
+
+gguf = pytest.importorskip("gguf")
+
+TINY_SAMPLING = {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1}
+"""What the package's tiny model's generation_config.json recommends."""
+READY = re.compile(r"^ready in \d+\.\d s: sampling (.+) \((.+)\)$")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
+    code = cli.main(["run", "--model", "tiny", *argv])
+    out, err = capsys.readouterr()
+    return code, out, [line for line in err.splitlines() if line.strip()]
+
+
+# --- pipeline run --------------------------------------------------------------------------
+
+def test_run_says_loading_then_ready_with_the_defaults_and_their_source(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--max-tokens", "3", "--seed", "1", "hi")
+    assert code == 0 and out.strip()
+    assert re.fullmatch(r"loading tiny \(\d+ MB, bfloat16\) \.\.\.", err[0]), err
+    ready = READY.match(err[1])
+    assert ready, err
+    assert ready.group(1) == "temperature 0.7, top_k 40, top_p 0.9, repetition_penalty 1.1"
+    assert ready.group(2) == GENERATION_CONFIG
+    assert len(err) == 2, "no summary when the answer does not go to a terminal"
+
+
+def test_run_verbose_reports_what_the_run_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--max-tokens", "5", "--min-tokens", "5", "--seed", "3",
+                          "--verbose", "--json", "hi")
+    assert code == 0
+    run = json.loads(out)
+    figures = "\n".join(err[2:])
+    ttft = re.search(r"time to first token = ([\d.]+) ms", figures)
+    assert ttft and float(ttft.group(1)) == pytest.approx(run["timings"]["first_token_s"] * 1e3,
+                                                          abs=0.06)
+    prompt = re.search(r"prompt eval = ([\d.]+) ms / (\d+) tokens \((\d+) tokens per second\)",
+                       figures)
+    assert prompt and int(prompt.group(2)) == run["usage"]["prompt_tokens"]
+    prefill_s = run["timings"]["first_token_s"] - run["timings"]["queued_s"]
+    assert float(prompt.group(1)) == pytest.approx(prefill_s * 1e3, abs=0.06)
+    decode = re.search(r"eval = ([\d.]+) ms / (\d+) tokens after the first "
+                       r"\((\d+) tokens per second\)", figures.split("prompt eval")[1])
+    decode_s = run["timings"]["total_s"] - run["timings"]["first_token_s"]
+    assert decode and int(decode.group(2)) == run["usage"]["completion_tokens"] - 1 == 4
+    assert float(decode.group(1)) == pytest.approx(decode_s * 1e3, abs=0.06)
+    assert int(decode.group(3)) == round(4 / decode_s)  # the decode alone, not the ttft
+    assert f"generated = 5 tokens, finish {run['finish_reason']}" in figures
+
+
+def test_run_flags_override_the_models_defaults(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    trace = tmp_path / "run.jsonl"
+    code, _, _ = _run(capsys, "--max-tokens", "2", "--temperature", "0", "--trace", str(trace),
+                      "hi")
+    assert code == 0
+    events = [Event.from_json(json.loads(line)) for line in trace.read_text().splitlines()]
+    config = next(e for e in events if e.event_type == "request.normalized").payload
+    assert config["generation_config"]["temperature"] == 0
+    assert config["generation_config"]["top_p"] == TINY_SAMPLING["top_p"]  # laid over them
+
+
+def test_run_help_states_the_documented_default_and_that_the_model_comes_first(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    default = ", ".join(f"{k} {v:g}" for k, v in PIPELINE_DEFAULT.items())
+    assert f"samples at {default}" in text
+    assert "model's own recommended value" in text and "--verbose" in text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_a_gguf_load_counts_its_seconds_on_the_loading_line(
+        tmp_path: Path) -> None:
+    path = _gguf(tmp_path / "m-Q8_0.gguf")
+    stream = _Terminal()
+    start = Loading(stream, str(path))
+    start.begin()
+    assert re.fullmatch(rf"loading {re.escape(str(path))} \(\d+ kB, Q8_0\) \.\.\.",
+                        stream.getvalue())  # at once, and left open for the count
+    time.sleep(SPIN_AFTER_S + 3 * SPIN_EVERY_S)
+    with build_scripted(ScriptedBackend(259, peaked(259, lambda ids: 65))) as pipe:
+        start.ready(pipe)
+    shown = stream.getvalue().split("\r")
+    assert len(shown) >= 3 and all(re.fullmatch(r"loading .+ \.\.\. \d+\.\d s", s)
+                                   for s in shown[1:-1])
+    last, ready = shown[-1].splitlines()
+    assert re.fullmatch(r"loading .+ \.\.\. \d+\.\d s", last)
+    assert ready.endswith(f"({PIPELINE})") and ready.startswith("ready in ")
+
+
+def test_the_summary_line_has_make_demos_shape_and_the_prompt() -> None:
+    with build_scripted(ScriptedBackend(259, peaked(259, lambda ids: 65))) as pipe:
+        done = pipe.generate("hi", max_tokens=4, temperature=0)
+    line = summary_line(Figures.of(done))
+    assert re.match(r"ttft [\d.]+ ms \| \d+ tokens/s \| finish length \| ", line)  # the demo's
+    assert line.endswith(f"prompt {done.usage.prompt_tokens} tokens at "
+                         f"{Figures.of(done).prefill_rate:.0f} tokens/s | 4 tokens")
+
+
+# --- pipeline chat in a pseudo-terminal ----------------------------------------------------
+
+def _read_until(fd: int, marker: bytes, deadline: float, got: bytearray,
+                times: list[tuple[float, int]]) -> None:
+    while marker not in got:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {marker!r} in time; output so far: {bytes(got[-2000:])!r}"
+        ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            times.append((time.monotonic(), len(got)))
+            got.extend(chunk)
+
+
+def test_chat_shows_its_loading_line_first_and_before_torch_is_imported() -> None:
+    main, child = pty.openpty()
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "TERM": "dumb"}
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "chat", "--model", "tiny"],
+                            stdin=child, stdout=child, stderr=child, env=env, close_fds=True)
+    os.close(child)
+    got, times = bytearray(), []  # type: ignore[var-annotated]
+    try:
+        _read_until(main, b">>> ", started + 120, got, times)
+        os.write(main, b"/exit\n")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main)
+    text = got.decode("utf-8", "replace").replace("\r\n", "\n")
+    lines = [line for line in text.split("\n") if line.strip()]
+    own = [line for line in lines if not line.startswith("import time:")]
+    assert own[0].startswith("loading tiny ("), own[:3]
+    at = text.index("loading tiny (")
+    torch_at = re.search(r"\|\s+torch[.\s]", text)
+    loader_at = text.find("backends.torch.loader")
+    assert torch_at and at < torch_at.start(), "the line comes before torch is imported"
+    assert 0 <= loader_at and at < loader_at, "and before the weights' loader"
+    offset = got.index(b"loading tiny (")
+    shown = next(t for t, size in times if size + 65536 > offset and size <= offset)
+    assert shown - started < 10, "a generous bound: only the interpreter starts before it"
+    ready = next(line for line in own if line.startswith("ready in"))
+    assert READY.match(ready) and "(generation_config.json)" in ready
+    banner = own[own.index(ready) + 1]
+    assert banner.startswith("pipeline chat: tiny (") and "/help" in banner
+
+
+# --- where the defaults come from ----------------------------------------------------------
+
+def _folder(tmp_path: Path, generation: dict[str, object] | None) -> Path:
+    """The tiny model's tokenizer files (no weights: building it is quick) and ``generation``
+    as its generation_config.json."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_MODEL_DIR / name, folder / name)
+    if generation is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder
+
+
+def test_a_folders_generation_config_gives_the_defaults(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"do_sample": True, "temperature": 0.3, "top_p": 0.8,
+                                "eos_token_id": 2, "typical_p": 0.5})
+    with build(folder) as pipe:
+        assert pipe.defaults_source == GENERATION_CONFIG
+        assert (pipe.defaults.temperature, pipe.defaults.top_p) == (0.3, 0.8)
+        assert (pipe.defaults.top_k, pipe.defaults.min_p) == (0, 0.0)  # not named: off
+        request = pipe.request("hi", top_p=0.5)
+        assert (request.generation_config.temperature, request.generation_config.top_p) == (
+            0.3, 0.5)
+    assert model_sampling(folder, None).ignored == ("typical_p",)
+    with build(folder, defaults=GenerationConfig(temperature=0)) as pipe:
+        assert pipe.defaults_source == CALLER and pipe.defaults.greedy
+        assert pipe.defaults.top_p == 1.0  # the caller's config whole, nothing of the model's
+
+
+@pytest.mark.parametrize("generation", [None, {"do_sample": False, "temperature": 0.3},
+                                        {"eos_token_id": 2}])
+def test_a_model_that_recommends_nothing_gets_the_pipeline_default(
+        tmp_path: Path, generation: dict[str, object] | None) -> None:
+    with build(_folder(tmp_path, generation)) as pipe:
+        assert pipe.defaults_source == PIPELINE
+        assert pipe.defaults == GenerationConfig(**PIPELINE_DEFAULT)
+
+
+def test_stages_without_a_model_get_the_pipeline_default() -> None:
+    backend = ScriptedBackend(259, peaked(259, lambda ids: 65))
+    with build_scripted(backend) as pipe:
+        assert pipe.defaults_source == PIPELINE
+        assert pipe.defaults == GenerationConfig(**PIPELINE_DEFAULT)
+
+
+def test_a_bad_recommendation_names_the_file_and_key(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match=r"generation_config.json.*top_p"):
+        build(_folder(tmp_path, {"top_p": 3}))
+
+
+def _gguf(path: Path, **sampling: float) -> Path:
+    """A GGUF file of metadata alone (tokenizer and weights come from elsewhere), with
+    ``general.sampling.*`` keys written by the writer's own methods."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in sampling.items():
+        getattr(writer, f"add_sampling_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_pipe(path: Path, **kwargs: object) -> object:
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, lambda ids: 65))
+    return build(path, tokenizer=tok, backend=backend, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_gguf_files_sampling_metadata_gives_the_defaults(tmp_path: Path) -> None:
+    path = _gguf(tmp_path / "m.gguf", temp=0.4, top_k=20, top_p=0.95, min_p=0.05,
+                 penalty_repeat=1.05, mirostat=0)
+    with _gguf_pipe(path) as pipe:  # type: ignore[attr-defined]
+        assert pipe.defaults_source == GGUF_METADATA
+        d = pipe.defaults
+        assert (d.temperature, d.top_k, d.min_p) == (pytest.approx(0.4), 20, pytest.approx(0.05))
+        assert (d.top_p, d.repetition_penalty) == (pytest.approx(0.95), pytest.approx(1.05))
+        done = pipe.generate("hi", max_tokens=2, seed=1)
+        events = {e.event_type: e.payload for e in done.trace}
+        assert events["request.normalized"]["generation_config"]["top_k"] == 20
+        assert {"temperature", "top_k", "top_p", "min_p", "repetition_penalty"} <= set(
+            events["selection.configured"]["processors"])
+        greedy = pipe.generate("hi", max_tokens=2, temperature=0)  # a keyword wins
+        assert greedy.trace[1].payload["generation_config"]["temperature"] == 0
+    assert model_sampling(None, path).ignored == ("general.sampling.mirostat",)
+    with _gguf_pipe(path, defaults=GenerationConfig(top_k=3)) as pipe:  # type: ignore[attr-defined]
+        assert pipe.defaults_source == CALLER and pipe.defaults.top_k == 3
+    plain = _gguf(tmp_path / "plain.gguf")
+    assert model_sampling(None, plain).source == PIPELINE
+
+
+# --- the server ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    def builder(folder: Path | None, cfg: ServerConfig) -> object:
+        return endless_model()[0]  # over the tiny model's folder: its generation_config
+
+    cfg = config(tmp_path_factory.mktemp("defaults"))
+    with running(Gateway(cfg, builder)) as url:  # type: ignore[arg-type]
+        yield url
+
+
+def _configured(url: str, response: httpx.Response) -> dict[str, object]:
+    assert response.status_code == 200, response.text
+    trace = httpx.get(f"{url}/traces/{response.headers['x-request-id']}")
+    events = [json.loads(line) for line in trace.text.splitlines()]
+    normalized = next(e for e in events if e["event_type"] == "request.normalized")
+    return normalized["payload"]["generation_config"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_request_without_sampling_fields_gets_the_models_defaults(
+        server: str, path: str, body: dict[str, object]) -> None:
+    asked = httpx.post(f"{server}{path}", json={"model": "default", "max_tokens": 2, **body})
+    got = _configured(server, asked)
+    assert {k: got[k] for k in TINY_SAMPLING} == TINY_SAMPLING
+    told = httpx.post(f"{server}{path}", json={"model": "default", "max_tokens": 2,
+                                              "temperature": 1.0, **body})
+    got = _configured(server, told)
+    assert got["temperature"] == 1.0 and got["top_p"] == TINY_SAMPLING["top_p"]
