@@ -128,6 +128,10 @@ def test_startup_lines_and_one_access_line_per_request(tiny_parameters: int,
         page = log.wait_for(r"chat page: (\S+) ").group(1)
         assert page == url + "/" and "<html" in httpx.get(page).text.lower()
         ready = log.wait_for(r"model 'tiny' ready in (\d+\.\d\d) s: (.*)$")
+        sampling = log.wait_for(r"model 'tiny' samples by default with (.*) \((.*)\)$")
+        generation = json.loads((TINY_MODEL_DIR / "generation_config.json").read_text())
+        assert sampling.group(2) == "generation_config.json"
+        assert f"temperature {generation['temperature']}" in sampling.group(1)
         what = ready.group(2)
         assert float(ready.group(1)) > 0
         assert what.startswith(f"{config['architectures'][0]}, ")

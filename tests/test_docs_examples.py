@@ -1,10 +1,11 @@
 """The documentation's Python examples run as written, so the docs cannot rot.
 
-Every fenced ``python`` block of docs/testing.md and README.md is executed on its own (a
-fresh namespace per block), and every ``test_*`` function a block defines is called. A block
-that names a placeholder (a model folder the reader is meant to replace) cannot run here; such
-blocks are skipped only when their placeholder is listed in :data:`PLACEHOLDERS`, and each
-listed placeholder must still appear, so the list stays exact.
+Every fenced ``python`` block of docs/testing.md is executed on its own (a fresh namespace
+per block), and every ``test_*`` function a block defines is called (``tests/test_docs.py``
+runs every page's blocks in order, the README's included, but calls no test a block defines).
+A block that names a placeholder (a model folder the reader is meant to replace) cannot run
+here; such blocks are skipped only when their placeholder is listed in :data:`PLACEHOLDERS`,
+and each listed placeholder must still appear, so the list stays exact.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("docs/testing.md", "README.md")
-PLACEHOLDERS = {
-    "README.md": ("path/to/hf-model",),  # "a Hugging Face-layout folder" of the reader's
-}
+DOCS = ("docs/testing.md",)
+PLACEHOLDERS: dict[str, tuple[str, ...]] = {}
 """Per file, the placeholder strings whose blocks are skipped."""
 FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

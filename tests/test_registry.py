@@ -42,7 +42,8 @@ def test_a_third_party_processor_is_used_by_name() -> None:
 
     with build_scripted(ScriptedBackend(V, two_peaks), plugins=[third_party],
                         processors=["no_odd_tokens"]) as pipe:
-        done = pipe.generate("x", max_tokens=3, temperature=0.5, seed=1)
+        # top_p=1 switches off the pipeline default's truncation: the chain is ours alone
+        done = pipe.generate("x", max_tokens=3, temperature=0.5, top_p=1.0, seed=1)
         assert done.text == "BBB"
         configured = [e for e in done.trace if e.event_type == "selection.configured"]
         assert configured[0].payload["processors"] == ["no_odd_tokens", "temperature"]

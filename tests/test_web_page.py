@@ -53,10 +53,10 @@ TIMEOUT_MS = 10_000
 MARKUP = '<img src="x" id="injected"><b>bold</b> & <script>document.title="owned"</script>'
 
 
-def markup_model() -> Pipeline:
-    """A scripted model over the embedded tokenizer that answers ``MARKUP``."""
+def markup_model(text: str = MARKUP) -> Pipeline:
+    """A scripted model over the embedded tokenizer that answers ``text`` (``MARKUP``)."""
     tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
-    answer = tok.encode_text(MARKUP) + [IM_END]
+    answer = tok.encode_text(text) + [IM_END]
     header = len(tok.encode_text("assistant\n"))
 
     def choose(ids: list[int]) -> int:

@@ -25,10 +25,9 @@ from pipeline.builder import build
 from pipeline.events import Event
 from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
-from tests.http_support import IM_END, IM_START, config, running
-from tests.test_web_page import CHROMIUM_FLAGS, TIMEOUT_MS, _chromium, _required
+from tests.http_support import config, running
+from tests.test_web_page import CHROMIUM_FLAGS, TIMEOUT_MS, _chromium, _required, markup_model
 from transports.http import Gateway, ServerConfig
 
 KEY, OTHER = "sk-inspector", "sk-someone-else"
@@ -42,16 +41,7 @@ SYSTEM = "You are terse."
 
 def markdown_model() -> Pipeline:
     """A scripted model over the embedded tokenizer that answers ``MARKDOWN``."""
-    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
-    answer = tok.encode_text(MARKDOWN) + [IM_END]
-    header = len(tok.encode_text("assistant\n"))
-
-    def choose(ids: list[int]) -> int:
-        start = len(ids) - 1 - list(reversed(ids)).index(IM_START)
-        return answer[min(len(ids) - (start + 1 + header), len(answer) - 1)]
-
-    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
-    return build(TINY_MODEL_DIR, backend=backend)
+    return markup_model(MARKDOWN)
 
 
 def builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:

@@ -49,6 +49,7 @@ from pipeline.errors import (
 )
 from pipeline.handle import RequestHandle
 from pipeline.pipe import Pipeline
+from pipeline.sampling_defaults import sampling_summary
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion, Request
 from transports.http import logs
@@ -269,6 +270,7 @@ class Gateway:
         logs.model_loaded(served.name, pipe.model_info(), time.perf_counter() - start,
                           self.window(served), pipe.engine.backend.num_slots,
                           pipe.description.get("strategy"), self.config.strategy(served.name))
+        logs.model_sampling(served.name, sampling_summary(pipe.defaults), pipe.defaults_source)
 
     @property
     def failed(self) -> dict[str, str]:

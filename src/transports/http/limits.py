@@ -104,7 +104,7 @@ class Limits:
             self._stops(name, body.get(name))
         self._tools(body.get("tools"))
         self._formats(body)
-        chars = sum(_text_chars(body.get(name))
+        chars = sum(text_chars(body.get(name))
                     for name in ("messages", "system", "prompt", "tools"))
         if chars > self.max_prompt_chars:
             raise LimitExceededError("messages", "max_prompt_chars", chars,
@@ -201,7 +201,7 @@ def _message_units(messages: Any) -> int:
     return units
 
 
-def _text_chars(value: Any) -> int:
+def text_chars(value: Any) -> int:
     """Characters of every string inside ``value``, keys included, without recursion."""
     total, stack = 0, [value]
     while stack:

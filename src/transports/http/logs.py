@@ -16,6 +16,7 @@ Loggers: ``pipeline.serve`` (lifecycle, models, errors) and ``pipeline.serve.acc
 
     2025-01-31 12:00:00.123 INFO pipeline.serve: loading model 'tiny' (tiny) on cpu
     2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' ready in 0.42 s: Qwen3MoeForCausalLM, 6.35M parameters (6348864), bfloat16 on cpu, weights 12.1 MiB (12697728 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy autoregressive
+    2025-01-31 12:00:00.544 INFO pipeline.serve: model 'tiny' samples by default with temperature 0.7, top_k 40, top_p 0.9, repetition_penalty 1.1 (generation_config.json)
     2025-01-31 12:00:00.903 INFO pipeline.serve: model 'masked' ready in 0.36 s: Qwen3ForCausalLM, 2.8M parameters (2803968), bfloat16 on cpu, weights 5.3 MiB (5607936 bytes), KV cache 48.0 MiB, window 4096 tokens, 8 slots, strategy fast_dllm (steps=4 block_length=8 threshold=0.1)
     2025-01-31 12:00:00.601 INFO pipeline.serve: listening on http://127.0.0.1:8000 (models: tiny)
     2025-01-31 12:00:00.601 INFO pipeline.serve: chat page: http://127.0.0.1:8000/ (OpenAPI description: http://127.0.0.1:8000/openapi.json)
@@ -110,6 +111,12 @@ def model_loaded(name: str, info: ModelInfo | None, seconds: float, window: int,
     what = describe(info) if info is not None else "the backend does not describe its model"
     log.info("model %r ready in %.2f s: %s, window %d tokens, %d slots%s", name, seconds, what,
              window, slots, strategy_words(strategy, choice))
+
+
+def model_sampling(name: str, summary: str, source: str) -> None:
+    """The sampling a request to the model gets for every field it leaves out, and where it
+    comes from (the model's own recommendation or the pipeline default)."""
+    log.info("model %r samples by default with %s (%s)", name, summary, source)
 
 
 def strategy_words(strategy: str | None, choice: StrategyChoice | None) -> str:

@@ -54,7 +54,7 @@ from pipeline.types import Message, Request, ToolCall, ToolChoice, ToolSpec
 from transports.http.common import Parsed, ServerDefaults, config_from, sampling_given
 from transports.http.documented import one_of, openai_ignored, unsupported
 from transports.http.fields import Obj, check
-from transports.http.limits import Limits
+from transports.http.limits import Limits, text_chars
 from transports.http.openai_api import sampling
 from transports.http.responses_output import Conversations, Echo, ResponsesForm
 
@@ -285,21 +285,6 @@ def _reasoning(body: Obj) -> str | None:
     return effort
 
 
-def _chars(value: Any) -> int:
-    """Characters of every string inside ``value``, keys included, without recursion."""
-    total, stack = 0, [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, dict):
-            total += sum(len(k) for k in item if isinstance(k, str))
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
-
-
 def _bound(body: dict[str, Any], limits: Limits) -> None:
     """The door's limits on what it does not know: ``input`` items and their content parts,
     and the prompt text of ``input``, ``instructions`` and ``tools``."""
@@ -310,7 +295,7 @@ def _bound(body: dict[str, Any], limits: Limits) -> None:
         if units > limits.max_messages:
             raise LimitExceededError("input", "max_messages", units, limits.max_messages,
                                      "input items and content parts")
-    chars = sum(_chars(body.get(name)) for name in ("input", "instructions", "tools"))
+    chars = sum(text_chars(body.get(name)) for name in ("input", "instructions", "tools"))
     if chars > limits.max_prompt_chars:
         raise LimitExceededError("input", "max_prompt_chars", chars, limits.max_prompt_chars,
                                  "characters of prompt text")
