@@ -39,7 +39,8 @@ from pipeline.errors import ArtifactError
 from pipeline.events import Event
 from pipeline.models import TINY_MODEL_DIR
 from pipeline.sampling_defaults import (
-    CALLER, GENERATION_CONFIG, GGUF_METADATA, PIPELINE, PIPELINE_DEFAULT, model_sampling,
+    CALLER, GENERATION_CONFIG, GGUF_METADATA, PIPELINE, PIPELINE_DEFAULT, from_generation_config,
+    model_sampling,
 )
 from pipeline.testing import ScriptedBackend, build_scripted, peaked
 from stages.tokenize import HFTokenizer
@@ -251,6 +252,25 @@ def test_stages_without_a_model_get_the_pipeline_default() -> None:
 def test_a_bad_recommendation_names_the_file_and_key(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match=r"generation_config.json.*top_p"):
         build(_folder(tmp_path, {"top_p": 3}))
+
+
+@pytest.mark.parametrize("text, key", [('{"top_k": Infinity}', "top_k"),
+                                       ('{"top_k": 1e400}', "top_k"),
+                                       ('{"temperature": NaN}', "temperature"),
+                                       ('{"top_k": 1.5}', "top_k")])
+def test_a_non_finite_or_fractional_recommendation_is_refused_not_a_crash(
+        tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / GENERATION_CONFIG
+    path.write_text(text)  # Python's json reads Infinity and NaN
+    with pytest.raises(ArtifactError, match=rf"{GENERATION_CONFIG}: {key} must be a"):
+        from_generation_config(path)
+
+
+def test_a_null_in_a_generation_config_says_nothing(tmp_path: Path) -> None:
+    path = tmp_path / GENERATION_CONFIG
+    path.write_text('{"temperature": null, "top_p": 0.8}')
+    found = from_generation_config(path)
+    assert found is not None and found.config.top_p == 0.8 and found.config.temperature == 1.0
 
 
 def _gguf(path: Path, **sampling: float) -> Path:

@@ -164,3 +164,38 @@ def test_engine_calls_run_on_the_engine_thread_and_stop_with_it() -> None:
     pipe.close()
     with pytest.raises(EngineClosed):
         engine.call(lambda: 7)
+
+
+def test_a_call_is_not_timed_as_a_step_and_waiting_calls_are_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import engine as engine_module
+    from pipeline.errors import CapacityError
+
+    pipe = build("tiny")
+    engine = pipe.engine
+    assert engine is not None
+    inside, release = threading.Event(), threading.Event()
+    running_call = engine.call(lambda: (inside.set(), release.wait(30)))
+    assert inside.wait(30)
+    assert engine.stall() is None  # the watchdog never abandons the engine for a call
+    monkeypatch.setattr(engine_module, "MAX_CALLS", 2)
+    waiting = [engine.call(lambda: 1), engine.call(lambda: 2)]
+    with pytest.raises(CapacityError):
+        engine.call(lambda: 3)
+    release.set()
+    assert [f.result(30) for f in waiting] == [1, 2] and running_call.result(30)[1]
+    pipe.close()
+
+
+def test_a_long_input_is_attended_in_query_tiles_with_the_same_states(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.torch import model as model_module
+
+    with build("tiny", dtype="float32") as pipe:
+        backend = pipe.engine.backend  # type: ignore[union-attr]
+        ids = [(7 * i) % 1000 + 3 for i in range(600)]
+        tiled = backend.hidden_states(ids)  # three tiles of 256 queries
+        monkeypatch.setattr(model_module, "HIDDEN_TILE", 4096)
+        whole = backend.hidden_states(ids)
+    assert tiled.shape == whole.shape == (600, tiled.shape[1])
+    assert torch.allclose(tiled, whole, atol=1e-5, rtol=1e-4)

@@ -85,6 +85,8 @@ from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
 T = TypeVar("T")
+MAX_CALLS = 256
+"""The most :meth:`Engine.call`\\ s waiting at once."""
 log = logging.getLogger("pipeline.engine")
 
 
@@ -225,11 +227,16 @@ class Engine:
         """Run ``fn`` on the engine thread between two steps (any thread may ask): the way
         to use the backend beside the engine's own calls (embeddings' forwards), since it is
         not thread-safe. One call runs per step, so a long series of them interleaves with
-        decoding; an exception ``fn`` raises goes to the future. Raises
+        decoding; an exception ``fn`` raises goes to the future. A call is not a step: the
+        stall watchdog does not time it and the pacer does not learn from it, so its caller
+        bounds its size. At most :data:`MAX_CALLS` wait at once (more is a
+        :class:`CapacityError`). Raises
         :class:`EngineClosed` as :meth:`submit` does; calls still waiting when the engine
         stops or is abandoned fail with it. A call cancelled before it starts never runs."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cv:
+            if len(self._calls) >= MAX_CALLS:
+                raise CapacityError(f"{MAX_CALLS} calls already wait for the engine")
             if self.failure is not None:
                 raise EngineClosed(f"the engine stopped after an internal error "
                                    f"({self.failure}); a fresh one must be started")
@@ -366,10 +373,9 @@ class Engine:
                 continue
             try:
                 self._steps += 1
-                self._step_started = started = self._clock()
-                if call is not None:
-                    self._phase = "a call between steps"
+                if call is not None:  # before the step's clock: neither stall nor pacing time
                     _run_call(*call)
+                self._step_started = started = self._clock()
                 shape = self._step()
                 if shape is not None and self._pacer is not None:
                     self._pacer.observe((self._clock() - started) / 1e9, *shape)

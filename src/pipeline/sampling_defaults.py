@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -143,7 +144,8 @@ def from_generation_config(path: Path) -> SamplingDefaults | None:
     if not isinstance(data, dict) or data.get("do_sample") is False:
         return None
     ignored = tuple(k for k in HF_IGNORED if k in data)
-    return _recommended({HF_KEYS[k]: (k, data[k]) for k in HF_KEYS if k in data},
+    return _recommended({HF_KEYS[k]: (k, data[k]) for k in HF_KEYS  # a null says nothing
+                         if data.get(k) is not None},
                         str(path), GENERATION_CONFIG, ignored)
 
 
@@ -162,8 +164,11 @@ def _recommended(given: Mapping[str, tuple[str, Any]], where: str, source: str,
         return None
     values: dict[str, Any] = {}
     for field, (key, value) in given.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ArtifactError(f"{where}: {key} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                or not math.isfinite(float(value)):
+            raise ArtifactError(f"{where}: {key} must be a finite number, got {value!r}")
+        if field == "top_k" and not float(value).is_integer():
+            raise ArtifactError(f"{where}: {key} must be a whole number, got {value!r}")
         values[field] = int(float(value)) if field == "top_k" else float(value)
     try:
         config = GenerationConfig(**values)

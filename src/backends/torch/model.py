@@ -180,7 +180,10 @@ class Transformer:
         window = s.sliding_windows[i]
         if cache is None or batch is None:  # one sequence from position 0, nothing kept
             keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]    # [1, Hkv, T, D]
-            alone = attend(q, keys, values, 0, window)                         # [T, Hq, D]
+            # queries in tiles: the scores of one tile, [Hq, TILE, T], never [Hq, T, T]
+            alone = torch.cat([attend(q[lo:lo + HIDDEN_TILE], keys[:, :, :lo + HIDDEN_TILE],
+                                      values[:, :, :lo + HIDDEN_TILE], lo, window)
+                               for lo in range(0, t, HIDDEN_TILE)])            # [T, Hq, D]
             return lin(alone.reshape(t, -1), w.o, w.o_bias)                    # [T, H]
         cache.update(i, batch, k, v)
         outs = []
@@ -231,6 +234,11 @@ each query as a one-token decode would, so each position's logits are bit for bi
 decoding one token at a time: the masked multi-query kernel sums in another order, and in
 bfloat16 that can move a logit by one unit in the last place and flip a near-tie argmax
 (greedy speculative decoding must equal plain decoding)."""
+
+
+HIDDEN_TILE = 256
+"""Queries per attention call when :meth:`Transformer.hidden_states` runs a whole sequence:
+its memory grows with the sequence, not with its square."""
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,

@@ -21,13 +21,18 @@ per forward (its row plans), and another thread's forward would race the engine'
 input is one :meth:`~pipeline.engine.Engine.call`: the engine runs it on its own thread
 between two steps, one per step, so a long batch of inputs interleaves with the decoding of
 requests in flight instead of stalling them, and the forward writes no KV cache
-(:class:`~pipeline.protocols.Embedder`). The event loop only awaits the futures; a client
-that leaves cancels the inputs not yet started. A backend without the capability is a 400
-naming the model.
+(:class:`~pipeline.protocols.Embedder`). A request's inputs are asked for one after another,
+so each request has at most one call waiting; the engine's queue of calls is bounded
+(:data:`~pipeline.engine.MAX_CALLS`: past it a 429). A call is not timed by the stall
+watchdog, so its size is bounded here: :data:`MAX_INPUT_TOKENS` per input, and attention
+runs in query tiles (memory linear in the input). The event loop only awaits; a client that
+leaves, or an input that fails, stops the inputs not yet started. A backend without the
+capability is a 400 naming the model.
 
 **Bounds**, before any tokenizing: at most :data:`MAX_INPUTS` inputs and
 ``max_prompt_chars`` characters of text (the server's limit); then each input within the
-model's window (a text far too long for it refused by its length first), and
+model's window and :data:`MAX_INPUT_TOKENS` (a text far too long refused by its length
+first), and
 :data:`MAX_TOTAL_TOKENS` tokens in all.
 """
 
@@ -46,7 +51,8 @@ import torch.nn.functional as F
 from starlette.requests import Request as HTTPRequest
 
 from pipeline.errors import (
-    ClientGone, ContextWindowError, InvalidValueError, LimitExceededError,
+    CapacityError, ClientGone, ContextWindowError, InvalidValueError, LimitExceededError,
+    OverloadedError,
 )
 from pipeline.protocols import Embedder
 from transports.http.completions_api import prompt_ids
@@ -58,6 +64,9 @@ from transports.http.work import Checkpoint, disconnected
 
 MAX_INPUTS = 2048
 """Inputs in one request (OpenAI's own bound)."""
+MAX_INPUT_TOKENS = 8192
+"""Tokens of one input (OpenAI's own bound for its embedding models): one forward of the
+engine's, which nothing else interrupts."""
 MAX_TOTAL_TOKENS = 300_000
 """Tokens of all inputs of one request together (OpenAI's own bound)."""
 
@@ -156,8 +165,8 @@ def token_inputs(gateway: Gateway, served: ServedModel, ask: EmbeddingsAsk,
         if isinstance(item, str):
             gateway.refuse_longer(served, item, path)
         ids = prompt_ids(tokenizer, item, path)
-        if len(ids) > window:
-            raise ContextWindowError(path, len(ids), window)
+        if len(ids) > min(window, MAX_INPUT_TOKENS):
+            raise ContextWindowError(path, len(ids), min(window, MAX_INPUT_TOKENS))
         total += len(ids)
         if total > MAX_TOTAL_TOKENS:
             raise LimitExceededError("input", "max_total_tokens", total, MAX_TOTAL_TOKENS,
@@ -176,27 +185,29 @@ def pooled(backend: Embedder, ids: Sequence[int]) -> torch.Tensor:
 
 async def embed(http: HTTPRequest, served: ServedModel,
                 inputs: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Every input's embedding, each computed by the engine between two of its steps; a
-    client that leaves first cancels those not started (:class:`ClientGone`)."""
+    """Every input's embedding, each computed by the engine between two of its steps, one
+    input after another; a client that leaves first stops those not started
+    (:class:`ClientGone`), a full queue of engine calls is a 429."""
     backend = embedder(served)
     engine = served.pipe.engine
     assert engine is not None
-    futures = [engine.call(functools.partial(pooled, backend, ids)) for ids in inputs]
-    done = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected(http))
-    finished = False
+    vectors = []
     try:
-        await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finished = done.done()
+        for ids in inputs:
+            try:
+                future = engine.call(functools.partial(pooled, backend, ids))
+            except CapacityError as exc:
+                raise OverloadedError(f"the engine is busy: {exc}; try again later") from exc
+            done = asyncio.wrap_future(future)
+            await asyncio.wait({done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                future.cancel()
+                raise ClientGone("the client disconnected while its embeddings were computed")
+            vectors.append(done.result())
     finally:
         watcher.cancel()
-        if not finished:
-            for future in futures:
-                future.cancel()
-            done.cancel()
-    if not finished:
-        raise ClientGone("the client disconnected while its embeddings were computed")
-    return list(done.result())
+    return vectors
 
 
 def _encoded(vector: torch.Tensor, as_base64: bool) -> list[float] | str:
