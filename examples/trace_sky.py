@@ -90,7 +90,7 @@ Token ids (m = {m}): `{trace.payload('input.tokenized')['input_ids']}`
 
 {shapes(pipe, m)}
 
-## The step order in numbers (DESIGN §4)
+## The step order in numbers ([design §4](../design.md#4-step-order))
 
 After prefill the cache holds m = {m} positions, not m + 1. Token y_t is selected from z_t
 while the cache holds m + t - 1 positions; `decode(y_t)` writes it (m + t) and yields z_{{t+1}};

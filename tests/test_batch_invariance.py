@@ -1,6 +1,6 @@
 """Alone vs batched: a greedy or seeded request gives the same tokens whatever runs beside it.
 
-The oracle is the request itself run alone (DESIGN §6's reproducibility levels rest on it):
+The oracle is the request itself run alone (docs/design.md §9's reproducibility levels rest on it):
 24 seeds per strategy and dtype, a third of them greedy and the rest sampled at other
 temperatures and truncations, run one at a time in one pipeline, then all at once in another
 whose engine cuts prompts into small chunks under a small token budget, while their shared

@@ -1,4 +1,4 @@
-"""The ``ddpm``, ``ddim`` and ``flow`` strategies end to end (issue 14, DESIGN §10).
+"""The ``ddpm``, ``ddim`` and ``flow`` strategies end to end (issue 14, docs/design.md §10).
 
 Oracles: the first block a run commits equals a direct computation with the training
 scripts' model (one block-causal forward per step, the update rules of :mod:`updates`, the

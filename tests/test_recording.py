@@ -1,5 +1,5 @@
 """The per-step logits records: sha256 in place on the CPU, a device-reduced fingerprint
-elsewhere (DESIGN §6), and their properties checked against independent computations."""
+elsewhere (docs/design.md §6), and their properties checked against independent computations."""
 
 from __future__ import annotations
 

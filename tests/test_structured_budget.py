@@ -1,5 +1,5 @@
 """Constrained output that always finishes valid: within ``max_tokens``, with no repeated keys
-or unique items, and for the constraint kinds servers take (DESIGN §11).
+or unique items, and for the constraint kinds servers take (docs/design.md §11).
 
 Oracles: ``jsonschema`` (a maintained validator, not ours) on every JSON output, Python's
 ``json`` with an ``object_pairs_hook`` for repeated keys, Python's ``re.fullmatch`` for regular

@@ -1,4 +1,4 @@
-"""Structured output by construction (DESIGN §11): the ``grammar`` processor on llguidance.
+"""Structured output by construction (docs/design.md §11): the ``grammar`` processor on llguidance.
 
 Oracles: ``jsonschema`` (a maintained validator, not ours) for every constrained output;
 ``json.loads``; solo runs for batched ones (a batch mixing constrained and unconstrained rows
@@ -86,7 +86,7 @@ def test_speculative_decoding_under_a_grammar_equals_autoregressive() -> None:
             got = spec.generate(prompt, **args, recording="full")
             assert got.text == want
             jsonschema.validate(json.loads(got.text), PERSON)
-            assert check(got).ok, check(got).render()     # DESIGN §8 on the engine's trace
+            assert check(got).ok, check(got).render()     # docs/design.md §8 on the engine's trace
             verified = [e.payload for e in got.trace if e.event_type == "spec.verified"]
             proposed += sum(v["proposed"] for v in verified)
             accepted += sum(v["accepted"] for v in verified)

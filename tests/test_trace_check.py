@@ -1,5 +1,5 @@
 """`pipeline.trace.check`: real traces of the default model pass every invariant, and each
-corruption a DESIGN §8 invariant forbids is reported as exactly that invariant."""
+corruption a docs/design.md §8 invariant forbids is reported as exactly that invariant."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The engine-side KV block manager: block tables, reference counts and the prefix cache.
 
 Owns the bookkeeping of KV memory as ``num_blocks`` blocks of ``block_size`` positions each
-(DESIGN §6, second edition), in pure Python: which blocks are free, which sequence holds
+(docs/design.md §6, second edition), in pure Python: which blocks are free, which sequence holds
 which, and which hold content that later requests may reuse. The memory itself lives in a
 backend (a :class:`~pipeline.protocols.PagedBackend`); this module only hands out block ids.
 

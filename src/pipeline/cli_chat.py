@@ -1,5 +1,5 @@
 """The ``pipeline chat`` command: a conversation at the terminal, as ``ollama run`` and
-``llama-cli -cnv`` hold one (DESIGN §14).
+``llama-cli -cnv`` hold one (docs/design.md §14).
 
 Owns the read-answer loop and its slash commands. Each line typed is a user turn: the whole
 conversation so far (system prompt, earlier turns, this line) goes through the model's chat

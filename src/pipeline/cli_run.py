@@ -1,4 +1,5 @@
-"""The ``pipeline run`` command: one prompt, the answer streamed to the terminal (DESIGN §14).
+"""The ``pipeline run`` command: one prompt, the answer streamed to the terminal
+(docs/design.md §14).
 
 Owns the command's options (the sampling fields people use, in the spellings of
 ``llama-cli`` and ``mlx_lm.generate``; ``--device`` and ``--dtype``, which become the build's

@@ -1,5 +1,5 @@
-"""The strategy flags of ``pipeline run``, ``pipeline chat`` and ``pipeline serve`` (DESIGN §10,
-§14).
+"""The strategy flags of ``pipeline run``, ``pipeline chat`` and ``pipeline serve``
+(docs/design.md §10, §14).
 
 Owns ``--strategy NAME``, ``--steps N``, ``--block-length N`` and the repeatable
 ``--strategy-option KEY=VALUE`` (VALUE is read as JSON when it parses as JSON, else taken as

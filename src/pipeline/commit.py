@@ -1,7 +1,7 @@
 """From a step's logits to committed tokens: the half of an engine step after the forward.
 
-Owns :class:`Committer` (DESIGN §4, §6): one batched :meth:`~pipeline.protocols.Strategy.update`
-per strategy (per processor order) over the sequences that got logits, the check that each
+Owns :class:`Committer` (docs/design.md §4, §6): one batched
+:meth:`~pipeline.protocols.Strategy.update` per strategy (per processor order) over the sequences that got logits, the check that each
 update commits token ids of the vocabulary, the records of the processed distributions the
 tokens were chosen from (digests, top-k at ``full``), and each update's commit through its
 :class:`~pipeline.job.Job`: tokens in order, stopping at the first that ends the request, then

@@ -1,4 +1,4 @@
-"""The engine: one thread driving many requests over backend slots (DESIGN §4 and §6).
+"""The engine: one thread driving many requests over backend slots (docs/design.md §4 and §6).
 
 Owns the scheduler and the step loop. Each step it
 
@@ -21,7 +21,7 @@ Owns the scheduler and the step loop. Each step it
 5. for every request with fresh logits z_t (:class:`~pipeline.commit.Committer`): its
    strategy's processor chain → selector (overridden by a ``forced_prefix`` or a spent
    reasoning budget: :mod:`pipeline.forcing`) → stoppers → detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
-   next step's forward writes into the cache (cache length m + t) — the DESIGN §4 order;
+   next step's forward writes into the cache (cache length m + t) — the docs/design.md §4 order;
    over a paged backend the blocks that filled up are then published to the prefix cache.
 
 The KV memory rules (admission by free blocks, growth, preemption, publication, rollback,

@@ -28,7 +28,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     │   └── RequestCancelled                     the request ended in state ``cancelled``
     ├── EngineClosed                           the engine no longer accepts work
     │   └── StepStillRunning                     an abandoned engine's step has not returned
-    ├── InvariantViolation                     a live-checked trace broke a DESIGN §8 invariant
+    ├── InvariantViolation                     a live-checked trace broke a docs/design.md §8 rule
     └── ServingError                           the HTTP gateway refused a request
         ├── AuthenticationError                  missing or wrong API key
         ├── ModelNotFoundError                   no served model has that name

@@ -1,4 +1,4 @@
-"""Events and the per-request trace (DESIGN section 7).
+"""Events and the per-request trace (docs/design.md §7).
 
 Owns the :class:`Event` value type, content digests, the sinks that receive events (in memory,
 JSON lines) and :class:`Tracer`, which numbers the events of one request. ``event_id`` is
@@ -35,7 +35,7 @@ MINIMAL_TIMELINE = (
     "prefill.started", "prefill.completed", "token.selected", "stream.delta",
     "decode.completed", "generation.finished", "resources.released",
 )
-"""The event types every completed generation emits, in this causal order (DESIGN §7)."""
+"""The event types every completed generation emits, in this causal order (docs/design.md §7)."""
 
 
 def digest_bytes(data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""``Grammar``: the value that says what shape a request's output must have (DESIGN §11).
+"""``Grammar``: the value that says what shape a request's output must have (docs/design.md §11).
 
 Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, its named
 constructors (a JSON schema, any JSON object, a grammar in llguidance's Lark dialect, as

@@ -1,7 +1,7 @@
 """One request's life inside the engine: its state machine over its records, and its events.
 
 Owns :class:`Job`, the engine-thread-only handle on a request in flight. A request is a few
-small records (DESIGN §6, second edition), which the job holds side by side:
+small records (docs/design.md §6, second edition), which the job holds side by side:
 
 - its **spec** (:class:`~pipeline.job_spec.JobSpec`): the request, its tokenized prompt, the
   seed and ids; plain data, serializable;
@@ -12,8 +12,8 @@ small records (DESIGN §6, second edition), which the job holds side by side:
 - its **trace**: the :class:`~pipeline.events.Tracer` that numbers its events.
 
 Besides those the job keeps the scheduler's view (state, slot, prefill progress, cache
-length, preemption) and the timings. Every transition emits the DESIGN §7 event for it, so the
-trace of a finished job holds the minimal timeline in causal order. Only the engine calls these
+length, preemption) and the timings. Every transition emits the docs/design.md §7 event for it,
+so the trace of a finished job holds the minimal timeline in causal order. Only the engine calls these
 methods, from its own thread.
 """
 
@@ -346,7 +346,7 @@ class Job:
 
     def _tool_pieces(self, text: str, final: bool) -> tuple[ToolCallDelta, ...]:
         """Feed the tool-call reader; each call it begins is ``tool.proposed`` and each it
-        ends ``tool.parsed`` (or ``tool.malformed``) in the trace (DESIGN §11)."""
+        ends ``tool.parsed`` (or ``tool.malformed``) in the trace (docs/design.md §11)."""
         reader = self.text.tool_reader
         if reader is None:
             return ()

@@ -1,6 +1,6 @@
 """What is fixed about a request in flight: its spec, plain data that crosses a process.
 
-Owns :class:`JobSpec`, the first of a request's small records in the engine (DESIGN §6,
+Owns :class:`JobSpec`, the first of a request's small records in the engine (docs/design.md §6,
 second edition: spec, decode state, text state, trace). It holds the normalized
 :class:`~pipeline.types.Request`, its :class:`~pipeline.types.TokenizedPrompt`, the seed and
 the ids the stages need, and no stage object: the detokenizer and stoppers belong to the

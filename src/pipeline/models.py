@@ -44,7 +44,7 @@ TINY_MODEL_DIR = Path(__file__).parent / "default_model"
 TINY_MASKED_MODEL_DIR = Path(__file__).parent / "diffusion_models" / "masked"
 """The small masked-diffusion model that ships inside the package (docs/masked_diffusion_model.md)."""
 GENERATION_KEY = "pipeline_generation"
-"""The ``config.json`` key that marks a non-autoregressive checkpoint (DESIGN §10)."""
+"""The ``config.json`` key that marks a non-autoregressive checkpoint (docs/design.md §10)."""
 ATTENTIONS = ("block_causal",)
 """The values of a marker's ``attention`` the iterative strategies run (absent means
 ``block_causal``): a clean token attends causally to the tokens before it, a block being

@@ -1,6 +1,6 @@
 """Step pacing: how many prompt tokens a step may prefill beside decoding requests.
 
-Owns :class:`Pacer`, the engine's model of its own step time (DESIGN §6: "the step budget
+Owns :class:`Pacer`, the engine's model of its own step time (docs/design.md §6: "the step budget
 bounds latency, not only tokens"). Every step of the engine produces one token for each
 decoding request, so a decoding request's inter-token latency is the step time. A step that
 also prefills a chunk of a new prompt takes longer; left unbounded (a 512-token chunk beside

@@ -2,7 +2,7 @@
 
 Owns :class:`Paging`, the engine's use of a :class:`~pipeline.blocks.BlockManager` sized
 like its :class:`~pipeline.protocols.PagedBackend` (``num_blocks`` of ``block_size``, keyed
-by the backend's ``snapshot``), with the job-level rules (DESIGN §6, second edition):
+by the backend's ``snapshot``), with the job-level rules (docs/design.md §6, second edition):
 
 - **admission** (:meth:`Paging.admit`): the tokens a job must have in its cache (its prompt,
   or for a preempted job its prompt and committed output but the pending token) are matched

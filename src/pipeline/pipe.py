@@ -1,6 +1,6 @@
 """The :class:`Pipeline`: the face users call (``generate``, ``stream``, ``submit``, ...).
 
-Owns request normalization (DESIGN §3, step "normalize"), rendering and tokenization on the
+Owns request normalization (docs/design.md §3, step "normalize"), rendering and tokenization on the
 caller's thread, the start of every trace (``request.accepted`` → ``request.normalized`` with
 the execution instance → ``context.rendered`` → ``input.tokenized``), validation against the
 artifacts (vocabulary, context window, processor names), and the hand-off to the
@@ -251,7 +251,7 @@ class Pipeline:
             ledger: Any = None, run_id: str | None = None, cancel: Any = None,
             config: GenerationConfig | None = None, tool_choice: Any = None,
             **options: Any) -> ToolRun:
-        """Let the model call ``tools`` and answer with their results (DESIGN §11).
+        """Let the model call ``tools`` and answer with their results (docs/design.md §11).
 
         ``tools`` are typed Python functions (their JSON schemas come from type hints and
         the docstring's ``Args:`` section), :class:`~pipeline.tools.ToolExecutor`\\s, or
@@ -394,7 +394,8 @@ class Pipeline:
         return request, spec
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:
-        """The execution instance (DESIGN §3): request plus artifact digests, seed, runtime."""
+        """The execution instance (docs/design.md §3): request plus artifact digests, seed,
+        runtime."""
         config = attrs.asdict(request.generation_config)
         config["logit_bias"] = {str(k): v for k, v in request.generation_config.logit_bias.items()}
         return {

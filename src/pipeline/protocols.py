@@ -5,7 +5,7 @@ it raises, and an example. Implementations live in ``stages/``, ``backends/`` an
 ``transports/``; fakes for every one live in :mod:`pipeline.testing`. A typing test proves each
 implementation satisfies its Protocol (``runtime_checkable`` only checks names).
 
-Decode state (DESIGN §5, state D) is explicit: the engine owns one :class:`Row` per active
+Decode state (docs/design.md §5, state D) is explicit: the engine owns one :class:`Row` per active
 request and hands a read-only :class:`Batch` of them to processors and selectors; stages with
 per-request state (detokenizer, stoppers) receive their state and return the new one.
 """
@@ -161,7 +161,7 @@ class Detokenizer(Protocol[S]):
 
 @runtime_checkable
 class ToolCallReader(Protocol):
-    """One request's incremental reading of tool calls out of the model's text (DESIGN §11).
+    """One request's incremental reading of tool calls out of the model's text (docs/design.md §11).
 
     Call order: ``feed`` with each committed text piece as it arrives, then ``finish`` once.
     Each returns the :data:`~pipeline.types.OutputPiece`\\s whose content is certain: answer
@@ -435,7 +435,7 @@ class PrefillChunk:
 
 
 class Attention(enum.Enum):
-    """How a call's new tokens attend (DESIGN §6, second edition).
+    """How a call's new tokens attend (docs/design.md §6, second edition).
 
     ``CAUSAL``: each new token sees the cached prefix and the new tokens before it.
     ``BLOCK``: each new token sees the cached prefix and *every* new token of its call
@@ -467,7 +467,7 @@ class ModelCall:
     (i+1)*block_size - 1``, and it covers at least ``start + len(token_ids)`` positions
     (``start`` for a call that does not write). None leaves memory to the backend.
 
-    Continuous strategies (DESIGN §10) feed embeddings instead of tokens: ``embeddings`` (a
+    Continuous strategies (docs/design.md §10) feed embeddings instead of tokens: ``embeddings`` (a
     tensor ``[len(token_ids), d]`` on the model's device, in the backend's
     :meth:`EmbeddingInputs.embedding_space`) replaces the token embeddings of the call's
     positions, whose ``token_ids`` then only keep the length (placeholder ids); ``time`` (in
@@ -520,12 +520,12 @@ def split_outputs(calls: Sequence[ModelCall], logits: torch.Tensor) -> list[torc
 
 @runtime_checkable
 class Backend(Protocol):
-    """A model that keeps a KV cache per slot and computes logits (DESIGN §4, §6).
+    """A model that keeps a KV cache per slot and computes logits (docs/design.md §4, §6).
 
     Lifecycle: ``allocate`` a slot per request; ``forward`` batches of :class:`ModelCall`
     (prompt chunks, decode tokens, draft verification, denoising passes of a block: all one
     shape, one batched call per engine step); ``truncate`` a slot to roll back positions it
-    no longer wants (rejected drafts); ``release``. Step order (DESIGN §4): after the prompt
+    no longer wants (rejected drafts); ``release``. Step order (docs/design.md §4): after the prompt
     of m tokens the slot's cache length is m; a call writing y_t makes it m+t and its logits
     are z_{t+1}. Every layer's keys and values cover the same positions.
 
@@ -573,7 +573,7 @@ class Backend(Protocol):
 @runtime_checkable
 class EmbeddingInputs(Protocol):
     """Optional backend capability: calls that feed embeddings (:attr:`ModelCall.embeddings`),
-    for continuous diffusion and flow strategies (DESIGN §10).
+    for continuous diffusion and flow strategies (docs/design.md §10).
 
     ``embedding_space()`` is the ``[V, d]`` float32 table of every token's embedding in the
     space calls' embeddings live in (on the model's device; the same tensor on every call,
@@ -639,7 +639,7 @@ class Embedder(Protocol):
 @runtime_checkable
 class PagedBackend(Protocol):
     """Optional backend capability: KV memory in ``num_blocks`` blocks of ``block_size``
-    positions whose block tables the caller owns (DESIGN §6, second edition).
+    positions whose block tables the caller owns (docs/design.md §6, second edition).
 
     The caller (the engine) keeps a :class:`~pipeline.blocks.BlockManager` of the same shape
     and passes each sequence's table in :attr:`ModelCall.blocks`; the backend reads and writes
@@ -676,7 +676,7 @@ class PagedBackend(Protocol):
         ...
 
 
-# --- strategies (DESIGN §6 second edition, §10) --------------------------------------------
+# --- strategies (docs/design.md §6 second edition, §10) -----------------------------------
 
 
 StrategyEvent = tuple[str, dict[str, Any]]
@@ -746,7 +746,7 @@ class Update(Generic[S]):
 
 @runtime_checkable
 class Strategy(Protocol):
-    """A generation strategy: it owns each request's loop state (DESIGN §6, §10).
+    """A generation strategy: it owns each request's loop state (docs/design.md §6, §10).
 
     Every strategy runs as ``start`` (after the prompt is in the cache) -> repeatedly
     ``plan`` a model call -> the engine batches every sequence's call into one
@@ -800,7 +800,7 @@ class Strategy(Protocol):
 
 @attrs.frozen
 class CacheLayout:
-    """Per-layer key and value lengths of one slot's cache (DESIGN §8, invariant 2)."""
+    """Per-layer key and value lengths of one slot's cache (docs/design.md §8, invariant 2)."""
 
     key_lengths: tuple[int, ...]
     value_lengths: tuple[int, ...]

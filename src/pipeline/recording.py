@@ -1,4 +1,4 @@
-"""What a trace records about tensors and trace context (DESIGN §7, issue "Recording").
+"""What a trace records about tensors and trace context (docs/design.md §7, issue "Recording").
 
 Owns the per-step records of the logits products: the sha256 digest of a row of raw logits
 (``z_t``) or of the processed distribution, always; and at ``Recording.FULL`` their top-k
@@ -8,7 +8,7 @@ Owns the per-step records of the logits products: the sha256 digest of a row of 
 Digests are over the float32 bits of the dense ``[V]`` row, so two runs that produced
 bit-identical float32 logits have equal digests whatever dtype the backend computed in;
 ``-inf`` marks removed candidates in processed rows. Where the rows live decides how
-(DESIGN §6: no full ``[B, V]`` host copy per step):
+(docs/design.md §6: no full ``[B, V]`` host copy per step):
 
 - on the CPU, ``sha256:`` of the row's bytes, hashed in place (no copy);
 - on an accelerator, ``fp128:``, a fingerprint reduced on the device: two sums over the row

@@ -1,7 +1,7 @@
 """Which generation strategy a model is built with, and its settings, as one value.
 
 Owns :class:`StrategyChoice`: what ``build()`` takes as ``strategy=``, ``steps=``,
-``block_length=`` and ``strategy_options=`` (DESIGN §10), for the callers that carry that
+``block_length=`` and ``strategy_options=`` (docs/design.md §10), for the callers that carry that
 choice around before building: ``pipeline run``, ``pipeline chat`` and ``pipeline serve``
 (whose :class:`~transports.http.config.ServerConfig` holds one per served model). The value
 checks only what it can know alone (counts are integers >= 1, option names are strings);

@@ -4,7 +4,7 @@ Owns small, exact stand-ins that satisfy the stage Protocols:
 
 - :class:`ScriptedBackend` — a model whose next-token logits come from a function of the
   tokens in the slot (use :func:`peaked` for "this token next" scripts, :func:`hashed_logits`
-  for a deterministic pseudo-random model); it checks the DESIGN §4 cache invariants itself.
+  for a deterministic pseudo-random model); it checks the docs/design.md §4 cache invariants itself.
   Given a ``denoise`` function it is also a denoiser: a call with ``Attention.BLOCK`` gets,
   at each offset, ``denoise(cached tokens, block tokens, offset)`` (use
   :func:`hashed_denoiser` for a deterministic pseudo-random one).

@@ -1,6 +1,6 @@
 """A request's text side: committed tokens to released text and deltas.
 
-Owns :class:`TextState`, one of a request's small records in the engine (DESIGN §6, second
+Owns :class:`TextState`, one of a request's small records in the engine (docs/design.md §6, second
 edition): the detokenizer and its state, the stoppers and their states, the text emitted so
 far, the logprob records, the tool-call reader (a text stage too), and what has not been sent yet (tokens and logprobs that ride on
 the next delta). It sees *committed* tokens only, one at a time, in order; the strategy that

@@ -1,4 +1,4 @@
-"""Value types: the data products of DESIGN section 3.
+"""Value types: the data products of docs/design.md §3.
 
 Every type is ``@attrs.frozen`` and validated when it is built; change one with
 ``attrs.evolve``. Building from a mapping (``from_dict``) rejects unknown keys with
@@ -330,7 +330,7 @@ class GenerationConfig:
     ``forced_prefix`` are token ids the output must begin with (e.g. a tool-call opening when
     a tool call is required); the engine takes them in place of the selector's choices.
     ``grammar`` (a :class:`~pipeline.grammar.Grammar`) constrains the output to a JSON schema
-    or another grammar, by construction (the ``grammar`` processor, DESIGN §11).
+    or another grammar, by construction (the ``grammar`` processor, docs/design.md §11).
 
     Numeric edges follow rules, not float accidents: a temperature below ``GREEDY_BELOW``
     (1e-5) is greedy too; ``top_p`` and ``typical_p`` keep at least the most likely (most
@@ -770,7 +770,7 @@ class TokenLogprob:
 
 @attrs.frozen
 class ToolCallDelta:
-    """A piece of a tool call as the model writes it (DESIGN §11).
+    """A piece of a tool call as the model writes it (docs/design.md §11).
 
     The first piece of call ``index`` carries its ``id`` and ``name`` (and no arguments);
     later pieces carry fragments of its arguments' JSON text, in order. Joined, the fragments
@@ -864,4 +864,4 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
-    """The tool calls parsed from ``text`` when the request offered tools (DESIGN §11)."""
+    """The tool calls parsed from ``text`` when the request offered tools (docs/design.md §11)."""

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's model format, DESIGN §13) on the torch backend.
+"""GGUF files (llama.cpp's model format, docs/design.md §13) on the torch backend.
 
 Modules: :mod:`.file` (the ``gguf`` package's reader: metadata, tensor index, snapshot; the
 metadata as ``config.json`` keys for ``ModelSpec``), :mod:`.load` (tensors → ``ModelWeights``,

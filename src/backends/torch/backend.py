@@ -240,8 +240,8 @@ class TorchBackend:
         return self.cache.lengths[slot]
 
     def cache_layout(self, slot: int) -> CacheLayout:
-        """How far each layer has written ``slot``'s keys and values (DESIGN §8, invariant 2;
-        :class:`~pipeline.protocols.CacheInspector`)."""
+        """How far each layer has written ``slot``'s keys and values (docs/design.md §8,
+        invariant 2; :class:`~pipeline.protocols.CacheInspector`)."""
         self._check_allocated([slot])
         return CacheLayout(tuple(e[slot] for e in self.cache.key_extent),
                            tuple(e[slot] for e in self.cache.value_extent))

@@ -1,7 +1,7 @@
 """Embedding inputs with time and self-conditioning, for continuous diffusion and flow models.
 
 Owns the input side of a :class:`~pipeline.protocols.ModelCall` that carries ``embeddings``
-(DESIGN §6, §10): :func:`embedding_space` (the space those embeddings live in),
+(docs/design.md §6, §10): :func:`embedding_space` (the space those embeddings live in),
 :func:`time_features` (the sinusoidal features of a time value) and :func:`call_inputs`,
 which builds the ``[T, H]`` hidden states a forward starts from.
 

@@ -44,7 +44,7 @@ class KVCache:
     without a gather and a transpose copy.)
 
     ``lengths[s]`` is how many positions of slot ``s`` are valid; every layer's keys and
-    values cover exactly those positions (DESIGN §8, invariant 2). ``key_extent[l][s]`` and
+    values cover exactly those positions (docs/design.md §8, invariant 2). ``key_extent[l][s]`` and
     ``value_extent[l][s]`` are how far layer ``l`` has written keys and values of slot ``s``,
     committed with the lengths, so the invariant can be checked rather than assumed. Which
     blocks a slot uses is not the cache's business: each batch names them. Owned by one

@@ -1,4 +1,4 @@
-"""Tools across the reality boundary (DESIGN §11): everything after a call is parsed.
+"""Tools across the reality boundary (docs/design.md §11): everything after a call is parsed.
 
 The parsers that read calls out of the model's text are a stage family (``stages/tools``);
 this package owns what the core does with a parsed call:

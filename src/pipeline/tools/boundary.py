@@ -1,7 +1,7 @@
 """The commit boundary: a proposed tool call changes nothing until it has crossed it.
 
 Owns :class:`ToolBoundary` and :class:`CallOutcome`. A call the reader parsed (``tool.proposed``
-and ``tool.parsed``, emitted by the engine) moves on here (DESIGN §11):
+and ``tool.parsed``, emitted by the engine) moves on here (docs/design.md §11):
 
 1. validated against its tool's JSON schema (``jsonschema``) — else ``tool.invalid``;
 2. authorized by the policy (``ask`` defers to a callback; no callback is no) — else

@@ -6,7 +6,7 @@ downstream can deduplicate) and :class:`OutcomeLookup` (it can say what became o
 call), :class:`FunctionTool` (a typed Python callable as an executor), the policy
 :class:`Decision` with its :class:`Verdict`, and the built-in policies :class:`AllowAll` and
 :class:`Rules`. Only an
-executor crosses into the outside world (DESIGN §11), and only after the boundary
+executor crosses into the outside world (docs/design.md §11), and only after the boundary
 (:mod:`pipeline.tools.boundary`) has parsed, validated, authorized and committed the call.
 Third parties register executors and policies through ``pipeline_components`` (kinds
 ``tool`` and ``tool_policy``), as built-ins would.

@@ -1,9 +1,9 @@
-"""``pipeline.trace``: tooling over event traces (DESIGN §7–9).
+"""``pipeline.trace``: tooling over event traces (docs/design.md §7–9).
 
 Owns the public face of the trace tools, each usable from tests and from ``pipeline trace``:
 
 - :func:`load` / :func:`load_all` — a JSONL file, a ``Completion`` or events → :class:`Trace`
-- :func:`check` — the eight invariants of DESIGN §8 (:class:`CheckReport`)
+- :func:`check` — the eight invariants of docs/design.md §8 (:class:`CheckReport`)
 - :func:`diff` — the first divergence between two runs and their shared reproducibility level
   (:class:`DiffReport`)
 - :func:`show` — a readable timeline

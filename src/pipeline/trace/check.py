@@ -1,4 +1,4 @@
-"""``pipeline trace check``: the eight invariants of DESIGN §8 on one trace.
+"""``pipeline trace check``: the eight invariants of docs/design.md §8 on one trace.
 
 Owns :func:`check` and its :class:`CheckReport` (violations with the events involved and why,
 plus what the trace did not let a rule observe). The rules themselves live in

@@ -1,4 +1,4 @@
-"""``pipeline trace diff``: the first divergence between two runs (DESIGN §9).
+"""``pipeline trace diff``: the first divergence between two runs (docs/design.md §9).
 
 Owns :func:`diff` and :class:`DiffReport` (a :class:`Divergence` names the product). The walk
 follows the data products in causal order: the request's content → rendered bytes → token
@@ -13,7 +13,7 @@ Within a step the ending and the emitted bytes come before the cache after decod
 the token that ends a run is never decoded, and the ending before the bytes because a stop
 or a cancel is what trims or closes that step's stream.
 
-For an iterative strategy (masked diffusion, DESIGN §10) the walk first goes through its
+For an iterative strategy (masked diffusion, docs/design.md §10) the walk first goes through its
 iterations in order, after the input: for iteration k, the block fed to the denoiser, the
 logits of that pass (model level), then what the pass committed (positions and the tokens
 there), so the report names the first divergent iteration. Different commits are blamed on

@@ -1,4 +1,4 @@
-"""The rules behind ``pipeline trace check``: one function per invariant of DESIGN §8.
+"""The rules behind ``pipeline trace check``: one function per invariant of docs/design.md §8.
 
 Owns :data:`TITLES` and the rule functions. Each rule reads a :class:`Trace` (and, for
 invariant 5, an optional detokenizer) and returns the problems it found as
@@ -134,8 +134,8 @@ def cache_layers(trace: Trace, _: Detokenize | None) -> Finding:
 
 
 def step_order(trace: Trace, _: Detokenize | None) -> Finding:
-    """Invariant 3 (DESIGN §4): cache m after prefill, m+t-1 at selection t; a call at step t
-    starts at m+t-1 and feeding y_t plus k drafts makes it m+t+k; a rollback drops exactly
+    """Invariant 3 (docs/design.md §4): cache m after prefill, m+t-1 at selection t; a call at
+    step t starts at m+t-1 and feeding y_t plus k drafts makes it m+t+k; a rollback drops exactly
     the positions it names; a token is selected only from logits whose fed prefix equals
     the committed one (a draft before it must be the token committed there). A call that
     does not write (``"write": false``, an iterative strategy's pass over a block) must
@@ -177,8 +177,8 @@ def iterative(trace: Trace) -> bool:
 
 def _block_step_order(trace: Trace, m: int, problems: list[tuple[tuple[int, ...], str]]
                       ) -> Finding:
-    """Invariant 3 for iterative strategies (DESIGN §10): denoising passes read the cache and
-    write nothing, and run only when the cache holds the prompt and every committed token (no
+    """Invariant 3 for iterative strategies (docs/design.md §10): denoising passes read the
+    cache and write nothing, and run only when the cache holds the prompt and every committed token (no
     finished block recomputed, none missing); a writing call feeds exactly the last committed
     tokens the cache lacks, then (a strategy that writes a block before committing all of it)
     exactly the tokens committed right after it; a committed token comes from the pass
@@ -447,7 +447,7 @@ def _calls(trace: Trace) -> dict[str, dict[str, Event]]:
 
 
 GATES = ("parsed", "validated", "authorized", "committed")
-"""What a call passes, in this order, before its executor may run (DESIGN §11)."""
+"""What a call passes, in this order, before its executor may run (docs/design.md §11)."""
 REFUSALS = ("invalid", "denied", "cancelled", "skipped", "malformed")
 """Ends of a call that never crossed the boundary: nothing may execute after them."""
 

@@ -1,4 +1,4 @@
-"""Live invariant checking (DESIGN §8: "optionally live, raising in debug mode").
+"""Live invariant checking (docs/design.md §8: "optionally live, raising in debug mode").
 
 Owns :class:`CheckingSink`, an event sink that gathers each request's events and runs
 :func:`~pipeline.trace.check` when the request's ``resources.released`` arrives. Failing

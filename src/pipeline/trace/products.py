@@ -1,4 +1,4 @@
-"""The data products of a trace as the differ compares them (DESIGN §9).
+"""The data products of a trace as the differ compares them (docs/design.md §9).
 
 Owns :data:`LEVELS` (the reproducibility levels, lowest first), the lookups of each step's
 raw and processed logits records, the comparison of two logits records (bitwise by digest, or

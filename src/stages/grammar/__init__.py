@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (DESIGN §11) on llguidance.
+"""Grammar-constrained decoding (docs/design.md §11) on llguidance.
 
 Owns the ``grammar`` logit processor (:mod:`stages.grammar.processor`), the bitmask applied
 to logits (:mod:`stages.grammar.bitmask`), the vocabulary handed to the engine

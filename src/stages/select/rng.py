@@ -3,7 +3,7 @@
 Owns :func:`uniform` and :func:`row_uniforms`. There is no generator object and no global RNG:
 the draw for (``seed``, ``stream``, ``step``) hashes the three integers with the SplitMix64
 finalizer, chained like a sponge, and keeps the top 53 bits. The "RNG cursor" of a request is
-therefore just its step (DESIGN §6), and a request's draws cannot depend on which other
+therefore just its step (docs/design.md §6), and a request's draws cannot depend on which other
 requests share its batch.
 """
 

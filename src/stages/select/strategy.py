@@ -1,4 +1,4 @@
-"""``autoregressive``: the one-token-per-step strategy (DESIGN §6, §10).
+"""``autoregressive``: the one-token-per-step strategy (docs/design.md §6, §10).
 
 Owns :class:`AutoregressiveStrategy` and its per-request loop state :class:`ARState`. Its
 plan is "the pending token, logits at its position"; its update rule is

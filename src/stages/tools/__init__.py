@@ -1,4 +1,4 @@
-"""Tool-call parsing: one parser per model family's format (DESIGN §11).
+"""Tool-call parsing: one parser per model family's format (docs/design.md §11).
 
 Owns the parsers (:mod:`stages.tools.formats`: Hermes/Qwen ``<tool_call>``, Llama 3.x JSON
 and ``<|python_tag|>``, Mistral ``[TOOL_CALLS]``), the reader they share

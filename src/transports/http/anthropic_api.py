@@ -257,8 +257,9 @@ def _merged(parts: Sequence[Part]) -> list[TextPart | ToolCall]:
 def usage_body(usage: Usage) -> dict[str, int]:
     """A finished message's ``usage`` as Anthropic counts it: ``input_tokens`` are the prompt
     tokens *not* read from the cache, so that ``input_tokens + cache_creation_input_tokens +
-    cache_read_input_tokens`` is the whole prompt. The prefix cache is automatic (DESIGN §6):
-    nothing is written to it at a client's request, so ``cache_creation_input_tokens`` is 0."""
+    cache_read_input_tokens`` is the whole prompt. The prefix cache is automatic
+    (docs/design.md §6): nothing is written to it at a client's request, so
+    ``cache_creation_input_tokens`` is 0."""
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": usage.cached_tokens,

@@ -1,4 +1,4 @@
-"""The gateway duties between an HTTP request and a pipeline (DESIGN §12).
+"""The gateway duties between an HTTP request and a pipeline (docs/design.md §12).
 
 Owns :class:`Gateway`: API-key checks (constant time), the served models and their loading
 state (503 while loading; each load and each failure logged as it happens), routing by name

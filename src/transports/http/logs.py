@@ -1,4 +1,4 @@
-"""What the HTTP server writes to its log (DESIGN §14): the ``pipeline.serve`` loggers.
+"""What the HTTP server writes to its log (docs/design.md §14): the ``pipeline.serve`` loggers.
 
 Owns the server's lines and their wording: where it listens, each model's load (what it is,
 its memory, how long it took, the strategy it generates with and the settings given for it)

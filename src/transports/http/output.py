@@ -4,8 +4,8 @@ Owns :class:`OutputSplitter`, an incremental splitter over the detokenized text 
 request. The chat templates mark reasoning with ``<think>…</think>``; the splitter finds these
 markers across delta boundaries (holding back a partial marker) and hands the answer text to
 the model's tool-call reader (the ``stages/tools`` parser that ``build`` chose from the chat
-template, DESIGN §11), so tool calls come out as the reader's deltas (the name, then argument
-fragments as they are generated) and ends. A call that is not well formed stays visible as
+template, docs/design.md §11), so tool calls come out as the reader's deltas (the name, then
+argument fragments as they are generated) and ends. A call that is not well formed stays visible as
 text, so nothing the model wrote is lost. The newlines that open and close a thinking block,
 and those right after it, are layout, not content: they are dropped. Both dialects,
 streaming and not, go through this one splitter, so streamed and non-streamed answers agree.

@@ -1,4 +1,5 @@
-"""The web chat page served at ``GET /`` and its scripts at ``GET /web/{name}`` (DESIGN §14).
+"""The web chat page served at ``GET /`` and its scripts at ``GET /web/{name}``
+(docs/design.md §14).
 
 Owns :class:`ChatPage`: the package's HTML file (``web/index.html``: inline CSS and a small
 inline loader; what the page does is written at its top), the scripts it loads from this

@@ -1,4 +1,4 @@
-"""Continuous diffusion and flow matching over token embeddings (DESIGN §10, issue 14).
+"""Continuous diffusion and flow matching over token embeddings (docs/design.md §10, issue 14).
 
 Owns the pure math (:mod:`.schedules`: noise schedules and timestep spacings; :mod:`.updates`:
 the DDPM, DDIM, Euler and Heun update rules; :mod:`.noise`: counter-based Gaussian draws), how

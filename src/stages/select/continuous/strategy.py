@@ -1,7 +1,7 @@
 """``ddpm``, ``ddim`` and ``flow``: semi-autoregressive generation over token embeddings.
 
 Owns :class:`ContinuousStrategy` and its per-request loop state :class:`ContState`. The
-output is made block by block (DESIGN §10; BD3-LM's semi-autoregressive layout over the
+output is made block by block (docs/design.md §10; BD3-LM's semi-autoregressive layout over the
 causal prefix in the KV cache):
 
 1. the first ``update`` takes the prompt's last logits and commits nothing: it opens block 1

@@ -1,4 +1,4 @@
-"""Masked (discrete) diffusion and discrete flow matching as strategies (DESIGN §10).
+"""Masked (discrete) diffusion and discrete flow matching as strategies (docs/design.md §10).
 
 Owns the samplers that refine a block of ``<|mask|>`` positions over several model calls:
 ``llada`` (:class:`LladaStrategy`, low-confidence or random remasking on a count schedule),

@@ -1,4 +1,5 @@
-"""Counter-based uniform tensors for the iterative strategies (DESIGN §6), and whose seed they use.
+"""Counter-based uniform tensors for the iterative strategies (docs/design.md §6), and whose
+seed they use.
 
 Owns :func:`uniforms`: ``n`` uniform numbers in ``(0, 1)`` that are a pure function of
 (``seed``, ``stream``, ``step``, element index), like :func:`stages.select.rng.uniform` but for

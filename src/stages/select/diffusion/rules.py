@@ -1,7 +1,8 @@
 """The update rules of the masked-diffusion samplers, as small pure functions over one block.
 
-Owns the pieces each sampler's step is made of, each following its reference code
-(``reference/diffusion_flow.md``):
+Owns the pieces each sampler's step is made of, each following its paper's reference code
+(LLaDA's ``generate()``, Fast-dLLM's, the ``flow_matching`` library's; docs/design.md §10 and
+docs/diffusion.md, "The samplers"):
 
 - :func:`num_transfer_tokens` — LLaDA's ``get_num_transfer_tokens``: how many masked positions
   each of ``steps`` steps commits (an even split, the remainder on the first steps);

@@ -1,5 +1,5 @@
 """Masked-diffusion strategies: semi-autoregressive blocks refined over several model calls
-(DESIGN §6 second edition, §10).
+(docs/design.md §6 second edition, §10).
 
 Owns :class:`MaskedDiffusionStrategy` (the block loop every masked sampler shares), its three
 samplers :class:`LladaStrategy`, :class:`FastDllmStrategy` and :class:`DiscreteFlowStrategy`,
