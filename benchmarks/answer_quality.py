@@ -21,7 +21,11 @@ rate of each fault) and writes JSON (``--out``, default
 
     .venv/bin/python benchmarks/answer_quality.py
     .venv/bin/python benchmarks/answer_quality.py --seeds 5 --model smollm2
+    .venv/bin/python benchmarks/answer_quality.py --smoke --out /tmp/aq.json
 
+``--smoke`` runs the same code in seconds on the tiny model (the first three questions,
+greedy and one sampled candidate, one seed, 8 tokens): it checks the script, its verdicts
+mean nothing.
 ``tests/test_answer_quality.py`` checks :func:`judge` on hand-written good and bad answers;
 the benchmark itself is not part of the test run.
 """
@@ -33,6 +37,7 @@ import json
 import re
 import statistics
 import sys
+import tempfile
 import time
 import unicodedata
 from collections import Counter
@@ -119,12 +124,14 @@ def judge(answer: str, question: Mapping[str, Any]) -> tuple[bool, list[str]]:
 
 
 def run(model: str, seeds: int, max_tokens: int, slots: int,
-        candidates: Sequence[str] = tuple(CANDIDATES), first_seed: int = 0) -> dict[str, Any]:
-    """``candidates`` over every question and seed (greedy once); the answers, verdicts and
-    summary."""
+        candidates: Sequence[str] = tuple(CANDIDATES), first_seed: int = 0,
+        limit: int | None = None) -> dict[str, Any]:
+    """``candidates`` over every question (the first ``limit`` of them) and seed (greedy
+    once); the answers, verdicts and summary."""
     from pipeline import build
 
     rubric, questions = load_questions()
+    questions = questions[:limit]
     started = time.perf_counter()
     with build(model, options={"num_slots": slots}) as pipe:
         jobs = []
@@ -206,14 +213,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="default: the rubric's max_tokens")
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
     parser.add_argument("--candidates", default=",".join(CANDIDATES),
                         help="comma-separated names from the table (default: all)")
     parser.add_argument("--first-seed", type=int, default=0,
                         help="seeds are 1000 + first_seed ... (more seeds for a second run)")
     parser.add_argument("--rescore", action="store_true",
                         help="judge the answers kept in --out again (after a rubric change)")
+    parser.add_argument("--questions", type=int, default=None,
+                        help="only the first N questions (default: all)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model: 3 questions, greedy and one sampled "
+                             "candidate, one seed, 8 tokens")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.seeds, args.max_tokens, args.slots = "tiny", 1, 8, 4
+        args.candidates, args.questions = "greedy,T=0.7 top_p=0.9", 3
+    args.out = args.out or (Path(tempfile.gettempdir()) / "answer_quality-smoke.json"
+                            if args.smoke else RESULTS)
     rubric, _ = load_questions()
     if args.rescore:
         result = rescore(args.out)
@@ -223,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rescored {args.out}")
         return 0
     result = run(args.model, args.seeds, args.max_tokens or rubric["max_tokens"], args.slots,
-                 args.candidates.split(","), args.first_seed)
+                 args.candidates.split(","), args.first_seed, args.questions)
     print(table(result["summary"]))
     print(f"({result['elapsed_s']} s; {args.seeds} seeds per sampled candidate)")
     args.out.parent.mkdir(parents=True, exist_ok=True)

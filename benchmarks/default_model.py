@@ -22,6 +22,12 @@ Run::
 
     .venv/bin/python benchmarks/default_model.py
     .venv/bin/python benchmarks/default_model.py --threads 2 --runs 1 --skip-transformers
+    .venv/bin/python benchmarks/default_model.py --smoke --out /tmp/default_model.json
+
+``--smoke`` runs our side in seconds on the tiny model (one thread, one run, a few tokens, one
+small batch and prompt, each measurement in this process rather than a child, so its peak RSS
+is this process's): it checks the script, its figures mean nothing. It builds and downloads
+nothing: llama.cpp and transformers are skipped (the table says so).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,33 @@ sys.path.insert(0, str(Path(__file__).parent))
 RESULTS = Path(__file__).parent / "results" / "default_model.json"
 NEW_TOKENS = 128
 PROMPT = 32
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the measurements run: new tokens per request, the batches' prompt length, the
+    batch sizes, the prefill lengths, the two history lengths, the memory run's prompt and
+    window, and the steady runs' new tokens."""
+
+    new_tokens: int = NEW_TOKENS
+    prompt: int = PROMPT
+    batches: tuple[int, ...] = (8, 32)
+    prefills: tuple[int, ...] = (512, 2048)
+    history: tuple[int, int] = (100, 4000)
+    history_tokens: int = 64
+    memory_prompt: int = 512
+    memory_window: int = 2048
+    steady_tokens: int = 64
+
+    def kinds(self) -> tuple[str, ...]:
+        """Our measurements, as :func:`_child_ours` names them."""
+        return ("decode", *(f"batch{b}" for b in self.batches),
+                *(f"prefill{n}" for n in self.prefills), "memory", "history")
+
+
+FULL = Sizes()
+SMOKE = Sizes(new_tokens=4, prompt=8, batches=(2,), prefills=(16,), history=(8, 32),
+              history_tokens=4, memory_prompt=16, memory_window=64, steady_tokens=4)
 WORDS = "why the sky is blue and sunsets are red, explained step by step; "
 
 
@@ -62,7 +97,10 @@ def _prompt_ids(tokenizer: Any, n: int, run: int = 0) -> list[int]:
     return ids[:n]
 
 
-def _child_ours(kind: str, threads: int, runs: int) -> dict[str, Any]:
+def _child_ours(kind: str, threads: int, runs: int, model: str | None = None,
+                sizes: Sizes = FULL) -> dict[str, Any]:
+    """One of our measurements (``kind``: see :meth:`Sizes.kinds`, or ``steady``) on
+    ``model`` (None: the default model)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -74,7 +112,7 @@ def _child_ours(kind: str, threads: int, runs: int) -> dict[str, Any]:
 
     def decode_rates(questions: list[str], tokens: int) -> list[float]:
         """Batch-1 decode tok/s of each question answered greedily with ``tokens`` tokens."""
-        with build(options={"num_slots": 1, "max_context": 1024}) as pipe:
+        with build(model, options={"num_slots": 1, "max_context": 1024}) as pipe:
             pipe.generate("warm up", max_tokens=4)
             rates = []
             for question in questions:
@@ -86,19 +124,21 @@ def _child_ours(kind: str, threads: int, runs: int) -> dict[str, Any]:
             return rates
 
     if kind == "decode":
-        rates = decode_rates(["Why is the sky usually blue?"] * runs, NEW_TOKENS)
+        rates = decode_rates(["Why is the sky usually blue?"] * runs, sizes.new_tokens)
         return {"decode_tok_s": max(rates), "runs": rates}
     if kind.startswith("batch"):
         batch = int(kind[len("batch"):])
-        with build(options={"num_slots": batch, "max_context": PROMPT + NEW_TOKENS + 64}) as pipe:
+        with build(model, options={"num_slots": batch,
+                                   "max_context": sizes.prompt + sizes.new_tokens + 64}) as pipe:
             pipe.generate("warm up", max_tokens=4)
             tok = pipe.stages.tokenizer
             rates = []
             for run in range(runs):
-                prompts = [_prompt_ids(tok, PROMPT, run * batch + i) for i in range(batch)]
+                prompts = [_prompt_ids(tok, sizes.prompt, run * batch + i)
+                           for i in range(batch)]
                 started = time.perf_counter()
-                handles = [pipe.submit(ids_request(ids, max_tokens=NEW_TOKENS,
-                                                   min_tokens=NEW_TOKENS, temperature=0))
+                handles = [pipe.submit(ids_request(ids, max_tokens=sizes.new_tokens,
+                                                   min_tokens=sizes.new_tokens, temperature=0))
                            for ids in prompts]
                 results = [h.result() for h in handles]
                 elapsed = time.perf_counter() - started
@@ -108,7 +148,7 @@ def _child_ours(kind: str, threads: int, runs: int) -> dict[str, Any]:
             return {"aggregate_tok_s": max(rates), "runs": rates}
     if kind.startswith("prefill"):
         n = int(kind[len("prefill"):])
-        with build(options={"num_slots": 1, "max_context": n + 64}) as pipe:
+        with build(model, options={"num_slots": 1, "max_context": n + 64}) as pipe:
             tok = pipe.stages.tokenizer
             pipe.generate(ids_request(_prompt_ids(tok, 64), max_tokens=1))
             rates = []
@@ -120,28 +160,32 @@ def _child_ours(kind: str, threads: int, runs: int) -> dict[str, Any]:
             return {"prefill_tok_s": max(rates), "runs": rates}
     if kind == "steady":  # many short runs: their spread is what a busy neighbour does
         return {"runs": decode_rates([f"Tell me a fact about the number {i}." for i in
-                                      range(runs)], 64)}
+                                      range(runs)], sizes.steady_tokens)}
     if kind == "history":
         # decode speed after a short and after a long history, penalties on (their state must
         # be incremental); the attention share grows with the history by nature
-        with build(options={"num_slots": 1, "max_context": 4200}) as pipe:
+        tokens = sizes.history_tokens
+        with build(model, options={"num_slots": 1,
+                                   "max_context": max(sizes.history) + 200}) as pipe:
             tok = pipe.stages.tokenizer
             pipe.generate(ids_request(_prompt_ids(tok, 64), max_tokens=4))
             out = {}
-            for n in (100, 4000):
+            for n in sizes.history:
                 rates = []
                 for run in range(1, runs + 1):
                     done = pipe.generate(ids_request(
-                        _prompt_ids(tok, n, run), max_tokens=64, min_tokens=64, temperature=0,
+                        _prompt_ids(tok, n, run), max_tokens=tokens, min_tokens=tokens,
+                        temperature=0,
                         repetition_penalty=1.1, presence_penalty=0.2))
                     decode = (done.timings.total_s or 0.0) - (done.timings.first_token_s or 0.0)
                     rates.append((done.usage.completion_tokens - 1) / decode)
                 out[f"at_{n}_tok_s"] = max(rates)
             return out
     if kind == "memory":
-        with build(options={"num_slots": 1, "max_context": 2048}) as pipe:
-            pipe.generate(ids_request(_prompt_ids(pipe.stages.tokenizer, 512),
-                                      max_tokens=128, min_tokens=128, temperature=0))
+        with build(model, options={"num_slots": 1, "max_context": sizes.memory_window}) as pipe:
+            pipe.generate(ids_request(_prompt_ids(pipe.stages.tokenizer, sizes.memory_prompt),
+                                      max_tokens=sizes.new_tokens, min_tokens=sizes.new_tokens,
+                                      temperature=0))
             info = pipe.model_info()
         return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "weight_bytes": info.weight_bytes if info else None,
@@ -192,12 +236,14 @@ def peak_mb(cmd: list[str]) -> float:
     return int(out.stdout.strip()) / 1024
 
 
-def _run_peak_mb(threads: int) -> float:
-    """Peak RSS (MB) of ``pipeline run`` answering one line with the defaults."""
+def _run_peak_mb(threads: int, model: str | None = None) -> float:
+    """Peak RSS (MB) of ``pipeline run`` answering one line with the defaults (on ``model``;
+    None: the default model)."""
     return peak_mb([sys.executable, "-c", "import sys, torch; "
                     "torch.set_num_threads(int(sys.argv[1])); from pipeline import cli; "
                     "sys.exit(cli.main(sys.argv[2:]))", str(threads), "run", "--max-tokens",
-                    "16", "--temperature", "0", "Say hello."])
+                    "16", "--temperature", "0", *(["--model", model] if model else []),
+                    "Say hello."])
 
 
 # --- the peer ----------------------------------------------------------------------------
@@ -245,7 +291,10 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--competing", action="store_true",
                         help="only the decode spread idle and beside one busy process")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model, our side only, in this process")
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -255,10 +304,12 @@ def main() -> None:
         else:
             print(json.dumps(_child_ours(kind, threads, runs)))
         return
-    from pipeline.models import smollm2_file
-
-    model = smollm2_file()
-    result: dict[str, Any] = {"loadavg_before": _loadavg(), "threads": {}}
+    if args.smoke:
+        args.threads, args.runs, args.skip_transformers, args.competing = "1", 1, True, False
+    args.out = args.out or (Path(tempfile.gettempdir()) / "default_model-smoke.json"
+                            if args.smoke else RESULTS)
+    result: dict[str, Any] = {"loadavg_before": _loadavg(), "threads": {},
+                              "smoke": args.smoke}
     if args.competing:
         result["competing"] = {t: competing(int(t), max(args.runs, 12))
                                for t in args.threads.split(",")}
@@ -266,38 +317,50 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
         return
+    sizes = SMOKE if args.smoke else FULL
+    if args.smoke:
+        result["skipped"] = ["llama.cpp (smoke: nothing built or downloaded)", "transformers",
+                             "child processes (each measurement ran in this one)"]
+    else:
+        from pipeline.models import smollm2_file
+
+        model = smollm2_file()
     for threads in (int(t) for t in args.threads.split(",")):
-        peer = llama(model, threads)
-        ours = {kind: _spawn(["--child", kind, str(threads), str(args.runs)])
-                for kind in ("decode", "batch8", "batch32", "prefill512", "prefill2048",
-                             "memory", "history")}
-        ours["run_peak_rss_mb"] = _run_peak_mb(threads)
+        if args.smoke:
+            peer = None
+            ours = {kind: _child_ours(kind, threads, args.runs, "tiny", sizes)
+                    for kind in sizes.kinds()}
+        else:
+            peer = llama(model, threads)
+            ours = {kind: _spawn(["--child", kind, str(threads), str(args.runs)])
+                    for kind in sizes.kinds()}
+        ours["run_peak_rss_mb"] = _run_peak_mb(threads, "tiny" if args.smoke else None)
         hf = {} if args.skip_transformers else {
-            n: _spawn(["--child", f"hf{n}", str(threads), "1"]) for n in (512, 2048)}
+            n: _spawn(["--child", f"hf{n}", str(threads), "1"]) for n in sizes.prefills}
         result["threads"][threads] = {"llama_cpp": peer, "ours": ours, "transformers": hf}
-        _table(threads, peer, ours, hf)
+        _table(threads, peer, ours, hf, sizes)
     result["loadavg_after"] = _loadavg()
     print(f"loadavg before: {result['loadavg_before']}; after: {result['loadavg_after']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
 
 
-def _table(threads: int, peer: dict[str, Any], ours: dict[str, Any],
-           hf: dict[int, Any]) -> None:
-    rows = [
-        ("decode, batch 1 (tok/s)", ours["decode"]["decode_tok_s"], peer["decode_tok_s"], 1.0),
-        ("decode, 8 at once (tok/s)", ours["batch8"]["aggregate_tok_s"], peer["batch8_tok_s"],
-         1.5),
-        ("decode, 32 at once (tok/s)", ours["batch32"]["aggregate_tok_s"],
-         peer["batch32_tok_s"], 1.5),
-        ("prefill 512 (tok/s)", ours["prefill512"]["prefill_tok_s"], peer["prefill512_tok_s"],
-         1.5),
-        ("prefill 2048 (tok/s)", ours["prefill2048"]["prefill_tok_s"],
-         peer["prefill2048_tok_s"], 1.5),
-    ]
-    print(f"\nthreads {threads}")
+def _table(threads: int, peer: dict[str, Any] | None, ours: dict[str, Any],
+           hf: dict[int, Any], sizes: Sizes = FULL) -> None:
+    """Ours against llama.cpp (``peer``; None: skipped) and transformers, with the goals."""
+    rows = [("decode, batch 1 (tok/s)", ours["decode"]["decode_tok_s"], "decode_tok_s", 1.0)]
+    rows += [(f"decode, {b} at once (tok/s)", ours[f"batch{b}"]["aggregate_tok_s"],
+              f"batch{b}_tok_s", 1.5) for b in sizes.batches]
+    rows += [(f"prefill {n} (tok/s)", ours[f"prefill{n}"]["prefill_tok_s"],
+              f"prefill{n}_tok_s", 1.5) for n in sizes.prefills]
+    print(f"\nthreads {threads}" + ("" if peer else "; llama.cpp skipped (nothing built)"))
     print(f"{'':30} {'ours':>9} {'llama.cpp':>10} {'ratio':>7} {'goal':>6}")
-    for name, mine, theirs, goal in rows:
+    for name, mine, key, goal in rows:
+        theirs = peer.get(key) if peer else None
+        if theirs is None:
+            print(f"{name:30} {mine:9.1f} {'-':>10} {'-':>7} {goal:6.1f}  (no peer figure)")
+            continue
         verdict = "met" if mine / theirs >= goal else "not met"
         print(f"{name:30} {mine:9.1f} {theirs:10.1f} {mine / theirs:7.2f} {goal:6.1f}  {verdict}")
     for n, r in hf.items():
@@ -306,13 +369,15 @@ def _table(threads: int, peer: dict[str, Any], ours: dict[str, Any],
               f"{r['prefill_tok_s']:10.1f} {mine / r['prefill_tok_s']:7.2f} {1.0:6.1f}  "
               f"{'met' if mine >= r['prefill_tok_s'] else 'not met'}")
     mem = ours["memory"]["peak_rss_mb"]
-    print(f"{'peak RSS, 2048 window (MB)':30} {mem:9.0f} {peer['peak_rss_mb']:10.0f} "
-          f"{mem / peer['peak_rss_mb']:7.2f} {'<=2.0':>6}")
+    theirs_mb = peer["peak_rss_mb"] if peer else None
+    print(f"{f'peak RSS, {sizes.memory_window} window (MB)':30} {mem:9.0f} "
+          + (f"{theirs_mb:10.0f} {mem / theirs_mb:7.2f} {'<=2.0':>6}" if theirs_mb else
+             f"{'-':>10} {'-':>7} {'<=2.0':>6}"))
     print(f"{'peak RSS, pipeline run (MB)':30} {ours['run_peak_rss_mb']:9.0f}")
-    h = ours["history"]
-    print(f"{'decode at 4000 / at 100':30} {h['at_4000_tok_s']:9.1f} {h['at_100_tok_s']:10.1f} "
-          f"{h['at_4000_tok_s'] / h['at_100_tok_s']:7.2f} {'>=0.8':>6}  (attention's share "
-          "not removed)")
+    h, (short, long) = ours["history"], sizes.history
+    print(f"{f'decode at {long} / at {short}':30} {h[f'at_{long}_tok_s']:9.1f} "
+          f"{h[f'at_{short}_tok_s']:10.1f} {h[f'at_{long}_tok_s'] / h[f'at_{short}_tok_s']:7.2f} "
+          f"{'>=0.8':>6}  (attention's share not removed)")
 
 
 if __name__ == "__main__":

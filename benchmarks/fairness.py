@@ -12,9 +12,11 @@ Configurations: ``paced`` (the default engine: the step budget bounds latency,
 ``step_latency_ratio=1.5``), ``tokens-only`` (pacing off: the token budget and a 512-token chunk
 only, the behaviour before pacing) and ``tokens-only-4096`` (pacing off, one 4,096-token chunk).
 Rounds interleave the configurations. Prints a table and writes
-``benchmarks/results/fairness.json``.
+``benchmarks/results/fairness.json`` (``--out``).
 
-Run: ``.venv/bin/python benchmarks/fairness.py [--rounds 3] [--prompt-tokens 4096]``
+Run: ``.venv/bin/python benchmarks/fairness.py [--rounds 3] [--prompt-tokens 4096]``;
+``--smoke``: the same code in seconds on the tiny model (``paced`` once, a 160-token prompt,
+a few dozen tokens; checks the script, its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,8 @@ CONFIGS: dict[str, EngineConfig] = {
 }
 OPTIONS = {"num_slots": 5, "kv_cache_bytes": 2 << 30}
 """Five slots (four decoding, one long prompt) with room for a 4,096-token prompt each."""
+SMOKE_OPTIONS = {"num_slots": 5, "max_context": 1024}
+"""The same slots on the tiny model, each window room for the smoke run's prompt."""
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 
 
@@ -67,8 +72,11 @@ def _long_prompt(pipe: Any, tokens: int) -> str:
     return text
 
 
-def one_run(config: EngineConfig, long_text: str | None, decode_tokens: int) -> dict[str, Any]:
-    with build(engine=config, options=OPTIONS) as pipe:
+def one_run(config: EngineConfig, long_text: str | None, decode_tokens: int,
+            model: str | None = None, options: dict[str, Any] = OPTIONS) -> dict[str, Any]:
+    """Four requests decoding ``decode_tokens`` each (with ``long_text`` arriving once they are
+    under way, when given) on ``model`` (None: the default model): p99 and median gap."""
+    with build(model, engine=config, options=options) as pipe:
         pipe.generate("warm up", max_tokens=4, temperature=0)
         handles = [pipe.submit(f"{QUESTION} ({i})", max_tokens=decode_tokens, temperature=0,
                                ignore_eos=True) for i in range(4)]
@@ -106,18 +114,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "fairness.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default results/fairness.json; with --smoke a "
+                             "temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model: paced once, 160-token prompt")
     args = parser.parse_args()
-    with build(options=OPTIONS) as pipe:
+    model, options, solo_tokens, arrival_tokens = None, OPTIONS, 160, 400
+    if args.smoke:
+        args.rounds, args.prompt_tokens, args.configs = 1, 160, ["paced"]
+        model, options, solo_tokens, arrival_tokens = "tiny", SMOKE_OPTIONS, 16, 64
+    args.out = args.out or (Path(tempfile.gettempdir()) / "fairness-smoke.json" if args.smoke
+                            else Path(__file__).parent / "results" / "fairness.json")
+    with build(model, options=options) as pipe:
         long_text = _long_prompt(pipe, args.prompt_tokens)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.configs}
     for r in range(args.rounds):
         names = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
         for name in names:
             config = CONFIGS[name]
-            solo = one_run(config, None, 160)
-            arrival = one_run(config, long_text, 400)
+            solo = one_run(config, None, solo_tokens, model, options)
+            arrival = one_run(config, long_text, arrival_tokens, model, options)
             rows[name].append({"solo": solo, "arrival": arrival,
                                "ratio": arrival["p99_s"] / solo["p99_s"],
                                "loadavg": os.getloadavg()})
@@ -141,8 +158,11 @@ def main() -> None:
               f"{ttft:.2f} s |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "runs": rows,
+                                    "model": model or "default", "smoke": args.smoke,
+                                    "prompt_tokens": args.prompt_tokens,
                                     "machine": platform.platform(),
                                     "cpus": os.cpu_count()}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ super-blocks) and each type, in one run on this machine:
   temporary is mapped and unmapped, the peak-RSS mark is reset (``/proc/self/clear_refs``),
   and the answer is ``VmHWM`` after the call minus ``VmRSS`` before it.
 
-Prints a table and writes ``benchmarks/results/gguf_quants.json``.
-Run: ``PYTHONPATH=src .venv/bin/python benchmarks/gguf_quants.py [--quick]``.
+Prints a table and writes ``benchmarks/results/gguf_quants.json`` (``--out``).
+Run: ``PYTHONPATH=src .venv/bin/python benchmarks/gguf_quants.py [--quick]``. ``--smoke``: the
+same code in seconds (a 64x256 matrix in Q8_0 and Q4_K, two chunk sizes, two rounds, each peak
+measured in this process rather than a child): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +43,8 @@ RESULTS = Path(__file__).parent / "results" / "gguf_quants.json"
 CASES = [(1536, 576, QT.Q8_0), (1536, 576, QT.Q4_0), (49152, 576, QT.Q8_0),
          (49152, 576, QT.Q4_0), (576, 1536, QT.Q4_K), (576, 1536, QT.Q6_K)]
 CHUNKS = [256 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20]
+SMOKE_CASES = [(64, 256, QT.Q8_0), (64, 256, QT.Q4_K)]
+SMOKE_CHUNKS = [4 << 10, 256 << 10]
 HALF_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_K: (0, 2), QT.Q6_K: (208,)}
 BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_K: 144, QT.Q6_K: 210}
 
@@ -55,25 +60,28 @@ def random_weight(rows: int, cols: int, qtype: QT) -> QuantizedWeight:
     return QuantizedWeight(data, qtype, (rows, cols))
 
 
-def variants(w: QuantizedWeight, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+def variants(w: QuantizedWeight, x: torch.Tensor, chunks: list[int] = CHUNKS
+             ) -> dict[str, Callable[[], Any]]:
     """The calls compared, by name."""
     dense = w.dequantize()
     out: dict[str, Callable[[], Any]] = {
         f"qlinear chunk={c >> 10}K": (lambda c=c: quantized_linear(x, w, chunk_bytes=c))
-        for c in CHUNKS}
+        for c in chunks}
     out["dequantize+linear"] = lambda: F.linear(x, w.dequantize())
     out["float32 linear (pre-dequantized)"] = lambda: F.linear(x, dense)
     return out
 
 
-def timed(fns: dict[str, Callable[[], Any]], budget_s: float) -> dict[str, list[float]]:
+def timed(fns: dict[str, Callable[[], Any]], budget_s: float, min_rounds: int = 7
+          ) -> dict[str, list[float]]:
     """Wall times (s) of each call, in interleaved rounds (every call once a round, so
-    machine noise falls on all alike) until ``budget_s`` is spent, at least 7 rounds."""
+    machine noise falls on all alike) until ``budget_s`` is spent, at least ``min_rounds``."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     begin = time.perf_counter()
-    while len(times[next(iter(fns))]) < 7 or time.perf_counter() - begin < budget_s:
+    while (len(times[next(iter(fns))]) < min_rounds
+           or time.perf_counter() - begin < budget_s):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
@@ -88,17 +96,19 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def child_peak(rows: int, cols: int, qtype: str, tokens: int, name: str) -> None:
-    """In a child: print the peak extra RSS (bytes) of one call of variant ``name``."""
+def child_peak(rows: int, cols: int, qtype: str, tokens: int, name: str,
+               chunks: list[int] = CHUNKS) -> int:
+    """In a child: the peak extra RSS (bytes) of one call of variant ``name``."""
     w = random_weight(rows, cols, QT[qtype])
     x = torch.randn(tokens, cols)
-    fn = variants(w, x)[name]
+    fn = variants(w, x, chunks)[name]
     fn()
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     result = fn()
-    print((_status_kib("VmHWM") - before) * 1024)
+    peak = (_status_kib("VmHWM") - before) * 1024
     del result
+    return peak
 
 
 def peak_extra(rows: int, cols: int, qtype: QT, tokens: int, name: str) -> int:
@@ -110,13 +120,17 @@ def peak_extra(rows: int, cols: int, qtype: QT, tokens: int, name: str) -> int:
     return int(run.stdout.split()[-1])
 
 
-def measure(quick: bool) -> list[dict[str, Any]]:
+def measure(quick: bool, smoke: bool = False) -> list[dict[str, Any]]:
+    """Every case at T=1 and T=8 (``smoke``: the small cases, two rounds, peaks measured in
+    this process)."""
     table = []
-    for rows, cols, qtype in CASES:
+    chunks = SMOKE_CHUNKS if smoke else CHUNKS
+    for rows, cols, qtype in SMOKE_CASES if smoke else CASES:
         w = random_weight(rows, cols, qtype)
         for tokens in (1, 8):
             x = torch.randn(tokens, cols)
-            times = timed(variants(w, x), 1.0 if quick else 6.0)
+            times = (timed(variants(w, x, chunks), 0.0, min_rounds=2) if smoke else
+                     timed(variants(w, x), 1.0 if quick else 6.0))
             medians = {name: statistics.median(ts) for name, ts in times.items()}
             for name, ts in times.items():
                 table.append(dict(
@@ -124,7 +138,9 @@ def measure(quick: bool) -> list[dict[str, Any]]:
                     median_ms=medians[name] * 1e3, min_ms=min(ts) * 1e3, calls=len(ts),
                     vs_dequantize=medians[name] / medians["dequantize+linear"],
                     vs_float32=medians[name] / medians["float32 linear (pre-dequantized)"],
-                    peak_extra_mib=peak_extra(rows, cols, qtype, tokens, name) / 2**20,
+                    peak_extra_mib=(child_peak(rows, cols, qtype.name, tokens, name, chunks)
+                                    if smoke else
+                                    peak_extra(rows, cols, qtype, tokens, name)) / 2**20,
                     weight_mib=w.nbytes / 2**20))
                 print(_row(table[-1]), flush=True)
     return table
@@ -140,16 +156,23 @@ def _row(r: dict[str, Any]) -> str:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         rows, cols, qtype, tokens, name = sys.argv[2:]
-        child_peak(int(rows), int(cols), qtype, int(tokens), name)
+        print(child_peak(int(rows), int(cols), qtype, int(tokens), name))
         return
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: small matrices, two rounds, peaks in this process")
     args = parser.parse_args()
+    out = args.out or (Path(tempfile.gettempdir()) / "gguf_quants-smoke.json" if args.smoke
+                       else RESULTS)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    table = measure(args.quick)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(dict(threads=torch.get_num_threads(), rows=table), indent=1))
-    print(f"wrote {RESULTS}")
+    table = measure(args.quick, args.smoke)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(threads=torch.get_num_threads(), smoke=args.smoke,
+                                   rows=table), indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,12 @@ needs). The apply step is the same torch code for all three (bits unpacked and
 ``masked_fill_``), so the engines differ in the mask alone. Also prints each engine's install
 footprint (its own files and the packages it pulls in that we do not otherwise need).
 
-Prints a table and writes ``benchmarks/results/grammar_engines.json``.
+Prints a table and writes ``benchmarks/results/grammar_engines.json`` (``--out``).
 
-Run: ``.venv/bin/python benchmarks/grammar_engines.py [--repeats 3]``
+Run: ``.venv/bin/python benchmarks/grammar_engines.py [--repeats 3]`` (xgrammar and
+outlines-core: ``pip install -e .[bench-grammar]``). ``--smoke``: the same code in seconds on
+the tiny model's tokenizer alone, one repeat, with the engines that are installed (the others
+are named as skipped): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import importlib.util
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,16 +56,21 @@ SCHEMA: dict[str, Any] = {
 }
 INSTANCE = ('{"name":"Ada Lovelace","age":36,"role":"admin","tags":["math","engines",'
             '"poetry"],"address":{"city":"London","zip":"12345"}}')
+MODULES = {"xgrammar": "xgrammar", "llguidance": "llguidance", "outlines-core": "outlines_core"}
+"""Each engine's importable module."""
 FOOTPRINT = {"xgrammar": ["xgrammar", "apache-tvm-ffi", "transformers", "triton"],
              "llguidance": ["llguidance"], "outlines-core": ["outlines_core"]}
 """Each engine's package and what it requires that our runtime does not already need."""
 
 
-def _tokenizers() -> dict[str, HFTokenizer]:
+def _tokenizers(smoke: bool = False) -> dict[str, HFTokenizer]:
+    """The three tokenizers (``smoke``: the tiny model's alone)."""
     from backends.gguf.file import GGUFFile
     from backends.gguf.tokenizer import gguf_tokenizer
     from pipeline.models import TINY_MODEL_DIR, resolve_model
 
+    if smoke:
+        return {"tiny": HFTokenizer.from_dir(TINY_MODEL_DIR)}
     gguf = resolve_model("smollm2").file
     assert gguf is not None
     opened = GGUFFile.open(gguf)
@@ -220,17 +229,33 @@ def _footprint(engine: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "grammar_engines.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default results/grammar_engines.json; with --smoke a "
+                             "temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: the tiny tokenizer, one repeat, the engines installed")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats = 1
+    args.out = args.out or (Path(tempfile.gettempdir()) / "grammar_engines-smoke.json"
+                            if args.smoke else
+                            Path(__file__).parent / "results" / "grammar_engines.json")
+    missing = [name for name, module in MODULES.items()
+               if importlib.util.find_spec(module) is None]
+    if missing and not args.smoke:
+        raise SystemExit(f"not installed: {', '.join(missing)} "
+                         "(pip install -e .[bench-grammar])")
+    if missing:
+        print(f"skipped (not installed): {', '.join(missing)}")
+    engines = [e for e in (XGrammar, LLGuidance, OutlinesCore) if e.name not in missing]
     torch.set_num_threads(1)
     schema = json.dumps(SCHEMA)
     rows: list[dict[str, Any]] = []
-    for tname, tok in _tokenizers().items():
+    for tname, tok in _tokenizers(args.smoke).items():
         tokens = token_table(tok)
         path = tok.encode_text(INSTANCE)
         v_model = 151_936 if tname == "qwen3" else tok.vocab_size
-        for engine in (XGrammar(), LLGuidance(), OutlinesCore()):
+        for engine in (cls() for cls in engines):
             setup_s, _ = _timed(lambda: engine.setup(tok, tokens, v_model))
             compile_s = min(_timed(lambda: engine.compile(schema))[0] for _ in range(args.repeats))
             compiled = engine.compile(schema)
@@ -259,7 +284,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "rows": rows, "footprint": footprint, "path_tokens": "per tokenizer: the instance's ids",
         "loadavg": Path("/proc/loadavg").read_text().split()[:3], "threads": 1,
-        "cpus": os.cpu_count()}, indent=1))
+        "cpus": os.cpu_count(), "smoke": args.smoke, "skipped": missing}, indent=1))
     print(f"wrote {args.out}")
 
 

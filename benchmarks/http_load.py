@@ -12,10 +12,13 @@ and an empty queue.
 
 Inter-token latency is measured at the consumer, between consecutive content pieces of one
 stream; tokens/s is completion tokens over the phase's wall time. Greedy decoding, so both
-phases generate the same tokens. Bounded in count and time; loopback only. Prints a table and
-writes ``benchmarks/results/http_load.json``.
+phases generate the same tokens (both serve ``--model``). Bounded in count and time; loopback
+only. Prints a table and writes ``benchmarks/results/http_load.json`` (``--out``).
 
-Run: ``.venv/bin/python benchmarks/http_load.py [--requests 128] [--concurrency 32]``
+Run: ``.venv/bin/python benchmarks/http_load.py [--requests 128] [--concurrency 32]``;
+``--smoke``: the same code in seconds on the tiny model (4 requests of 4 tokens, 2 at a time,
+one round, 2 disconnects; the server a subprocess on a free port): it checks the script, its
+figures mean nothing.
 """
 
 from __future__ import annotations
@@ -99,12 +102,14 @@ async def in_process(pipe: Pipeline, texts: list[str], max_tokens: int, limit: i
 
 
 async def over_http(url: str, texts: list[str], max_tokens: int, limit: int,
-                    drop_after: list[int] | None = None) -> Tally:
+                    drop_after: list[int] | None = None, model: str = "default") -> Tally:
+    """``texts`` streamed to the server's ``model`` (the name it serves it under), at most
+    ``limit`` at a time; request i dropped after ``drop_after[i]`` pieces when given."""
     tally, gate = Tally(), asyncio.Semaphore(limit)
     port = int(url.rsplit(":", 1)[1])
 
     async def one(i: int, text: str) -> None:
-        body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": text}]}
         async with gate:
@@ -169,10 +174,13 @@ async def stream(port: int, body: dict[str, Any], tally: Tally, drop_after: int 
         writer.close()
 
 
-def start_server(port: int, data_dir: str, slots: int, threads: int) -> subprocess.Popen[bytes]:
+def start_server(port: int, data_dir: str, slots: int, threads: int,
+                 model: str | None = None) -> subprocess.Popen[bytes]:
+    """``pipeline serve`` of ``model`` (None: the default model) on ``port``, once healthy."""
     server = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
-         str(port), "--data-dir", data_dir, "--slots", str(slots), "--max-queue", "512"],
+         str(port), "--data-dir", data_dir, "--slots", str(slots), "--max-queue", "512",
+         *(["--model", model] if model else [])],
         env={**os.environ, "PIPELINE_API_KEYS": "", "OMP_NUM_THREADS": str(threads)})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -204,10 +212,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def served_model(url: str) -> str:
+    """The name the server at ``url`` serves its (first) model under."""
+    return str(httpx.get(f"{url}/v1/models").json()["data"][0]["id"])
+
+
 def disconnect_phase(url: str, n: int, limit: int, data_dir: str) -> dict[str, Any]:
     rng = random.Random(0)
     drops = [rng.randint(1, 8) for _ in range(n)]
-    tally = asyncio.run(over_http(url, prompts(n), 200, limit, drops))
+    tally = asyncio.run(over_http(url, prompts(n), 200, limit, drops, served_model(url)))
     start = time.perf_counter()
     while engine_gauges(url) != (0.0, 0.0):
         if time.perf_counter() - start > 30:
@@ -232,7 +245,8 @@ def run_rounds(args: argparse.Namespace, pipe: Pipeline, url: str, server_pid: i
         rows.append({**local.row("in-process"), "round": r,
                      "cpu_s": round(cpu_seconds() - before, 2)})
         before, server_before = cpu_seconds(), cpu_seconds(server_pid)
-        remote = asyncio.run(over_http(url, texts, args.max_tokens, args.concurrency))
+        remote = asyncio.run(over_http(url, texts, args.max_tokens, args.concurrency,
+                                       model=served_model(url)))
         rows.append({**remote.row("http"), "round": r,
                      "cpu_s": round(cpu_seconds(server_pid) - server_before, 2),
                      "client_cpu_s": round(cpu_seconds() - before, 2)})
@@ -262,16 +276,27 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of the model, in both phases (the HTTP client "
                              "needs a core of its own on a small machine)")
+    parser.add_argument("--model", default=None,
+                        help="what both phases serve (default: the default model)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model: 4 requests, 2 at a time, one round")
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.requests, args.concurrency, args.max_tokens = "tiny", 4, 2, 4
+        args.rounds, args.disconnects = 1, 2
+    args.out = args.out or (Path(tempfile.gettempdir()) / "http_load-smoke.json"
+                            if args.smoke else RESULTS)
     torch.set_num_threads(args.torch_threads)
     warm = prompts(args.concurrency)
     port, data_dir = free_port(), tempfile.mkdtemp(prefix="http-load-")
     url = f"http://127.0.0.1:{port}"
-    server = start_server(port, data_dir, args.concurrency, args.torch_threads)
+    server = start_server(port, data_dir, args.concurrency, args.torch_threads, args.model)
     try:
-        with build("tiny", options={"num_slots": args.concurrency}) as pipe:
+        with build(args.model, options={"num_slots": args.concurrency}) as pipe:
             asyncio.run(in_process(pipe, warm, 4, args.concurrency))
-            asyncio.run(over_http(url, warm, 4, args.concurrency))
+            asyncio.run(over_http(url, warm, 4, args.concurrency, model=served_model(url)))
             rows = run_rounds(args, pipe, url, server.pid)
         drops = disconnect_phase(url, args.disconnects, args.concurrency, data_dir)
     finally:
@@ -288,10 +313,12 @@ def main() -> None:
     print(f"HTTP adds {med['itl_p50_overhead'] * 100:+.1f} % to p50 inter-token latency "
           "(goal <= +10 %)")
     print("disconnects:", drops)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "config": vars(args), "machine": platform.platform(), "cpus": os.cpu_count(),
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": platform.platform(), "cpus": os.cpu_count(),
         "rounds": rows, "medians": med, "disconnects": drops}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

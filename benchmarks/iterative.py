@@ -31,6 +31,10 @@ replies, the machine's load average before and after, and the command.
 Run (niced: the machine may be shared)::
 
     nice -n 10 .venv/bin/python benchmarks/iterative.py [--max-tokens 48] [--rounds 3]
+
+``--smoke`` runs the same code in seconds (one setting per family, one prompt of at most 6
+tokens, one round, one held-out conversation cut to 16 tokens, two draws): it checks the
+script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -78,6 +83,8 @@ class Setting:
     temperature: float = 0.0
 
 
+SMOKE_SETTINGS = ("AR greedy", "llada L8 S4", "ddim L16 S20", "flow heun L16 S8")
+"""One setting of each family: what ``--smoke`` runs."""
 SETTINGS: tuple[Setting, ...] = (
     Setting("AR greedy", "autoregressive", "tiny", "autoregressive"),
     Setting("AR sampled T=0.7", "autoregressive", "tiny", "autoregressive", temperature=0.7),
@@ -261,9 +268,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="also score each held-out conversation's first N tokens (the "
                              "masked model's training row length); 0 skips that")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "iterative.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default results/iterative.json; with --smoke a "
+                             "temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: one setting per family, one short prompt, one round, "
+                             "one held-out conversation")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.settings, args.prompts, args.max_tokens, args.rounds = list(SMOKE_SETTINGS), 1, 6, 1
+        args.held_out_docs, args.held_out_window, args.draws = 1, 16, 2
+    args.out = args.out or (Path(tempfile.gettempdir()) / "iterative-smoke.json" if args.smoke
+                            else Path(__file__).parent / "results" / "iterative.json")
     for name, low in (("max_tokens", 1), ("rounds", 1), ("draws", 2), ("threads", 1),
                       ("elbo_block_length", 1)):
         if getattr(args, name) < low:

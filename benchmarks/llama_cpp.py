@@ -10,7 +10,10 @@ advertises AMX and AVX512-FP16. It takes about 12 minutes on 2 cores.
 
 Used by ``benchmarks/default_model.py``; on its own it prints llama.cpp's figures:
 
-Run: ``.venv/bin/python benchmarks/llama_cpp.py [--model smollm2] [--threads 1,2]``
+Run: ``.venv/bin/python benchmarks/llama_cpp.py [--model smollm2] [--threads 1,2]
+[--out FILE]``. ``--smoke`` runs our side only, in a second: it resolves the model (the tests'
+tiny GGUF file) and writes the commands it would run, and builds, downloads and runs nothing
+(the peer is skipped: building it takes minutes).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON"
          "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+SMOKE_MODEL = Path(__file__).resolve().parent.parent / "tests" / "gguf_fixtures" / "llama-q4_1.gguf"
 
 
 def binary(name: str) -> Path:
@@ -67,12 +72,23 @@ def build(verbose: bool = True) -> None:
                    check=True, stdout=out)
 
 
+def built() -> bool:
+    """Whether every tool is built."""
+    return all(binary(t).exists() for t in TARGETS)
+
+
+def bench_command(model: Path, threads: int, prompt: int = 512, tokens: int = 128,
+                  repetitions: int = 3) -> list[str]:
+    """The ``llama-bench`` command :func:`bench` runs."""
+    return [str(binary("llama-bench")), "-m", str(model), "-t", str(threads), "-p", str(prompt),
+            "-n", str(tokens), "-r", str(repetitions), "-o", "json"]
+
+
 def bench(model: Path, threads: int, prompt: int = 512, tokens: int = 128,
           repetitions: int = 3) -> dict[str, float]:
     """``llama-bench``'s prefill (``pp``) and decode (``tg``) tokens per second, batch 1."""
-    run = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-t", str(threads),
-                          "-p", str(prompt), "-n", str(tokens), "-r", str(repetitions),
-                          "-o", "json"], check=True, capture_output=True, text=True)
+    run = subprocess.run(bench_command(model, threads, prompt, tokens, repetitions),
+                         check=True, capture_output=True, text=True)
     rows: list[dict[str, Any]] = json.loads(run.stdout)
     out = {}
     for row in rows:
@@ -81,14 +97,19 @@ def bench(model: Path, threads: int, prompt: int = 512, tokens: int = 128,
     return out
 
 
+def batched_command(model: Path, threads: int, parallel: int, prompt: int = 32,
+                    tokens: int = 128) -> list[str]:
+    """The ``llama-batched-bench`` command :func:`batched` runs."""
+    return [str(binary("llama-batched-bench")), "-m", str(model), "-t", str(threads), "-c",
+            str(parallel * (prompt + tokens) + 64), "-b", "2048", "-ub", "512", "-npp",
+            str(prompt), "-ntg", str(tokens), "-npl", str(parallel), "--output-format", "jsonl"]
+
+
 def batched(model: Path, threads: int, parallel: int, prompt: int = 32,
             tokens: int = 128) -> float:
     """``llama-batched-bench``'s aggregate decode tokens per second with ``parallel``
     sequences (each a ``prompt``-token prompt, ``tokens`` new tokens)."""
-    run = subprocess.run([str(binary("llama-batched-bench")), "-m", str(model), "-t",
-                          str(threads), "-c", str(parallel * (prompt + tokens) + 64),
-                          "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens),
-                          "-npl", str(parallel), "--output-format", "jsonl"],
+    run = subprocess.run(batched_command(model, threads, parallel, prompt, tokens),
                          check=True, capture_output=True, text=True)
     for line in run.stdout.splitlines():
         if line.startswith("{"):
@@ -100,13 +121,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the figures as JSON here (with --smoke: the commands; "
+                             "default a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="our side only: resolve the model, write the commands; build, "
+                             "download and run nothing")
     args = parser.parse_args()
     from pipeline.models import resolve_model
 
+    if args.smoke:
+        args.model, args.threads = str(SMOKE_MODEL), "1"
+        args.out = args.out or Path(tempfile.gettempdir()) / "llama_cpp-smoke.json"
     path = resolve_model(args.model).path
-    build()
+    result: dict[str, Any] = {"model": str(path), "smoke": args.smoke, "built": built(),
+                              "threads": {}}
+    if args.smoke:
+        result["skipped"] = ["llama.cpp: not built, downloaded or run (smoke)"]
+        print(f"llama.cpp skipped (smoke: nothing built, downloaded or run); built already: "
+              f"{result['built']}")
+    else:
+        build()
     for threads in (int(t) for t in args.threads.split(",")):
-        print(f"threads {threads}: {bench(path, threads)}")
+        if args.smoke:
+            commands = {"bench": bench_command(path, threads),
+                        "batched": batched_command(path, threads, 8)}
+            result["threads"][threads] = {"commands": commands}
+            for name, cmd in commands.items():
+                print(f"threads {threads}, {name}: {' '.join(cmd)}")
+        else:
+            result["threads"][threads] = bench(path, threads)
+            print(f"threads {threads}: {result['threads'][threads]}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

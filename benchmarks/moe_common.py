@@ -1,8 +1,8 @@
 """Shared by the Triton MoE benchmark and tuner: problems, timing, and the CPU-smoke switch.
 
-``smoke_mode(argv)`` must run before anything imports triton: with ``--cpu-smoke`` it sets
-``TRITON_INTERPRET=1`` so the kernels run on the CPU (tiny shapes; timings only exercise
-the code paths, they say nothing about a GPU).
+``smoke_mode(argv)`` must run before anything imports triton: with ``--cpu-smoke`` (or
+``--smoke``, the smallest such run) it sets ``TRITON_INTERPRET=1`` so the kernels run on the
+CPU (tiny shapes; timings only exercise the code paths, they say nothing about a GPU).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ H200_BF16_DENSE_FLOPS = 989e12
 
 
 def smoke_mode(argv: Sequence[str]) -> bool:
-    """True (and the Triton interpreter switched on) when ``--cpu-smoke`` is among ``argv``."""
-    if "--cpu-smoke" in argv:
+    """True (and the Triton interpreter switched on) when ``--cpu-smoke`` or ``--smoke`` is
+    among ``argv``."""
+    if "--cpu-smoke" in argv or "--smoke" in argv:
         os.environ["TRITON_INTERPRET"] = "1"
         return True
     return False

@@ -19,7 +19,9 @@ Run on a GPU: ``python benchmarks/moe_gpu.py [--tune] [--configs DIR] [--out FIL
 space) and writes those tables next to the JSON, in ``moe_tables/``.
 ``--cpu-smoke`` runs the same code on tiny shapes through the Triton interpreter in
 float32/float16 (the interpreter has no bfloat16 dot), to check the script without a GPU;
-its timings and fractions mean nothing.
+its timings and fractions mean nothing. ``--smoke`` is its smallest run (float32, one token
+count, no tuning; a few seconds): no GPU code runs (no CUDA timing or graphs), and the output
+says so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = not SMOKE
     if on_gpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU, or pass --cpu-smoke")
+    if args.smoke:
+        args.dtypes, args.tokens, args.tune = ["float32"], [1], False
     device = "cuda" if on_gpu else "cpu"
     dtypes = [getattr(torch, d) for d in args.dtypes] if args.dtypes else (
         [torch.bfloat16] if on_gpu else [torch.float32, torch.float16])
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             del weights, weights32
     return {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (Triton interpreter)",
-        "cpu_smoke": SMOKE, "torch": torch.__version__,
+        "cpu_smoke": SMOKE, "gpu_run": on_gpu, "torch": torch.__version__,
         "grouped_mm_available": hasattr(torch, "_grouped_mm"),
         "peaks": {"hbm_bytes_per_s": H200_HBM_BYTES_PER_S,
                   "bf16_dense_flops": H200_BF16_DENSE_FLOPS},
@@ -170,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes through the Triton interpreter, no GPU needed")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest --cpu-smoke run (float32, one token count, no "
+                             "tuning): seconds, and no GPU code")
     parser.add_argument("--configs", action="append", default=[],
                         help="folder of tuned launch tables (searched first; repeatable)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls on the CPU")
@@ -180,13 +188,19 @@ def main(argv: list[str] | None = None) -> int:
                              "quick space) and use those tables")
     parser.add_argument("--no-graphs", action="store_true",
                         help="time eagerly (launch overhead included), not CUDA graphs")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
     args = parser.parse_args(argv)
+    args.out = args.out or (Path(tempfile.gettempdir()) / "moe_gpu-smoke.json" if args.smoke
+                            else RESULTS)
     report = run(args)
     for dtype in sorted({r["dtype"] for r in report["rows"]}):
         print(f"\n{report['device']}, {dtype}\n")
         print(table([r for r in report["rows"] if r["dtype"] == dtype]))
     print("\ngoals:", json.dumps(report["goals"]))
+    if SMOKE:
+        print("the GPU part was not run: the kernels ran under the Triton interpreter on the "
+              "CPU (no CUDA timing, graphs or roofline; the figures mean nothing)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -15,6 +15,9 @@ Run on a GPU::
 ``--quick`` searches a small space (minutes on one GPU instead of hours).
 ``--cpu-smoke`` tunes under the Triton interpreter (device name ``interpreter``, a small
 search space, float32/float16); also writes ``--trials FILE`` with every measured config.
+``--smoke`` is its smallest run, without the shape arguments (E=4, top-2, H=64, I=32, float32,
+M=1; trials in ``OUT/trials.json`` unless ``--trials`` says; a few seconds): no GPU code runs,
+and the output says so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import itertools
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -111,22 +115,39 @@ def tune(shape: Shape, dtype: torch.dtype, batches: list[int], grid: dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--experts", type=int, required=True)
-    parser.add_argument("--top-k", type=int, required=True)
-    parser.add_argument("--hidden", type=int, required=True)
-    parser.add_argument("--intermediate", type=int, required=True)
+    parser.add_argument("--experts", type=int)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--intermediate", type=int)
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--batch-sizes", type=int, nargs="+")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls on the CPU")
-    parser.add_argument("--out", type=Path, default=PACKAGE_TABLES)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"folder of the table (default {PACKAGE_TABLES}; with --smoke a "
+                             "temporary folder)")
     parser.add_argument("--trials", type=Path, help="also write every trial as JSON here")
     parser.add_argument("--quick", action="store_true",
                         help=f"the small search space ({len(space(QUICK_SPACE, 4096, 1))} "
                              "configs) instead of the full one")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tune under the Triton interpreter (no GPU needed)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest --cpu-smoke run, shape arguments not needed: "
+                             "seconds, and no GPU code")
     args = parser.parse_args(argv)
+    args.out = args.out or (Path(tempfile.gettempdir()) / "moe_tune-smoke" if args.smoke
+                            else PACKAGE_TABLES)
+    if args.smoke:
+        args.experts, args.top_k, args.hidden, args.intermediate = (
+            args.experts or 4, args.top_k or 2, args.hidden or 64, args.intermediate or 32)
+        args.dtype, args.batch_sizes = "float32", args.batch_sizes or [1]
+        args.trials = args.trials or args.out / "trials.json"
+    missing = [f"--{name.replace('_', '-')}" for name in ("experts", "top_k", "hidden",
+                                                          "intermediate")
+               if getattr(args, name) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     on_gpu = not SMOKE
     if on_gpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU, or pass --cpu-smoke")
@@ -143,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.trials:
         args.trials.parent.mkdir(parents=True, exist_ok=True)
         args.trials.write_text(json.dumps(trials, indent=1) + "\n")
+        print(f"wrote {args.trials}")
+    if SMOKE:
+        print("the GPU part was not run: tuned under the Triton interpreter on the CPU "
+              "(device name 'interpreter'; the timings mean nothing)")
     return 0
 
 

@@ -15,9 +15,12 @@ outside the timed region (our processors work in place). Each figure is the medi
 ``--iters`` calls after ``--warmup``. The headline columns alternate ours and transformers call
 by call, so both see the same machine load and each starts with caches the other just used
 (the situation of a sampler after a forward pass); the "back to back" columns time each one
-in its own loop with warm caches. Prints a table, writes ``benchmarks/results/processors.json``.
+in its own loop with warm caches. Prints a table, writes ``benchmarks/results/processors.json``
+(``--out``).
 
-Run: ``.venv/bin/python benchmarks/processors.py [--iters 50] [--warmup 5]``
+Run: ``.venv/bin/python benchmarks/processors.py [--iters 50] [--warmup 5]``; ``--smoke``: the
+same code in seconds (V = 4,096, B = 1 and 4, two calls after one warm-up): it checks the
+script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +41,14 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
+from pipeline.forcing import Forcing
 from pipeline.protocols import Batch, Row
 from pipeline.types import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import AutoregressiveStrategy, SamplingSelector
 
 VOCAB = 151_936
+SMOKE_VOCAB = 4096
 HISTORY = 200
 RESULTS = Path(__file__).parent / "results" / "processors.json"
 
@@ -54,12 +60,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def lm_like_logits(batch: int, generator: torch.Generator) -> torch.Tensor:
+def lm_like_logits(batch: int, generator: torch.Generator, vocab: int = VOCAB) -> torch.Tensor:
     """``[B, V]`` float32 logits shaped like a language model's: Zipf ranks plus noise."""
-    ranks = torch.arange(1, VOCAB + 1, dtype=torch.float32)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
     base = -1.2 * torch.log(ranks)  # [V]
-    rows = [base[torch.randperm(VOCAB, generator=generator)] for _ in range(batch)]
-    noise = torch.randn(batch, VOCAB, generator=generator) * 0.5
+    rows = [base[torch.randperm(vocab, generator=generator)] for _ in range(batch)]
+    noise = torch.randn(batch, vocab, generator=generator) * 0.5
     return torch.stack(rows) + noise + 10.0
 
 
@@ -94,15 +100,15 @@ def transformers_step(config: dict[str, Any]) -> Callable[[torch.Tensor, torch.T
     return step
 
 
-def our_batch(config: dict[str, Any], history: torch.Tensor) -> Batch:
+def our_batch(config: dict[str, Any], history: torch.Tensor, vocab: int = VOCAB) -> Batch:
     """A batch of rows with ``config`` and ``history [B, HISTORY]`` (half prompt, half output)."""
     cfg = GenerationConfig(**config)
     half = HISTORY // 2
     rows = tuple(
         Row(f"r{b}", cfg, tuple(history[b, :half].tolist()), tuple(history[b, half:].tolist()),
-            step=half + 1, seed=1000 + b, eos_token_ids=frozenset({VOCAB - 1}))
+            step=half + 1, seed=1000 + b, eos_token_ids=frozenset({vocab - 1}))
         for b in range(history.shape[0]))
-    return Batch(rows, VOCAB)
+    return Batch(rows, vocab)
 
 
 def _time(call: Callable[[torch.Tensor], Any], logits: torch.Tensor) -> float:
@@ -130,7 +136,8 @@ def _medians(calls: dict[str, Callable[[torch.Tensor], Any]], logits: torch.Tens
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def measure(config: dict[str, Any], batch: int, iters: int, warmup: int) -> dict[str, Any]:
+def measure(config: dict[str, Any], batch: int, iters: int, warmup: int,
+            vocab: int = VOCAB) -> dict[str, Any]:
     """Median milliseconds per step, ours and transformers, for one configuration.
 
     The headline figures alternate the two implementations call by call, so each runs right
@@ -138,15 +145,16 @@ def measure(config: dict[str, Any], batch: int, iters: int, warmup: int) -> dict
     ``*_alone`` figures run each one back to back (warm caches), for comparison.
     """
     gen = torch.Generator().manual_seed(batch)
-    logits = lm_like_logits(batch, gen)
-    history = torch.randint(0, VOCAB, (batch, HISTORY), generator=gen)
-    rows = our_batch(config, history)
+    logits = lm_like_logits(batch, gen, vocab)
+    history = torch.randint(0, vocab, (batch, HISTORY), generator=gen)
+    rows = our_batch(config, history, vocab)
     ours = AutoregressiveStrategy(ProcessorChain([make_processor(n) for n in DEFAULT_ORDER]),
                                   SamplingSelector())
+    states = [ours.start(row, Forcing.none()) for row in rows.rows]
     theirs = transformers_step(config)
     torch.manual_seed(0)
     calls: dict[str, Callable[[torch.Tensor], Any]] = {
-        "ours": lambda x: ours.update(x, rows),
+        "ours": lambda x: ours.update(states, rows.rows, torch.split(x, 1)),  # a [1, V] row each
         "transformers": lambda x: theirs(history, x),
     }
     mixed = _medians(calls, logits, iters, warmup, interleave=True)
@@ -162,25 +170,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: V = 4,096, B = 1 and 4, two calls per figure after "
+                             "one warm-up")
     args = parser.parse_args()
+    vocab, batches = VOCAB, (1, 16)
+    if args.smoke:
+        args.iters, args.warmup, vocab, batches = 2, 1, SMOKE_VOCAB, (1, 4)
+    out = args.out or (Path(tempfile.gettempdir()) / "processors-smoke.json" if args.smoke
+                       else RESULTS)
     results = []
     print(f"{'config':<12} {'B':>3} {'ours ms':>10} {'transformers ms':>16} {'ratio':>7}"
           f"   {'(back to back:':>14} {'ours':>7} {'transformers':>12} {'ratio)':>7}")
     for name, config in CONFIGS.items():
-        for batch in (1, 16):
-            row = {"config": name, **measure(config, batch, args.iters, args.warmup)}
+        for batch in batches:
+            row = {"config": name, **measure(config, batch, args.iters, args.warmup, vocab)}
             results.append(row)
             print(f"{name:<12} {batch:>3} {row['ours_ms']:>10.3f} "
                   f"{row['transformers_ms']:>16.3f} {row['ratio']:>7.3f}   {'':>14} "
                   f"{row['ours_alone_ms']:>7.3f} {row['transformers_alone_ms']:>12.3f} "
                   f"{row['ratio_alone']:>7.3f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "vocab_size": VOCAB, "history_tokens": HISTORY, "iters": args.iters,
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "vocab_size": vocab, "smoke": args.smoke, "history_tokens": HISTORY, "iters": args.iters,
         "warmup": args.warmup, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.machine(), "configs": CONFIGS, "results": results,
     }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ server's resident set (``VmRSS`` of ``/proc/PID/status``) is read after the warm
 checkpoint; the figure that matters is the growth after warm-up, and whether it levels off.
 ``--env KEY=VALUE`` (repeatable) sets the server's environment, to compare settings in one
 sitting. Loopback only, bounded in count. Prints a table and writes
-``benchmarks/results/serve_memory-<model>.json``.
+``benchmarks/results/serve_memory-<model>.json`` (``--out``).
 
-Run: ``.venv/bin/python benchmarks/serve_memory.py --model tiny [--requests 3000]``
+Run: ``.venv/bin/python benchmarks/serve_memory.py --model tiny [--requests 3000]``;
+``--smoke``: the same code in seconds on the tiny model (2 warm-up requests, then 6 in
+checkpoints of 2, prompts of at most 8 words): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -105,7 +107,15 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=1024)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default results/serve_memory-<model>[-<env>].json; "
+                             "with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model: a handful of short requests")
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.warmup, args.requests, args.checkpoints = "tiny", 2, 6, "2,4,6"
+        args.max_prompt, args.max_context = 8, 256
     env = dict(item.split("=", 1) for item in args.env)
     checkpoints = [c for c in map(int, args.checkpoints.split(",")) if c <= args.requests]
     port = free_port()
@@ -149,10 +159,13 @@ def main() -> None:
     print(f"{'requests':>8} {'RSS MB':>9} {'growth MB':>10}")
     for row in rows:
         print(f"{row['requests']:>8} {row['rss_mb']:>9} {row['growth_mb']:>10}")
-    RESULTS.mkdir(exist_ok=True)
     tag = "-".join(f"{k}={v}" for k, v in sorted(env.items()))
-    out = RESULTS / f"serve_memory-{Path(args.model).name}{'-' + tag if tag else ''}.json"
+    name = f"serve_memory-{Path(args.model).name}{'-' + tag if tag else ''}"
+    out = args.out or (Path(tempfile.gettempdir()) / f"{name}-smoke.json" if args.smoke
+                       else RESULTS / f"{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ floor, and compare figures taken in the same sitting. Run::
     .venv/bin/python benchmarks/startup.py --runs 5 --out /tmp/startup.json
 
 The goals (issue 22): first token <= 1.5 s warm, count <= 1 s and no weights read.
+
+``--smoke`` runs the same code in seconds on the tests' tiny GGUF file (``tests/gguf_fixtures``,
+a random Q4_1 Llama: the package's tiny model has no GGUF form), once, without the warm-up run
+and with the build's phases timed in this process rather than a child (so its import lap is
+near zero): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -31,15 +36,26 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "startup.json"
+SMOKE_MODEL = Path(__file__).resolve().parent.parent / "tests" / "gguf_fixtures" / "llama-q4_1.gguf"
 PIPELINE = [sys.executable, "-m", "pipeline"]
 RUN = [*PIPELINE, "run", "--model", "smollm2", "--max-tokens", "1", "--temperature", "0", "hi"]
 COUNT = [*PIPELINE, "count", "hello world"]
 IMPORT = [sys.executable, "-c", "import pipeline"]
+
+
+def commands(model: str | None = None) -> tuple[list[str], list[str]]:
+    """``pipeline run`` and ``pipeline count`` as measured (on ``model``; None: the default
+    model)."""
+    if model is None:
+        return RUN, COUNT
+    return ([*PIPELINE, "run", "--model", model, *RUN[RUN.index("--max-tokens"):]],
+            [*PIPELINE, "count", "--model", model, *COUNT[COUNT.index("count") + 1:]])
 GOALS = {"run: first token": 1.5, "count": 1.0}
 
 
@@ -70,8 +86,9 @@ def wall(cmd: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def phases_child() -> dict[str, float]:
-    """In a fresh process: the build's phases in the order the GGUF factories run them."""
+def phases_child(gguf: str = "smollm2") -> dict[str, float]:
+    """In a fresh process: the build's phases in the order the GGUF factories run them, for
+    ``gguf`` (a GGUF file or name)."""
     out: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -97,7 +114,7 @@ def phases_child() -> dict[str, float]:
     from pipeline.options import BackendOptions
 
     lap("import the GGUF and torch backends")
-    path = resolve_model("smollm2").file
+    path = resolve_model(gguf).file
     assert path is not None
     lap("resolve the model")
     f = GGUFFile.open(path)
@@ -131,23 +148,31 @@ def _summary(values: list[float]) -> dict[str, Any]:
             "median": round(statistics.median(values), 3)}
 
 
-def measure(runs: int) -> dict[str, Any]:
+def measure(runs: int, model: str | None = None, smoke: bool = False) -> dict[str, Any]:
+    """``runs`` interleaved rounds of every measure on ``model`` (None: the default model;
+    ``smoke``: no warm-up, the phases in this process)."""
     result: dict[str, Any] = {"loadavg_before": _loadavg(), "cpus": os.cpu_count(),
-                              "runs": runs}
-    first_byte(RUN)  # warm-up: the file's pages and Python's bytecode in cache
-    wall(COUNT)
+                              "runs": runs, "model": model or "smollm2", "smoke": smoke}
+    run_cmd, count_cmd = commands(model)
+    if not smoke:
+        first_byte(run_cmd)  # warm-up: the file's pages and Python's bytecode in cache
+        wall(count_cmd)
     timings: dict[str, list[float]] = {"run: first token": [], "run: exit": [], "count": [],
                                        "import pipeline (floor)": []}
     phases: dict[str, list[float]] = {}
     for _ in range(runs):  # interleaved, so a burst of load hits every measure alike
-        token, done = first_byte(RUN)
+        token, done = first_byte(run_cmd)
         timings["run: first token"].append(token)
         timings["run: exit"].append(done)
-        timings["count"].append(wall(COUNT))
+        timings["count"].append(wall(count_cmd))
         timings["import pipeline (floor)"].append(wall(IMPORT))
-        child = subprocess.run([sys.executable, __file__, "--child"], check=True,
-                               capture_output=True, text=True, timeout=600)
-        for name, seconds in json.loads(child.stdout.strip().splitlines()[-1]).items():
+        if smoke:
+            laps = phases_child(str(SMOKE_MODEL))
+        else:
+            child = subprocess.run([sys.executable, __file__, "--child"], check=True,
+                                   capture_output=True, text=True, timeout=600)
+            laps = json.loads(child.stdout.strip().splitlines()[-1])
+        for name, seconds in laps.items():
             phases.setdefault(name, []).append(seconds)
     result["commands"] = {name: _summary(v) for name, v in timings.items()}
     result["build_phases"] = {name: _summary(v) for name, v in phases.items()}
@@ -172,14 +197,21 @@ def print_table(result: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="measured runs of each (default 3)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON file ({RESULTS.name})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file ({RESULTS.name}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tests' tiny GGUF file: one run, no warm-up")
     parser.add_argument("--label", default=None, help="a note kept in the JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(phases_child()))
         return
-    result = measure(args.runs)
+    if args.smoke:
+        args.runs = 1
+    args.out = args.out or (Path(tempfile.gettempdir()) / "startup-smoke.json" if args.smoke
+                            else RESULTS)
+    result = measure(args.runs, str(SMOKE_MODEL) if args.smoke else None, args.smoke)
     if args.label:
         result["label"] = args.label
     print_table(result)

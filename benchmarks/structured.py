@@ -11,7 +11,9 @@ calls (``tool_choice="required"``) on the default model through the Hermes fallb
 one must parse and validate. Prints a table and writes ``benchmarks/results/structured.json``
 (with ``/proc/loadavg`` before and after).
 
-Run: ``.venv/bin/python benchmarks/structured.py [--max-tokens 256] [--seeds 100]``
+Run: ``.venv/bin/python benchmarks/structured.py [--max-tokens 256] [--seeds 100]``;
+``--smoke``: the same code in seconds on the tiny model (every schema compiled, one generated
+at 64 tokens, one forced call): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -62,9 +65,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seeds", type=int, default=100)
     parser.add_argument("--limit", type=int, default=0, help="schemas to generate for (0: all)")
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "structured.json")
+    parser.add_argument("--model", default=None,
+                        help="what build() takes (default: the default model)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file (default results/structured.json; with --smoke a "
+                             "temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model: one schema generated, one call")
     args = parser.parse_args()
+    if args.smoke:
+        args.model, args.max_tokens, args.seeds, args.limit = "tiny", 64, 1, 1
+    args.out = args.out or (Path(tempfile.gettempdir()) / "structured-smoke.json" if args.smoke
+                            else Path(__file__).parent / "results" / "structured.json")
     before = _loadavg()
     entries = json.loads(COLLECTION.read_text())
     compiled, refused, times = [], [], []
@@ -84,7 +96,7 @@ def main() -> None:
     pointed = sum(" at /" in r["why"] for r in refused)
     results: list[dict[str, Any]] = []
     todo = compiled[:args.limit] if args.limit else compiled
-    with build(options={"num_slots": 8}) as pipe:
+    with build(args.model, options={"num_slots": 8}) as pipe:
         t0 = time.perf_counter()
         for start in range(0, len(todo), 8):
             handles = []
@@ -135,7 +147,8 @@ def main() -> None:
         "compile_ms_median": statistics.median(times) * 1e3, "max_tokens": args.max_tokens,
         "generation": counts, "valid_rate": counts["valid"] / max(generated, 1),
         "results": results, "forced_calls": {"seeds": len(calls), "valid": sum(calls)},
-        "loadavg_before": before, "loadavg_after": _loadavg()}, indent=1))
+        "loadavg_before": before, "loadavg_after": _loadavg(),
+        "model": args.model or "default", "smoke": args.smoke}, indent=1))
     print(f"loadavg before {' '.join(before)}, after {' '.join(_loadavg())}; wrote {args.out}")
 
 

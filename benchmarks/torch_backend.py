@@ -13,8 +13,11 @@ Measures, in one run and on one machine:
 - peak resident memory of our side alone (a child process that loads the same folder and runs
   the same prefill and batch-8 decode) vs weights + KV cache.
 
-Prints a table and writes ``benchmarks/results/torch_backend.json``.
-Run: ``.venv/bin/python benchmarks/torch_backend.py [--quick]``.
+Prints a table and writes ``benchmarks/results/torch_backend.json`` (``--out``).
+Run: ``.venv/bin/python benchmarks/torch_backend.py [--quick]``. ``--smoke``: the same code in
+seconds on a tiny random Qwen3-MoE (one layer, H = 64, four experts; 16 new tokens after an
+8-token prompt, a 32-token prefill, an 8 MiB copy, the memory run in this process rather than
+a child): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ FULL = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
             num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
             moe_intermediate_size=512, intermediate_size=2048, vocab_size=32000)
 QUICK = dict(FULL, num_hidden_layers=2, num_experts=8, vocab_size=4096)
+SMOKE = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             intermediate_size=64, vocab_size=512)
 
 
 def make_model(shape: dict[str, int], folder: Path) -> transformers.PreTrainedModel:
@@ -101,9 +107,9 @@ def decode_rates(model: Any, pipe: Any, batch: int, prompt_len: int, new: int,
     return {"ours_tok_s": ours, "hf_tok_s": hf, "ratio": ours / hf}
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth(mib: int = 512) -> float:
     """Bytes/s of a large tensor copy (read + write), best of 5."""
-    src = torch.empty(128 * 2**20, dtype=torch.float32).fill_(1.0)  # 512 MiB
+    src = torch.empty(mib * 2**18, dtype=torch.float32).fill_(1.0)  # mib MiB
     dst = torch.empty_like(src)
     best = min(timed(lambda: dst.copy_(src), 1) for _ in range(5))
     return 2 * src.numel() * 4 / best
@@ -142,14 +148,14 @@ def our_pipeline(folder: str, prefill_len: int) -> Any:
                  options={"num_slots": 8, "max_context": prefill_len + 8})
 
 
-def our_memory(folder: str, prefill_len: int, prompt_len: int, new: int) -> None:
-    """Child process: load ours alone, prefill + batch-8 decode, print peak RSS in MB."""
+def our_memory(folder: str, prefill_len: int, prompt_len: int, new: int) -> float:
+    """Child process: load ours alone, prefill + batch-8 decode; peak RSS in MB."""
     torch.set_grad_enabled(False)
     with our_pipeline(folder, prefill_len) as pipe:
         ids = torch.randint(32, 127, (8, prompt_len), generator=torch.Generator().manual_seed(8))
         ours_generate(pipe, [ids[0].tolist() * (prefill_len // prompt_len)], 1)
         ours_generate(pipe, [row.tolist() for row in ids], new)
-    print(peak_rss_mb())
+    return peak_rss_mb()
 
 
 def peak_rss_mb() -> float:
@@ -172,15 +178,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, for a smoke run")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on a tiny random model, the memory run in this process")
     parser.add_argument("--memory-child", nargs=4, metavar=("DIR", "PREFILL", "PROMPT", "NEW"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         folder, *sizes = args.memory_child
-        our_memory(folder, *map(int, sizes))
+        print(our_memory(folder, *map(int, sizes)))
         return
-    shape = QUICK if args.quick else FULL
-    prompt_len, new, prefill_len = (64, 16, 256) if args.quick else (512, 128, 2048)
+    shape = SMOKE if args.smoke else QUICK if args.quick else FULL
+    prompt_len, new, prefill_len = ((8, 16, 32) if args.smoke else (64, 16, 256) if args.quick
+                                    else (512, 128, 2048))
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(shape, Path(tmp))
@@ -189,7 +200,7 @@ def main() -> None:
         rows: dict[str, Any] = {"params": params, "shape": shape}
         rows["decode_b1"] = decode_rates(model, pipe, 1, prompt_len, new, args.repeats)
         rows["decode_b8"] = decode_rates(model, pipe, 8, prompt_len, new, args.repeats)
-        bandwidth = copy_bandwidth()
+        bandwidth = copy_bandwidth(8 if args.smoke else 512)
         roofline = bandwidth / touched_bytes(shape)
         rows["roofline"] = {"copy_GBps": bandwidth / 1e9, "roofline_tok_s": roofline,
                             "fraction": rows["decode_b1"]["ours_tok_s"] / roofline}
@@ -201,12 +212,18 @@ def main() -> None:
         kv = pipe.engine.backend.cache
         kv_bytes = sum(t.numel() * t.element_size() for t in [*kv.k, *kv.v])
         pipe.close()
-        rows["memory"] = {"ours_peak_rss_MB": our_peak_rss(tmp, prefill_len, prompt_len, new),
+        ours_peak = (our_memory(tmp, prefill_len, prompt_len, new) if args.smoke else
+                     our_peak_rss(tmp, prefill_len, prompt_len, new))
+        rows["memory"] = {"ours_peak_rss_MB": ours_peak,
                           "weights_MB": params * 4 / 1e6, "kv_cache_MB": kv_bytes / 1e6,
                           "both_peak_rss_MB": peak_rss_mb()}
+    rows["smoke"] = args.smoke
     report(rows)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(rows, indent=2))
+    out = args.out or (Path(tempfile.gettempdir()) / "torch_backend-smoke.json" if args.smoke
+                       else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
 
 
 def report(rows: dict[str, Any]) -> None:

@@ -16,9 +16,11 @@ is the peer that writes nothing. Measured in one run, the levels interleaved rou
   exactly-once already pays.
 
 A figure is the median over rounds. Prints a table, writes
-``benchmarks/results/trace_durability.json``.
+``benchmarks/results/trace_durability.json`` (``--out``).
 
-Run: ``.venv/bin/python benchmarks/trace_durability.py [--rounds 7] [--events 4000]``
+Run: ``.venv/bin/python benchmarks/trace_durability.py [--rounds 7] [--events 4000]``;
+``--smoke``: the same code in seconds (one round, 200 events, 5 tool calls, an 8-token trace,
+files in the system's temporary folder): it checks the script, its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -144,9 +146,19 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=4000)
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--dir", type=Path, default=RESULTS.parent,
-                        help="where the trace files go (a real disk, not a tmpfs)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the trace files go (a real disk, not a tmpfs; default "
+                             "benchmarks/results, with --smoke the temporary folder)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: one round, 200 events, 5 calls, an 8-token trace")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.events, args.calls, args.tokens = 1, 200, 5, 8
+    args.dir = args.dir or (Path(tempfile.gettempdir()) if args.smoke else RESULTS.parent)
+    out = args.out or (Path(tempfile.gettempdir()) / "trace_durability-smoke.json"
+                       if args.smoke else RESULTS)
     args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         data = measure(args.rounds, args.events, args.calls, args.tokens, Path(tmp))
@@ -161,8 +173,10 @@ def main() -> None:
               f"{row['us_per_step']:.1f} | "
               f"{row['step_share'] * 100:.2f} % | {row['us_per_tool_call']:.0f} | "
               f"{row['tool_call_ratio_to_ledger']:.2f} |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(data, indent=2))
+    data["smoke"] = args.smoke
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

