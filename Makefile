@@ -37,7 +37,7 @@ chromium:
 
 test: venv chromium
 	$(BIN)/mypy --strict src
-	PIPELINE_REQUIRE_BROWSER=1 $(BIN)/python -m pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	PIPELINE_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The API reference, generated from the docstrings by pdoc (offline) into build/api/.
 docs: venv

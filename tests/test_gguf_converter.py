@@ -70,16 +70,30 @@ and 8 bits; Q8_0
 files (the converter's own quantizer) by 8-bit blocks: measured between 1e-2 and 5e-2
 for six of the eight architectures."""
 
-CONVERSIONS_AT_ONCE = 4
 WRAPPER = """
-import runpy, sys
-converter, pre = sys.argv[1], sys.argv[2]
-sys.argv = [converter, *sys.argv[3:]]
+import json, runpy, sys
+converter, jobs = sys.argv[1], json.loads(sys.argv[2])
 sys.path.insert(0, str(__import__("pathlib").Path(converter).parent))
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-runpy.run_path(converter, run_name="__main__")
+for pre, argv in jobs:  # one interpreter for every conversion: each is mostly its imports
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+    sys.argv = [converter, *argv]
+    try:
+        runpy.run_path(converter, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
 """
+"""Runs llama.cpp's converter once per job ``(pre-tokenizer, arguments)``, all in one process
+(argv[2] is the JSON list of jobs); the converter's pre-tokenizer is the job's."""
+
+
+def convert(jobs: list[tuple[str, list[str]]]) -> None:
+    """Run the converter on every job in one child process; a failure names its output."""
+    run = subprocess.run([sys.executable, "-c", WRAPPER, str(CONVERTER), json.dumps(jobs)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 SPLITS = {
@@ -177,21 +191,12 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder)
         _tokenizer(folder, pre)
-        jobs += [(f"{name} {outtype}", [sys.executable, "-c", WRAPPER, str(CONVERTER), pre,
-                                        str(folder), "--outfile",
-                                        str(folder / f"model-{outtype}.gguf"), "--outtype",
-                                        outtype])
-                 for outtype in TOLERANCE]
+        jobs += [(pre, [str(folder), "--outfile", str(folder / f"model-{outtype}.gguf"),
+                        "--outtype", outtype]) for outtype in TOLERANCE]
         model.generation_config.eos_token_id = None  # never stop early in generate
         model.generation_config.pad_token_id = 0
         out[name] = (folder, model)
-    for at in range(0, len(jobs), CONVERSIONS_AT_ONCE):  # each is mostly its imports
-        running = [(what, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.PIPE, text=True))
-                   for what, cmd in jobs[at:at + CONVERSIONS_AT_ONCE]]
-        for what, proc in running:
-            _, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"{what}: {err[-3000:]}"
+    convert(jobs)
     return out
 
 
@@ -228,23 +233,31 @@ def _raw(ids: list[int]) -> Any:
         "max_tokens": 12, "min_tokens": 12, "temperature": 0, "ignore_eos": True})
 
 
+@pytest.fixture(scope="module")
+def vocab_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per pre-tokenizer family: a folder whose tokenizer.json splits as that family's real
+    models do, with the vocabulary-only GGUF file the converter wrote from it (vocab.gguf)."""
+    folders = {pre: tmp_path_factory.mktemp(f"vocab-{pre}") for pre in FAMILIES}
+    for pre, folder in folders.items():
+        transformers.LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]).save_pretrained(
+            folder)
+        _tokenizer(folder, pre)
+    convert([(pre, [str(folder), "--vocab-only", "--outfile", str(folder / "vocab.gguf")])
+             for pre, folder in folders.items()])
+    return folders
+
+
 @pytest.mark.parametrize("pre", list(FAMILIES))
 def test_the_files_tokenizer_splits_as_the_original_on_thousands_of_strings(
-        tmp_path: Path, pre: str) -> None:
+        vocab_files: dict[str, Path], pre: str) -> None:
     # a vocabulary-only file per pre-tokenizer family: the converter writes the tokenizer of
     # a folder whose tokenizer.json splits as that family's real models do
     from pipeline.builder import load_tokenizer
 
     assert CONVERTER is not None
-    transformers.LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]).save_pretrained(
-        tmp_path)
-    _tokenizer(tmp_path, pre)
-    path = tmp_path / "vocab.gguf"
-    run = subprocess.run([sys.executable, "-c", WRAPPER, str(CONVERTER), pre, str(tmp_path),
-                          "--vocab-only", "--outfile", str(path)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    original = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    folder = vocab_files[pre]
+    path = folder / "vocab.gguf"
+    original = transformers.AutoTokenizer.from_pretrained(folder)
     ours, _ = load_tokenizer(path)
     texts = _strings(3000, seed=11)
     encode = ours.encode_text  # the GGUF tokenizer's encoding of raw text

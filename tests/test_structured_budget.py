@@ -22,7 +22,7 @@ from pipeline import Grammar, build
 from pipeline.errors import InvalidValueError
 from pipeline.models import TINY_MODEL_DIR
 from stages.grammar.closing import Closer
-from stages.grammar.guard import JsonGuard, JsonScan, unique_paths
+from stages.grammar.guard import ANY, JsonGuard, JsonScan, unique_paths
 from stages.grammar.vocab import ll_tokenizer, token_table
 from stages.tokenize import HFTokenizer
 
@@ -205,3 +205,29 @@ def test_unique_enum_items_never_run_into_a_dead_end(tiny: Any) -> None:
         for done in _each(tiny, 16, json_schema=schema, max_tokens=64, temperature=1.3):
             jsonschema.validate(json.loads(done.text), schema)
             assert done.finish_reason.value == "eos"
+
+
+def _state(scan: JsonScan) -> Any:
+    frames = [(f.kind, f.path, list(f.seen), f.expect, f.start, f.key, f.unique)
+              for f in scan.stack]
+    where = next((i for i, f in enumerate(scan.stack) if f is scan.string_frame), None)
+    return (bytes(scan.text), frames, scan.string, where, scan.escaped, scan.scalar)
+
+
+def test_a_scans_copy_is_its_deep_copy_and_independent() -> None:
+    # JsonScan.copy (the closing search's per-character copy) against copy.deepcopy, cut at
+    # every byte of outputs with unique arrays, escapes, open strings and open numbers
+    import copy
+
+    texts = [b'{"tags": ["x", "y\\"z", "x"], "ids": [0, 1, 12', b'[["a", "b"], ["a", "b"]]',
+             b'{"a": {"tags": ["q"]}, "tags": [true, null, -1.5e3, "t', b'{"ids": [3, 4, 3]}']
+    for text in texts:
+        for cut in range(len(text) + 1):
+            scan = JsonScan(frozenset({("tags",), ("ids",), (ANY,)}))
+            scan.feed(text[:cut])
+            mine, theirs = scan.copy(), copy.deepcopy(scan)
+            assert _state(mine) == _state(theirs) == _state(scan)
+            mine.feed(text[cut:])
+            theirs.feed(text[cut:])
+            assert _state(mine) == _state(theirs)
+            assert _state(scan)[0] == text[:cut]   # the original did not move

@@ -24,9 +24,10 @@ from pipeline.types import Message, ToolCall, ToolSpec
 from stages.render.hf_template import HFChatTemplateRenderer
 from tests.tool_templates import LLAMA31_CALLS, MISTRAL_V3_CALLS
 
-SEEDS = int(os.environ.get("PIPELINE_TOOL_SEEDS", "100"))
-"""Seeds per forced-call check on the tiny model; the default model takes a quarter of them
-in the suite (``benchmarks/structured.py`` runs it on 100)."""
+SEEDS = int(os.environ.get("PIPELINE_TOOL_SEEDS", "32"))
+"""Seeds per forced-call check on the tiny model (32 in the suite; the issue's 100 with
+``PIPELINE_TOOL_SEEDS=100``); the default model takes a quarter of them in the suite
+(``benchmarks/structured.py`` runs it on 100)."""
 ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
 TOOLS = [
     ToolSpec("get_weather", "The weather in a city.", {

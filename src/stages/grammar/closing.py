@@ -25,7 +25,6 @@ tokens gives None (the processor then does not steer).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,7 +142,7 @@ class Closer:
         the second try, for a pattern the first order loops in, as an e-mail address's ``@``
         that comes after the letters, or the spaces of a cron line)."""
         m = matcher.deep_copy()
-        scan = copy.deepcopy(scan) if scan is not None and guard is not None else None
+        scan = scan.copy() if scan is not None and guard is not None else None
         path: list[int] = []
         last, run = "", 0
         look = True
@@ -211,7 +210,7 @@ class Closer:
             if scan is None:
                 m.consume_token(token)
                 return char, token, None, found
-            after = copy.deepcopy(scan)
+            after = scan.copy()
             self._feed(after, [token])
             m.consume_token(token)
             if m.is_accepting() or self.can_continue(m, after, guard, work):

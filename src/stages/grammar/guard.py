@@ -119,6 +119,13 @@ class _Frame:
         self.key = ""
         self.unique = unique
 
+    def copy(self) -> _Frame:
+        other = _Frame.__new__(_Frame)
+        other.kind, other.path, other.seen = self.kind, self.path, list(self.seen)
+        other.expect, other.start, other.key = self.expect, self.start, self.key
+        other.unique = self.unique
+        return other
+
 
 class JsonScan:
     """Where an output is in its JSON, fed the output's bytes as they come. ``unique`` holds
@@ -133,6 +140,24 @@ class JsonScan:
         self.string_frame: _Frame | None = None  # whose key or item it is (None: neither)
         self.escaped = False
         self.scalar: bytearray | None = None     # the open number or literal so far
+
+    def copy(self) -> JsonScan:
+        """An independent copy, as ``copy.deepcopy`` makes but without its per-object
+        bookkeeping (the closing search copies a scan for every character it tries)."""
+        other = JsonScan.__new__(JsonScan)
+        other.unique, other.text = self.unique, bytearray(self.text)
+        other.stack = [frame.copy() for frame in self.stack]
+        other.string = None if self.string is None else bytearray(self.string)
+        other.string_frame = None
+        if self.string_frame is not None:   # a frame of the stack: its copy
+            at = next(i for i, f in enumerate(self.stack) if f is self.string_frame)
+            other.string_frame = other.stack[at]
+        other.escaped = self.escaped
+        other.scalar = None if self.scalar is None else bytearray(self.scalar)
+        return other
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> JsonScan:
+        return self.copy()
 
     def feed(self, data: bytes) -> None:
         """Read more of the output."""

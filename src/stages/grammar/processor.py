@@ -45,7 +45,6 @@ engine's copy of the schema leaves out).
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 from collections import OrderedDict
@@ -247,7 +246,7 @@ class GrammarProcessor:
                     after = track.matcher.deep_copy()
                     if after.try_consume_tokens([token]) != 1 or after.is_accepting():
                         continue
-                    ahead = copy.deepcopy(scan)
+                    ahead = scan.copy()
                     ahead.feed(table[token])
                     found, gave_up, spent = closer.reach(after, ahead, guard,
                                                          work=min(left, WORK_PER_CHECK))
@@ -331,7 +330,7 @@ class GrammarProcessor:
             after.consume_token(token)
             ahead = None
             if scan is not None:
-                ahead = copy.deepcopy(scan)
+                ahead = scan.copy()
                 ahead.feed(self._closing_table()[token] if token < len(self._closing_table())
                            else b"")
             then = closer.path(after, ahead, guard, work=WORK_PER_CHECK)
