@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from typing import Any
+
 import attrs
 import pytest
 
@@ -76,14 +80,88 @@ def test_messages_and_requests() -> None:
 
 
 def test_public_names_are_pinned() -> None:
-    assert sorted(pipeline.__all__) == sorted([
-        "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component",
-        "Delta", "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig",
-        "Grammar",
-        "LogitProcessor", "Message",
-        "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
-        "RequestHandle", "RequestState", "Row", "RuntimeLimits", "Scores", "Selection",
-        "Selector", "Stopper", "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
-        "ToolCall", "ToolSpec", "Transport", "Usage", "build", "hookimpl"])
+    from pipeline.errors import PipelineError
+
+    errors = sorted(name for name in pipeline.__all__
+                    if isinstance(getattr(pipeline, name), type)
+                    and issubclass(getattr(pipeline, name), BaseException))
+    assert errors == sorted(pipeline.ERRORS)
+    assert all(issubclass(getattr(pipeline, name), PipelineError) for name in errors)
+    assert sorted(set(pipeline.__all__) - set(errors)) == sorted([
+        "Attention", "Backend", "BackendOptions", "Batch", "BuildContext", "Completion",
+        "Component", "Delta", "Detokenizer", "EngineConfig", "Event", "EventSink",
+        "FinishReason", "Forcing", "GenerationConfig", "Grammar", "LogitProcessor", "Message",
+        "ModelCall", "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer",
+        "Request", "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits",
+        "Scores", "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",
+        "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall",
+        "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",
+        "Transport", "Update", "Usage", "build", "hookimpl"])
     for name in pipeline.__all__:
         assert getattr(pipeline, name).__doc__, name
+
+
+def test_every_error_a_caller_may_catch_is_exported() -> None:
+    # the library's exception classes (those not raised by the HTTP server only)
+    import pipeline.errors as errors
+
+    serving = {name for name, value in vars(errors).items() if isinstance(value, type)
+               and issubclass(value, errors.ServingError)}
+    library = {name for name, value in vars(errors).items() if isinstance(value, type)
+               and issubclass(value, errors.PipelineError)} - serving
+    assert library == set(pipeline.ERRORS)
+
+
+def test_the_types_the_exported_protocols_name_are_exported() -> None:
+    # walk the annotations of every exported Protocol's methods: each class of the library's
+    # own modules they name (a strategy's Plan, Update, Taken; a backend's ModelCall) must be
+    # importable from `pipeline` itself
+    import inspect
+    import typing
+
+    def named(hint: Any) -> Iterator[type]:
+        if isinstance(hint, type):
+            yield hint
+        for arg in typing.get_args(hint):
+            yield from named(arg)
+
+    def namespace(home: str) -> dict[str, Any]:
+        # the module's names, and those its TYPE_CHECKING block imports from the library
+        import pipeline.forcing  # noqa: F401
+        import torch
+
+        names: dict[str, Any] = {"torch": torch}
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("pipeline.") and module is not None:
+                names.update({k: v for k, v in vars(module).items() if isinstance(v, type)
+                              and getattr(v, "__module__", "") == module_name})
+        return {**names, **vars(sys.modules[home])}
+
+    exported = {getattr(pipeline, name) for name in pipeline.__all__}
+    missing = set()
+    for name in pipeline.__all__:
+        value = getattr(pipeline, name)
+        if not (isinstance(value, type) and getattr(value, "_is_protocol", False)):
+            continue
+        for attr, member in vars(value).items():
+            if attr.startswith("_") or not inspect.isfunction(member):
+                continue
+            hints = typing.get_type_hints(member, namespace(member.__module__))
+            for cls in (c for h in hints.values() for c in named(h)):
+                home = getattr(cls, "__module__", "")
+                if home.startswith("pipeline.") and cls not in exported \
+                        and not home.startswith("pipeline.tools"):
+                    missing.add(f"{name}.{attr}: {cls.__qualname__} ({home})")
+    assert not missing, sorted(missing)
+
+
+def test_request_options_name_every_keyword_generate_takes() -> None:
+    import inspect
+
+    from pipeline.pipe import Pipeline
+    from pipeline.request_options import RequestOptions
+
+    fields = {f.name for f in attrs.fields(GenerationConfig)}
+    own = {name for name, p in inspect.signature(Pipeline.request).parameters.items()
+           if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(RequestOptions.__annotations__) == fields | own

@@ -1,9 +1,12 @@
 """``pipeline``: language-model generation as an explicit, inspectable pipeline.
 
 The public face: :func:`build` composes a :class:`Pipeline` from stages (with
-:class:`BackendOptions` for the model backend), the value types of each data product, the
-stage Protocols, and :data:`hookimpl` for plugins. Everything else is importable from its
-module (``pipeline.events``, ``pipeline.testing``, ``pipeline.errors``).
+:class:`BackendOptions` for the model backend), :class:`RequestOptions` (the typed keywords of
+``generate``, ``stream`` and ``submit``), the value types of each data product, the stage
+Protocols and every type their signatures name (a strategy's :class:`Plan`, :class:`Taken`,
+:class:`Update`; a backend's :class:`ModelCall`), the exception tree rooted at
+:class:`PipelineError`, and :data:`hookimpl` for plugins. Everything else is importable from
+its module (``pipeline.events``, ``pipeline.testing``).
 """
 
 from __future__ import annotations
@@ -21,15 +24,39 @@ if TYPE_CHECKING:
     from pipeline.handle import RequestHandle, RequestState
     from pipeline.options import BackendOptions
     from pipeline.pipe import Pipeline
-    from pipeline.protocols import (
-        Backend, Batch, Detokenizer, LogitProcessor, PrefillChunk, Renderer, Row, Scores,
-        Selection, Selector, Stopper, Strategy, Tokenizer, Transport,
+    from pipeline.errors import (
+        ArtifactError, BackendError, CapacityError, ContextWindowError, EngineClosed,
+        InvalidValueError, InvariantViolation, LimitExceededError, OutOfBlocks, PipelineError,
+        PluginLoadError, RegistryError, RequestCancelled, RequestError, RequestFailed,
+        SlotError, StepStillRunning, TemplateError, TokenizerError, TraceError,
+        UnknownFieldError, UnknownKeywordError, UnknownNameError, ValidationError,
     )
+    from pipeline.events import EventSink
+    from pipeline.forcing import Forcing
+    from pipeline.protocols import (
+        Attention, Backend, Batch, Detokenizer, LogitProcessor, ModelCall, Plan, PrefillChunk,
+        Renderer, Row, Scores, Selection, Selector, StopContext, Stopper, StopVerdict,
+        Strategy, Taken, Tokenizer, ToolCallParser, ToolCallReader, Transport, Update,
+    )
+    from pipeline.request_options import RequestOptions
     from pipeline.registry import BuildContext, Component
     from pipeline.types import (
         Completion, Delta, FinishReason, GenerationConfig, Message, Recording, Rendered,
-        Request, RuntimeLimits, TokenizedPrompt, TokenLogprob, ToolCall, ToolSpec, Usage,
+        Request, RuntimeLimits, TextPiece, TokenizedPrompt, TokenLogprob, ToolCall,
+        ToolCallDelta, ToolCallEnd, ToolSpec, Usage,
     )
+
+ERRORS = (
+    "ArtifactError", "BackendError", "CapacityError", "ContextWindowError", "EngineClosed",
+    "InvalidValueError", "InvariantViolation", "LimitExceededError", "OutOfBlocks",
+    "PipelineError", "PluginLoadError", "RegistryError", "RequestCancelled", "RequestError",
+    "RequestFailed", "SlotError", "StepStillRunning", "TemplateError", "TokenizerError",
+    "TraceError", "UnknownFieldError", "UnknownKeywordError", "UnknownNameError",
+    "ValidationError",
+)
+"""The library's exception tree (:mod:`pipeline.errors`), rooted at :class:`PipelineError`:
+what a caller of :func:`build` and :class:`Pipeline` may catch. The HTTP server's own errors
+stay in :mod:`pipeline.errors`."""
 
 _HOMES = {
     "build": "pipeline.builder", "EngineConfig": "pipeline.engine", "Event": "pipeline.events",
@@ -37,13 +64,18 @@ _HOMES = {
     "RequestState": "pipeline.handle",
     "BackendOptions": "pipeline.options", "Pipeline": "pipeline.pipe",
     "BuildContext": "pipeline.registry", "Component": "pipeline.registry",
+    "EventSink": "pipeline.events", "Forcing": "pipeline.forcing",
+    "RequestOptions": "pipeline.request_options",
+    **{name: "pipeline.errors" for name in ERRORS},
     **{name: "pipeline.protocols" for name in (
-        "Backend", "Batch", "Detokenizer", "LogitProcessor", "PrefillChunk", "Renderer", "Row",
-        "Scores", "Selection", "Selector", "Stopper", "Strategy", "Tokenizer", "Transport")},
+        "Attention", "Backend", "Batch", "Detokenizer", "LogitProcessor", "ModelCall", "Plan",
+        "PrefillChunk", "Renderer", "Row", "Scores", "Selection", "Selector", "StopContext",
+        "Stopper", "StopVerdict", "Strategy", "Taken", "Tokenizer", "ToolCallParser",
+        "ToolCallReader", "Transport", "Update")},
     **{name: "pipeline.types" for name in (
         "Completion", "Delta", "FinishReason", "GenerationConfig", "Message", "Recording",
-        "Rendered", "Request", "RuntimeLimits", "TokenizedPrompt", "TokenLogprob", "ToolCall",
-        "ToolSpec", "Usage")},
+        "Rendered", "Request", "RuntimeLimits", "TextPiece", "TokenizedPrompt", "TokenLogprob",
+        "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolSpec", "Usage")},
 }
 """Where each public name lives. They are imported on first use (PEP 562), so a command
 line that only parses its arguments, or prints a line before it loads a model, does not
@@ -66,11 +98,14 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BackendOptions", "Batch", "BuildContext", "Completion", "Component", "Delta",
-    "Detokenizer", "EngineConfig", "Event", "FinishReason", "GenerationConfig", "Grammar",
-    "LogitProcessor", "Message",
-    "Pipeline", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request", "RequestHandle",
-    "RequestState", "Row", "RuntimeLimits", "Scores", "Selection", "Selector", "Stopper",
-    "Strategy", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall", "ToolSpec",
-    "Transport", "Usage", "build", "hookimpl",
+    "Attention", "Backend", "BackendOptions", "Batch", "BuildContext", "Completion",
+    "Component", "Delta", "Detokenizer", "EngineConfig", "Event", "EventSink", "FinishReason",
+    "Forcing", "GenerationConfig", "Grammar", "LogitProcessor", "Message", "ModelCall",
+    "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
+    "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits", "Scores",
+    "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy", "Taken",
+    "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall", "ToolCallDelta",
+    "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec", "Transport", "Update",
+    "Usage", "build", "hookimpl",
+    *ERRORS,
 ]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from typing_extensions import Unpack
 
 from pipeline.engine import Engine
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
@@ -28,6 +29,7 @@ from pipeline.handle import RequestHandle
 from pipeline.job import Job
 from pipeline.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
+from pipeline.request_options import RequestOptions
 from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
 from pipeline.protocols import (
     Detokenizer, ModelDescriber, ModelInfo, Renderer, RequestCheck, Stopper, Tokenizer,
@@ -207,7 +209,7 @@ class Pipeline:
         return Request.coerce(prompt, **fields)
 
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None,
-               **options: Any) -> RequestHandle:
+               **options: Unpack[RequestOptions]) -> RequestHandle:
         """Start a request; returns at once with a handle (``result``, ``deltas``, ``cancel``).
 
         Bad input raises here, before anything is queued. ``options`` are those of
@@ -232,17 +234,17 @@ class Pipeline:
         return handle
 
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None,
-                 **options: Any) -> Completion:
+                 **options: Unpack[RequestOptions]) -> Completion:
         """Run a request to completion and return it (raises ``RequestFailed`` on failure)."""
         return self.submit(prompt, config, **options).result()
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
-               **options: Any) -> Iterator[Delta]:
+               **options: Unpack[RequestOptions]) -> Iterator[Delta]:
         """Deltas as they are produced; closing the iterator early cancels the request."""
         return self.stages.stream_transport.deliver(self.submit(prompt, config, **options))
 
     def astream(self, prompt: Prompt, config: GenerationConfig | None = None,
-                **options: Any) -> AsyncIterator[Delta]:
+                **options: Unpack[RequestOptions]) -> AsyncIterator[Delta]:
         """The async-iterator form of :meth:`stream`, for an asyncio event loop."""
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
 
