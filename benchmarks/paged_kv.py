@@ -8,7 +8,7 @@ the shape every engine step has), in these layouts of the KV memory:
 - ``slot``: no block tables; the backend reserves a contiguous window per slot (what the
   current engine gets);
 - ``run``: the caller's tables, each sequence one run of consecutive blocks (read as views);
-- ``manager``: the caller's tables from a :class:`~pipeline.blocks.BlockManager`: prompts
+- ``manager``: the caller's tables from a :class:`~pipeline.engine.blocks.BlockManager`: prompts
   allocated one after another, then grown token by token in one batch, as an engine would,
   in a pool of twice the default size (its placement leaves each prompt room to grow);
 - ``tight``: the same in the default pool (8 windows just long enough): some prompts get
@@ -141,7 +141,7 @@ class _Tables:
         self.mode = mode
         if not self.paged:
             return
-        from pipeline.blocks import BlockManager
+        from pipeline.engine.blocks import BlockManager
 
         bs = backend.block_size
         self.bs = bs

@@ -56,7 +56,7 @@ import torch
 
 from backends.torch.backend import TorchBackend
 from pipeline import build
-from pipeline.blocks import BlockManager
+from pipeline.engine.blocks import BlockManager
 from pipeline.protocols import ModelCall, PagedBackend
 from pipeline.trace import load
 from pipeline.trace.timeline import summary
@@ -137,7 +137,7 @@ def measure(c: Completion, cpu_s: float) -> dict[str, Any]:
 
 def own_pool(backend: Any) -> Any:
     """A backend over ``backend``'s weights with a KV pool of its own (``backend`` itself when
-    it has no pool to share): an engine keeps its own :class:`~pipeline.blocks.BlockManager`
+    it has no pool to share): an engine keeps its own :class:`~pipeline.engine.blocks.BlockManager`
     over its backend's blocks, so a second engine, or a caller of ``forward``, on the same
     pool would write over blocks the first one holds or has cached."""
     if not isinstance(backend, TorchBackend):
@@ -154,7 +154,7 @@ def verify_cost(backend: Any, prompt: list[int], ks: list[int], iters: int
 
     Over a :class:`~pipeline.protocols.PagedBackend` the caller manages the KV blocks (once a
     call has carried a block table, every call must): the sequence gets its blocks from a
-    :class:`~pipeline.blocks.BlockManager` of the backend's shape, and each call the first
+    :class:`~pipeline.engine.blocks.BlockManager` of the backend's shape, and each call the first
     ones, covering the positions it writes, as the engine passes them. ``backend`` must be no
     engine's (see :func:`own_pool`): this manager takes every block for free."""
     sizes = [1] + [k + 1 for k in ks]

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from pipeline import build
-from pipeline.commit import Committer
+from pipeline.engine.commit import Committer
 from pipeline.engine import Engine
 from pipeline.events import JsonlSink
 from pipeline.pipe import Pipeline

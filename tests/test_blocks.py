@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipeline.blocks import BlockManager, PrefixMatch, block_hash
+from pipeline.engine.blocks import BlockManager, PrefixMatch, block_hash
 from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks
 
 SNAP = "sha256:model-a"
@@ -176,7 +176,7 @@ def test_two_models_never_share_blocks() -> None:
 def test_hashes_are_the_same_in_another_process() -> None:
     """Content addressing must not depend on Python's per-process hash seed."""
     here = block_hash(block_hash(b"", [1, 2, 3, 4], SNAP), [5, 6, 7, 8], SNAP).hex()
-    code = ("from pipeline.blocks import block_hash as h; "
+    code = ("from pipeline.engine.blocks import block_hash as h; "
             f"print(h(h(b'', [1, 2, 3, 4], {SNAP!r}), [5, 6, 7, 8], {SNAP!r}).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "12345",
@@ -248,9 +248,9 @@ def test_the_same_content_computed_twice_is_cached_once() -> None:
 
 def test_a_hash_collision_never_yields_other_content(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a hash that collides on every block, a match still checks the token ids."""
-    import pipeline.blocks
+    import pipeline.engine.blocks
 
-    monkeypatch.setattr(pipeline.blocks, "block_hash", lambda parent, ids, snap: b"same")
+    monkeypatch.setattr(pipeline.engine.blocks, "block_hash", lambda parent, ids, snap: b"same")
     kv = manager()
     kv.allocate("a", 5)
     kv.publish("a", [1, 2, 3, 4, 5])

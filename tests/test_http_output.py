@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.handle import RequestHandle
+from pipeline.engine.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
 from pipeline.types import Delta, FinishReason, ToolCallEnd
 from stages.tools import HermesParser, judge

@@ -19,12 +19,12 @@ from pipeline import build
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Tracer, digest_ids
 from pipeline.grammar import Grammar
-from pipeline.handle import RequestHandle
-from pipeline.job import Job
-from pipeline.job_spec import JobSpec
+from pipeline.engine.handle import RequestHandle
+from pipeline.engine.job import Job
+from pipeline.engine.job_spec import JobSpec
 from pipeline.protocols import StopContext
 from pipeline.testing import ByteDetokenizer, ByteTokenizer
-from pipeline.text_state import TextState
+from pipeline.engine.text_state import TextState
 from pipeline.types import (
     FinishReason, GenerationConfig, Message, Recording, Request, RuntimeLimits, TokenizedPrompt,
     TokenLogprob, ToolCall, ToolChoice, ToolSpec,

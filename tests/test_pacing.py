@@ -11,8 +11,8 @@ import torch
 
 from pipeline.engine import EngineConfig
 from pipeline.errors import InvalidValueError
-from pipeline.handle import RequestState
-from pipeline.pacing import Pacer
+from pipeline.engine.handle import RequestState
+from pipeline.engine.pacing import Pacer
 from pipeline.pipe import Pipeline
 from pipeline.protocols import ModelCall
 from pipeline.testing import ScriptedBackend, build_scripted, hashed_logits

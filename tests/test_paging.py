@@ -16,7 +16,7 @@ import pytest
 
 from pipeline import build
 from pipeline.errors import CapacityError
-from pipeline.paging import Paging, Room
+from pipeline.engine.paging import Paging, Room
 from pipeline.pipe import Pipeline
 from pipeline.trace import check
 from pipeline.types import Completion, Request

@@ -29,7 +29,7 @@ from starlette.testclient import TestClient
 from pipeline.builder import build
 from pipeline.errors import InvalidValueError, RequestFailed
 from pipeline.grammar import JSON_LAYOUT, Grammar
-from pipeline.handle import RequestHandle, RequestState
+from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.hookspecs import hookimpl
 from pipeline.models import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline

@@ -674,7 +674,7 @@ def test_sequences_sharing_prefix_blocks_each_continue_correctly(
     """B reuses A's first three blocks (the same physical blocks, two references each) and
     computes only the rest of its prompt; both then decode in one batch, and both match
     transformers on their own sequences."""
-    from pipeline.blocks import BlockManager
+    from pipeline.engine.blocks import BlockManager
 
     folder, ref = checkpoints["qwen3-moe"]
     backend = _paged(folder, num_blocks=20)
@@ -711,7 +711,7 @@ def test_truncate_across_a_block_boundary_then_continue(checkpoints: dict[str, A
     """Verify six drafts after a 10-token prompt (blocks of 4: into a fourth block), keep one:
     the manager frees the trailing block, the backend shortens the slot, and the next token
     is computed as if the rejected drafts never ran, in the freed block's place too."""
-    from pipeline.blocks import BlockManager
+    from pipeline.engine.blocks import BlockManager
 
     folder, ref = checkpoints["qwen3-moe"]
     for paged in (True, False):

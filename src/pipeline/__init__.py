@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pipeline.engine import EngineConfig
     from pipeline.events import Event
     from pipeline.grammar import Grammar
-    from pipeline.handle import RequestHandle, RequestState
+    from pipeline.engine.handle import RequestHandle, RequestState
     from pipeline.options import BackendOptions
     from pipeline.pipe import Pipeline
     from pipeline.errors import (
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         UnknownFieldError, UnknownKeywordError, UnknownNameError, ValidationError,
     )
     from pipeline.events import EventSink
-    from pipeline.forcing import Forcing
+    from pipeline.engine.forcing import Forcing
     from pipeline.protocols import (
         Attention, Backend, Batch, Detokenizer, LogitProcessor, ModelCall, Plan, PrefillChunk,
         Renderer, Row, Scores, Selection, Selector, StopContext, Stopper, StopVerdict,
@@ -60,11 +60,11 @@ stay in :mod:`pipeline.errors`."""
 
 _HOMES = {
     "build": "pipeline.builder", "EngineConfig": "pipeline.engine", "Event": "pipeline.events",
-    "Grammar": "pipeline.grammar", "RequestHandle": "pipeline.handle",
-    "RequestState": "pipeline.handle",
+    "Grammar": "pipeline.grammar", "RequestHandle": "pipeline.engine.handle",
+    "RequestState": "pipeline.engine.handle",
     "BackendOptions": "pipeline.options", "Pipeline": "pipeline.pipe",
     "BuildContext": "pipeline.registry", "Component": "pipeline.registry",
-    "EventSink": "pipeline.events", "Forcing": "pipeline.forcing",
+    "EventSink": "pipeline.events", "Forcing": "pipeline.engine.forcing",
     "RequestOptions": "pipeline.request_options",
     **{name: "pipeline.errors" for name in ERRORS},
     **{name: "pipeline.protocols" for name in (

@@ -48,7 +48,7 @@ from pipeline.errors import ArtifactError, PipelineError
 from pipeline.types import Completion, FinishReason, GenerationConfig, from_mapping
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
-    from pipeline.handle import RequestHandle
+    from pipeline.engine.handle import RequestHandle
     from pipeline.pipe import Pipeline
 
 Message = dict[str, str]

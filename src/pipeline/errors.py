@@ -249,7 +249,7 @@ class CapacityError(BackendError):
 
 
 class OutOfBlocks(CapacityError):
-    """A :class:`~pipeline.blocks.BlockManager` has fewer free or evictable KV blocks than
+    """A :class:`~pipeline.engine.blocks.BlockManager` has fewer free or evictable KV blocks than
     ``needed`` (``available`` are); nothing was allocated, so the engine may preempt a
     sequence and retry."""
 

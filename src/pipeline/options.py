@@ -27,7 +27,7 @@ from typing import Any, Never
 import attrs
 import torch
 
-from pipeline.blocks import DEFAULT_BLOCK_SIZE
+from pipeline.engine.blocks import DEFAULT_BLOCK_SIZE
 from pipeline.errors import InvalidValueError, UnknownFieldError, closest
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")

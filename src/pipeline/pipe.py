@@ -25,9 +25,9 @@ from pipeline.engine import Engine
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
 from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_text
 from pipeline.grammar import Grammar
-from pipeline.handle import RequestHandle
-from pipeline.job import Job
-from pipeline.job_spec import JobSpec
+from pipeline.engine.handle import RequestHandle
+from pipeline.engine.job import Job
+from pipeline.engine.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
 from pipeline.request_options import RequestOptions
 from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
@@ -35,7 +35,7 @@ from pipeline.protocols import (
     Detokenizer, ModelDescriber, ModelInfo, Renderer, RequestCheck, Stopper, Tokenizer,
     ToolCallParser, Transport,
 )
-from pipeline.text_state import TextState
+from pipeline.engine.text_state import TextState
 from pipeline.tool_choice import constrain_calls
 from pipeline.registry import Registry
 if TYPE_CHECKING:

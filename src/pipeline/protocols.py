@@ -26,7 +26,7 @@ from pipeline.types import (
 
 if TYPE_CHECKING:
     from pipeline.engine import RequestHandle
-    from pipeline.forcing import Forcing
+    from pipeline.engine.forcing import Forcing
 
 S = TypeVar("S")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -641,7 +641,7 @@ class PagedBackend(Protocol):
     """Optional backend capability: KV memory in ``num_blocks`` blocks of ``block_size``
     positions whose block tables the caller owns (docs/design.md §6, second edition).
 
-    The caller (the engine) keeps a :class:`~pipeline.blocks.BlockManager` of the same shape
+    The caller (the engine) keeps a :class:`~pipeline.engine.blocks.BlockManager` of the same shape
     and passes each sequence's table in :attr:`ModelCall.blocks`; the backend reads and writes
     exactly those blocks and allocates none. Slots still name sequences and carry their
     lengths (``allocate``, ``cache_length``, ``truncate`` and ``release`` work as for any
@@ -716,7 +716,7 @@ class Taken:
 
     ``draw`` is the uniform number the selector consumed (None for argmax); ``forced`` is the
     event a forced-token source recorded when it overrode the selection
-    (``(event_type, payload)``, see :class:`pipeline.forcing.Forcing`).
+    (``(event_type, payload)``, see :class:`pipeline.engine.forcing.Forcing`).
     """
 
     token_id: int

@@ -34,7 +34,7 @@ import torch
 
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from pipeline.events import digest_text
-from pipeline.handle import RequestHandle
+from pipeline.engine.handle import RequestHandle
 from pipeline.protocols import (
     Attention, Batch, CacheLayout, ModelCall, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
 )

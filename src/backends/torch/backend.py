@@ -8,7 +8,7 @@ ragged batch and returns float32 logits at the wanted outputs; ``prefill`` and `
 conveniences over it.
 
 **Who owns the blocks.** Until a call carries a block table, the backend manages the pool with
-a :class:`~pipeline.blocks.BlockManager` of its own: a slot's first call reserves it a whole
+a :class:`~pipeline.engine.blocks.BlockManager` of its own: a slot's first call reserves it a whole
 window (``ceil(max_context / block_size)`` blocks, a contiguous run whenever the pool allows,
 so attention reads it as a view), kept until ``release``. A caller that only knows slots thus
 sees the fixed-slot cache it always had. The first call that carries ``blocks`` hands the
@@ -58,7 +58,7 @@ from backends.torch.model import MoeFunction, Transformer
 from backends.torch.moe import moe_forward
 from backends.torch.threads import ThreadChooser
 from backends.torch.weights import tensors
-from pipeline.blocks import DEFAULT_BLOCK_SIZE, BlockManager
+from pipeline.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks, SlotError
 from pipeline.options import check_device
 from pipeline.protocols import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk

@@ -3,7 +3,7 @@
 Owns the memory layout of keys and values (:class:`KVCache`: per layer a pool of blocks, and
 each slot's logical length) and the per-call plan of where to write and read them
 (:class:`RaggedBatch`, built from each sequence's block table). Which blocks a sequence uses
-is decided elsewhere: by the backend's own :class:`~pipeline.blocks.BlockManager` for
+is decided elsewhere: by the backend's own :class:`~pipeline.engine.blocks.BlockManager` for
 slot-only callers, or by the caller (:class:`~pipeline.protocols.PagedBackend`).
 
 A sequence's keys are read for attention in one of three ways, chosen when the batch is

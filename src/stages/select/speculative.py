@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from pipeline.errors import InvalidValueError
-from pipeline.forcing import Forcing
+from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
     Batch, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken, Update,
 )

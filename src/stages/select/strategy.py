@@ -3,7 +3,7 @@
 Owns :class:`AutoregressiveStrategy` and its per-request loop state :class:`ARState`. Its
 plan is "the pending token, logits at its position"; its update rule is
 ``selector(chain(logits))`` over the whole batch's ``[B, V]`` logits at once, then the
-request's forced-token source (:class:`~pipeline.forcing.Forcing`) may override the choice;
+request's forced-token source (:class:`~pipeline.engine.forcing.Forcing`) may override the choice;
 it commits one token per sequence per step.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from pipeline.forcing import Forcing
+from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
     Batch, LogitProcessor, Plan, Row, Scores, Selector, Taken, Update,
 )

@@ -53,7 +53,7 @@ from pipeline.errors import (
     EngineClosed, InvalidValueError, LimitExceededError, ModelNotFoundError,
     PayloadTooLargeError, PipelineError,
 )
-from pipeline.handle import RequestHandle
+from pipeline.engine.handle import RequestHandle
 from pipeline.types import Completion
 from transports.http import (
     anthropic_api, completions_api, embeddings_api, generation, openai_api, responses_api,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import attrs
 
-from pipeline.handle import RequestHandle
+from pipeline.engine.handle import RequestHandle
 from pipeline.types import Completion, Delta, Request, Usage
 from transports.http.inbox import batches
 

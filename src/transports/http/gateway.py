@@ -47,7 +47,7 @@ from pipeline.errors import (
     AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
     ModelNotFoundError, OverloadedError, StepStillRunning,
 )
-from pipeline.handle import RequestHandle
+from pipeline.engine.handle import RequestHandle
 from pipeline.pipe import Pipeline
 from pipeline.sampling_defaults import sampling_summary
 from pipeline.strategy_choice import StrategyChoice

@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 
-from pipeline.handle import RequestHandle
+from pipeline.engine.handle import RequestHandle
 from pipeline.types import Delta
 
 

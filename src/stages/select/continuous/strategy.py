@@ -47,7 +47,7 @@ import attrs
 import torch
 
 from pipeline.errors import InvalidValueError
-from pipeline.forcing import Forcing
+from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
     Attention, EmbeddingInputs, Plan, Row, StrategyEvent, Taken, Update,
 )

@@ -47,7 +47,7 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.events import digest_ids
-from pipeline.forcing import Forcing
+from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
     Attention, Batch, LogitProcessor, Plan, Row, Scores, StrategyEvent, Taken, Update,
 )

@@ -2,11 +2,12 @@
 
 Owns :class:`TextState`, one of a request's small records in the engine (docs/design.md §6, second
 edition): the detokenizer and its state, the stoppers and their states, the text emitted so
-far, the logprob records, the tool-call reader (a text stage too), and what has not been sent yet (tokens and logprobs that ride on
+far, the logprob records, the tool-call reader (a text stage too), and what has not been sent yet
+(tokens and logprobs that ride on
 the next delta). It sees *committed* tokens only, one at a time, in order; the strategy that
-chose them, the KV cache and the trace are elsewhere (:class:`~pipeline.job.Job` holds them
+chose them, the KV cache and the trace are elsewhere (:class:`~pipeline.engine.job.Job` holds them
 side by side). The stage objects are given at construction, never kept in the request's
-:class:`~pipeline.job_spec.JobSpec`, so the spec stays plain data.
+:class:`~pipeline.engine.job_spec.JobSpec`, so the spec stays plain data.
 
 The release rule, per committed token: the stoppers' token checks first (the first verdict
 wins; the caller may add its own, e.g. a full context window); then the detokenizer's piece
@@ -29,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipeline.job_spec import JobSpec
+from pipeline.engine.job_spec import JobSpec
 from pipeline.protocols import Detokenizer, StopContext, Stopper, StopVerdict, ToolCallReader
 from pipeline.types import Delta, FinishReason, TokenLogprob, ToolCallDelta
 

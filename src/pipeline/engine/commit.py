@@ -1,16 +1,17 @@
 """From a step's logits to committed tokens: the half of an engine step after the forward.
 
 Owns :class:`Committer` (docs/design.md §4, §6): one batched
-:meth:`~pipeline.protocols.Strategy.update` per strategy (per processor order) over the sequences that got logits, the check that each
-update commits token ids of the vocabulary, the records of the processed distributions the
-tokens were chosen from (digests, top-k at ``full``), and each update's commit through its
-:class:`~pipeline.job.Job`: tokens in order, stopping at the first that ends the request, then
-the rollback of positions the strategy dropped (the backend's ``truncate`` and, over a paged
-backend, the block tables). Also :func:`logits_records`, the records of the raw logits of every
-wanted output. Failures stay contained: a strategy that raises or answers nonsense fails its
-group (the step's jobs of one strategy; a job with a grammar is a group of its own, so a
-grammar the engine fails on fails only its request), a job whose commit raises fails alone,
-through the engine's ``fail`` and ``release``.
+:meth:`~pipeline.protocols.Strategy.update` per strategy (per processor order) over the
+sequences that got logits, the check that each update commits token ids of the vocabulary, the
+records of the processed distributions the tokens were chosen from (digests, top-k at ``full``),
+and each update's commit through its :class:`~pipeline.engine.job.Job`: tokens in order,
+stopping at the first that ends the request, then the rollback of positions the strategy dropped
+(the backend's ``truncate`` and, over a paged backend, the block tables). Also
+:func:`logits_records`, the records of the raw logits of every wanted output. Failures stay
+contained: a strategy that raises or answers nonsense fails its group (the step's jobs of one
+strategy; a job with a grammar is a group of its own, so a grammar the engine fails on fails
+only its request), a job whose commit raises fails alone, through the engine's ``fail`` and
+``release``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
-from pipeline.job import Job
-from pipeline.paging import Paging
+from pipeline.engine.job import Job
+from pipeline.engine.paging import Paging
 from pipeline.protocols import Backend, CacheLayout, Row, Strategy, Update
 from pipeline.recording import logits_record, processed_record, record_rows, same_bits
 

@@ -1,6 +1,6 @@
 """The engine's KV memory over a paged backend: block tables per job and the prefix cache.
 
-Owns :class:`Paging`, the engine's use of a :class:`~pipeline.blocks.BlockManager` sized
+Owns :class:`Paging`, the engine's use of a :class:`~pipeline.engine.blocks.BlockManager` sized
 like its :class:`~pipeline.protocols.PagedBackend` (``num_blocks`` of ``block_size``, keyed
 by the backend's ``snapshot``), with the job-level rules (docs/design.md §6, second edition):
 
@@ -37,7 +37,7 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
-from pipeline.blocks import BlockManager, PrefixMatch
+from pipeline.engine.blocks import BlockManager, PrefixMatch
 from pipeline.errors import CapacityError, OutOfBlocks
 from pipeline.protocols import PagedBackend
 

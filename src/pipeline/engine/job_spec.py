@@ -4,7 +4,7 @@ Owns :class:`JobSpec`, the first of a request's small records in the engine (doc
 second edition: spec, decode state, text state, trace). It holds the normalized
 :class:`~pipeline.types.Request`, its :class:`~pipeline.types.TokenizedPrompt`, the seed and
 the ids the stages need, and no stage object: the detokenizer and stoppers belong to the
-text state (:mod:`pipeline.text_state`), the strategy's loop state to the strategy, the
+text state (:mod:`pipeline.engine.text_state`), the strategy's loop state to the strategy, the
 events to the tracer. So a spec can be written out and read back elsewhere, e.g. by an
 engine in another process.
 

@@ -1,8 +1,8 @@
 """Forced tokens: the one mechanism behind a required prefix and the reasoning budget.
 
 Owns :class:`Forcing`, a request's forced-token source (docs/design.md §6: "a forced-token
-source the strategy consults"). A strategy asks it, for every token it is about to commit, whether that
-token is forced; it answers from two rules, in order:
+source the strategy consults"). A strategy asks it, for every token it is about to commit, whether
+that token is forced; it answers from two rules, in order:
 
 1. ``prefix``: the first ``len(prefix)`` tokens of the output are the config's
    ``forced_prefix`` (a required tool call's opening, say), whatever the selector chose;

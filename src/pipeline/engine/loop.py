@@ -5,28 +5,29 @@ Owns the scheduler and the step loop. Each step it
 1. settles cancellations and expired queue waits (any state; slots are freed at once),
 2. admits queued requests to free slots (FIFO); over a
    :class:`~pipeline.protocols.PagedBackend` also to the KV blocks of what they prefill,
-   after what the prefix cache holds (:mod:`pipeline.paging`),
+   after what the prefix cache holds (:mod:`pipeline.engine.paging`),
 3. plans the step under ``token_budget``: every decoding request's strategy plans its call
    first (a long prompt never starves decoding), then prefill chunks of at most
    ``max_prefill_chunk`` tokens for prefilling requests in admission order with what is left
    and, while requests decode, no more than the pacer allows so the step stays within
-   ``step_latency_ratio`` of a decode-only step (:mod:`pipeline.pacing`),
-4. over a paged backend has :mod:`pipeline.paging` grow each writing call's block table
-   (:meth:`~pipeline.paging.Paging.make_room`: when blocks run out the most recently admitted
+   ``step_latency_ratio`` of a decode-only step (:mod:`pipeline.engine.pacing`),
+4. over a paged backend has :mod:`pipeline.engine.paging` grow each writing call's block table
+   (:meth:`~pipeline.engine.paging.Paging.make_room`: when blocks run out the most recently admitted
    other request gives its blocks back, and the engine takes its slot and requeues it:
    preemption by recompute), then
    makes one batched ``backend.forward`` for that plan: every decode token and every prefill
    chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
    decode token and at a prompt's last chunk's last token; the block table with each),
-5. for every request with fresh logits z_t (:class:`~pipeline.commit.Committer`): its
+5. for every request with fresh logits z_t (:class:`~pipeline.engine.commit.Committer`): its
    strategy's processor chain → selector (overridden by a ``forced_prefix`` or a spent
-   reasoning budget: :mod:`pipeline.forcing`) → stoppers → detokenizer → delta; a request that goes on keeps y_t as its pending token, which the
+   reasoning budget: :mod:`pipeline.engine.forcing`) → stoppers → detokenizer → delta; a request
+   that goes on keeps y_t as its pending token, which the
    next step's forward writes into the cache (cache length m + t) — the docs/design.md §4 order;
    over a paged backend the blocks that filled up are then published to the prefix cache.
 
 The KV memory rules (admission by free blocks, growth, preemption, publication, rollback,
-release) are :mod:`pipeline.paging`'s; a request's records (spec, decode state, text state,
-trace) are :class:`~pipeline.job.Job`'s.
+release) are :mod:`pipeline.engine.paging`'s; a request's records (spec, decode state, text state,
+trace) are :class:`~pipeline.engine.job.Job`'s.
 
 Request-level work before the queue (render, tokenize, validation) happens in
 :class:`~pipeline.pipe.Pipeline` on the caller's thread.
@@ -71,16 +72,16 @@ from pipeline.errors import (
     CapacityError, EngineClosed, InvalidValueError, SlotError, StepStillRunning,
 )
 from pipeline.events import Tracer
-from pipeline.handle import RequestHandle, RequestState
-from pipeline.blocks import BlockStats, PrefixMatch
-from pipeline.job import Job
-from pipeline.pacing import Pacer
-from pipeline.paging import Paging
+from pipeline.engine.handle import RequestHandle, RequestState
+from pipeline.engine.blocks import BlockStats, PrefixMatch
+from pipeline.engine.job import Job
+from pipeline.engine.pacing import Pacer
+from pipeline.engine.paging import Paging
 from pipeline.protocols import (
     Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, Strategy,
     split_outputs,
 )
-from pipeline.commit import Committer, logits_records
+from pipeline.engine.commit import Committer, logits_records
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
@@ -96,7 +97,7 @@ class EngineConfig:
     (tokens of one prompt per step) are hard caps; ``token_budget`` must exceed the
     backend's slot count so prefill always makes progress beside a full decode batch.
     ``step_latency_ratio`` bounds latency: a step that prefills beside decoding requests is
-    sized to take about that multiple of a decode-only step (:mod:`pipeline.pacing`);
+    sized to take about that multiple of a decode-only step (:mod:`pipeline.engine.pacing`);
     None turns pacing off (token caps only)."""
 
     token_budget: int = attrs.field(default=512)

@@ -3,18 +3,18 @@
 Owns :class:`Job`, the engine-thread-only handle on a request in flight. A request is a few
 small records (docs/design.md §6, second edition), which the job holds side by side:
 
-- its **spec** (:class:`~pipeline.job_spec.JobSpec`): the request, its tokenized prompt, the
+- its **spec** (:class:`~pipeline.engine.job_spec.JobSpec`): the request, its tokenized prompt, the
   seed and ids; plain data, serializable;
 - its **decode state**: the strategy's loop state (``Job.decode_state``, owned by the strategy:
   ``start``, ``plan``, ``update``), and the committed tokens (``Job.output_ids``);
-- its **text state** (:class:`~pipeline.text_state.TextState`): detokenizer, stoppers, emitted
-  text and what is not sent yet; it sees committed tokens only (:meth:`Job.advance`);
+- its **text state** (:class:`~pipeline.engine.text_state.TextState`): detokenizer, stoppers,
+  emitted text and what is not sent yet; it sees committed tokens only (:meth:`Job.advance`);
 - its **trace**: the :class:`~pipeline.events.Tracer` that numbers its events.
 
 Besides those the job keeps the scheduler's view (state, slot, prefill progress, cache
 length, preemption) and the timings. Every transition emits the docs/design.md §7 event for it,
-so the trace of a finished job holds the minimal timeline in causal order. Only the engine calls these
-methods, from its own thread.
+so the trace of a finished job holds the minimal timeline in causal order. Only the engine calls
+these methods, from its own thread.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.events import Tracer, digest_ids, digest_text
-from pipeline.forcing import Forcing
-from pipeline.handle import RequestHandle, RequestState
-from pipeline.job_spec import JobSpec
+from pipeline.engine.forcing import Forcing
+from pipeline.engine.handle import RequestHandle, RequestState
+from pipeline.engine.job_spec import JobSpec
 from pipeline.protocols import (
     Attention, CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
 )
-from pipeline.text_state import TextState
+from pipeline.engine.text_state import TextState
 from pipeline.types import (
     Completion, FinishReason, OutputPiece, Recording, Timings, TokenLogprob, ToolCallDelta,
     ToolCallEnd, Usage,

@@ -1,0 +1,40 @@
+"""The engine: one thread that drives every request of a pipeline over its backend's slots and
+KV blocks, one batched forward per step (docs/design.md §6; the step, walked through, is
+docs/engine_step.md).
+
+The package's modules, in the order a request meets them:
+
+=================  ==========================================================================
+``handle``         :class:`RequestHandle`, what the caller holds (deltas, result, cancel): the
+                   only object shared between the caller's thread and the engine's
+``job_spec``       :class:`~pipeline.engine.job_spec.JobSpec`, a request's plain-data spec
+                   (what :class:`~pipeline.pipe.Pipeline` prepared on the caller's thread)
+``job``            :class:`~pipeline.engine.job.Job`, a request in flight: its spec, decode
+                   state, text state and tracer
+``loop``           :class:`Engine` and :class:`EngineConfig`: the thread, the queue, the step
+                   (settle → admit → plan → forward → commit), containment and stalls
+``pacing``         the pacer that sizes a step's prefill beside decoding requests
+``blocks``         the KV block manager and the content-addressed prefix cache
+``paging``         the KV memory rules over a paged backend: admission by free blocks, growth,
+                   preemption by recompute, publication, release
+``commit``         :class:`~pipeline.engine.commit.Committer`: a step's logits through each
+                   request's strategy into tokens, stops, text and deltas
+``forcing``        :class:`~pipeline.engine.forcing.Forcing`: tokens that override the
+                   selector (a forced prefix, a spent reasoning budget)
+``text_state``     a request's detokenizer, stoppers and tool-call reader between steps
+=================  ==========================================================================
+
+Importing ``pipeline.engine`` gives the names a caller of the engine uses (:class:`Engine`,
+:class:`EngineConfig`, :class:`RequestHandle`, :data:`ENGINE_DOWN`, :data:`MAX_CALLS`); the
+rest is importable from its module.
+"""
+
+from __future__ import annotations
+
+from pipeline.engine.handle import RequestHandle, RequestState
+from pipeline.engine.loop import (
+    ENGINE_DOWN, MAX_CALLS, Engine, EngineConfig, Stall, StrategyFactory,
+)
+
+__all__ = ["ENGINE_DOWN", "MAX_CALLS", "Engine", "EngineConfig", "RequestHandle",
+           "RequestState", "Stall", "StrategyFactory"]
