@@ -198,7 +198,7 @@ def test_pipeline_serve_refuses_them_before_serving(flags: list[str], says: str,
 def test_batch_invariance_is_on_for_cpu_unless_said_otherwise() -> None:
     import argparse
 
-    from pipeline.cli_run import backend_options
+    from pipeline.cli.run import backend_options
     from transports.http.config import ServerConfig
 
     assert BackendOptions().invariant is True
@@ -227,7 +227,7 @@ def test_gguf_weights_stay_quantized_by_default_on_a_cpu_at_float32() -> None:
 def test_the_quantized_flag_reaches_the_options(flag: str, want: bool | None) -> None:
     import argparse
 
-    from pipeline.cli_run import add_backend, backend_options
+    from pipeline.cli.run import add_backend, backend_options
 
     parser = argparse.ArgumentParser()
     add_backend(parser)

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from pipeline import GenerationConfig, build, cli
-from pipeline.cli_start import SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, summary_line
+from pipeline.cli.start import SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, summary_line
 from pipeline.errors import ArtifactError
 from pipeline.events import Event
 from pipeline.models import TINY_MODEL_DIR

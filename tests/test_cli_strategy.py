@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from pipeline import build, cli
-from pipeline.cli_strategy import add_strategy, served_choices, strategy_choice
+from pipeline.cli.strategy import add_strategy, served_choices, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.models import TINY_MASKED_MODEL_DIR
 from pipeline.strategy_choice import StrategyChoice

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import build, cli
+from pipeline import build
+from pipeline.cli import commands as cli
 from pipeline.errors import (
     ArtifactError, InvalidValueError, UnknownKeywordError, UnknownNameError, plural,
 )

@@ -74,9 +74,14 @@ def test_overload_then_disconnect_frees_the_slot_within_one_step(tmp_path: Path)
         assert done.finish_reason is FinishReason.CANCELLED and done.usage.completion_tokens < 5000
         assert pipe.engine is not None and pipe.engine.active_slots == 0
         assert backend.busy_slots == 0
+        # no ghost generation keeps calling the model: the next request's forwards carry it
+        # alone, and exactly what it feeds (its prompt past the cache, then its first token)
         settled = len(backend.calls)
-        time.sleep(0.1)
-        assert len(backend.calls) == settled  # no ghost generation keeps calling the model
+        after = pipe.generate("next", max_tokens=2, temperature=0)
+        forwards = backend.calls[settled:]
+        assert all(len(sequences) == 1 for _, sequences in forwards), forwards
+        fed = after.usage.prompt_tokens - after.usage.cached_tokens + 1
+        assert sum(n for _, sequences in forwards for _, n in sequences) == fed, forwards
         wait_for(lambda: any(r.request_id == done.request_id
                              for r in read_records(tmp_path / "usage.sqlite3")))
         (record,) = [r for r in read_records(tmp_path / "usage.sqlite3")

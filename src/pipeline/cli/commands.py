@@ -18,11 +18,11 @@ from typing import Any
 
 import attrs
 
-from pipeline.cli_chat import add_parser as add_chat_parser
-from pipeline.cli_start import Figures
-from pipeline.cli_run import INVARIANCE, add_invariance
-from pipeline.cli_run import add_parser as add_run_parser
-from pipeline.cli_strategy import add_strategy
+from pipeline.cli.chat import add_parser as add_chat_parser
+from pipeline.cli.start import Figures
+from pipeline.cli.run import INVARIANCE, add_invariance
+from pipeline.cli.run import add_parser as add_run_parser
+from pipeline.cli.strategy import add_strategy
 from pipeline.trace.cli import add_parser as add_trace_parser
 
 
@@ -109,7 +109,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
     from backends.torch.native_memory import bound_native_caches
-    from pipeline.cli_strategy import check_strategies, registered_strategies, served_choices
+    from pipeline.cli.strategy import check_strategies, registered_strategies, served_choices
     from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
     from transports.http.limits import Limits

@@ -8,13 +8,13 @@ the text as it streams, or with ``--json`` one JSON object (text, finish reason,
 timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace;
 ``--json-schema`` constrains the answer to a JSON schema (a file or inline JSON). The prompt
 is the argument, or standard input when the argument is ``-`` or absent. Standard error gets
-the start lines (:mod:`pipeline.cli_start`: loading, then ready with the sampling defaults in
+the start lines (:mod:`pipeline.cli.start`: loading, then ready with the sampling defaults in
 effect and their source) and, after the answer, the run's figures: with ``--verbose`` time to
 first token, prompt tokens and prefill speed, tokens generated and decode speed, finish
 reason; without it one summary line when the answer went to a terminal. A sampling flag left
 out takes the pipeline's defaults (:mod:`pipeline.sampling_defaults`). The strategy flags
 (``--strategy``, ``--steps``, ``--block-length``, ``--strategy-option``) are
-:mod:`pipeline.cli_strategy`'s. ``pipeline chat`` takes the same flags through
+:mod:`pipeline.cli.strategy`'s. ``pipeline chat`` takes the same flags through
 :func:`add_sampling`, :func:`sampling_params`, :func:`add_backend` and
 :func:`backend_options`.
 
@@ -33,8 +33,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli_start import Figures, Loading, summary_line, verbose_lines
-from pipeline.cli_strategy import add_strategy, build_with, strategy_choice
+from pipeline.cli.start import Figures, Loading, summary_line, verbose_lines
+from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
 

@@ -20,7 +20,7 @@ sampling flags, ``--device``, ``--dtype`` and the strategy flags (``--strategy``
 - A conversation that no longer fits the model's window is refused with one line that says
   so and suggests ``/reset``; so is one whose answer filled the window.
 - Standard error first says what loads and, once it is ready, the sampling defaults in
-  effect and their source (:mod:`pipeline.cli_start`); then, on a terminal, the banner says
+  effect and their source (:mod:`pipeline.cli.start`); then, on a terminal, the banner says
   what is loaded and that ``/help`` lists the commands.
 - On a terminal there is a ``>>>`` prompt with line editing and a banner; with standard
   input from a pipe there is no decoration at all: each line read is one turn, each answer
@@ -41,9 +41,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli_run import add_backend, add_sampling, backend_options, sampling_params
-from pipeline.cli_start import DEFAULT_NAME, Loading
-from pipeline.cli_strategy import add_strategy, build_with, strategy_choice
+from pipeline.cli.run import add_backend, add_sampling, backend_options, sampling_params
+from pipeline.cli.start import DEFAULT_NAME, Loading
+from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import ArtifactError, PipelineError
 from pipeline.types import Completion, FinishReason, GenerationConfig, from_mapping
 
