@@ -199,7 +199,7 @@ def _child_transformers(n: int, threads: int, runs: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.models import smollm2_file
+    from pipeline.model_paths import smollm2_file
 
     path = smollm2_file()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -322,7 +322,7 @@ def main() -> None:
         result["skipped"] = ["llama.cpp (smoke: nothing built or downloaded)", "transformers",
                              "child processes (each measurement ran in this one)"]
     else:
-        from pipeline.models import smollm2_file
+        from pipeline.model_paths import smollm2_file
 
         model = smollm2_file()
     for threads in (int(t) for t in args.threads.split(",")):

@@ -44,7 +44,7 @@ def _load_child(kind: str, model: str | None = None) -> dict[str, Any]:
     if kind == "transformers":
         from transformers import AutoModelForCausalLM
 
-        from pipeline.models import smollm2_file
+        from pipeline.model_paths import smollm2_file
 
         path = smollm2_file()
         AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -92,7 +92,7 @@ def ours(quantized: bool, model: str | None = None, repeats: int = 50,
 def transformers_rates() -> dict[str, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.models import smollm2_file
+    from pipeline.model_paths import smollm2_file
 
     path = smollm2_file()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -67,7 +67,7 @@ def _tokenizers(smoke: bool = False) -> dict[str, HFTokenizer]:
     """The three tokenizers (``smoke``: the tiny model's alone)."""
     from backends.gguf.file import GGUFFile
     from backends.gguf.tokenizer import gguf_tokenizer
-    from pipeline.models import TINY_MODEL_DIR, resolve_model
+    from pipeline.model_paths import TINY_MODEL_DIR, resolve_model
 
     if smoke:
         return {"tiny": HFTokenizer.from_dir(TINY_MODEL_DIR)}

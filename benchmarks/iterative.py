@@ -57,7 +57,7 @@ from backends.torch.backend import TorchBackend
 from iterative_bounds import ar_held_out, ar_nll, held_out_conversations, masked_held_out
 from pipeline import build
 from pipeline.events import Event
-from pipeline.models import TINY_MASKED_MODEL_DIR, TINY_MODEL_DIR, generation_marker
+from pipeline.model_paths import TINY_MASKED_MODEL_DIR, TINY_MODEL_DIR, generation_marker
 from pipeline.types import Completion, GenerationConfig
 
 PROMPTS = (

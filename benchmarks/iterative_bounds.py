@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.protocols import Attention, ModelCall
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -128,7 +128,7 @@ def main() -> None:
                         help="our side only: resolve the model, write the commands; build, "
                              "download and run nothing")
     args = parser.parse_args()
-    from pipeline.models import resolve_model
+    from pipeline.model_paths import resolve_model
 
     if args.smoke:
         args.model, args.threads = str(SMOKE_MODEL), "1"

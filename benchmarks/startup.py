@@ -110,7 +110,7 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
     from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
-    from pipeline.models import resolve_model
+    from pipeline.model_paths import resolve_model
     from pipeline.options import BackendOptions
 
     lap("import the GGUF and torch backends")

@@ -27,7 +27,7 @@ from _trace_doc import write
 from safetensors.torch import load_file, save_file
 
 from pipeline import build
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.trace import diff
 
 QUESTION = "Why is the sky usually blue? Answer in one sentence."

@@ -40,7 +40,7 @@ import pdoc.render
 
 MODULES = (
     "pipeline", "pipeline.types", "pipeline.errors", "pipeline.protocols", "pipeline.events",
-    "pipeline.registry", "pipeline.hookspecs", "pipeline.models", "pipeline.testing",
+    "pipeline.registry", "pipeline.hookspecs", "pipeline.model_paths", "pipeline.testing",
     "pipeline.trace",
     "stages.render", "stages.tokenize", "stages.process", "stages.select", "stages.detokenize",
     "stages.stop", "backends.torch", "transports", "transports.http",

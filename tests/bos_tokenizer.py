@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 
 BOS = 1
 """The id of ``<|im_start|>`` in the tiny vocabulary: the BOS the post-processor adds."""

@@ -17,7 +17,7 @@ import torch
 
 from pipeline import BackendOptions, build, cli
 from pipeline.errors import InvalidValueError, UnknownFieldError
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 
 RUN = [sys.executable, "-m", "pipeline"]
 

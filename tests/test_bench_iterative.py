@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.testing import ScriptedBackend, hashed_denoiser, hashed_logits
 
 ROOT = Path(__file__).resolve().parent.parent

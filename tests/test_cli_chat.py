@@ -90,7 +90,7 @@ def test_turns_keep_the_history_and_the_commands_work(tmp_path: Path, tiny: Pipe
 def test_help_and_bad_flags(tmp_path: Path) -> None:
     import shutil
 
-    from pipeline.models import TINY_MODEL_DIR
+    from pipeline.model_paths import TINY_MODEL_DIR
 
     done = _chat(["/help"])
     assert done.returncode == 0 and "/save FILE" in done.stdout and "/reset" in done.stdout

@@ -25,7 +25,7 @@ from typing import IO
 import httpx
 import pytest
 
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.types import FinishReason
 
 RUN = [sys.executable, "-m", "pipeline", "serve", "--host", "127.0.0.1", "--port", "0"]

@@ -37,7 +37,7 @@ from pipeline import GenerationConfig, build, cli
 from pipeline.cli.start import SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, summary_line
 from pipeline.errors import ArtifactError
 from pipeline.events import Event
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.sampling_defaults import (
     CALLER, GENERATION_CONFIG, GGUF_METADATA, PIPELINE, PIPELINE_DEFAULT, from_generation_config,
     model_sampling,

@@ -27,7 +27,7 @@ import pytest
 from pipeline import build, cli
 from pipeline.cli.strategy import add_strategy, served_choices, strategy_choice
 from pipeline.errors import InvalidValueError
-from pipeline.models import TINY_MASKED_MODEL_DIR
+from pipeline.model_paths import TINY_MASKED_MODEL_DIR
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.trace import check, load_all
 from tests.test_cli_serve_logs import LINE, LISTEN, Log

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline import FinishReason, build, cli
 from pipeline.errors import ArtifactError
-from pipeline.models import SMOLLM2_INSTALL, TINY_MODEL_DIR, smollm2_file
+from pipeline.model_paths import SMOLLM2_INSTALL, TINY_MODEL_DIR, smollm2_file
 
 try:
     SMOLLM2 = smollm2_file()

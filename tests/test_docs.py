@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from doc_snippets import not_run, snippets
-from pipeline.models import TINY_MODEL_DIR, smollm2_file
+from pipeline.model_paths import TINY_MODEL_DIR, smollm2_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

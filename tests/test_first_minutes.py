@@ -18,7 +18,7 @@ from pipeline.cli import commands as cli
 from pipeline.errors import (
     ArtifactError, InvalidValueError, UnknownKeywordError, UnknownNameError, plural,
 )
-from pipeline.models import TINY_MODEL_DIR, resolve_model
+from pipeline.model_paths import TINY_MODEL_DIR, resolve_model
 
 
 @pytest.mark.parametrize("name", ["models/SmolLM2.gguf", "x.gguf", "./here", "a/b/c",

@@ -19,7 +19,7 @@ import torch
 
 from pipeline import build
 from pipeline.errors import ArtifactError, InvalidValueError
-from pipeline.models import SMOLLM2_INSTALL, resolve_model, smollm2_file
+from pipeline.model_paths import SMOLLM2_INSTALL, resolve_model, smollm2_file
 
 gguf = pytest.importorskip("gguf")
 
@@ -215,7 +215,7 @@ def _tiny_as_gguf(path: Path, qtype: Any = None,
     """The package's tiny Qwen3-MoE written with gguf.GGUFWriter under llama.cpp's names
     (float32 tensors; ``qtype`` quantizes the 2-D attention matrices)."""
     from backends.torch.loader import load_checkpoint
-    from pipeline.models import TINY_MODEL_DIR
+    from pipeline.model_paths import TINY_MODEL_DIR
 
     ckpt = load_checkpoint(TINY_MODEL_DIR, dtype=torch.float32, progress=False)
     s, w = ckpt.spec, ckpt.weights
@@ -284,7 +284,7 @@ def test_a_qwen3_moe_gguf_loads_as_the_same_model(tmp_path: Path, qtype: str | N
     from backends.gguf.load import load_weights
     from backends.torch.config import ModelSpec
     from backends.torch.loader import load_checkpoint
-    from pipeline.models import TINY_MODEL_DIR
+    from pipeline.model_paths import TINY_MODEL_DIR
 
     kind = None if qtype is None else getattr(gguf.GGMLQuantizationType, qtype)
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", kind))

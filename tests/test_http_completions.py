@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pipeline.builder import build
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, GenerationConfig, Request
 from stages.tokenize import HFTokenizer

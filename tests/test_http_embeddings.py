@@ -23,7 +23,7 @@ import transformers
 
 from pipeline.builder import build
 from pipeline.errors import EngineClosed
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.types import GenerationConfig
 from tests.http_support import config, endless_model, running

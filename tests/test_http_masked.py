@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from pipeline.models import TINY_MASKED_MODEL_DIR
+from pipeline.model_paths import TINY_MASKED_MODEL_DIR
 from tests.http_support import config, running
 from transports.http import Gateway
 

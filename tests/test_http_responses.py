@@ -21,7 +21,7 @@ import pydantic
 import pytest
 
 from pipeline.builder import build
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer

@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pipeline.builder import build
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from tests.http_support import (
     ANSWER_TEXT, POLITE_TEXT, config, polite_model, running, thinker_model, tool_model,

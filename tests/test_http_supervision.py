@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.builder import build
 from pipeline.errors import EngineClosed, InvalidValueError, RequestFailed, StepStillRunning
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.protocols import ModelCall
 from pipeline.testing import ScriptedBackend, peaked

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline import build
 from pipeline.errors import InvalidValueError, UnknownFieldError
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.types import GenerationConfig, Message
 
 TOOLS = [{"type": "function", "function": {

@@ -21,7 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pipeline import TokenLogprob, build
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.testing import ByteTokenizer
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running

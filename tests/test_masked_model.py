@@ -17,7 +17,7 @@ import torch
 
 from pipeline import build
 from pipeline.errors import InvalidValueError
-from pipeline.models import TINY_MASKED_MODEL_DIR, generation_marker
+from pipeline.model_paths import TINY_MASKED_MODEL_DIR, generation_marker
 from pipeline.protocols import Attention, ModelCall
 from pipeline.types import FinishReason, GenerationConfig
 

@@ -1,4 +1,4 @@
-"""Where a named model is found (pipeline.models): folders, GGUF files, short names, and repo
+"""Where a named model is found (pipeline.model_paths): folders, GGUF files, short names, and repo
 ids in the local Hugging Face cache, offline, by huggingface_hub's own rules (the oracle:
 ``huggingface_hub.try_to_load_from_cache`` on the same cache layout)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from pipeline import build
 from pipeline.errors import ArtifactError
-from pipeline.models import TINY_MODEL_DIR, hf_cache_dir, resolve_model
+from pipeline.model_paths import TINY_MODEL_DIR, hf_cache_dir, resolve_model
 
 REPO = "Org/tiny-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

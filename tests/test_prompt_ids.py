@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pipeline import build
 from pipeline.errors import InvalidValueError
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.protocols import DocumentEncoder
 from pipeline.trace import check

@@ -336,7 +336,7 @@ def test_rendering_many_caller_strings_is_not_quadratic() -> None:
     import time
 
     from pipeline.builder import build
-    from pipeline.models import TINY_MODEL_DIR
+    from pipeline.model_paths import TINY_MODEL_DIR
 
     def seconds(n: int) -> float:
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}

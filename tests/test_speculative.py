@@ -28,7 +28,7 @@ from pipeline.engine import EngineConfig
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
 from pipeline.engine.forcing import Forcing
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.protocols import Row
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits
 from pipeline.trace import check, diff, load

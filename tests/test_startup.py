@@ -29,7 +29,7 @@ from backends.torch.config import ModelSpec
 from pipeline import build, cli
 from pipeline.builder import load_tokenizer
 from pipeline.errors import ArtifactError
-from pipeline.models import TINY_MODEL_DIR, smollm2_file
+from pipeline.model_paths import TINY_MODEL_DIR, smollm2_file
 
 gguf = pytest.importorskip("gguf")
 QT = gguf.GGMLQuantizationType

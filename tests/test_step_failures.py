@@ -31,7 +31,7 @@ from pipeline.errors import InvalidValueError, RequestFailed
 from pipeline.grammar import JSON_LAYOUT, Grammar
 from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.hookspecs import hookimpl
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.protocols import Batch, Row, Scores
 from pipeline.registry import Component

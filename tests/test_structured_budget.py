@@ -20,7 +20,7 @@ import pytest
 
 from pipeline import Grammar, build
 from pipeline.errors import InvalidValueError
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from stages.grammar.closing import Closer
 from stages.grammar.guard import ANY, JsonGuard, JsonScan, unique_paths
 from stages.grammar.vocab import ll_tokenizer, token_table

@@ -24,7 +24,7 @@ from stages.grammar import GrammarProcessor
 from stages.grammar.bitmask import apply_bitmask, unpack_bits
 from stages.grammar.tools import tool_call_grammar
 from stages.tokenize import HFTokenizer
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.trace import check
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],

@@ -19,7 +19,7 @@ from backends.torch.invariant import sdpa
 from backends.torch.threads import PROBE_FIRST, PROBE_MOST, PROBE_STEPS, ThreadChooser
 from pipeline import build
 from pipeline.errors import ArtifactError
-from pipeline.models import SMOLLM2_INSTALL, smollm2_file
+from pipeline.model_paths import SMOLLM2_INSTALL, smollm2_file
 
 try:
     HAVE_SMOLLM2 = smollm2_file() is not None

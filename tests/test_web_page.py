@@ -33,7 +33,7 @@ import transports.http
 
 from pipeline.builder import build
 from pipeline.events import MINIMAL_TIMELINE, Event
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from pipeline.trace import check

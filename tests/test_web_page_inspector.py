@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.builder import build
 from pipeline.events import Event
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running

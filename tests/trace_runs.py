@@ -12,7 +12,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.models import TINY_MODEL_DIR
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.events import Event, digest_text
 
 QUESTION = "Why is the sky usually blue?"

@@ -16,7 +16,7 @@ import attrs
 from pipeline.engine import Engine, EngineConfig
 from pipeline.errors import ArtifactError, InvalidValueError, hint_keywords
 from pipeline.events import EventSink
-from pipeline.models import (
+from pipeline.model_paths import (
     DEFAULT_MODEL, GENERATION_KEY, TINY_MODEL_DIR, ResolvedModel, generation_marker,
     is_gguf_file, resolve_model,
 )
@@ -80,7 +80,7 @@ def build(
     """Build a pipeline for ``model`` or from explicit stages.
 
     ``model`` is a Hugging Face-layout folder, a GGUF file, a short name (``"smollm2"``,
-    ``"tiny"``) or a repo id in the local Hugging Face cache (:mod:`pipeline.models`). With
+    ``"tiny"``) or a repo id in the local Hugging Face cache (:mod:`pipeline.model_paths`). With
     no model, backend or tokenizer, the default model (SmolLM2-135M-Instruct) is used.
 
     A folder that holds only tokenizer files gives a pipeline that renders, tokenizes and

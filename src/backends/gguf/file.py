@@ -52,7 +52,7 @@ from gguf import GGMLQuantizationType as QT
 
 from pipeline.errors import ArtifactError
 from pipeline.events import digest_json
-from pipeline.models import is_gguf_file
+from pipeline.model_paths import is_gguf_file
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",

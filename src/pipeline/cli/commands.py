@@ -23,7 +23,7 @@ from pipeline.cli.start import Figures
 from pipeline.cli.run import INVARIANCE, add_invariance
 from pipeline.cli.run import add_parser as add_run_parser
 from pipeline.cli.strategy import add_strategy
-from pipeline.trace.cli import add_parser as add_trace_parser
+from pipeline.trace.commands import add_parser as add_trace_parser
 
 
 def command() -> str:

@@ -54,7 +54,7 @@ def describe(model: str | None) -> tuple[str, Path]:
     """``MODEL (size, precision)`` for the lines, and the file or folder ``model`` resolves
     to; a model that is nowhere is the :class:`~pipeline.errors.ArtifactError` ``build``
     would raise, before any line is written."""
-    from pipeline.models import DEFAULT_MODEL, resolve_model
+    from pipeline.model_paths import DEFAULT_MODEL, resolve_model
 
     name = DEFAULT_NAME if model in (None, DEFAULT_MODEL) else str(model)
     where = resolve_model(model or DEFAULT_MODEL).path

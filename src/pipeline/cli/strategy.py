@@ -144,7 +144,7 @@ def _flag_words(reason: str) -> str:
 def _model_strategy(model: str | Path | None) -> str | None:
     """The strategy ``build(model)`` picks without one (its marker's, else autoregressive);
     None when the model cannot be read (its own error says why)."""
-    from pipeline.models import generation_marker, resolve_model
+    from pipeline.model_paths import generation_marker, resolve_model
 
     if model is None:
         return "autoregressive"

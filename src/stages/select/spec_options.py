@@ -35,7 +35,7 @@ from pipeline.types import from_mapping
 from stages.process.chain import ProcessorChain
 from stages.select.draft import DraftModelProposer, vocabulary_mismatch
 from stages.select.proposers import NgramProposer, Proposer
-from stages.select.speculative import MAX_DRAFT_TOKENS, SpeculativeStrategy
+from stages.select.speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpeculativeStrategy
 
 PROPOSERS = ("ngram", "draft")
 DRAFT_OPTIONS = ("num_slots", "max_context", "dtype", "device", "pack", "quantized",
@@ -67,7 +67,8 @@ class SpeculativeConfig:
     """The speculative strategy's options (see the module docstring)."""
 
     proposer: str = attrs.field(default="ngram")
-    num_draft_tokens: int = attrs.field(default=8, validator=_count(1, MAX_DRAFT_TOKENS))
+    num_draft_tokens: int = attrs.field(default=DEFAULT_DRAFT_TOKENS,
+                                        validator=_count(1, MAX_DRAFT_TOKENS))
     max_n: int = attrs.field(default=4, validator=_count(1, MAX_N))
     min_n: int = attrs.field(default=1, validator=_count(1, MAX_N))
     draft_model: str | Path | Backend | None = attrs.field(default=None, eq=False)

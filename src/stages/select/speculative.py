@@ -47,6 +47,9 @@ from stages.select.verify import Block, Position, verify
 
 MAX_DRAFT_TOKENS = 64
 """The most drafts one step may verify."""
+DEFAULT_DRAFT_TOKENS = 8
+"""k, the most drafts one step verifies, when nothing says otherwise (the one default of
+``num_draft_tokens``, which :class:`~stages.select.spec_options.SpecOptions` uses too)."""
 
 
 @attrs.define
@@ -81,7 +84,7 @@ class SpeculativeStrategy:
     name: str = "speculative"
 
     def __init__(self, chain: ProcessorChain | Sequence[LogitProcessor], selector: Selector,
-                 proposer: Proposer, num_draft_tokens: int = 4,
+                 proposer: Proposer, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  max_context: int | None = None) -> None:
         if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidValueError("num_draft_tokens", num_draft_tokens,

@@ -3,9 +3,11 @@
 Owns the two rules for fields of the OpenAI and Anthropic APIs that the dialect parsers do
 not turn into generation: a field with no meaning on this server (a billing tier, a cache
 hint, an effort or verbosity hint, a region, an id) is type-checked and ignored; a field that
-would change the answer in a way this server cannot honour (structured output, audio, web
-search, moderation, server-side tools and state) is refused with a 400 that says it is not
-supported, so nothing is silently dropped. Only names no API documents are unknown fields
+would change the answer in a way this server cannot honour (audio, other modalities, the
+deprecated ``functions``, moderation, web search, server-side tools and state) is refused
+with a 400 that says it is not supported, so nothing is silently dropped. Structured output is
+served: :func:`response_format` and :func:`structured_outputs` turn its fields into the
+request's :class:`~pipeline.grammar.Grammar`. Only names no API documents are unknown fields
 (:meth:`~transports.http.fields.Obj.done`, with its "did you mean" hint).
 
 :func:`openai_ignored`, :func:`openai_chat_refused` and :func:`anthropic_fields` read the

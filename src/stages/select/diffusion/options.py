@@ -10,7 +10,7 @@ closest known name). A backend given as an instance has no marker: ``mask_token_
 then be among the options. Options of LLaDA's ``generate`` that are not implemented here
 (:data:`NOT_IMPLEMENTED`: ``cfg_scale``, ``confidence_eos_eot_inf``) are refused by name,
 saying why. The marker itself (its ``attention`` among them) is checked by
-:func:`pipeline.models.generation_marker`.
+:func:`pipeline.model_paths.generation_marker`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
-from pipeline.models import GENERATION_KEY, generation_marker
+from pipeline.model_paths import GENERATION_KEY, generation_marker
 from pipeline.protocols import LogitProcessor, Selector
 from pipeline.registry import BuildContext
 from stages.select.diffusion.strategy import (

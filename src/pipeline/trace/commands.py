@@ -27,7 +27,7 @@ from pipeline.trace.svg import to_svg
 def _detokenizer(trace: Trace, model: str | None) -> tuple[Detokenize | None, str]:
     """``tokenizer.decode`` of the model folder (default: the embedded model), used only when
     its digest is the trace's tokenizer artifact."""
-    from pipeline.models import TINY_MODEL_DIR
+    from pipeline.model_paths import TINY_MODEL_DIR
     from pipeline.registry import BuildContext, Registry
 
     folder = Path(model) if model else TINY_MODEL_DIR
@@ -155,7 +155,7 @@ def _guard(fn: Command) -> Command:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipeline.trace.cli``: the same commands without the ``trace`` prefix."""
+    """``python -m pipeline.trace.commands``: the same commands without the ``trace`` prefix."""
     parser = argparse.ArgumentParser(prog="pipeline")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["trace", *(sys.argv[1:] if argv is None else argv)])
