@@ -371,3 +371,14 @@ def test_serve_a_model_whose_options_do_not_fit_fails_naming_the_option(tmp_path
     assert lines[-1].startswith("pipeline serve: no model could be loaded ('m': ")
     assert "'treshold' (did you mean 'threshold'?)" in lines[-1]
     assert sum(" ERROR pipeline.serve: model 'm' failed to load" in x for x in lines) == 1
+
+
+def test_build_takes_the_choice_as_one_value() -> None:
+    # build(strategy=StrategyChoice(...)) is build(**choice.build_args()): the same tokens
+    choice = StrategyChoice("fast_dllm", 4, 8, {"threshold": 0.5})
+    with build("tiny-masked", strategy=choice) as pipe:
+        assert pipe.engine is not None and pipe.engine.strategy(None).name == "fast_dllm"
+        whole = pipe.generate(MESSAGES, temperature=0, max_tokens=16)
+    assert whole.text == library(choice, temperature=0, max_tokens=16)
+    with pytest.raises(InvalidValueError, match="steps.*StrategyChoice"):
+        build("tiny-masked", strategy=choice, steps=2)

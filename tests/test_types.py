@@ -94,8 +94,8 @@ def test_public_names_are_pinned() -> None:
         "ModelCall", "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer",
         "Request", "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits",
         "Scores", "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",
-        "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall",
-        "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",
+        "StrategyChoice", "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
+        "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",
         "Transport", "Update", "Usage", "build", "hookimpl"])
     for name in pipeline.__all__:
         assert getattr(pipeline, name).__doc__, name

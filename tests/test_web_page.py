@@ -16,6 +16,7 @@ Without a Chromium binary the browser tests skip, unless ``PIPELINE_REQUIRE_BROW
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -48,7 +49,9 @@ MAX_TOKENS = 24
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update",
                   "--disable-sync"]
-TIMEOUT_MS = 10_000
+TIMEOUT_MS = 60_000
+"""How long the browser waits for what the page must show: a bound on a hang, not a speed
+test (a loaded machine runs the scripted models many times slower than an idle one)."""
 # An answer that is markup: the page must show it as text, never build elements from it.
 MARKUP = '<img src="x" id="injected"><b>bold</b> & <script>document.title="owned"</script>'
 
@@ -166,8 +169,11 @@ def _chromium() -> str:
     pytest.skip(why)
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+@contextlib.contextmanager
+def chromium_context(profile: Path, **launch: Any) -> Iterator[Any]:
+    """A headless Chromium context (playwright over the system's browser) with a profile in
+    ``profile`` and ``launch``'s extra options; skips, or fails where a browser is required,
+    without Chromium or playwright."""
     executable = _chromium()
     try:
         from playwright.sync_api import sync_playwright
@@ -177,11 +183,18 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         pytest.skip("playwright is not installed (pip install -e '.[dev]')")
     with sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=executable,
-            headless=True, args=CHROMIUM_FLAGS, accept_downloads=True)
+            str(profile), executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
+            **launch)
         context.set_default_timeout(TIMEOUT_MS)
         yield context
         context.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with chromium_context(tmp_path_factory.mktemp("chromium-profile"),
+                          accept_downloads=True) as context:
+        yield context
 
 
 @pytest.fixture

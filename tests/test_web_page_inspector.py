@@ -27,7 +27,7 @@ from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running
-from tests.test_web_page import CHROMIUM_FLAGS, TIMEOUT_MS, _chromium, _required, markup_model
+from tests.test_web_page import TIMEOUT_MS, chromium_context, markup_model
 from transports.http import Gateway, ServerConfig
 
 KEY, OTHER = "sk-inspector", "sk-someone-else"
@@ -157,21 +157,10 @@ def test_the_inspector_endpoints_keep_the_trace_access_rule(base_url: str) -> No
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory, base_url: str) -> Iterator[Any]:
-    executable = _chromium()
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        if _required():
-            raise
-        pytest.skip("playwright is not installed (pip install -e '.[dev]')")
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-inspector")), executable_path=executable,
-            headless=True, args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 900})
-        context.set_default_timeout(TIMEOUT_MS)
+    with chromium_context(tmp_path_factory.mktemp("chromium-inspector"),
+                          viewport={"width": 1400, "height": 900}) as context:
         context.grant_permissions(["clipboard-read", "clipboard-write"], origin=base_url)
         yield context
-        context.close()
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         Strategy, Taken, Tokenizer, ToolCallParser, ToolCallReader, Transport, Update,
     )
     from pipeline.request_options import RequestOptions
+    from pipeline.strategy_choice import StrategyChoice
     from pipeline.registry import BuildContext, Component
     from pipeline.types import (
         Completion, Delta, FinishReason, GenerationConfig, Message, Recording, Rendered,
@@ -65,7 +66,7 @@ _HOMES = {
     "BackendOptions": "pipeline.options", "Pipeline": "pipeline.pipe",
     "BuildContext": "pipeline.registry", "Component": "pipeline.registry",
     "EventSink": "pipeline.events", "Forcing": "pipeline.engine.forcing",
-    "RequestOptions": "pipeline.request_options",
+    "RequestOptions": "pipeline.request_options", "StrategyChoice": "pipeline.strategy_choice",
     **{name: "pipeline.errors" for name in ERRORS},
     **{name: "pipeline.protocols" for name in (
         "Attention", "Backend", "Batch", "Detokenizer", "LogitProcessor", "ModelCall", "Plan",
@@ -103,9 +104,9 @@ __all__ = [
     "Forcing", "GenerationConfig", "Grammar", "LogitProcessor", "Message", "ModelCall",
     "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
     "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits", "Scores",
-    "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy", "Taken",
-    "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer", "ToolCall", "ToolCallDelta",
-    "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec", "Transport", "Update",
-    "Usage", "build", "hookimpl",
+    "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",
+    "StrategyChoice", "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
+    "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",
+    "Transport", "Update", "Usage", "build", "hookimpl",
     *ERRORS,
 ]

@@ -28,6 +28,7 @@ from pipeline.protocols import (
 )
 from pipeline.registry import BuildContext, Registry
 from pipeline.sampling_defaults import for_build
+from pipeline.strategy_choice import StrategyChoice
 from pipeline.tools.parsing import choose_parser
 from pipeline.types import Delta, GenerationConfig
 
@@ -64,7 +65,7 @@ def build(
     detokenizer: str | Detokenizer[Any] = "incremental",
     stoppers: Sequence[str | Stopper[Any]] | None = None,
     replace_stoppers: bool = False,
-    strategy: str | None = None,
+    strategy: str | StrategyChoice | None = None,
     steps: int | None = None,
     block_length: int | None = None,
     strategy_options: Mapping[str, Any] | None = None,
@@ -135,8 +136,9 @@ def build(
     run at the same token, the earlier one's reason is reported. ``replace_stoppers=True``
     makes ``stoppers`` the whole list.
 
-    ``strategy`` names how tokens are generated: ``"autoregressive"`` (the default for an
-    autoregressive model), ``"speculative"``, or an iterative sampler such as masked
+    ``strategy`` (a name, or a :class:`~pipeline.strategy_choice.StrategyChoice` that also
+    carries ``steps``, ``block_length`` and ``strategy_options``) names how tokens are
+    generated: ``"autoregressive"`` (the default for an autoregressive model), ``"speculative"``, or an iterative sampler such as masked
     diffusion's ``"llada"``, ``"fast_dllm"`` and ``"dfm"`` (docs/diffusion.md) or continuous
     diffusion's and flow's ``"ddpm"``, ``"ddim"`` and ``"flow"`` (docs/continuous.md). A
     model whose ``config.json`` carries a ``pipeline_generation`` marker is not autoregressive: without a
@@ -164,8 +166,20 @@ def build(
     model_dir, model_file = found.directory, found.file
     if model_file is not None and not is_gguf_file(model_file):
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
-    strategy, strategy_settings = _strategy(model_dir, strategy, steps, block_length,
-                                            _mapping("strategy_options", strategy_options))
+    if isinstance(strategy, StrategyChoice):  # the choice as one value: it says it all
+        for field, value in (("steps", steps), ("block_length", block_length),
+                             ("strategy_options", strategy_options)):
+            if value is not None:
+                raise InvalidValueError(field, value, "is set by strategy=StrategyChoice(...); "
+                                                     "give it there")
+        choice = strategy.build_args()
+        steps, block_length = choice["steps"], choice["block_length"]
+        named: str | None = choice["strategy"]
+        strategy_options = choice["strategy_options"]
+    else:
+        named = strategy
+    name, strategy_settings = _strategy(model_dir, named, steps, block_length,
+                                        _mapping("strategy_options", strategy_options))
     context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file,
                            strategy_options=strategy_settings)
     tok = _tokenizer(registry, context, tokenizer)
@@ -195,7 +209,7 @@ def build(
     )
     model_backend = _backend(registry, context, backend)
     context = attrs.evolve(context, backend=model_backend)
-    make_strategy = cast(StrategyMaker, registry.create("strategy", strategy, context))
+    make_strategy = cast(StrategyMaker, registry.create("strategy", name, context))
     eng = None
     if model_backend is not None:
         if tok is None:
@@ -212,7 +226,7 @@ def build(
     return Pipeline(stages, eng, sinks=sinks, defaults=sampling.config,
                     defaults_source=sampling.source,
                     description={"model": str(where) if where else None,
-                                 "strategy": strategy}, registry=registry)
+                                 "strategy": name}, registry=registry)
 
 
 def _strategy(model_dir: Path | None, strategy: str | None, steps: int | None,
