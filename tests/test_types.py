@@ -165,3 +165,21 @@ def test_request_options_name_every_keyword_generate_takes() -> None:
     own = {name for name, p in inspect.signature(Pipeline.request).parameters.items()
            if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert set(RequestOptions.__annotations__) == fields | own
+
+
+def test_a_planned_call_takes_every_field_of_its_plan() -> None:
+    # ModelCall.planned is the one place a strategy's Plan becomes a backend's call: each field
+    # the two share (every Plan field but its trace events) arrives as it is
+    import torch
+
+    from pipeline import Attention, ModelCall, Plan
+
+    x = torch.ones(2, 3)
+    plan = Plan((5, 6), (0, 1), Attention.BLOCK, False, embeddings=x, time=0.25,
+                self_condition=x * 2)
+    call = ModelCall.planned(3, 7, plan, (1, 2))
+    shared = ({f.name for f in attrs.fields(Plan)} & {f.name for f in attrs.fields(ModelCall)})
+    assert shared == {f.name for f in attrs.fields(Plan)} - {"events"}
+    for name in shared:
+        assert getattr(call, name) is getattr(plan, name), name
+    assert (call.slot, call.start, call.blocks, call.prompt) == (3, 7, (1, 2), False)

@@ -502,10 +502,22 @@ class ModelCall:
     prompt: bool = False
 
     @classmethod
-    def chunk(cls, chunk: PrefillChunk) -> ModelCall:
-        """The call for a prefill chunk: logits at its last token when it ends its prompt."""
+    def chunk(cls, chunk: PrefillChunk, blocks: Sequence[int] | None = None) -> ModelCall:
+        """The call for a prefill chunk: logits at its last token when it ends its prompt
+        (``blocks``: the sequence's block table, when the caller manages KV memory)."""
         return cls(chunk.slot, chunk.token_ids, chunk.start,
-                   (len(chunk.token_ids) - 1,) if chunk.last else (), prompt=True)
+                   (len(chunk.token_ids) - 1,) if chunk.last else (), blocks=blocks,
+                   prompt=True)
+
+    @classmethod
+    def planned(cls, slot: int, start: int, plan: Plan,
+                blocks: Sequence[int] | None = None) -> ModelCall:
+        """The call for a strategy's :class:`Plan`, placed in the cache: at ``slot``, after
+        its ``start`` cached positions, with ``blocks`` its block table (None: the backend
+        keeps its memory). Every field the plan has, the call takes as it is."""
+        return cls(slot, plan.token_ids, start, plan.outputs, plan.attention, plan.write,
+                   blocks, embeddings=plan.embeddings, time=plan.time,
+                   self_condition=plan.self_condition)
 
 
 def split_outputs(calls: Sequence[ModelCall], logits: torch.Tensor) -> list[torch.Tensor]:

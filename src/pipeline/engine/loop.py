@@ -576,15 +576,10 @@ class Engine:
         for job in plan.decode:
             p = job.plan
             assert p is not None
-            calls[job] = ModelCall(job.slot_id, p.token_ids, job.cache_len, p.outputs,
-                                   p.attention, p.write, self._table(job),
-                                   embeddings=p.embeddings, time=p.time,
-                                   self_condition=p.self_condition)
+            calls[job] = ModelCall.planned(job.slot_id, job.cache_len, p, self._table(job))
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
-            call = ModelCall.chunk(chunk)
-            calls[job] = call if self._paging is None else attrs.evolve(
-                call, blocks=self._table(job))
+            calls[job] = ModelCall.chunk(chunk, self._table(job))
         done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
                           calls)
         fresh = [(job, rows) for job, rows in done if len(rows)]
