@@ -250,3 +250,24 @@ def test_a_think_block_is_a_reasoning_item_streamed_and_not(oai: openai.OpenAI) 
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert thought == next(e.text for e in events if e.type == "response.reasoning_text.done")
     assert thought == item.content[0].text and events[-1].type == "response.incomplete"
+
+
+def test_a_budget_that_does_not_fit_is_refused_by_the_name_the_client_sent(
+        tmp_path: Path) -> None:
+    # without clamping, an output budget beyond the room the prompt leaves is a 400 that names
+    # the body's own field: max_output_tokens (Responses), max_completion_tokens or max_tokens
+    cfg = config(tmp_path, api_keys={KEY}, clamp_max_tokens=False, max_context=256)
+    with running(Gateway(cfg, builder)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model="default", input="hi", max_output_tokens=5000)
+        body: Any = err.value.body
+        assert body["param"] == "max_output_tokens"
+        assert "max_output_tokens=5000 is too large" in body["message"]
+        chat: Any = [{"role": "user", "content": "hi"}]
+        for field in ("max_completion_tokens", "max_tokens"):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="default", messages=chat,
+                                               extra_body={field: 5000})
+            body = err.value.body
+            assert body["param"] == field

@@ -72,6 +72,9 @@ class Parsed:
     """The sampling fields (:data:`~pipeline.sampling_defaults.SAMPLING_FIELDS`) the body
     set; the others take the served pipeline's defaults (:func:`with_model_defaults`).
     None: the request's config is complete as parsed."""
+    budget_field: str = "max_tokens"
+    """The body's name for the output budget (``max_completion_tokens``, Responses'
+    ``max_output_tokens``), so a refusal of it names what the client sent."""
 
 
 class StreamEncoder(Protocol):

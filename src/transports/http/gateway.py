@@ -429,14 +429,15 @@ class Gateway:
         return limit - self.config.context_slack
 
     def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool,
-            checkpoint: Checkpoint | None = None) -> Fitted:
+            checkpoint: Checkpoint | None = None, budget_field: str = "max_tokens") -> Fitted:
         """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
 
         ``room = window - slack - prompt_tokens``. When the character-class bound plus
         ``max_tokens`` fits, the prompt is not counted here at all (a token-id prompt is
         counted by its length). A prompt with more
         characters than ``window`` tokens of the longest token could cover is refused before
-        tokenizing. ``checkpoint`` is called between the render and the count.
+        tokenizing. ``checkpoint`` is called between the render and the count. A refused
+        budget is named ``budget_field``, the body's name for it.
         """
         pipe, config = served.pipe, request.generation_config
         window = self.window(served)
@@ -446,7 +447,7 @@ class Gateway:
             deadline_s=limits.deadline_s or self.config.request_deadline_s))
         if request.prompt_ids is not None:  # counted already: its length
             return self._fit_count(request, len(request.prompt_ids), window, False,
-                                   max_tokens_given)
+                                   max_tokens_given, budget_field)
         if request.prompt is not None:
             text = request.prompt
         else:
@@ -459,7 +460,7 @@ class Gateway:
         if checkpoint is not None:
             checkpoint()
         return self._fit_count(request, pipe.count_tokens(request), window, thinking,
-                               max_tokens_given)
+                               max_tokens_given, budget_field)
 
     def refuse_longer(self, served: ServedModel, text: str, field: str) -> None:
         """Refuse ``text`` without tokenizing it when it has more characters than the window's
@@ -470,7 +471,7 @@ class Gateway:
             raise ContextWindowError(field, at_least, window - 1, lower_bound=True)
 
     def _fit_count(self, request: Request, prompt_tokens: int, window: int, thinking: bool,
-                   max_tokens_given: bool) -> Fitted:
+                   max_tokens_given: bool, budget_field: str = "max_tokens") -> Fitted:
         """:meth:`fit` once the prompt's exact length is known."""
         config = request.generation_config
         if prompt_tokens > window - 1:
@@ -479,7 +480,7 @@ class Gateway:
         if config.max_tokens <= room:
             return Fitted(request, thinking)
         if max_tokens_given and not self.config.clamp_max_tokens:
-            raise ContextWindowError("max_tokens", prompt_tokens, room, config.max_tokens)
+            raise ContextWindowError(budget_field, prompt_tokens, room, config.max_tokens)
         fitted = attrs.evolve(config, max_tokens=room, min_tokens=min(config.min_tokens, room))
         return Fitted(attrs.evolve(request, generation_config=fitted), thinking)
 

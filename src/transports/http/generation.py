@@ -88,7 +88,7 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
     fitted = []
     for request in _inputs(gateway, served, parsed, checkpoint):
         fitted.append(gateway.fit(served, request, max_tokens_given=parsed.max_tokens_given,
-                                  checkpoint=checkpoint))
+                                  checkpoint=checkpoint, budget_field=parsed.budget_field))
         checkpoint()
     # message_start reports the prompt's size before any token exists
     counted = parsed.stream and dialect is Dialect.ANTHROPIC

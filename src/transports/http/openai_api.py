@@ -161,14 +161,16 @@ def sampling(body: Obj, numbers: dict[str, tuple[str, float, float, bool]] | Non
     return fields
 
 
-def _config(body: Obj, defaults: ServerDefaults) -> tuple[GenerationConfig, bool]:
+def _config(body: Obj, defaults: ServerDefaults) -> tuple[GenerationConfig, bool, str]:
+    """The generation config, whether the body set its budget, and the budget's field name."""
     fields = sampling(body)
     tokens = body.num("max_completion_tokens", 1, 1 << 30, integer=True)
     legacy = body.num("max_tokens", 1, 1 << 30, integer=True)
     given = tokens if tokens is not None else legacy
     if body.get("logprobs", "boolean"):
         fields["logprobs"] = True
-    return config_from(fields, given, defaults), given is not None
+    field = "max_completion_tokens" if tokens is not None else "max_tokens"
+    return config_from(fields, given, defaults), given is not None, field
 
 
 def choice_count(body: Obj) -> int:
@@ -198,7 +200,7 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
         raise InvalidValueError("messages", [], "at least one message is required")
     tools = _tools(body)
     choice = _tool_choice(body, tools)
-    config, given = _config(body, defaults)
+    config, given, budget_field = _config(body, defaults)
     n = choice_count(body)
     stream = body.get("stream", "boolean", False)
     include_usage = stream_options(body, stream)
@@ -215,7 +217,7 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
                       client_metadata={"user": user} if user else {},
                       template_kwargs=thinking)
     return Parsed(model, request, stream, given, bool(request.tools_shown), include_usage, n=n,
-                  sampling_given=sampling_given(raw))
+                  sampling_given=sampling_given(raw), budget_field=budget_field)
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -348,7 +348,7 @@ def parse_responses(raw: Any, defaults: ServerDefaults, limits: Limits,
                       template_kwargs={} if effort is None else
                       {"enable_thinking": effort != "none"})
     parsed = Parsed(model, request, stream, given is not None, bool(request.tools_shown),
-                    sampling_given=sampling_given(raw))
+                    sampling_given=sampling_given(raw), budget_field="max_output_tokens")
     echo = Echo(instructions, given, dict(metadata), choice.parallel, previous, effort, store,
                 format_echo, choice_echo, tools_echo)
     form = ResponsesForm(echo, (*history, *messages), conversations, keys)
