@@ -471,7 +471,7 @@ class Gateway:
             raise ContextWindowError(field, at_least, window - 1, lower_bound=True)
 
     def _fit_count(self, request: Request, prompt_tokens: int, window: int, thinking: bool,
-                   max_tokens_given: bool, budget_field: str = "max_tokens") -> Fitted:
+                   max_tokens_given: bool, budget_field: str) -> Fitted:
         """:meth:`fit` once the prompt's exact length is known."""
         config = request.generation_config
         if prompt_tokens > window - 1:
