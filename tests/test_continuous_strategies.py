@@ -226,9 +226,15 @@ def test_cancel_mid_iteration_frees_the_slot(folders: dict[str, Path]) -> None:
 
 
 def test_forced_tokens_are_refused_clearly(folders: dict[str, Path]) -> None:
+    """Refused at submit (the strategy's ``honours``), before anything is queued."""
     with pipe_for(folders, "ddim") as pipe:
-        with pytest.raises(RequestFailed, match="cannot force output tokens"):
-            pipe.generate("hi", max_tokens=4, forced_prefix=[5, 6])
+        with pytest.raises(InvalidValueError, match="cannot force output tokens") as caught:
+            pipe.submit("hi", max_tokens=4, forced_prefix=[5, 6])
+        assert caught.value.field == "forced_prefix"
+        with pytest.raises(InvalidValueError, match="cannot force output tokens") as caught:
+            pipe.submit("hi", max_tokens=4, reasoning_budget_tokens=2)
+        assert caught.value.field == "reasoning_budget_tokens"
+        assert pipe.generate("hi", max_tokens=2, seed=1, ignore_eos=True).token_ids
 
 
 def test_logprobs_are_those_of_the_final_distribution(folders: dict[str, Path]) -> None:

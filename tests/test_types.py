@@ -90,9 +90,9 @@ def test_public_names_are_pinned() -> None:
     assert sorted(set(pipeline.__all__) - set(errors)) == sorted([
         "Attention", "Backend", "BackendOptions", "Batch", "BuildContext", "Completion",
         "Component", "Delta", "Detokenizer", "EngineConfig", "Event", "EventSink",
-        "FinishReason", "Forcing", "GenerationConfig", "Grammar", "LogitProcessor", "Message",
-        "ModelCall", "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer",
-        "Request", "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits",
+        "FinishReason", "Forcing", "GenerationConfig", "Grammar", "Honours", "LogitProcessor",
+        "Message", "ModelCall", "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered",
+        "Renderer", "Request", "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits",
         "Scores", "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",
         "StrategyChoice", "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
         "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from pipeline.events import EventSink
     from pipeline.engine.forcing import Forcing
     from pipeline.protocols import (
-        Attention, Backend, Batch, Detokenizer, LogitProcessor, ModelCall, Plan, PrefillChunk,
-        Renderer, Row, Scores, Selection, Selector, StopContext, Stopper, StopVerdict,
+        Attention, Backend, Batch, Detokenizer, Honours, LogitProcessor, ModelCall, Plan,
+        PrefillChunk, Renderer, Row, Scores, Selection, Selector, StopContext, Stopper, StopVerdict,
         Strategy, Taken, Tokenizer, ToolCallParser, ToolCallReader, Transport, Update,
     )
     from pipeline.request_options import RequestOptions
@@ -69,8 +69,8 @@ _HOMES = {
     "RequestOptions": "pipeline.request_options", "StrategyChoice": "pipeline.strategy_choice",
     **{name: "pipeline.errors" for name in ERRORS},
     **{name: "pipeline.protocols" for name in (
-        "Attention", "Backend", "Batch", "Detokenizer", "LogitProcessor", "ModelCall", "Plan",
-        "PrefillChunk", "Renderer", "Row", "Scores", "Selection", "Selector", "StopContext",
+        "Attention", "Backend", "Batch", "Detokenizer", "Honours", "LogitProcessor", "ModelCall",
+        "Plan", "PrefillChunk", "Renderer", "Row", "Scores", "Selection", "Selector", "StopContext",
         "Stopper", "StopVerdict", "Strategy", "Taken", "Tokenizer", "ToolCallParser",
         "ToolCallReader", "Transport", "Update")},
     **{name: "pipeline.types" for name in (
@@ -101,7 +101,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Attention", "Backend", "BackendOptions", "Batch", "BuildContext", "Completion",
     "Component", "Delta", "Detokenizer", "EngineConfig", "Event", "EventSink", "FinishReason",
-    "Forcing", "GenerationConfig", "Grammar", "LogitProcessor", "Message", "ModelCall",
+    "Forcing", "GenerationConfig", "Grammar", "Honours", "LogitProcessor", "Message", "ModelCall",
     "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
     "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits", "Scores",
     "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",

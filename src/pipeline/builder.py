@@ -14,17 +14,17 @@ from typing import Any, Callable, TypeVar, cast
 import attrs
 
 from pipeline.engine import Engine, EngineConfig
-from pipeline.errors import ArtifactError, InvalidValueError, hint_keywords
+from pipeline.errors import ArtifactError, InvalidValueError, RegistryError, hint_keywords
 from pipeline.events import EventSink
 from pipeline.model_paths import (
     DEFAULT_MODEL, GENERATION_KEY, TINY_MODEL_DIR, ResolvedModel, generation_marker,
     is_gguf_file, resolve_model,
 )
 from pipeline.options import BackendOptions
-from pipeline.pipe import AUTOREGRESSIVE_STRATEGIES, Pipeline, Stages
+from pipeline.pipe import Pipeline, Stages
 from pipeline.protocols import (
-    Backend, Detokenizer, LogitProcessor, Renderer, RequestCheck, Selector, Stopper, Strategy,
-    Tokenizer, ToolCallParser, Transport,
+    Backend, Detokenizer, Honours, LogitProcessor, Renderer, RequestCheck, Selector, Stopper,
+    Strategy, Tokenizer, ToolCallParser, Transport,
 )
 from pipeline.registry import BuildContext, Registry
 from pipeline.sampling_defaults import for_build
@@ -32,6 +32,8 @@ from pipeline.strategy_choice import StrategyChoice
 from pipeline.tools.parsing import choose_parser
 from pipeline.types import Delta, GenerationConfig
 
+AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
+"""The built-in strategies that need an autoregressive model (no ``pipeline_generation``)."""
 DEFAULT_PROCESSORS = (
     "grammar",
     "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
@@ -218,7 +220,11 @@ def build(
 
         def strategies(order: tuple[str, ...] | None) -> Strategy:
             chain = procs if order is None else [by_name[n] for n in order]
-            return make_strategy(chain, sel)
+            made = make_strategy(chain, sel)
+            if not isinstance(getattr(made, "honours", None), Honours):
+                raise RegistryError(f"strategy {name!r} does not say which request controls it "
+                                    "keeps: give it an `honours` attribute (pipeline.Honours)")
+            return made
 
         eng = Engine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
     where = model_dir or model_file

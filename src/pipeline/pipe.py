@@ -46,10 +46,6 @@ from pipeline.types import (
 )
 
 Prompt = str | Sequence[Message | Mapping[str, Any]] | Request
-AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
-"""The built-in strategies that need an autoregressive model (no ``pipeline_generation``),
-and the ones that commit one token at a time, each from its own processed logits: the only
-ones a grammar can constrain by construction."""
 RAW_PROMPT_DIGEST = digest_text("raw-prompt:v1")
 RAW_IDS_DIGEST = digest_text("raw-prompt-ids:v1")
 
@@ -439,15 +435,14 @@ class Pipeline:
             if token >= vocab:
                 field = "logit_bias" if token in config.logit_bias else "token ids"
                 raise InvalidValueError(field, token, f"outside the vocabulary (size {vocab})")
-        strategy = self.description.get("strategy")
-        if config.grammar is not None and strategy not in (None, *AUTOREGRESSIVE_STRATEGIES):
-            raise InvalidValueError(config.grammar.field, "(grammar)", f"the {strategy!r} "
-                                    "strategy commits positions of a block it predicts at once, "
-                                    "so a grammar cannot constrain it; use an autoregressive "
-                                    "model and strategy for structured output")
         for name in config.processor_order or ():
             if name not in self.stages.processor_names:
                 raise UnknownNameError("processor", name, self.stages.processor_names)
+        if self.engine is not None:  # the one check of what the strategy keeps
+            strategy = self.engine.strategy(config.processor_order)
+            refused = strategy.honours.refusal(config, strategy.name)
+            if refused is not None:
+                raise refused
 
     def _check_window(self, prompt: TokenizedPrompt, request_limit: int | None) -> None:
         if self.engine is None:

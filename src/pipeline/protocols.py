@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import torch
 
+from pipeline.errors import InvalidValueError
 from pipeline.types import (
     FinishReason, GenerationConfig, Message, OutputPiece, Rendered, Request, TokenizedPrompt,
     TokenLogprob, ToolCall, ToolSpec,
@@ -756,6 +757,59 @@ class Update(Generic[S]):
     events: tuple[StrategyEvent, ...] = attrs.field(default=(), eq=False)
 
 
+@attrs.frozen
+class Honours:
+    """What a strategy can honour of a request's controls (its capability model).
+
+    Four controls act on how tokens are committed, and only some strategies can keep them:
+    ``grammar`` (every committed token allowed by the request's grammar: a strategy that
+    commits a block it predicted at once cannot), ``forced_prefix`` and
+    ``reasoning_budget`` (a forced-token source overrides committed tokens,
+    :class:`~pipeline.engine.forcing.Forcing`), and ``logprobs`` (each committed token's
+    log-probability). The pipeline checks a request against its strategy's ``honours`` once,
+    when it is submitted, and refuses what the strategy would not keep with an
+    :class:`~pipeline.errors.InvalidValueError` naming the field; nothing is dropped silently.
+
+    Example::
+
+        Honours.ALL.refusal(config, "autoregressive")                 # None: all kept
+        Honours(logprobs=True).refusal(GenerationConfig(forced_prefix=(5,)), "continuous")
+        # InvalidValueError: forced_prefix ... the 'continuous' strategy cannot ...
+    """
+
+    grammar: bool = False
+    forced_prefix: bool = False
+    reasoning_budget: bool = False
+    logprobs: bool = False
+
+    ALL: ClassVar[Honours]
+
+    def refusal(self, config: GenerationConfig, strategy: str) -> InvalidValueError | None:
+        """The error for the first control ``config`` asks for that this strategy cannot keep
+        (None when it keeps them all)."""
+        grammar = config.grammar
+        asked: tuple[tuple[bool, bool, str, Any, str], ...] = (
+            (self.grammar, grammar is not None, grammar.field if grammar else "grammar",
+             "(grammar)", "commits positions of a block it predicts at once, so a grammar "
+             "cannot constrain it; use an autoregressive model and strategy for structured "
+             "output"),
+            (self.forced_prefix, bool(config.forced_prefix), "forced_prefix",
+             list(config.forced_prefix), "cannot force output tokens"),
+            (self.reasoning_budget, config.reasoning_budget_tokens is not None,
+             "reasoning_budget_tokens", config.reasoning_budget_tokens,
+             "cannot force output tokens (a spent reasoning budget forces the end of thinking)"),
+            (self.logprobs, config.logprobs, "logprobs", True,
+             "does not report log-probabilities"),
+        )
+        for kept, wanted, field, value, why in asked:
+            if wanted and not kept:
+                return InvalidValueError(field, value, f"the {strategy!r} strategy {why}")
+        return None
+
+
+Honours.ALL = Honours(grammar=True, forced_prefix=True, reasoning_budget=True, logprobs=True)
+
+
 @runtime_checkable
 class Strategy(Protocol):
     """A generation strategy: it owns each request's loop state (docs/design.md §6, §10).
@@ -773,7 +827,9 @@ class Strategy(Protocol):
     owned by the strategy; the engine stores them and hands them back. ``order`` names the
     processors a row's logits go through, for the trace. ``finish`` is called once per
     started sequence when its request ends (finished, cancelled or failed), so a strategy can
-    free what its state holds (a draft model's cache slot); it must not raise.
+    free what its state holds (a draft model's cache slot); it must not raise. ``honours`` says which of
+    a request's controls the strategy keeps (:class:`Honours`); the pipeline refuses the
+    others when the request is submitted.
 
     Example::
 
@@ -784,6 +840,7 @@ class Strategy(Protocol):
     """
 
     name: str
+    honours: Honours
 
     def order(self, row: Row) -> tuple[str, ...]:
         """Names of the processors applied to ``row``, in application order."""

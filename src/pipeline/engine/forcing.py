@@ -12,11 +12,15 @@ that token is forced; it answers from two rules, in order:
 A forced token is a point mass, so its logprob is 0. The source is a small mutable record
 (ints and tuples only), so a request's decode state stays serializable.
 
+:meth:`Forcing.take` is the one place a strategy commits a token: it asks, applies and
+accounts in one call, and returns the :class:`~pipeline.protocols.Taken` the engine commits;
+every strategy that honours forcing commits through it.
+
 Example::
 
     forcing = Forcing(prefix=(7, 8), budget=None, markers=None)
-    forcing.force(step=1, selected=3)        # Forced(7, ("token.forced", {...}))
-    forcing.observe(7)
+    forcing.take(step=1, selected=3)         # Taken(7, forced=("token.forced", {...}))
+    forcing.take(step=2, selected=8)         # Taken(8): forced, but what was selected
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+
+from pipeline.protocols import Taken
+from pipeline.types import TokenLogprob
 
 
 @attrs.frozen
@@ -82,6 +89,19 @@ class Forcing:
         return Forced(end, ("reasoning.budget_reached", {
             "step": step, "thinking_tokens": self.thinking, "budget": self.budget,
             "selected": selected, "forced": end}))
+
+    def take(self, step: int, selected: int, logprob: TokenLogprob | None = None,
+             draw: float | None = None) -> Taken:
+        """Commit output token ``step`` (1-based): ``selected``, with its ``logprob`` and
+        ``draw``, unless it is forced; a forced token's logprob is 0 (reported only where
+        ``logprob`` was) and its event says why. The token is then accounted for."""
+        forced = self.force(step, selected)
+        if forced is None:
+            self.observe(selected)
+            return Taken(selected, logprob, draw)
+        self.observe(forced.token_id)
+        point = None if logprob is None else TokenLogprob(forced.token_id, 0.0)
+        return Taken(forced.token_id, point, draw, forced.event)
 
     def observe(self, token: int) -> None:
         """Account for a committed token (opens, counts and closes think blocks)."""

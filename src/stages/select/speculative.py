@@ -37,7 +37,8 @@ import torch
 from pipeline.errors import InvalidValueError
 from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
-    Batch, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken, Update,
+    Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken,
+    Update,
 )
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
@@ -82,6 +83,7 @@ class SpeculativeStrategy:
     """
 
     name: str = "speculative"
+    honours: Honours = Honours.ALL
 
     def __init__(self, chain: ProcessorChain | Sequence[LogitProcessor], selector: Selector,
                  proposer: Proposer, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
@@ -147,12 +149,8 @@ class SpeculativeStrategy:
         after the first one that is not the draft (or after the bonus position)."""
         taken = []
         for j, position in enumerate(verdict):
-            forced = state.forcing.force(row.step + j, position.token)
-            token = position.token if forced is None else forced.token_id
-            state.forcing.observe(token)
-            taken.append(Taken(token, None, position.draw,
-                               None if forced is None else forced.event))
-            if j == len(block.drafts) or token != block.drafts[j]:
+            taken.append(state.forcing.take(row.step + j, position.token, None, position.draw))
+            if j == len(block.drafts) or taken[-1].token_id != block.drafts[j]:
                 break
         return taken
 

@@ -16,9 +16,8 @@ import torch
 
 from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
-    Batch, LogitProcessor, Plan, Row, Scores, Selector, Taken, Update,
+    Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, Update,
 )
-from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 
 
@@ -45,6 +44,7 @@ class AutoregressiveStrategy:
     """
 
     name: str = "autoregressive"
+    honours: Honours = Honours.ALL
 
     def __init__(self, chain: ProcessorChain | Sequence[LogitProcessor],
                  selector: Selector) -> None:
@@ -74,15 +74,9 @@ class AutoregressiveStrategy:
         processed = None if choice.scores is None else choice.scores.to_dense(z.shape[1])
         out = []
         for i, (state, row) in enumerate(zip(states, rows)):
-            token, logprob = choice.token_ids[i], choice.logprobs[i]
-            forced = state.forcing.force(row.step, token)
-            if forced is not None:
-                token = forced.token_id
-                logprob = TokenLogprob(token, 0.0) if logprob is not None else None
-            state.forcing.observe(token)
-            state.pending = token
             draw = choice.draws[i] if choice.draws else None
-            taken = Taken(token, logprob, draw, None if forced is None else forced.event)
+            taken = state.forcing.take(row.step, choice.token_ids[i], choice.logprobs[i], draw)
+            state.pending = taken.token_id
             out.append(Update(state, (taken,), 0,
                               None if processed is None else processed[i:i + 1]))
         return out

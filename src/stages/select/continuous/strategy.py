@@ -49,7 +49,7 @@ import torch
 from pipeline.errors import InvalidValueError
 from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
-    Attention, EmbeddingInputs, Plan, Row, StrategyEvent, Taken, Update,
+    Attention, EmbeddingInputs, Honours, Plan, Row, StrategyEvent, Taken, Update,
 )
 from pipeline.recording import row_digests
 from pipeline.types import TokenLogprob
@@ -106,7 +106,8 @@ class ContinuousStrategy:
     ``block_length`` positions per block; ``self_condition`` feeds each call the previous
     x0 estimate; ``rounding`` is one of :data:`ROUNDINGS`; ``max_context`` keeps blocks
     inside the window; ``settings`` are the options it was built with, declared in the
-    trace's ``step.configured`` (with the integrator's rule and calls per block).
+    trace's ``step.configured`` (with the integrator's rule and calls per block). It honours
+    logprobs only: forced tokens cannot steer a block being denoised, nor a grammar.
 
     Example::
 
@@ -115,6 +116,8 @@ class ContinuousStrategy:
         strategy.update([state], [row], [z1])      # opens block 1, commits nothing
         strategy.plan(state)                       # the first denoising call
     """
+
+    honours: Honours = Honours(logprobs=True)
 
     def __init__(self, name: str, backend: EmbeddingInputs, integrator: Integrator,
                  block_length: int, *, self_condition: bool = True, rounding: str = "logits",
@@ -141,14 +144,8 @@ class ContinuousStrategy:
         return ()
 
     def start(self, row: Row, forcing: Forcing) -> ContState:
-        """Refuse forced tokens (they cannot steer a block being denoised); nothing more
-        until the prompt's logits arrive."""
-        if forcing.prefix:
-            raise InvalidValueError("forced_prefix", list(forcing.prefix),
-                                    f"the {self.name} strategy cannot force output tokens")
-        if forcing.budget is not None:
-            raise InvalidValueError("reasoning_budget_tokens", forcing.budget,
-                                    f"the {self.name} strategy cannot force output tokens")
+        """Nothing until the prompt's logits arrive (``forcing`` is empty: the pipeline refuses
+        forced tokens for this strategy, see :attr:`honours`)."""
         return ContState(noise_seed(row), row.stream, len(row.prompt_ids))
 
     def plan(self, state: ContState) -> Plan:

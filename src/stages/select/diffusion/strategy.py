@@ -49,7 +49,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.events import digest_ids
 from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
-    Attention, Batch, LogitProcessor, Plan, Row, Scores, StrategyEvent, Taken, Update,
+    Attention, Batch, Honours, LogitProcessor, Plan, Row, Scores, StrategyEvent, Update,
 )
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
@@ -132,9 +132,13 @@ class MaskedDiffusionStrategy:
     picks which masked positions a pass commits.
 
     ``chain`` is a :class:`ProcessorChain` or the processors to build one from (in order).
+    It honours a forced prefix and a reasoning budget (a block's positions are committed in
+    order through the forced-token source) and logprobs, not a grammar (a block's positions
+    are predicted at once).
     """
 
     name: str = "masked_diffusion"
+    honours: Honours = Honours(forced_prefix=True, reasoning_budget=True, logprobs=True)
 
     def __init__(self, chain: ProcessorChain | Sequence[LogitProcessor],
                  settings: DiffusionSettings) -> None:
@@ -335,16 +339,10 @@ class MaskedDiffusionStrategy:
         assert state.block is not None
         taken = []
         for j, token in enumerate(state.block):
-            forced = state.forcing.force(row.step + j, token)
-            if forced is not None:
-                token = forced.token_id
-            state.forcing.observe(token)
-            logprob = state.logprobs[j] if forced is None else TokenLogprob(token, 0.0)
-            if not row.config.logprobs:
-                logprob = None
-            elif logprob is None:  # a position a forced prefix filled
-                logprob = TokenLogprob(token, 0.0)
-            taken.append(Taken(token, logprob, None, None if forced is None else forced.event))
+            logprob = None
+            if row.config.logprobs:  # a position a forced prefix filled has none: 0
+                logprob = state.logprobs[j] or TokenLogprob(token, 0.0)
+            taken.append(state.forcing.take(row.step + j, token, logprob))
         state.final = tuple(t.token_id for t in taken)
         events.append(("step.block_final", {
             "step": row.step, "block": state.blocks, "tokens": len(taken),
