@@ -142,6 +142,56 @@ def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) ->
         gateway.close()
 
 
+def test_a_request_is_rendered_once_and_tokenized_at_most_once(tmp_path: Path) -> None:
+    # the gateway inspects the prepared request (its size, its think block, its exact count
+    # near the window, the prompt size an Anthropic stream reports first) and submits that
+    # same one: the template once, the tokenizer at most once (it rendered up to three
+    # times and tokenized up to three times)
+    tok = CountingTokenizer.from_dir(TINY_MODEL_DIR)
+    pipe, _ = endless_model(tokenizer=tok)
+    renderer = pipe.stages.renderer
+    assert renderer is not None
+    renders: list[int] = []
+    render = renderer.render
+
+    def counted(*args: object, **kwargs: object) -> Rendered:
+        renders.append(1)
+        return render(*args, **kwargs)  # type: ignore[arg-type]
+
+    renderer.render = counted  # type: ignore[method-assign]
+    gateway = Gateway(config(tmp_path, max_context=4096, context_slack=96), lambda f, c: pipe)
+    long = "word " * 700  # its character bound and the budget overflow the window: counted
+    with running(gateway) as url:
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+        an = anthropic.Anthropic(base_url=url, api_key="-", max_retries=0)
+        for text, max_tokens in (("go", 3), (long, 600)):
+            counted_now = max_tokens == 600
+            for dialect, stream in (("openai", False), ("openai", True), ("anthropic", False),
+                                    ("anthropic", True)):
+                renders.clear()
+                before = CountingTokenizer.encodes
+                messages = [{"role": "user", "content": text}]
+                if dialect == "openai":
+                    got = oa.chat.completions.create(model="default", messages=messages,  # type: ignore[call-overload]
+                                                     max_tokens=max_tokens, stream=stream)
+                    if stream:
+                        list(got)
+                elif stream:
+                    events = list(an.messages.create(model="default", messages=messages,  # type: ignore[call-overload]
+                                                     max_tokens=max_tokens, stream=True))
+                    start = events[0]
+                    assert start.type == "message_start"
+                    assert start.message.usage.input_tokens == len(pipe.tokenize(messages))
+                    CountingTokenizer.encodes -= 1  # the oracle's own count
+                else:
+                    an.messages.create(model="default", messages=messages,  # type: ignore[call-overload]
+                                       max_tokens=max_tokens)
+                assert len(renders) == 1 + (dialect == "anthropic" and stream), \
+                    (dialect, stream, len(renders))  # (+1: the oracle's tokenize above)
+                assert CountingTokenizer.encodes - before == 1, (dialect, stream, counted_now)
+    gateway.close()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=0, max_size=200))
 def test_the_character_class_bound_is_never_below_the_exact_count(text: str) -> None:

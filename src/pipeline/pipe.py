@@ -36,6 +36,7 @@ from pipeline.protocols import (
     ToolCallParser, Transport,
 )
 from pipeline.engine.text_state import TextState
+from pipeline.prepared import Prepared
 from pipeline.tool_choice import constrain_calls
 from pipeline.registry import Registry
 if TYPE_CHECKING:
@@ -204,21 +205,50 @@ class Pipeline:
             fields["tool_choice"] = chosen
         return Request.coerce(prompt, **fields)
 
-    def submit(self, prompt: Prompt, config: GenerationConfig | None = None,
+    def prepare(self, prompt: Prompt, config: GenerationConfig | None = None,
+                **options: Unpack[RequestOptions]) -> Prepared:
+        """The request made ready to submit, once: normalized (:meth:`request`), a required
+        tool call's constraint added, validated against the artifacts and the strategy
+        (:class:`~pipeline.protocols.Honours`), and rendered; it is tokenized on the first use
+        of :attr:`~pipeline.prepared.Prepared.tokens`. Inspect it, change its budget or limits
+        with :meth:`~pipeline.prepared.Prepared.with_request`, and :meth:`submit` it: the
+        template and the tokenizer run once for all of that. Bad input raises here."""
+        request = constrain_calls(self.request(prompt, config, **options),
+                                  self.stages.tool_parser, self._tokenizer)
+        self._validate(request)
+        request = attrs.evolve(
+            request, model_snapshot=self.model_snapshot,
+            template_version=self.stages.renderer.digest if self.stages.renderer else None,
+            tokenizer_version=self._tokenizer.digest)
+        return Prepared(request, self._render(request), self, self._encode)
+
+    def submit(self, prompt: Prompt | Prepared, config: GenerationConfig | None = None,
                **options: Unpack[RequestOptions]) -> RequestHandle:
         """Start a request; returns at once with a handle (``result``, ``deltas``, ``cancel``).
 
-        Bad input raises here, before anything is queued. ``options`` are those of
-        :meth:`request`.
+        Bad input raises here, before anything is queued. ``prompt`` is a prompt with
+        ``options`` (those of :meth:`request`), or what :meth:`prepare` returned (which
+        carries its options: giving more is an error).
         """
         engine = self._engine
-        request = self.request(prompt, config, **options)
         accepted_ns = time.monotonic_ns()
+        if isinstance(prompt, Prepared):
+            if config is not None or options:
+                raise InvalidValueError(
+                    "options", sorted(options) or "config", "a prepared request carries its "
+                    "options: give them to prepare(), not submit()")
+            if prompt.source is not self:
+                raise InvalidValueError("prompt", "(prepared)", "was prepared by another "
+                                        "pipeline: prepare it with the one that submits it")
+            prepared = prompt
+        else:
+            prepared = self.prepare(prompt, config, **options)
+        request = prepared.request
         tracer = Tracer(request.request_id, self._sinks)
         accepted = tracer.emit("pipeline", "request.accepted", {
             "request_id": request.request_id, "schema_version": request.schema_version,
             "unix_ns": time.time_ns(), **trace_context(request)})
-        request, spec = self._prepare(request, tracer, accepted_ns, accepted)
+        spec = self._job_spec(prepared, tracer, accepted_ns, accepted)
         handle = RequestHandle(request.request_id, engine.wake)
         assert self.stages.detokenizer is not None
         parser = self.stages.tool_parser
@@ -229,17 +259,17 @@ class Pipeline:
         engine.submit(Job(spec, text, tracer, handle))
         return handle
 
-    def generate(self, prompt: Prompt, config: GenerationConfig | None = None,
+    def generate(self, prompt: Prompt | Prepared, config: GenerationConfig | None = None,
                  **options: Unpack[RequestOptions]) -> Completion:
         """Run a request to completion and return it (raises ``RequestFailed`` on failure)."""
         return self.submit(prompt, config, **options).result()
 
-    def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
+    def stream(self, prompt: Prompt | Prepared, config: GenerationConfig | None = None,
                **options: Unpack[RequestOptions]) -> Iterator[Delta]:
         """Deltas as they are produced; closing the iterator early cancels the request."""
         return self.stages.stream_transport.deliver(self.submit(prompt, config, **options))
 
-    def astream(self, prompt: Prompt, config: GenerationConfig | None = None,
+    def astream(self, prompt: Prompt | Prepared, config: GenerationConfig | None = None,
                 **options: Unpack[RequestOptions]) -> AsyncIterator[Delta]:
         """The async-iterator form of :meth:`stream`, for an asyncio event loop."""
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
@@ -357,25 +387,20 @@ class Pipeline:
                                    digest_text(rendered.text))
         return tokenizer.encode(rendered)
 
-    def _prepare(self, request: Request, tracer: Tracer, accepted_ns: int, parent: int
-                 ) -> tuple[Request, JobSpec]:
-        tokenizer = self._tokenizer
-        request = constrain_calls(request, self.stages.tool_parser, tokenizer)
-        self._validate(request)
-        request = attrs.evolve(
-            request, model_snapshot=self.model_snapshot,
-            template_version=self.stages.renderer.digest if self.stages.renderer else None,
-            tokenizer_version=tokenizer.digest)
+    def _job_spec(self, prepared: Prepared, tracer: Tracer, accepted_ns: int, parent: int
+                  ) -> JobSpec:
+        """The job of a prepared request: its trace's opening events, its tokens (the window
+        and the processors' request checks hold for them), its seed and forcing markers."""
+        request, rendered, tokenizer = prepared.request, prepared.rendered, self._tokenizer
         seed = seed_for(request)
         parent = tracer.emit("pipeline", "request.normalized", self._instance(request, seed),
                              parent)
-        rendered = self._render(request)
         parent = tracer.emit("renderer", "context.rendered", {
             "renderer": rendered.renderer, "template_digest": rendered.template_digest,
             "rendered_digest": digest_text(rendered.text), "chars": len(rendered.text),
             "control_spans": sum(1 for s in rendered.spans if s.kind.value == "control"),
             **({"text": rendered.text} if request.recording is Recording.FULL else {})}, parent)
-        prompt = self._encode(request, rendered)
+        prompt = prepared.tokens
         self._check_window(prompt, request.runtime_limits.max_context_tokens)
         for check in self.stages.request_checks:
             check.check_request(request.generation_config, prompt.input_ids)
@@ -388,8 +413,7 @@ class Pipeline:
                if request.recording is Recording.FULL else {})}, parent)
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
-        spec = JobSpec(request, prompt, seed, tokenizer.eos_token_ids, accepted_ns, last, think)
-        return request, spec
+        return JobSpec(request, prompt, seed, tokenizer.eos_token_ids, accepted_ns, last, think)
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:
         """The execution instance (docs/design.md §3): request plus artifact digests, seed,

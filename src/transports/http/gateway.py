@@ -49,6 +49,7 @@ from pipeline.errors import (
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.pipe import Pipeline
+from pipeline.prepared import Prepared
 from pipeline.sampling_defaults import sampling_summary
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion, Request
@@ -166,10 +167,16 @@ class ServedModel:
 
 @attrs.frozen
 class Fitted:
-    """A request fitted to the window, and whether its prompt left a ``<think>`` open."""
+    """A prepared request fitted to the window, and whether its prompt left a ``<think>``
+    open."""
 
-    request: Request
+    prepared: Prepared
     thinking: bool
+
+    @property
+    def request(self) -> Request:
+        """The fitted request."""
+        return self.prepared.request
 
 
 @attrs.define
@@ -428,38 +435,37 @@ class Gateway:
         limit = min(served.max_context, self.config.max_context or served.max_context)
         return limit - self.config.context_slack
 
-    def fit(self, served: ServedModel, request: Request, *, max_tokens_given: bool,
+    def fit(self, served: ServedModel, request: Request | Prepared, *, max_tokens_given: bool,
             checkpoint: Checkpoint | None = None, budget_field: str = "max_tokens") -> Fitted:
-        """``request`` with ``max_tokens`` fitted to the room the prompt leaves.
+        """``request``, prepared (rendered once, :meth:`~pipeline.pipe.Pipeline.prepare`),
+        with ``max_tokens`` fitted to the room the prompt leaves.
 
         ``room = window - slack - prompt_tokens``. When the character-class bound plus
         ``max_tokens`` fits, the prompt is not counted here at all (a token-id prompt is
         counted by its length). A prompt with more
         characters than ``window`` tokens of the longest token could cover is refused before
         tokenizing. ``checkpoint`` is called between the render and the count. A refused
-        budget is named ``budget_field``, the body's name for it.
+        budget is named ``budget_field``, the body's name for it. The tokens counted here
+        are the ones submitted: the prompt is tokenized at most once.
         """
-        pipe, config = served.pipe, request.generation_config
+        prepared = request if isinstance(request, Prepared) else served.pipe.prepare(request)
+        request = prepared.request
         window = self.window(served)
         limits = request.runtime_limits
-        request = attrs.evolve(request, runtime_limits=attrs.evolve(
+        prepared = prepared.with_request(attrs.evolve(request, runtime_limits=attrs.evolve(
             limits, max_context_tokens=window,
-            deadline_s=limits.deadline_s or self.config.request_deadline_s))
+            deadline_s=limits.deadline_s or self.config.request_deadline_s)))
         if request.prompt_ids is not None:  # counted already: its length
-            return self._fit_count(request, len(request.prompt_ids), window, False,
+            return self._fit_count(prepared, len(request.prompt_ids), window, False,
                                    max_tokens_given, budget_field)
-        if request.prompt is not None:
-            text = request.prompt
-        else:
-            text = pipe.render(request.messages, tools=request.tool_catalog,
-                               **request.template_kwargs).text
+        text = prepared.rendered.text
         thinking = opens_thinking(text)
-        if token_upper_bound(text) + config.max_tokens <= window:
-            return Fitted(request, thinking)
+        if token_upper_bound(text) + request.generation_config.max_tokens <= window:
+            return Fitted(prepared, thinking)
         self.refuse_longer(served, text, _prompt_field(request))
         if checkpoint is not None:
             checkpoint()
-        return self._fit_count(request, pipe.count_tokens(request), window, thinking,
+        return self._fit_count(prepared, len(prepared.tokens), window, thinking,
                                max_tokens_given, budget_field)
 
     def refuse_longer(self, served: ServedModel, text: str, field: str) -> None:
@@ -470,28 +476,30 @@ class Gateway:
         if at_least > window - 1:
             raise ContextWindowError(field, at_least, window - 1, lower_bound=True)
 
-    def _fit_count(self, request: Request, prompt_tokens: int, window: int, thinking: bool,
+    def _fit_count(self, prepared: Prepared, prompt_tokens: int, window: int, thinking: bool,
                    max_tokens_given: bool, budget_field: str) -> Fitted:
         """:meth:`fit` once the prompt's exact length is known."""
+        request = prepared.request
         config = request.generation_config
         if prompt_tokens > window - 1:
             raise ContextWindowError(_prompt_field(request), prompt_tokens, window - 1)
         room = window - prompt_tokens
         if config.max_tokens <= room:
-            return Fitted(request, thinking)
+            return Fitted(prepared, thinking)
         if max_tokens_given and not self.config.clamp_max_tokens:
             raise ContextWindowError(budget_field, prompt_tokens, room, config.max_tokens)
         fitted = attrs.evolve(config, max_tokens=room, min_tokens=min(config.min_tokens, room))
-        return Fitted(attrs.evolve(request, generation_config=fitted), thinking)
+        return Fitted(prepared.with_request(attrs.evolve(request, generation_config=fitted)),
+                      thinking)
 
     # --- admission and the end of a request ------------------------------------------------
 
-    def submit(self, served: ServedModel, requests: Sequence[Request], endpoint: str,
+    def submit(self, served: ServedModel, requests: Sequence[Prepared], endpoint: str,
                loop: asyncio.AbstractEventLoop, *, record_id: str, n: int = 1,
                owners: frozenset[str] = frozenset()) -> list[Flight]:
         """Admit and start ``requests``, the choices of one HTTP request (``n`` per prompt),
         all or none, one after the other without waiting, so the engine batches them. Call
-        off the event loop: submitting renders and tokenizes. Their usage is one record,
+        off the event loop: submitting tokenizes a prompt not yet counted. Their usage is one record,
         ``record_id`` (:func:`~transports.http.choices.total_usage`), and their traces are
         kept together under it, readable with the keys whose fingerprints are ``owners``
         (:meth:`~transports.http.traces.TraceStore.add_choices`); every flight's ``done``
@@ -506,8 +514,9 @@ class Gateway:
         choices = Choices(count, lambda done: self._record(served, endpoint, record_id, n,
                                                            done, loop, flights, owners))
         try:
-            for index, request in enumerate(requests):
-                handle = served.pipe.submit(request)
+            for index, prepared in enumerate(requests):
+                handle = served.pipe.submit(prepared)
+                request = prepared.request
                 flight = Flight(handle, served, request, loop.create_future())
                 flights.append(flight)
                 self.flights[request.request_id] = flight

@@ -92,10 +92,11 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
         checkpoint()
     # message_start reports the prompt's size before any token exists
     counted = parsed.stream and dialect is Dialect.ANTHROPIC
-    prompt_tokens = served.pipe.count_tokens(fitted[0].request) if counted else 0
+    prompt_tokens = len(fitted[0].prepared.tokens) if counted else 0
     checkpoint()
     base_id = parsed.request.request_id
     requests = choice_requests([f.request for f in fitted], parsed.n, base_id)
+    chosen = [fitted[k // parsed.n].prepared.with_request(r) for k, r in enumerate(requests)]
     prompts: tuple[tuple[int, ...], ...] = ()
     echoes: tuple[str, ...] = ()
     if parsed.raw is not None:
@@ -103,7 +104,7 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
         prompts = tuple(r.prompt_ids or () for r in requests)
         echoes = tuple(completions_api.prompt_text(tokenizer, prompt)
                        for prompt in parsed.raw.prompts for _ in range(parsed.n))
-    flights = gateway.submit(served, requests, endpoint, loop, record_id=base_id, n=parsed.n,
+    flights = gateway.submit(served, chosen, endpoint, loop, record_id=base_id, n=parsed.n,
                              owners=owners)
     return Started(flights, prompt_tokens, fitted[0].thinking, prompts, echoes)
 
