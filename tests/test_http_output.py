@@ -17,7 +17,7 @@ from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, pea
 from pipeline.types import Delta, FinishReason, ToolCallEnd
 from stages.tools import HermesParser, judge
 from transports.http.inbox import batches
-from transports.http.output import OutputSplitter, Part, TextPart
+from pipeline.output_parts import OutputSplitter, Part, TextPart
 
 TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
         ' "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>\n<tool_call>\n{"name": "bad"'

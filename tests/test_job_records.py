@@ -68,7 +68,8 @@ def specimens() -> list[JobSpec]:
                   runtime_limits=RuntimeLimits(deadline_s=1.0))
     prompt = TokenizedPrompt((11, 12, 13, 14), "sha256:tok", "sha256:text", (0, 1, 5, 6))
     return [
-        JobSpec(chat, prompt, 2**63 - 1, frozenset({2, 0, 99}), time.monotonic_ns(), 7, (40, 41)),
+        JobSpec(chat, prompt, 2**63 - 1, frozenset({2, 0, 99}), time.monotonic_ns(), 7, (40, 41),
+                True),
         JobSpec(text, TokenizedPrompt((1,), "a", "b"), 0, frozenset(), 1),
         JobSpec(ids, TokenizedPrompt((1, 2, 3), "a", "b"), 5, frozenset({2}), 2**40, None, None),
     ]
@@ -153,7 +154,7 @@ def test_a_spec_holds_plain_data_only() -> None:
         else:
             assert item is None or type(item) in (str, int, float, bool), repr(item)
     assert set(data) == {"request", "prompt", "seed", "eos_token_ids", "accepted_ns",
-                         "last_event", "think_markers"}
+                         "last_event", "think_markers", "thinking"}
 
 
 def test_reading_a_spec_refuses_bad_data_naming_the_problem() -> None:

@@ -25,7 +25,7 @@ from qwen_files import renderer as qwen_renderer
 from stages.render import HFChatTemplateRenderer
 from stages.tools import HermesParser, Llama3Parser, MistralParser
 from tool_templates import LLAMA31_CALLS, MISTRAL_V3_CALLS, render_turn, tiny_oracle
-from transports.http.output import OutputSplitter, TextPart
+from pipeline.output_parts import OutputSplitter, TextPart
 
 CALLS = [
     ToolCall("get_weather", json.dumps({"city": "Zürich", "days": [1, 2],

@@ -36,6 +36,7 @@ from pipeline.protocols import (
     ToolCallParser, Transport,
 )
 from pipeline.engine.text_state import TextState
+from pipeline.output_parts import opens_thinking
 from pipeline.prepared import Prepared
 from pipeline.tool_choice import constrain_calls
 from pipeline.registry import Registry
@@ -413,7 +414,8 @@ class Pipeline:
                if request.recording is Recording.FULL else {})}, parent)
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
-        return JobSpec(request, prompt, seed, tokenizer.eos_token_ids, accepted_ns, last, think)
+        return JobSpec(request, prompt, seed, tokenizer.eos_token_ids, accepted_ns, last, think,
+                       opens_thinking(rendered.text))
 
     def _instance(self, request: Request, seed: int) -> dict[str, Any]:
         """The execution instance (docs/design.md §3): request plus artifact digests, seed,

@@ -15,7 +15,7 @@ import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import attrs
 
@@ -805,11 +805,26 @@ OutputPiece = TextPiece | ToolCallDelta | ToolCallEnd
 
 
 @attrs.frozen
+class TextPart:
+    """Answer text (``kind="text"``) or reasoning (``kind="thinking"``) of an output."""
+
+    kind: Literal["text", "thinking"]
+    text: str
+
+
+Part = TextPart | ToolCallDelta | ToolCallEnd
+"""A typed piece of an output, in order: answer text, thinking, a tool call's delta or end
+(:mod:`pipeline.output_parts` makes them, once, as the text is released)."""
+
+
+@attrs.frozen
 class Delta:
     """One streamed piece: new text safe to show, the tokens since the last delta, and on the
-    last delta of a request ``finish_reason``. When the request offered tools, ``tool_calls``
-    holds the pieces of tool calls this delta's text completed or continued (``text`` is
-    still everything the model wrote, markup included)."""
+    last delta of a request ``finish_reason``. ``parts`` is the same text typed: answer text,
+    thinking (the ``<think>`` markers and their layout newlines dropped) and, when the
+    request offered tools, the tool calls' deltas and ends (a piece held back until its kind
+    is certain rides on a later delta). ``tool_calls`` are the call deltas among them
+    (``text`` is still everything the model wrote, markup included)."""
 
     request_id: str
     seq: int
@@ -818,6 +833,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    parts: tuple[Part, ...] = ()
 
     @property
     def final(self) -> bool:
@@ -865,3 +881,6 @@ class Completion:
     error: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     """The tool calls parsed from ``text`` when the request offered tools (docs/design.md §11)."""
+    parts: tuple[Part, ...] = ()
+    """The whole output typed (:attr:`Delta.parts` of every delta, each run of text or
+    thinking joined, each call's argument fragments joined)."""

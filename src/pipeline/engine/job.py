@@ -32,7 +32,7 @@ from pipeline.protocols import (
 )
 from pipeline.engine.text_state import TextState
 from pipeline.types import (
-    Completion, FinishReason, OutputPiece, Recording, Timings, TokenLogprob, ToolCallDelta,
+    Completion, FinishReason, Part, Recording, Timings, TokenLogprob, ToolCallDelta,
     ToolCallEnd, Usage,
 )
 
@@ -333,8 +333,7 @@ class Job:
         self._push(text, reason, parent)
 
     def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
-        calls = self._tool_pieces(text, reason is not None)
-        delta = self.text.delta(text, reason, calls)
+        delta = self.text.delta(text, reason, self._parts(text, reason is not None))
         payload: dict[str, Any] = {"seq": delta.seq, "step": len(self.output_ids),
                                    "bytes": len(text.encode()),
                                    "tokens": len(delta.token_ids), "digest": digest_text(text),
@@ -344,22 +343,18 @@ class Job:
         self._emit("transport", "stream.delta", payload, parent)
         self.handle._push(delta)
 
-    def _tool_pieces(self, text: str, final: bool) -> tuple[ToolCallDelta, ...]:
-        """Feed the tool-call reader; each call it begins is ``tool.proposed`` and each it
-        ends ``tool.parsed`` (or ``tool.malformed``) in the trace (docs/design.md §11)."""
-        reader = self.text.tool_reader
-        if reader is None:
-            return ()
-        pieces: list[OutputPiece] = reader.feed(text) if text else []
-        if final:
-            pieces += reader.finish()
+    def _parts(self, text: str, final: bool) -> tuple[Part, ...]:
+        """Type the released text (:meth:`TextState.split`); each call the reader begins is
+        ``tool.proposed`` and each it ends ``tool.parsed`` (or ``tool.malformed``) in the
+        trace (docs/design.md §11)."""
+        pieces = self.text.split(text, final)
         for piece in pieces:
             if isinstance(piece, ToolCallDelta) and piece.name is not None:
                 self._emit("tools", "tool.proposed", {"call_id": piece.id, "index": piece.index,
                                                       "name": piece.name})
             elif isinstance(piece, ToolCallEnd):
                 self._emit("tools", *_parsed(piece, self._full, self._proposed(piece.index)))
-        return tuple(p for p in pieces if isinstance(p, ToolCallDelta))
+        return tuple(pieces)
 
     def _proposed(self, index: int) -> Any:
         """The call id the ``tool.proposed`` event of call ``index`` gave."""
@@ -431,7 +426,8 @@ class Job:
             trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
             logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error,
-            tool_calls=self.text.tool_reader.calls if self.text.tool_reader else ())
+            tool_calls=self.text.tool_reader.calls if self.text.tool_reader else (),
+            parts=tuple(self.text.parts))
 
 
 def _parsed(end: ToolCallEnd, full: bool, call_id: Any) -> tuple[str, dict[str, Any]]:

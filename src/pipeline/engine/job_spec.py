@@ -77,7 +77,9 @@ class JobSpec:
     ``accepted_ns`` when the pipeline accepted it (``time.monotonic_ns``, which deadlines and
     queue limits count from); ``last_event`` the trace event the engine's first event follows
     (the tokenization event); ``think_markers`` the template's begin- and end-of-thinking ids
-    when a reasoning budget is set.
+    when a reasoning budget is set; ``thinking`` whether the rendered prompt left a think
+    block open, so the output starts as reasoning
+    (:func:`~pipeline.output_parts.opens_thinking`).
     """
 
     request: Request = attrs.field(validator=attrs.validators.instance_of(Request))
@@ -88,6 +90,7 @@ class JobSpec:
     accepted_ns: int = attrs.field(validator=_check_int)
     last_event: int | None = attrs.field(default=None, validator=_optional_int)
     think_markers: tuple[int, int] | None = attrs.field(default=None, converter=_markers)
+    thinking: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def to_dict(self) -> dict[str, Any]:
         """This spec as JSON-shaped data (what :meth:`from_dict` reads)."""

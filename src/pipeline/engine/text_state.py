@@ -2,9 +2,9 @@
 
 Owns :class:`TextState`, one of a request's small records in the engine (docs/design.md §6, second
 edition): the detokenizer and its state, the stoppers and their states, the text emitted so
-far, the logprob records, the tool-call reader (a text stage too), and what has not been sent yet
-(tokens and logprobs that ride on
-the next delta). It sees *committed* tokens only, one at a time, in order; the strategy that
+far, the logprob records, the output splitter (:mod:`pipeline.output_parts`: thinking, answer
+text and the tool-call reader's calls, typed once for every transport), and what has not been
+sent yet (tokens and logprobs that ride on the next delta). It sees *committed* tokens only, one at a time, in order; the strategy that
 chose them, the KV cache and the trace are elsewhere (:class:`~pipeline.engine.job.Job` holds them
 side by side). The stage objects are given at construction, never kept in the request's
 :class:`~pipeline.engine.job_spec.JobSpec`, so the spec stays plain data.
@@ -31,8 +31,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.engine.job_spec import JobSpec
+from pipeline.output_parts import OutputSplitter, joined
 from pipeline.protocols import Detokenizer, StopContext, Stopper, StopVerdict, ToolCallReader
-from pipeline.types import Delta, FinishReason, TokenLogprob, ToolCallDelta
+from pipeline.types import Delta, FinishReason, Part, TokenLogprob, ToolCallDelta
 
 
 class TextState:
@@ -49,7 +50,11 @@ class TextState:
         self.token_bytes = token_bytes
         """The tokenizer's bytes of a token id, which logprob records are labelled with."""
         self.tool_reader = tool_reader
-        """Reads tool calls out of the released text, when the request offered tools."""
+        """Reads tool calls out of the released answer text, when the request offered tools."""
+        self.splitter = OutputSplitter(tools=tool_reader, thinking=spec.thinking)
+        """Types the released text: thinking, answer text, and the reader's calls."""
+        self.parts: list[Part] = []
+        """Every delta's parts so far, joined (:func:`~pipeline.output_parts.joined`)."""
         self.detok_state = detokenizer.start(spec.prompt.input_ids)
         context = StopContext(spec.eos_token_ids, spec.accepted_ns)
         self.stop_states = [s.start(spec.request, context) for s in self.stoppers]
@@ -105,14 +110,22 @@ class TextState:
             verdict = found or verdict
         return text, verdict
 
+    def split(self, text: str, final: bool) -> list[Part]:
+        """The parts of released ``text`` whose kind is certain (``final``: all of them, the
+        reader's unfinished call included)."""
+        parts = self.splitter.feed(text) if text else []
+        return parts + self.splitter.finish() if final else parts
+
     def delta(self, text: str, reason: FinishReason | None,
-              tool_calls: tuple[ToolCallDelta, ...] = ()) -> Delta:
+              parts: tuple[Part, ...] = ()) -> Delta:
         """The next delta: ``text`` with the tokens and logprobs not sent yet (``reason`` on
-        the last one) and the tool-call pieces read from it. The text counts as emitted and
-        the unsent buffers empty."""
+        the last one) and the typed ``parts`` made of it (:meth:`split`). The text counts as
+        emitted and the unsent buffers empty."""
+        calls = tuple(p for p in parts if isinstance(p, ToolCallDelta))
         delta = Delta(self.request_id, self.seq, text, tuple(self.unsent_ids),
-                      tuple(self.unsent_logprobs), reason, tool_calls)
+                      tuple(self.unsent_logprobs), reason, calls, parts)
         self.seq += 1
+        joined(self.parts, parts)
         self.pieces.append(text)
         self.unsent_ids.clear()
         self.unsent_logprobs.clear()

@@ -33,7 +33,7 @@ from transports.http.documented import (
     _cache_control as cache_control, anthropic_fields, anthropic_tool, one_of, unsupported,
 )
 from transports.http.fields import Obj, check
-from transports.http.output import Part, TextPart
+from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 

@@ -70,7 +70,6 @@ from transports.http.generation import Started
 from transports.http.logs import CLIENT_CLOSED, AccessLog, record_generation
 from transports.http.metrics import CONTENT_TYPE
 from transports.http.openapi import openapi_document
-from transports.http.output import OutputSplitter, Part
 from transports.http.inspector import RECORDING_HEADER, TraceViews, with_recording
 from transports.http.page import MEDIA_TYPE as HTML, ChatPage, asset_handler
 from transports.http.traces import MEDIA_TYPE as JSONL
@@ -257,16 +256,14 @@ class Server:
         own = form.encoder(served, parsed, started) if form is not None else None
         encoder = own if own is not None else generation.encoder(served, parsed, dialect,
                                                                  started)
-        splitters = [generation.splitter(served, parsed, f.handle.request_id)
-                     for f in started.flights]
         opening = encoder.start()
         if opening:
             yield opening
         histogram = self.gateway.metrics.inter_token.labels(served.name)
         handles = [f.handle for f in started.flights]
         try:
-            async for chunk in self._stream_deltas(handles, splitters, encoder, parsed,
-                                                   dialect, histogram):
+            async for chunk in self._stream_deltas(handles, encoder, parsed, dialect,
+                                                   histogram):
                 yield chunk
         finally:  # the client left mid-stream: cancel, and free the admission places now
             if not all(h.done() for h in handles):
@@ -279,11 +276,11 @@ class Server:
             return
         yield encoder.end(completions)
 
-    async def _stream_deltas(self, handles: list[RequestHandle],
-                             splitters: list[OutputSplitter], encoder: StreamEncoder,
+    async def _stream_deltas(self, handles: list[RequestHandle], encoder: StreamEncoder,
                              parsed: Parsed, dialect: Dialect,
                              histogram: Any) -> AsyncIterator[bytes]:
-        """The stream's chunks while its choices produce deltas (pings while idle)."""
+        """The stream's chunks while its choices produce deltas (pings while idle); each
+        delta's typed parts are the engine's (:attr:`~pipeline.types.Delta.parts`)."""
         last: dict[int, float] = {}
         async for item in merged(handles, self.gateway.config.ping_interval_s):
             if item is None:  # idle (queued): keep the connection alive
@@ -294,11 +291,8 @@ class Server:
             if index in last:
                 histogram.observe(now - last[index])
             last[index] = now
-            parts: list[Part] = []
-            if parsed.raw is None:  # a raw completion is text as it came
-                parts = splitters[index].feed(delta.text)
-                if delta.final:
-                    parts += splitters[index].finish()
+            # a raw completion is text as it came
+            parts = list(delta.parts) if parsed.raw is None else []
             chunk = encoder.delta(index, parts, delta)
             if chunk:
                 yield chunk

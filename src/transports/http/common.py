@@ -21,7 +21,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import SAMPLING_FIELDS
 from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
-from transports.http.output import Part
+from pipeline.types import Part
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 

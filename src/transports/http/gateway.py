@@ -58,7 +58,7 @@ from transports.http.choices import Choices, total_usage
 from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
 from transports.http.metrics import Metrics
-from transports.http.output import opens_thinking
+from pipeline.output_parts import opens_thinking
 from transports.http.traces import TraceStore, key_fingerprint
 from transports.http.usage import UsageRecord, UsageStore
 

@@ -26,7 +26,7 @@ from transports.http.choices import choice_requests, total_usage
 from transports.http.common import Parsed, StreamEncoder
 from transports.http.errors import Dialect
 from transports.http.gateway import Flight, Gateway, ServedModel
-from transports.http.output import OutputSplitter, Part
+from pipeline.types import Part
 from transports.http.work import Checkpoint
 
 
@@ -109,18 +109,10 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
     return Started(flights, prompt_tokens, fitted[0].thinking, prompts, echoes)
 
 
-def splitter(served: ServedModel, parsed: Parsed, request_id: str) -> OutputSplitter:
-    """The output splitter of one choice: the model's tool-call reader when the request
-    offered tools (its call ids derive from ``request_id``)."""
-    parser = served.pipe.stages.tool_parser
-    reader = parser.start(request_id) if parsed.tools and parser is not None else None
-    return OutputSplitter(tools=reader, thinking=parsed.thinking)
-
-
 def split(served: ServedModel, parsed: Parsed, completion: Completion) -> list[Part]:
-    """A whole answer's text as parts (answer text, thinking, tool calls)."""
-    whole = splitter(served, parsed, completion.request_id)
-    return whole.feed(completion.text) + whole.finish()
+    """A whole answer's parts (answer text, thinking, tool calls), as the engine typed them
+    (:attr:`~pipeline.types.Completion.parts`): the HTTP layer encodes, never re-parses."""
+    return list(completion.parts)
 
 
 def answer(served: ServedModel, parsed: Parsed, dialect: Dialect, started: Started,

@@ -17,17 +17,23 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from pipeline.engine.handle import RequestHandle
-from pipeline.types import Delta
+from pipeline.output_parts import joined
+from pipeline.types import Delta, Part
 
 
 def merge(deltas: list[Delta]) -> Delta:
-    """Consecutive deltas of one request as one: texts, ids and logprobs joined in order."""
+    """Consecutive deltas of one request as one: texts, ids, logprobs, tool-call pieces and
+    typed parts joined in order (:func:`~pipeline.output_parts.joined`)."""
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
+    parts: list[Part] = []
+    for d in deltas:
+        joined(parts, d.parts)
     return Delta(last.request_id, last.seq, "".join(d.text for d in deltas),
                  tuple(t for d in deltas for t in d.token_ids),
-                 tuple(lp for d in deltas for lp in d.logprobs), last.finish_reason)
+                 tuple(lp for d in deltas for lp in d.logprobs), last.finish_reason,
+                 tuple(c for d in deltas for c in d.tool_calls), tuple(parts))
 
 
 class _Inbox:

@@ -35,7 +35,8 @@ from transports.http.documented import (
     structured_outputs,
 )
 from transports.http.fields import Obj, check
-from transports.http.output import Part, TextPart, calls_of
+from pipeline.output_parts import calls_of
+from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

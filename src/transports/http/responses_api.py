@@ -18,7 +18,7 @@ true, as in OpenAI's API), ``tool_choice``, ``parallel_tool_calls``, ``max_outpu
 ``response_format`` gives chat) become the request chat completions would have made. So the
 gateway, admission, window fit, cancellation, usage row and trace are the chat endpoint's,
 and the answer's parts (text, ``<think>`` reasoning, tool calls, split by
-:mod:`transports.http.output`) become output items: ``reasoning``, ``message`` (one
+:mod:`pipeline.output_parts`) become output items: ``reasoning``, ``message`` (one
 ``output_text`` part) and ``function_call`` (a malformed call stays an item with status
 ``incomplete``, its text following as a message). A response cut by ``max_output_tokens``
 (or the request deadline) is ``incomplete`` with ``incomplete_details.reason``

@@ -1,7 +1,7 @@
 """The answer side of OpenAI's Responses API (``POST /v1/responses``): output items, the
 ``response`` object, its event stream, and the responses kept for ``previous_response_id``.
 
-Owns :class:`Output` (an answer's parts, from :mod:`transports.http.output`, as output items:
+Owns :class:`Output` (an answer's parts, from :mod:`pipeline.output_parts`, as output items:
 ``reasoning`` for a ``<think>`` block, ``message`` with one ``output_text`` part,
 ``function_call``; and the stream events that build them; streamed or not, an answer goes
 through it, so both give the same items), :class:`ResponsesForm` (the
@@ -34,7 +34,7 @@ from transports.http.choices import total_usage
 from transports.http.common import Parsed
 from transports.http.errors import classify
 from transports.http.gateway import ServedModel
-from transports.http.output import Part, TextPart
+from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 KEEP_RESPONSES = 256

@@ -1,38 +1,32 @@
-"""Splitting the model's output text into answer text, thinking, and tool calls.
+"""Typed output parts: the model's text split into answer text, thinking and tool calls.
 
-Owns :class:`OutputSplitter`, an incremental splitter over the detokenized text of one
-request. The chat templates mark reasoning with ``<think>…</think>``; the splitter finds these
-markers across delta boundaries (holding back a partial marker) and hands the answer text to
-the model's tool-call reader (the ``stages/tools`` parser that ``build`` chose from the chat
+Owns :class:`OutputSplitter`, an incremental splitter over the released text of one request,
+which the engine runs once per request as text is released, so every delta carries its
+:attr:`~pipeline.types.Delta.parts` and the completion its whole
+:attr:`~pipeline.types.Completion.parts` (the transports only encode them), and
+:func:`opens_thinking`, the one test of whether a rendered prompt opened a think block. The
+chat templates mark reasoning with ``<think>…</think>``; the splitter finds these markers
+across delta boundaries (holding back a partial marker) and hands the answer text to the
+model's tool-call reader (the ``stages/tools`` parser that ``build`` chose from the chat
 template, docs/design.md §11), so tool calls come out as the reader's deltas (the name, then
-argument fragments as they are generated) and ends. A call that is not well formed stays visible as
-text, so nothing the model wrote is lost. The newlines that open and close a thinking block,
-and those right after it, are layout, not content: they are dropped. Both dialects,
-streaming and not, go through this one splitter, so streamed and non-streamed answers agree.
+argument fragments as they are generated) and ends. A call that is not well formed stays
+visible as text, so nothing the model wrote is lost. The newlines that open and close a
+thinking block, and those right after it, are layout, not content: they are dropped. Both
+dialects, streaming and not, read the same parts, so streamed and non-streamed answers agree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import attrs
 
 from pipeline.protocols import ToolCallReader
-from pipeline.types import TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.types import Part, TextPart, TextPiece, ToolCallDelta, ToolCallEnd
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
-
-
-@attrs.frozen
-class TextPart:
-    """Answer text (``kind="text"``) or reasoning (``kind="thinking"``)."""
-
-    kind: Literal["text", "thinking"]
-    text: str
-
-
-Part = TextPart | ToolCallDelta | ToolCallEnd
 
 
 def opens_thinking(prompt: str) -> bool:
@@ -136,6 +130,21 @@ class OutputSplitter:
                 parts[-1] = TextPart("text", parts[-1].text + piece.text)
             elif piece.text:
                 parts.append(TextPart("text", piece.text))
+
+
+def joined(parts: list[Part], more: Sequence[Part]) -> None:
+    """Append ``more`` to ``parts``, joining a run of one kind of text and a call's argument
+    fragments (a call's first delta, with its name, stays apart)."""
+    for part in more:
+        last = parts[-1] if parts else None
+        if (isinstance(part, TextPart) and isinstance(last, TextPart)
+                and last.kind == part.kind):
+            parts[-1] = TextPart(part.kind, last.text + part.text)
+        elif (isinstance(part, ToolCallDelta) and isinstance(last, ToolCallDelta)
+              and part.name is None and last.name is None and last.index == part.index):
+            parts[-1] = attrs.evolve(last, arguments=last.arguments + part.arguments)
+        else:
+            parts.append(part)
 
 
 def calls_of(parts: list[Part]) -> list[ToolCallEnd]:
