@@ -8,11 +8,23 @@ the text was cut into deltas).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 
+import openai
+
+from pipeline import build
+from pipeline.engine.handle import RequestHandle
+from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.output_parts import OutputSplitter, joined
 from pipeline.types import Completion, Delta, Part, TextPart, ToolCallDelta, ToolCallEnd
-from tests.http_support import TOOL_CALL_TEXT, thinker_model, tool_model
+from tests.http_support import (
+    TOOL_CALL_TEXT, config, endless_model, running, thinker_model, tool_model,
+)
+from transports import AsyncioTransport
+from transports.http import Gateway
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city.",
@@ -71,3 +83,43 @@ def test_thinking_is_typed_as_the_text_is_released() -> None:
     thinking, answer = (p.text for p in parts if isinstance(p, TextPart))
     assert "<think>" in done.text and "</think>" in done.text
     assert thinking and thinking in done.text and answer == "Done."
+
+
+class CountingTransport:
+    """The asyncio transport, noting every request it delivers."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.delivered: list[str] = []
+        self.inner = AsyncioTransport()
+
+    def deliver(self, handle: RequestHandle) -> AsyncIterator[Delta]:
+        self.delivered.append(handle.request_id)
+        return self.inner.deliver(handle)
+
+
+def test_streams_go_through_the_pipelines_transport_stage(tmp_path: Path) -> None:
+    # the HTTP server streams each choice through the async transport build() wired (it had
+    # a bridge of its own beside the stage), as Pipeline.astream does
+    counting = CountingTransport()
+    plain, _ = endless_model()
+    pipe = build(TINY_MODEL_DIR, backend=plain.engine.backend,  # type: ignore[union-attr]
+                 async_transport=counting)
+    plain.close()
+
+    async def in_process() -> str:
+        return "".join([d.text async for d in pipe.astream("x", max_tokens=3, temperature=0)])
+
+    assert asyncio.run(in_process()) == "aaa" and len(counting.delivered) == 1
+    gateway = Gateway(config(tmp_path), lambda f, c: pipe)
+    with running(gateway) as url:
+        oa = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+        chunks = list(oa.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "go"}], max_tokens=3,
+            n=2, stream=True, temperature=0))
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks
+                     if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts == ["aaa", "aaa"]
+    assert len(counting.delivered) == 3  # one per choice
+    gateway.close()

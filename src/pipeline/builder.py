@@ -77,6 +77,7 @@ def build(
     defaults: GenerationConfig | None = None,
     options: BackendOptions | Mapping[str, Any] | None = None,
     tool_parser: str | ToolCallParser | None = None,
+    async_transport: str | Transport[AsyncIterator[Delta]] = "asyncio",
     device: str | None = None,
     dtype: str | None = None,
 ) -> Pipeline:
@@ -153,6 +154,10 @@ def build(
     ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
     (:func:`pipeline.tools.parsing.choose_parser`).
 
+    ``async_transport`` names (or is) the bridge that delivers a request's deltas on an
+    asyncio event loop: ``Pipeline.astream`` and the HTTP server's streams both go through it
+    (default ``"asyncio"``: one merged delta per wake-up of the loop).
+
     ``defaults`` are what a request gets for every field it does not set. Without them the
     pipeline's defaults are the model's recommended sampling (its ``generation_config.json``,
     or a GGUF file's ``general.sampling.*`` metadata), else the documented
@@ -205,7 +210,7 @@ def build(
         stream_transport=cast(Transport[Iterator[Delta]],
                               registry.create("transport", "inprocess", context)),
         async_transport=cast(Transport[AsyncIterator[Delta]],
-                             registry.create("transport", "asyncio", context)),
+                             _resolve(registry, "transport", async_transport, context)),
         tool_parser=choose_parser(registry, context, tool_parser, chat),
         request_checks=tuple(p for p in procs if isinstance(p, RequestCheck)),
     )

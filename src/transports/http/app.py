@@ -54,7 +54,8 @@ from pipeline.errors import (
     PayloadTooLargeError, PipelineError,
 )
 from pipeline.engine.handle import RequestHandle
-from pipeline.types import Completion
+from pipeline.protocols import Transport
+from pipeline.types import Completion, Delta
 from transports.http import (
     anthropic_api, completions_api, embeddings_api, generation, openai_api, responses_api,
     responses_output,
@@ -262,8 +263,8 @@ class Server:
         histogram = self.gateway.metrics.inter_token.labels(served.name)
         handles = [f.handle for f in started.flights]
         try:
-            async for chunk in self._stream_deltas(handles, encoder, parsed, dialect,
-                                                   histogram):
+            async for chunk in self._stream_deltas(handles, served.pipe.stages.async_transport,
+                                                   encoder, parsed, dialect, histogram):
                 yield chunk
         finally:  # the client left mid-stream: cancel, and free the admission places now
             if not all(h.done() for h in handles):
@@ -276,13 +277,14 @@ class Server:
             return
         yield encoder.end(completions)
 
-    async def _stream_deltas(self, handles: list[RequestHandle], encoder: StreamEncoder,
+    async def _stream_deltas(self, handles: list[RequestHandle],
+                             transport: Transport[AsyncIterator[Delta]], encoder: StreamEncoder,
                              parsed: Parsed, dialect: Dialect,
                              histogram: Any) -> AsyncIterator[bytes]:
         """The stream's chunks while its choices produce deltas (pings while idle); each
         delta's typed parts are the engine's (:attr:`~pipeline.types.Delta.parts`)."""
         last: dict[int, float] = {}
-        async for item in merged(handles, self.gateway.config.ping_interval_s):
+        async for item in merged(handles, self.gateway.config.ping_interval_s, transport):
             if item is None:  # idle (queued): keep the connection alive
                 yield anthropic_api.PING if dialect is Dialect.ANTHROPIC else KEEP_ALIVE
                 continue

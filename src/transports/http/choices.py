@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import attrs
 
 from pipeline.engine.handle import RequestHandle
+from pipeline.protocols import Transport
 from pipeline.types import Completion, Delta, Request, Usage
 from transports.http.inbox import batches
 
@@ -87,20 +88,22 @@ class Choices:
             self._on_all(completions)
 
 
-async def merged(handles: Sequence[RequestHandle], ping_s: float
+async def merged(handles: Sequence[RequestHandle], ping_s: float,
+                 transport: Transport[AsyncIterator[Delta]] | None = None
                  ) -> AsyncIterator[tuple[int, Delta] | None]:
     """``(choice index, delta)`` from every handle as they arrive (each choice's deltas in
-    order), ``None`` after ``ping_s`` of silence from all of them; ends when every choice
-    has ended. Leaving early cancels every choice still running."""
+    order, through ``transport``: the pipeline's asyncio transport stage), ``None`` after
+    ``ping_s`` of silence from all of them; ends when every choice has ended. Leaving early
+    cancels every choice still running."""
     if len(handles) == 1:
-        async for delta in batches(handles[0], ping_s):
+        async for delta in batches(handles[0], ping_s, transport):
             yield None if delta is None else (0, delta)
         return
     queue: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
 
     async def pump(index: int, handle: RequestHandle) -> None:
         try:
-            async for delta in batches(handle, _QUIET_S):
+            async for delta in batches(handle, _QUIET_S, transport):
                 if delta is not None:
                     queue.put_nowait((index, delta))
         finally:
