@@ -15,13 +15,14 @@ The package's modules, in the order a request meets them:
                    (settle → admit → plan → forward → commit), containment and stalls
 ``pacing``         the pacer that sizes a step's prefill beside decoding requests
 ``blocks``         the KV block manager and the content-addressed prefix cache
-``paging``         the KV memory rules over a paged backend: admission by free blocks, growth,
-                   preemption by recompute, publication, release
+``paging``         the one KV memory interface: the rules over a paged backend (admission by
+                   free blocks, growth, preemption by recompute, publication, release), and
+                   the trivial adapter for a backend that keeps its own memory
 ``commit``         :class:`~pipeline.engine.commit.Committer`: a step's logits through each
                    request's strategy into tokens, stops, text and deltas
 ``forcing``        :class:`~pipeline.engine.forcing.Forcing`: tokens that override the
                    selector (a forced prefix, a spent reasoning budget)
-``text_state``     a request's detokenizer, stoppers and tool-call reader between steps
+``text_state``     a request's detokenizer, stoppers and typed output parts between steps
 =================  ==========================================================================
 
 Importing ``pipeline.engine`` gives the names a caller of the engine uses (:class:`Engine`,

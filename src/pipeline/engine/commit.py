@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pipeline.engine.job import Job
-from pipeline.engine.paging import Paging
+from pipeline.engine.paging import KVMemory
 from pipeline.protocols import Backend, CacheLayout, Row, Strategy, Update
 from pipeline.recording import logits_record, processed_record, record_rows, same_bits
 
@@ -45,12 +45,12 @@ def logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[list[dict[str, 
 class Committer:
     """The engine's commit half; called on the engine thread only."""
 
-    def __init__(self, backend: Backend, paging: Paging | None,
+    def __init__(self, backend: Backend, memory: KVMemory,
                  cache: Callable[[Job], tuple[int, CacheLayout | None]],
                  fail: Callable[[Job, str], None], release: Callable[[Job], None],
                  guarded: Callable[[Job, str, Callable[[], Any]], bool]) -> None:
         self._backend = backend
-        self._paging = paging
+        self._memory = memory
         self._cache = cache
         self._fail = fail
         self._release = release
@@ -110,8 +110,7 @@ class Committer:
             if update.rollback:
                 self._backend.truncate(job.slot_id, job.cache_len - update.rollback)
                 job.rolled_back(update.rollback, self._cache(job))
-                if self._paging is not None:
-                    self._paging.truncate(job)
+                self._memory.truncate(job)
         except Exception as exc:  # this request's state is broken, not the others'
             self._fail(job, f"taking token failed: {exc!r}")
 

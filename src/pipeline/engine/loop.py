@@ -3,15 +3,17 @@
 Owns the scheduler and the step loop. Each step it
 
 1. settles cancellations and expired queue waits (any state; slots are freed at once),
-2. admits queued requests to free slots (FIFO); over a
-   :class:`~pipeline.protocols.PagedBackend` also to the KV blocks of what they prefill,
-   after what the prefix cache holds (:mod:`pipeline.engine.paging`),
+2. admits queued requests to free slots (FIFO) and to KV memory for what they prefill
+   (:class:`~pipeline.engine.paging.KVMemory`: over a
+   :class:`~pipeline.protocols.PagedBackend` the blocks after what the prefix cache holds;
+   over a backend that keeps its own memory, the trivial
+   :class:`~pipeline.engine.paging.SlotMemory`),
 3. plans the step under ``token_budget``: every decoding request's strategy plans its call
    first (a long prompt never starves decoding), then prefill chunks of at most
    ``max_prefill_chunk`` tokens for prefilling requests in admission order with what is left
    and, while requests decode, no more than the pacer allows so the step stays within
    ``step_latency_ratio`` of a decode-only step (:mod:`pipeline.engine.pacing`),
-4. over a paged backend has :mod:`pipeline.engine.paging` grow each writing call's block table
+4. has KV memory grow each writing call's block table
    (:meth:`~pipeline.engine.paging.Paging.make_room`: when blocks run out the most recently admitted
    other request gives its blocks back, and the engine takes its slot and requeues it:
    preemption by recompute), then
@@ -23,7 +25,7 @@ Owns the scheduler and the step loop. Each step it
    reasoning budget: :mod:`pipeline.engine.forcing`) → stoppers → detokenizer → delta; a request
    that goes on keeps y_t as its pending token, which the
    next step's forward writes into the cache (cache length m + t) — the docs/design.md §4 order;
-   over a paged backend the blocks that filled up are then published to the prefix cache.
+   the blocks that filled up are then published to the prefix cache.
 
 The KV memory rules (admission by free blocks, growth, preemption, publication, rollback,
 release) are :mod:`pipeline.engine.paging`'s; a request's records (spec, decode state, text state,
@@ -76,7 +78,7 @@ from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.blocks import BlockStats, PrefixMatch
 from pipeline.engine.job import Job
 from pipeline.engine.pacing import Pacer
-from pipeline.engine.paging import Paging
+from pipeline.engine.paging import KVMemory, Paging, SlotMemory
 from pipeline.protocols import (
     Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, Strategy,
     split_outputs,
@@ -179,9 +181,9 @@ class Engine:
         self._pacer = Pacer(ratio) if ratio is not None else None
         # Checked once: a runtime Protocol isinstance is too slow for the per-token path.
         self._inspector = backend if isinstance(backend, CacheInspector) else None
-        self._paging = (Paging(backend, backend.snapshot)
-                        if isinstance(backend, PagedBackend) else None)
-        self._committer = Committer(backend, self._paging, self._cache, self._fail,
+        self._memory: KVMemory = (Paging(backend, backend.snapshot)
+                                  if isinstance(backend, PagedBackend) else SlotMemory())
+        self._committer = Committer(backend, self._memory, self._cache, self._fail,
                                     self._release, self._guarded)
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
@@ -322,7 +324,7 @@ class Engine:
     def kv_blocks(self) -> BlockStats | None:
         """The block manager's counters over a paged backend (None: the backend keeps its
         memory). Read on another thread they are a snapshot that may be a step old."""
-        return self._paging.blocks.stats if self._paging is not None else None
+        return self._memory.stats
 
     @property
     def active_slots(self) -> int:
@@ -462,8 +464,7 @@ class Engine:
         plan = self._plan()
         if not plan.decode and not plan.prefill:
             return None
-        if self._paging is not None:
-            plan = self._make_room(plan, self._paging)
+        plan = self._make_room(plan)
         self._phase = "the model's forward"
         ready = self._forward(plan)
         if self._abandoned:  # its requests were failed meanwhile: touch them no more
@@ -471,11 +472,10 @@ class Engine:
         self._phase = "selection and commit"
         if ready:
             self._committer.update(ready)
-        paging = self._paging
         self._phase = "publishing blocks"
-        if paging is not None:
-            for job in list(self._active):
-                self._guarded(job, "publishing blocks", lambda: paging.publish(job))
+        memory = self._memory
+        for job in list(self._active):
+            self._guarded(job, "publishing blocks", lambda: memory.publish(job))
         return len(plan.decode), sum(len(c.token_ids) for _, c in plan.prefill)
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
@@ -507,20 +507,17 @@ class Engine:
         waits while either is short."""
         while self._queue and len(self._active) < self.backend.num_slots:
             job = self._queue[0]
-            hit = None
-            if self._paging is not None:
-                try:
-                    hit = self._paging.admit(job, job.prefill_ids, reserve=len(self._active))
-                except CapacityError as exc:  # more than the whole pool: it never fits
-                    self._fail(job, str(exc))
-                    continue
-                if hit is None:
-                    return
+            try:
+                hit = self._memory.admit(job, job.prefill_ids, reserve=len(self._active))
+            except CapacityError as exc:  # more than the whole pool: it never fits
+                self._fail(job, str(exc))
+                continue
+            if hit is None:
+                return
             try:
                 slot = self.backend.allocate()
             except CapacityError:
-                if self._paging is not None:
-                    self._paging.free(job)
+                self._memory.free(job)
                 return
             self._held.add(slot)
             self._queue.popleft()
@@ -529,11 +526,11 @@ class Engine:
             job.slot = slot  # held from now on: a failed start releases it
             self._guarded(job, "starting", lambda: self._start(job, slot, hit))
 
-    def _start(self, job: Job, slot: int, hit: PrefixMatch | None) -> None:
+    def _start(self, job: Job, slot: int, hit: PrefixMatch) -> None:
         """Prefill begins (after the positions the prefix cache holds); the job's strategy
         (by its processor order) starts its loop state, which a preempted job keeps."""
         job.start_prefill(slot)
-        if hit is not None and hit.cached_tokens:
+        if hit.cached_tokens:
             job.prefix_hit(hit.cached_tokens, len(hit.blocks))
         if job.resumed:
             return
@@ -602,15 +599,15 @@ class Engine:
 
     def _table(self, job: Job) -> tuple[int, ...] | None:
         """The job's block table over a paged backend (None: the backend keeps its memory)."""
-        return self._paging.table(job) if self._paging is not None else None
+        return self._memory.table(job)
 
-    def _make_room(self, plan: _Plan, paging: Paging) -> _Plan:
+    def _make_room(self, plan: _Plan) -> _Plan:
         """Grow each writing decode call's table to its positions (:meth:`Paging.make_room`);
         the jobs paging preempted are requeued, those it could not grow fail, and both leave
         the plan."""
         needs = [(job, job.cache_len + len(job.plan.token_ids)) for job in plan.decode
                  if job.plan is not None and job.plan.write]
-        room = paging.make_room(needs, list(self._active))
+        room = self._memory.make_room(needs, list(self._active))
         for job, blocks in room.preempted:
             self._preempt(job, blocks)
         for job, why in room.starved:
@@ -708,12 +705,11 @@ class Engine:
                 self._active.remove(job)
         try:
             self._finish_strategy(job)
-            if self._paging is not None:
-                try:
-                    self._paging.free(job)
-                except Exception as exc:  # the request is over either way; record it
-                    with contextlib.suppress(Exception):
-                        job.tracer.emit("engine", "blocks.free_failed", {"error": repr(exc)})
+            try:
+                self._memory.free(job)
+            except Exception as exc:  # the request is over either way; record it
+                with contextlib.suppress(Exception):
+                    job.tracer.emit("engine", "blocks.free_failed", {"error": repr(exc)})
             if job.slot is not None:
                 try:
                     self.backend.release(job.slot_id)

@@ -1,6 +1,9 @@
-"""The engine's KV memory over a paged backend: block tables per job and the prefix cache.
+"""The engine's KV memory: block tables per job and the prefix cache, or a backend's own.
 
-Owns :class:`Paging`, the engine's use of a :class:`~pipeline.engine.blocks.BlockManager` sized
+Owns :class:`KVMemory`, the one interface the engine asks about KV memory (admit, make room,
+publish, roll back, free), and its two implementations: :class:`SlotMemory`, the trivial
+adapter for a backend that keeps its own memory per slot (everything fits, nothing is shared
+or preempted, no table is passed), and :class:`Paging`, the engine's use of a :class:`~pipeline.engine.blocks.BlockManager` sized
 like its :class:`~pipeline.protocols.PagedBackend` (``num_blocks`` of ``block_size``, keyed
 by the backend's ``snapshot``), with the job-level rules (docs/design.md §6, second edition):
 
@@ -37,7 +40,7 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
-from pipeline.engine.blocks import BlockManager, PrefixMatch
+from pipeline.engine.blocks import BlockManager, BlockStats, PrefixMatch
 from pipeline.errors import CapacityError, OutOfBlocks
 from pipeline.protocols import PagedBackend
 
@@ -72,6 +75,69 @@ class Room(Generic[J]):
         return {job for job, _ in self.preempted} | {job for job, _ in self.starved}
 
 
+class KVMemory(Protocol):
+    """What the engine asks of KV memory, whoever keeps it (engine thread only)."""
+
+    @property
+    def stats(self) -> BlockStats | None:
+        """The block counters (None: the backend keeps its memory)."""
+        ...
+
+    def admit(self, job: PagedJob, tokens: Sequence[int], reserve: int = 0
+              ) -> PrefixMatch | None:
+        """Room for ``job``'s ``tokens`` and the cached prefix it reuses; None: wait."""
+        ...
+
+    def table(self, job: PagedJob) -> tuple[int, ...] | None:
+        """``job``'s block table for its calls (None: the backend needs none)."""
+        ...
+
+    def make_room(self, needs: Sequence[tuple[J, int]], running: Sequence[J]) -> Room[J]:
+        """Room for each job's length in ``needs``; who was preempted or starved for it."""
+        ...
+
+    def publish(self, job: PagedJob) -> None:
+        """Share ``job``'s final full blocks with later prompts."""
+        ...
+
+    def truncate(self, job: PagedJob) -> None:
+        """Shrink ``job``'s memory to its cache length (after a rollback)."""
+        ...
+
+    def free(self, job: PagedJob) -> None:
+        """Give ``job``'s memory back."""
+        ...
+
+
+class SlotMemory:
+    """KV memory a backend keeps per slot (no blocks): the trivial :class:`KVMemory`. Every
+    admitted job fits (the slot holds the window), no prefix is shared, nobody is preempted,
+    and calls carry no table; the backend's own ``truncate`` and ``release`` do the rest."""
+
+    stats: BlockStats | None = None
+
+    def admit(self, job: PagedJob, tokens: Sequence[int], reserve: int = 0) -> PrefixMatch:
+        """Always room, nothing cached."""
+        return PrefixMatch()
+
+    def table(self, job: PagedJob) -> None:
+        """No table."""
+        return None
+
+    def make_room(self, needs: Sequence[tuple[J, int]], running: Sequence[J]) -> Room[J]:
+        """Nothing to grow, nobody to preempt."""
+        return Room()
+
+    def publish(self, job: PagedJob) -> None:
+        """Nothing is shared."""
+
+    def truncate(self, job: PagedJob) -> None:
+        """The backend's own truncate did it."""
+
+    def free(self, job: PagedJob) -> None:
+        """The backend's own release does it."""
+
+
 def computed_tokens(job: PagedJob) -> list[int]:
     """The token ids of the positions of ``job``'s cache that are final: the prompt, then
     the committed tokens the cache holds (all but the pending one under autoregressive
@@ -86,6 +152,11 @@ class Paging:
     def __init__(self, backend: PagedBackend, snapshot: str) -> None:
         self.blocks = BlockManager(backend.num_blocks, backend.block_size, snapshot=snapshot)
         self._full: dict[PagedJob, int] = {}   # full blocks each job has published so far
+
+    @property
+    def stats(self) -> BlockStats:
+        """The block manager's counters."""
+        return self.blocks.stats
 
     def admit(self, job: PagedJob, tokens: Sequence[int], reserve: int = 0
               ) -> PrefixMatch | None:
