@@ -1,20 +1,22 @@
-"""One request's life inside the engine: its state machine over its records, and its events.
+"""One request's life inside the engine: its scheduling state, beside its recorder and its
+delivery.
 
 Owns :class:`Job`, the engine-thread-only handle on a request in flight. A request is a few
 small records (docs/design.md §6, second edition), which the job holds side by side:
 
 - its **spec** (:class:`~pipeline.engine.job_spec.JobSpec`): the request, its tokenized prompt, the
   seed and ids; plain data, serializable;
+- its **scheduling state** (this class): the request's state, slot, prefill progress, cache
+  length, preemption, and the timings;
 - its **decode state**: the strategy's loop state (``Job.decode_state``, owned by the strategy:
   ``start``, ``plan``, ``update``), and the committed tokens (``Job.output_ids``);
-- its **text state** (:class:`~pipeline.engine.text_state.TextState`): detokenizer, stoppers,
-  emitted text and what is not sent yet; it sees committed tokens only (:meth:`Job.advance`);
-- its **trace**: the :class:`~pipeline.events.Tracer` that numbers its events.
+- its **recorder** (:class:`~pipeline.engine.recorder.Recorder`): the events of every
+  transition (docs/design.md §7), so the trace of a finished job holds the minimal timeline
+  in causal order;
+- its **delivery** (:class:`~pipeline.engine.delivery.Delivery`): the text state (stoppers,
+  detokenizer, typed parts) between committed tokens and the deltas on the caller's handle.
 
-Besides those the job keeps the scheduler's view (state, slot, prefill progress, cache
-length, preemption) and the timings. Every transition emits the docs/design.md §7 event for it,
-so the trace of a finished job holds the minimal timeline in causal order. Only the engine calls
-these methods, from its own thread.
+Only the engine calls these methods, from its own thread.
 """
 
 from __future__ import annotations
@@ -23,18 +25,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.events import Tracer, digest_ids, digest_text
+from pipeline.events import Tracer
+from pipeline.engine.delivery import Delivery
 from pipeline.engine.forcing import Forcing
 from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
+from pipeline.engine.recorder import Recorder
 from pipeline.protocols import (
-    Attention, CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
+    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
 )
 from pipeline.engine.text_state import TextState
-from pipeline.types import (
-    Completion, FinishReason, Part, Recording, Timings, TokenLogprob, ToolCallDelta,
-    ToolCallEnd, Usage,
-)
+from pipeline.types import Completion, FinishReason, Recording, Timings, TokenLogprob, Usage
 
 _TERMINAL_STATE = {
     FinishReason.CANCELLED: RequestState.CANCELLED,
@@ -51,9 +52,11 @@ class Job:
     def __init__(self, spec: JobSpec, text: TextState, tracer: Tracer,
                  handle: RequestHandle) -> None:
         self.spec = spec
-        self.text = text
         self.request = spec.request
         self.config = spec.request.generation_config
+        self.recorder = Recorder(tracer, spec.last_event, spec.request.recording is Recording.FULL)
+        self.delivery = Delivery(text, handle, self.recorder)
+        self.text = text
         self.tracer = tracer
         self.handle = handle
         self.state = RequestState.QUEUED
@@ -82,19 +85,18 @@ class Job:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
-        self._last = spec.last_event
-        self._full = spec.request.recording is Recording.FULL
-        self._order: tuple[str, ...] = ()
-        self._configured = False
-        self.raw_digest: str | None = None  # of the latest raw logits z_t
-        self.raw_digests: list[str | None] = []  # of each wanted output of the latest call
 
     # --- small views -------------------------------------------------------------------------
 
     @property
     def full(self) -> bool:
         """Whether this request records content (``Recording.FULL``), not only digests."""
-        return self._full
+        return self.recorder.full
+
+    @property
+    def raw_digests(self) -> list[str | None]:
+        """The digests of each wanted output of the latest call's raw logits."""
+        return self.recorder.raw_digests
 
     @property
     def slot_id(self) -> int:
@@ -127,12 +129,6 @@ class Job:
         limit = self.request.runtime_limits.queue_timeout_s
         return limit is not None and now_ns - self.spec.accepted_ns > limit * 1e9
 
-    def _emit(self, component: str, event_type: str, payload: dict[str, Any],
-              parent: int | None = None) -> int:
-        self._last = self.tracer.emit(component, event_type, payload,
-                                      parent if parent is not None else self._last)
-        return self._last
-
     def _set(self, state: RequestState) -> None:
         self.state = state
         self.handle._set_state(state)
@@ -144,11 +140,9 @@ class Job:
         self.slot = slot
         self.started_ns = self.started_ns or time.monotonic_ns()  # first admission
         self._set(RequestState.PREFILLING)
-        payload: dict[str, Any] = {"slot": slot, "prompt_tokens": len(self.prompt_ids),
-                                   "queued_ms": (self.started_ns - self.spec.accepted_ns) / 1e6}
-        if self.resumed:
-            payload["recompute_tokens"] = len(self.prefill_ids)
-        self._emit("engine", "prefill.started", payload)
+        self.recorder.prefill_started(slot, len(self.prompt_ids),
+                                      (self.started_ns - self.spec.accepted_ns) / 1e6,
+                                      len(self.prefill_ids) if self.resumed else None)
 
     @property
     def prefill_ids(self) -> tuple[int, ...]:
@@ -165,13 +159,12 @@ class Job:
         self.done_prefill = self.cache_len = cached
         if not self.resumed:
             self.cached_tokens = cached
-        self._emit("engine", "prefix.hit", {"cached_tokens": cached, "blocks": blocks})
+        self.recorder.prefix_hit(cached, blocks)
 
     def preempted(self, blocks: int) -> None:
         """The engine took the job's slot and ``blocks`` KV blocks back to let others go on;
         it waits at the head of the queue and recomputes its cache when readmitted."""
-        self._emit("engine", "preempted", {"blocks": blocks, "cache_len": self.cache_len,
-                                           "step": len(self.output_ids)})
+        self.recorder.preempted(blocks, self.cache_len, len(self.output_ids))
         if self.state is RequestState.DECODING:  # (a resumed job's recompute keeps its own)
             self.cached_outputs = self.cache_len - len(self.prompt_ids)
         self.resumed = self.resumed or self.state is RequestState.DECODING
@@ -193,33 +186,17 @@ class Job:
         per-layer lengths, when reported); ``logits`` records z_1 after the last chunk."""
         self.done_prefill += len(chunk.token_ids)
         self.cache_len = self.done_prefill
-        cache_len, layout = cache
-        payload: dict[str, Any] = {"slot": self.slot_id, "start": chunk.start,
-                                   "tokens": len(chunk.token_ids), "cache_len": cache_len}
-        if layout is not None:
-            payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
-        if self.resumed and self.done_prefill == len(self.prefill_ids):
-            self._emit("backend", "prefill.completed", {**payload, "resumed": True})
+        resumed = self.resumed and self.done_prefill == len(self.prefill_ids)
+        kind = "resumed" if resumed else "last" if chunk.last else "chunk"
+        self.recorder.prefilled(self.slot_id, chunk.start, len(chunk.token_ids), cache, kind,
+                                len(self.prompt_ids), logits)
+        if kind != "chunk":
             self._set(RequestState.DECODING)
-        elif chunk.last:
-            payload["prompt_tokens"] = len(self.prompt_ids)
-            payload["logits"] = logits
-            self.raw_digest = None if logits is None else logits.get("digest")
-            self.raw_digests = [self.raw_digest]
-            self._emit("backend", "prefill.completed", payload)
-            self._set(RequestState.DECODING)
-        else:
-            self._emit("backend", "prefill.chunk", payload)
 
     def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
         """Record the strategy and the processor order applied at step 1 (before selecting);
         once, though an iterative strategy updates several times before its first token."""
-        if self._configured:
-            return
-        self._configured = True
-        self._order = order
-        self._emit("engine", "selection.configured", {
-            "strategy": strategy.name, "processors": list(order), "seed": self.spec.seed})
+        self.recorder.configured(strategy.name, order, self.spec.seed)
 
     # --- decode ------------------------------------------------------------------------------
 
@@ -229,57 +206,27 @@ class Job:
         ``logits`` records each wanted output (z_{t+1} for one fed token y_t; z_{t+1} ..
         z_{t+k+1} when k drafts follow it). The plan's own events come first."""
         assert self.plan is not None, "decoded without a plan"
-        self.noted(self.plan.events)
-        fed = self.plan.token_ids
         if self.plan.write:
-            self.cache_len += len(fed)
-        cache_len, layout = cache
-        payload: dict[str, Any] = {"step": len(self.output_ids), "token_id": fed[0],
-                                   "cache_len": cache_len, "logits": logits[0]}
-        if len(fed) > 1:
-            payload["token_ids"] = list(fed)
-        if not self.plan.write:  # a denoising pass: it read the cache, wrote nothing
-            payload["write"] = False
-        if self.plan.attention is not Attention.CAUSAL:
-            payload["attention"] = self.plan.attention.value
-        if self.plan.embeddings is not None:  # the ids are placeholders for these vectors
-            payload["inputs"] = "embeddings"
-        if len(logits) > 1:  # the first divergence may lie at any verified position
-            payload["outputs"] = list(self.plan.outputs)
-            payload["block_logits"] = list(logits)
-        self.raw_digests = [record.get("digest") for record in logits]
-        self.raw_digest = self.raw_digests[0]
-        if layout is not None:
-            payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
-        self._emit("backend", "decode.completed", payload)
+            self.cache_len += len(self.plan.token_ids)
+        self.recorder.decoded(self.plan, len(self.output_ids), cache, logits)
         self.plan = None
 
     def rolled_back(self, positions: int, cache: tuple[int, CacheLayout | None]) -> None:
         """The strategy dropped ``positions`` fed positions again (rejected drafts); ``cache``
         is the slot's length after the truncation (and its per-layer lengths)."""
         self.cache_len -= positions
-        cache_len, layout = cache
-        payload: dict[str, Any] = {"step": len(self.output_ids), "positions": positions,
-                                   "cache_len": cache_len}
-        if layout is not None:
-            payload["layers"] = {"k": list(layout.key_lengths), "v": list(layout.value_lengths)}
-        self._emit("engine", "cache.rollback", payload)
+        self.recorder.rolled_back(len(self.output_ids), positions, cache)
 
     def noted(self, events: Sequence[StrategyEvent]) -> None:
         """Record the strategy's own events (a payload's ``ids`` as a digest unless ``full``)."""
-        for event_type, payload in events:
-            if "ids" in payload and not self._full:
-                ids = payload["ids"]
-                payload = {k: v for k, v in payload.items() if k != "ids"}
-                payload["ids_digest"] = digest_ids(ids)
-            self._emit("strategy", event_type, payload)
+        self.recorder.noted(events)
 
     def take(self, taken: Taken, max_context: int, processed: dict[str, Any] | None = None,
              order: tuple[str, ...] | None = None) -> FinishReason | None:
         """Commit one token the strategy took, recording a forced override first."""
         if taken.forced is not None:
             event_type, payload = taken.forced
-            self._emit("engine", event_type, payload)
+            self.recorder.emit("engine", event_type, payload)
         return self.advance(taken.token_id, taken.logprob, max_context, processed, taken.draw,
                             order)
 
@@ -293,26 +240,15 @@ class Job:
         this step (recorded when it differs from the previous step's).
         """
         step = len(self.output_ids) + 1
-        cache_len = len(self.prompt_ids) + step - 1
-        payload: dict[str, Any] = {"step": step, "token_id": token, "cache_len": cache_len}
-        if logprob is not None:
-            payload["logprob"] = logprob.logprob
-        if processed is not None:
-            payload["processed"] = processed
-        if self._full:
-            payload["draw"] = draw
-        if order is not None and order != self._order:
-            payload["processors"] = list(order)
-            self._order = order
-        selected = self._emit("selector", "token.selected", payload)
+        selected = self.recorder.selected(step, token, len(self.prompt_ids) + step - 1, logprob,
+                                          processed, draw, order)
         if self.first_token_ns is None:
             self.first_token_ns = time.monotonic_ns()
         self.output_ids.append(token)
         verdict = self.text.check_token(token, step)
         if verdict is None:
             verdict = self._window_full(step, max_context)
-        released, verdict = self.text.commit(token, logprob, verdict)
-        self._deliver(released, verdict, selected)
+        verdict = self.delivery.commit(token, logprob, verdict, step, selected)
         if verdict is not None:
             self._end(verdict.reason, verdict.detail)
             return verdict.reason
@@ -326,50 +262,13 @@ class Job:
             return StopVerdict(FinishReason.LENGTH, "context window full", keep_token_text=True)
         return None
 
-    def _deliver(self, text: str, verdict: StopVerdict | None, parent: int) -> None:
-        if not text and verdict is None:
-            return  # held back: the tokens ride on the next delta
-        reason = verdict.reason if verdict is not None else None
-        self._push(text, reason, parent)
-
-    def _push(self, text: str, reason: FinishReason | None, parent: int | None = None) -> None:
-        delta = self.text.delta(text, reason, self._parts(text, reason is not None))
-        payload: dict[str, Any] = {"seq": delta.seq, "step": len(self.output_ids),
-                                   "bytes": len(text.encode()),
-                                   "tokens": len(delta.token_ids), "digest": digest_text(text),
-                                   "final": reason is not None}
-        if self._full:
-            payload["text"] = text
-        self._emit("transport", "stream.delta", payload, parent)
-        self.handle._push(delta)
-
-    def _parts(self, text: str, final: bool) -> tuple[Part, ...]:
-        """Type the released text (:meth:`TextState.split`); each call the reader begins is
-        ``tool.proposed`` and each it ends ``tool.parsed`` (or ``tool.malformed``) in the
-        trace (docs/design.md §11)."""
-        pieces = self.text.split(text, final)
-        for piece in pieces:
-            if isinstance(piece, ToolCallDelta) and piece.name is not None:
-                self._emit("tools", "tool.proposed", {"call_id": piece.id, "index": piece.index,
-                                                      "name": piece.name})
-            elif isinstance(piece, ToolCallEnd):
-                self._emit("tools", *_parsed(piece, self._full, self._proposed(piece.index)))
-        return tuple(pieces)
-
-    def _proposed(self, index: int) -> Any:
-        """The call id the ``tool.proposed`` event of call ``index`` gave."""
-        for event in reversed(self.tracer.events):
-            if event.event_type == "tool.proposed" and event.payload["index"] == index:
-                return event.payload["call_id"]
-        return None
-
     # --- endings -----------------------------------------------------------------------------
 
     def finish(self, reason: FinishReason, detail: str) -> None:
         """End outside the token path (cancel, deadline): flush held text and close the stream."""
         if self.state.terminal:
             return
-        self._push("", reason)
+        self.delivery.close(reason, len(self.output_ids))
         self._end(reason, detail)
 
     def fail(self, error: str) -> None:
@@ -377,16 +276,14 @@ class Job:
         if self.state.terminal:
             return
         self.error = error
-        self._push("", FinishReason.ERROR)
+        self.delivery.close(FinishReason.ERROR, len(self.output_ids))
         self._end(FinishReason.ERROR, error)
 
     def _end(self, reason: FinishReason, detail: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, detail
         self.state = _TERMINAL_STATE.get(reason, RequestState.FINISHED)
-        self._emit("engine", "generation.finished", {
-            "reason": reason.value, "detail": detail, "completion_tokens": len(self.output_ids),
-            "output_digest": digest_ids(self.output_ids), "text_digest": digest_text(
-                self.text.emitted), "state": self.state.value})
+        self.recorder.finished(reason.value, detail, self.output_ids, self.text.emitted,
+                               self.state.value)
 
     def abort(self, error: str) -> None:
         """Last resort when ending the job normally raised (its state is corrupt): complete
@@ -409,7 +306,7 @@ class Job:
 
     def released(self) -> None:
         """The slot (if any) is free again; the caller gets its completion."""
-        self._emit("engine", "resources.released", {"slot": self.slot})
+        self.recorder.released(self.slot)
         self.slot = None
         self.handle._complete(self._completion(), self.state)
 
@@ -429,12 +326,3 @@ class Job:
             tool_calls=self.text.tool_reader.calls if self.text.tool_reader else (),
             parts=tuple(self.text.parts))
 
-
-def _parsed(end: ToolCallEnd, full: bool, call_id: Any) -> tuple[str, dict[str, Any]]:
-    """The event ending a proposed call: parsed (with its arguments' digest) or malformed."""
-    call = end.call
-    if call is None:
-        return "tool.malformed", {"call_id": call_id, "index": end.index, "why": end.error}
-    return "tool.parsed", {"call_id": call.id, "index": end.index, "name": call.name,
-                           "arguments_digest": digest_text(call.arguments),
-                           **({"arguments": call.arguments} if full else {})}
