@@ -71,14 +71,16 @@ def test_schemas_that_needed_a_rewrite_give_valid_outputs(tiny: Any) -> None:
             except InvalidValueError:
                 continue
     assert len(picked) >= 40
-    for start in range(0, len(picked), 8):
-        batch = picked[start:start + 8]
-        handles = [tiny.submit(f"An example of {e['name']} as JSON.", json_schema=e["schema"],
-                               max_tokens=384, seed=i, temperature=1.0)
-                   for i, e in enumerate(batch)]
-        for entry, handle in zip(batch, handles, strict=True):
-            done = handle.result()
-            schema = entry["schema"]
-            cls = jsonschema.validators.validator_for(schema)
-            cls(schema, format_checker=cls.FORMAT_CHECKER).validate(json.loads(done.text))
-            assert done.finish_reason.value == "eos", (entry["name"], done.text)
+    # all at once: the engine keeps its eight slots full as requests finish, instead of
+    # waiting on the longest of each group of eight (seeds 0-7 by position in each group of
+    # eight, as before; on the CPU the engine is batch-invariant, so these are the same
+    # outputs)
+    handles = [tiny.submit(f"An example of {e['name']} as JSON.", json_schema=e["schema"],
+                           max_tokens=384, seed=i % 8, temperature=1.0)
+               for i, e in enumerate(picked)]
+    for entry, handle in zip(picked, handles, strict=True):
+        done = handle.result()
+        schema = entry["schema"]
+        cls = jsonschema.validators.validator_for(schema)
+        cls(schema, format_checker=cls.FORMAT_CHECKER).validate(json.loads(done.text))
+        assert done.finish_reason.value == "eos", (entry["name"], done.text)
