@@ -10,20 +10,22 @@ stopping at the first that ends the request, then the rollback of positions the 
 :func:`logits_records`, the records of the raw logits of every wanted output. Failures stay
 contained: a strategy that raises or answers nonsense fails its group (the step's jobs of one
 strategy; a job with a grammar is a group of its own, so a grammar the engine fails on fails
-only its request), a job whose commit raises fails alone, through the engine's ``fail`` and
-``release``.
+only its request), a job whose commit raises fails alone. The committer calls nothing back in
+the engine: :meth:`Committer.update` returns what ended (:class:`Ended`: a request a stop
+finished, or one that failed and why), and the engine releases or fails those. Also
+:func:`cache_state`, a slot's cache length as the trace records it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from pipeline.engine.job import Job
 from pipeline.engine.paging import KVMemory
-from pipeline.protocols import Backend, CacheLayout, Row, Strategy, Update
+from pipeline.protocols import Backend, CacheInspector, CacheLayout, Row, Strategy, Update
 from pipeline.recording import logits_record, processed_record, record_rows, same_bits
 
 
@@ -42,24 +44,38 @@ def logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[list[dict[str, 
 
 
 
+def cache_state(backend: Backend, inspector: CacheInspector | None, slot: int
+                ) -> tuple[int, CacheLayout | None]:
+    """The slot's cache length, and its per-layer lengths when the backend reports them."""
+    layout = inspector.cache_layout(slot) if inspector is not None else None
+    return backend.cache_length(slot), layout
+
+
+@attrs.frozen
+class Ended:
+    """A request that ended during a commit: a stop finished it (``error`` None: release it)
+    or it failed (``error`` says why: fail it)."""
+
+    job: Job
+    error: str | None = None
+
+
 class Committer:
-    """The engine's commit half; called on the engine thread only."""
+    """The engine's commit half; called on the engine thread only. ``inspector`` is the
+    backend when it reports per-layer cache lengths (None otherwise)."""
 
     def __init__(self, backend: Backend, memory: KVMemory,
-                 cache: Callable[[Job], tuple[int, CacheLayout | None]],
-                 fail: Callable[[Job, str], None], release: Callable[[Job], None],
-                 guarded: Callable[[Job, str, Callable[[], Any]], bool]) -> None:
+                 inspector: CacheInspector | None) -> None:
         self._backend = backend
         self._memory = memory
-        self._cache = cache
-        self._fail = fail
-        self._release = release
-        self._guarded = guarded
-        """Run a callable for a job; if it raises, fail that job alone (True when it ran)."""
+        self._inspector = inspector
+        self._ended: list[Ended] = []
 
-    def update(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
+    def update(self, ready: list[tuple[Job, torch.Tensor]]) -> list[Ended]:
         """Hand each strategy its sequences' logits; commit what it took, roll back what it
-        dropped. One batched ``update`` per strategy (per processor order)."""
+        dropped. One batched ``update`` per strategy (per processor order). Returns the
+        requests that ended, in the order they did, for the engine to release or fail."""
+        self._ended = []
         groups: dict[tuple[int, int], list[tuple[Job, torch.Tensor]]] = {}
         for job, rows in ready:
             groups.setdefault(_group(job), []).append((job, rows))
@@ -70,10 +86,12 @@ class Committer:
             orders: dict[Job, tuple[str, ...] | None] = {}
             kept = []
             for job, rows in items:
-                def configure() -> None:
+                try:
                     orders[job] = _configure(job, states[job], strategy)
-                if self._guarded(job, "configuring selection", configure):
-                    kept.append((job, rows))
+                except Exception as exc:  # this request's state is broken, not the others'
+                    self._fail(job, f"configuring selection failed: {exc!r}")
+                    continue
+                kept.append((job, rows))
             items = kept
             if not items:
                 continue
@@ -93,6 +111,10 @@ class Committer:
             processed = self._processed_records(updates, items)
             for (job, _), update, records in zip(items, updates, processed):
                 self._commit(job, update, records, orders[job])
+        return self._ended
+
+    def _fail(self, job: Job, error: str) -> None:
+        self._ended.append(Ended(job, error))
 
     def _commit(self, job: Job, update: Update[Any], records: list[dict[str, Any] | None],
                 order: tuple[str, ...] | None) -> None:
@@ -105,11 +127,12 @@ class Committer:
                 reason = job.take(taken, self._backend.max_context, records[k],
                                   order if k == 0 else None)
                 if reason is not None:
-                    self._release(job)
+                    self._ended.append(Ended(job))
                     return
             if update.rollback:
                 self._backend.truncate(job.slot_id, job.cache_len - update.rollback)
-                job.rolled_back(update.rollback, self._cache(job))
+                job.rolled_back(update.rollback, cache_state(self._backend, self._inspector,
+                                                             job.slot_id))
                 self._memory.truncate(job)
         except Exception as exc:  # this request's state is broken, not the others'
             self._fail(job, f"taking token failed: {exc!r}")

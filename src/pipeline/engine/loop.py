@@ -83,7 +83,7 @@ from pipeline.protocols import (
     Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, Strategy,
     split_outputs,
 )
-from pipeline.engine.commit import Committer, logits_records
+from pipeline.engine.commit import Committer, cache_state, logits_records
 from pipeline.types import FinishReason
 
 StrategyFactory = Callable[[tuple[str, ...] | None], Strategy]
@@ -183,8 +183,7 @@ class Engine:
         self._inspector = backend if isinstance(backend, CacheInspector) else None
         self._memory: KVMemory = (Paging(backend, backend.snapshot)
                                   if isinstance(backend, PagedBackend) else SlotMemory())
-        self._committer = Committer(backend, self._memory, self._cache, self._fail,
-                                    self._release, self._guarded)
+        self._committer = Committer(backend, self._memory, self._inspector)
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._cv = threading.Condition()
         self._incoming: list[Job] = []
@@ -470,8 +469,11 @@ class Engine:
         if self._abandoned:  # its requests were failed meanwhile: touch them no more
             return None
         self._phase = "selection and commit"
-        if ready:
-            self._committer.update(ready)
+        for ended in self._committer.update(ready) if ready else ():
+            if ended.error is not None:
+                self._fail(ended.job, ended.error)
+            else:
+                self._release(ended.job)
         self._phase = "publishing blocks"
         memory = self._memory
         for job in list(self._active):
@@ -630,8 +632,7 @@ class Engine:
 
     def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
         """The slot's cache length, and its per-layer lengths when the backend reports them."""
-        layout = self._inspector.cache_layout(job.slot_id) if self._inspector else None
-        return self.backend.cache_length(job.slot_id), layout
+        return cache_state(self.backend, self._inspector, job.slot_id)
 
     _logits_records = staticmethod(logits_records)
     """Each fresh job's raw-logits records (a class attribute, so a benchmark can time it)."""
