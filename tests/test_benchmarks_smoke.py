@@ -205,6 +205,14 @@ def _prefix_cache(r: Report, out: Path, log: str) -> None:
     assert r["ratio_median"] == pytest.approx(run["cold_s"] / run["warm_s"])
 
 
+def _penalty_history(r: Report, out: Path, log: str) -> None:
+    assert r["vocab_size"] == 4096 and r["smoke"] is True
+    assert [x["history"] for x in r["results"]] == [10, 200]
+    for x in r["results"]:
+        _positive(x["ids_ms"], x["state_ms"])
+        assert x["same_scores"] is True and x["batch"] == 4
+
+
 def _processors(r: Report, out: Path, log: str) -> None:
     assert r["vocab_size"] == 4096 and r["smoke"] is True
     assert [(x["config"], x["B"]) for x in r["results"]] == [
@@ -285,7 +293,8 @@ CHECKS: dict[str, Check] = {
     "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
     "llama_cpp": _llama_cpp, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
-    "paged_kv": _paged_kv, "prefix_cache": _prefix_cache, "processors": _processors,
+    "paged_kv": _paged_kv, "penalty_history": _penalty_history,
+    "prefix_cache": _prefix_cache, "processors": _processors,
     "serve_memory": _serve_memory, "speculative": _speculative, "startup": _startup,
     "structured": _structured, "torch_backend": _torch_backend,
     "trace_durability": _trace_durability, "trace_overhead": _trace_overhead,

@@ -13,7 +13,7 @@ per-request state (detokenizer, stoppers) receive their state and return the new
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -283,7 +283,10 @@ class Row:
 
     ``output_ids`` is the engine's own list of selected tokens (y_1..y_{t-1}); stages must not
     mutate it. ``step`` is t, the 1-based index of the token about to be selected; the RNG
-    cursor is (``seed``, ``stream``, ``step``).
+    cursor is (``seed``, ``stream``, ``step``). ``states`` holds, by processor name, the
+    request's state of each :class:`StatefulProcessor` (empty when the strategy keeps none):
+    a cache of a function of the row's ids that covers its first outputs, never a different
+    answer.
     """
 
     request_id: str
@@ -294,6 +297,13 @@ class Row:
     seed: int
     eos_token_ids: frozenset[int]
     stream: int = 0
+    states: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def with_states(self, states: Mapping[str, Any]) -> Row:
+        """This row carrying ``states`` (built directly: it runs per row per step, where
+        ``attrs.evolve`` costs several times more)."""
+        return Row(self.request_id, self.config, self.prompt_ids, self.output_ids, self.step,
+                   self.seed, self.eos_token_ids, self.stream, states)
 
 
 @attrs.frozen
@@ -364,6 +374,32 @@ class LogitProcessor(Protocol):
 
     def __call__(self, scores: Scores, batch: Batch) -> Scores:
         """Process the batch's logits."""
+        ...
+
+
+@runtime_checkable
+class StatefulProcessor(Protocol):
+    """An optional capability of a processor: per-request state that advances with each
+    committed token, so its per-step work does not grow with the output (the penalties keep
+    the counts of what a request has seen instead of rebuilding them from its ids).
+
+    A strategy that commits one token at a time keeps the states (``start`` when the request
+    starts, ``advance`` with every committed token, ``finish`` when it ends) and hands them to
+    the chain in :attr:`Row.states`. A state covers the request's first committed outputs; a
+    row whose ids go further (a verified draft position) adds the rest itself, and a row with
+    no state is processed from its ids alone, with the same result.
+    """
+
+    def start(self, row: Row) -> Any:
+        """The state of a request at its first step (``row.output_ids`` is empty)."""
+        ...
+
+    def advance(self, state: Any, token: int) -> None:
+        """Account for one committed output token."""
+        ...
+
+    def finish(self, state: Any) -> None:
+        """The request ended: release what the state holds."""
         ...
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 from pipeline.errors import InvalidValueError, UnknownNameError
-from pipeline.protocols import Batch, LogitProcessor, Row, Scores
+from pipeline.protocols import Batch, LogitProcessor, Row, Scores, StatefulProcessor
 from stages.process.masks import AllowedTokens, BannedTokens, LogitBias, MinTokens
 from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
 from stages.process.temperature import Temperature
@@ -84,6 +85,7 @@ class ProcessorChain:
         if len(set(names)) != len(names):
             raise InvalidValueError("processors", names, "processor names must be unique")
         self._processors = tuple(processors)
+        self._stateful = tuple(p for p in processors if isinstance(p, StatefulProcessor))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -94,6 +96,23 @@ class ProcessorChain:
     def processors(self) -> tuple[LogitProcessor, ...]:
         """The processors in declared order."""
         return self._processors
+
+    def start(self, row: Row) -> dict[str, Any]:
+        """The request's state of each :class:`~pipeline.protocols.StatefulProcessor` of the
+        chain that is active for ``row`` (by name; empty when none is)."""
+        return {p.name: p.start(row) for p in self._stateful if p.active(row)}
+
+    def advance(self, states: Mapping[str, Any], token: int) -> None:
+        """Account for one committed token in every state."""
+        for processor in self._stateful:
+            if processor.name in states:
+                processor.advance(states[processor.name], token)
+
+    def finish(self, states: Mapping[str, Any]) -> None:
+        """The request ended: let every state go."""
+        for processor in self._stateful:
+            if processor.name in states:
+                processor.finish(states[processor.name])
 
     def order_for(self, row: Row) -> tuple[str, ...]:
         """Names of the processors applied to ``row``, in application order."""

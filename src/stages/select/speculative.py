@@ -64,6 +64,9 @@ class SpecState:
     proposer: Any
     block: Block = attrs.field(factory=lambda: Block(()))
     drafted: dict[str, Any] | None = None
+    processors: dict[str, Any] = attrs.field(factory=dict)
+    """The request's processor states (they cover its committed tokens; a verified
+    position's row adds its drafts)."""
 
 
 class SpeculativeStrategy:
@@ -103,7 +106,8 @@ class SpeculativeStrategy:
 
     def start(self, row: Row, forcing: Forcing) -> SpecState:
         """Nothing pending yet: the first update takes the prompt's last logits."""
-        return SpecState(None, forcing, self.proposer.start(row))
+        return SpecState(None, forcing, self.proposer.start(row),
+                         processors=self.chain.start(row))
 
     def plan(self, state: SpecState) -> Plan:
         """Feed the pending token and the drafts; logits at every one of them."""
@@ -116,8 +120,10 @@ class SpeculativeStrategy:
         return Plan(ids, tuple(range(len(ids))), events=events)
 
     def finish(self, state: SpecState) -> None:
-        """Release what the proposer holds for the sequence (a draft model's slot)."""
+        """Release what the proposer holds for the sequence (a draft model's slot) and the
+        processors' states."""
         self.proposer.finish(state.proposer)
+        self.chain.finish(state.processors)
 
     def update(self, states: Sequence[SpecState], rows: Sequence[Row],
                logits: Sequence[torch.Tensor]) -> list[Update[SpecState]]:
@@ -128,6 +134,8 @@ class SpeculativeStrategy:
             if z.shape[0] != len(block.drafts) + 1:
                 raise ValueError(f"{z.shape[0]} logits rows for a block of "
                                  f"{len(block.drafts)} drafts")
+        rows = [row.with_states(s.processors) if s.processors else row
+                for s, row in zip(states, rows)]
         positions = [_position(row, block, j) for row, block in zip(rows, blocks)
                      for j in range(len(block.drafts) + 1)]
         z = torch.cat(list(logits)).float()                                   # [N, V]
@@ -150,6 +158,7 @@ class SpeculativeStrategy:
         taken = []
         for j, position in enumerate(verdict):
             taken.append(state.forcing.take(row.step + j, position.token, None, position.draw))
+            self.chain.advance(state.processors, taken[-1].token_id)
             if j == len(block.drafts) or taken[-1].token_id != block.drafts[j]:
                 break
         return taken
@@ -231,7 +240,7 @@ def advanced(row: Row, tokens: Sequence[int]) -> Row:
     """``row`` after ``tokens`` more outputs (``step`` moved on by as many). Built directly:
     ``attrs.evolve`` costs several times more, and this runs per verified position."""
     return Row(row.request_id, row.config, row.prompt_ids, (*row.output_ids, *tokens),
-               row.step + len(tokens), row.seed, row.eos_token_ids, row.stream)
+               row.step + len(tokens), row.seed, row.eos_token_ids, row.stream, row.states)
 
 
 def _forced_drafts(forcing: Forcing, row: Row, limit: int) -> Proposal | None:

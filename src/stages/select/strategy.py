@@ -4,12 +4,14 @@ Owns :class:`AutoregressiveStrategy` and its per-request loop state :class:`ARSt
 plan is "the pending token, logits at its position"; its update rule is
 ``selector(chain(logits))`` over the whole batch's ``[B, V]`` logits at once, then the
 request's forced-token source (:class:`~pipeline.engine.forcing.Forcing`) may override the choice;
-it commits one token per sequence per step.
+it commits one token per sequence per step. The request's processor states (the penalties'
+counts) ride in its loop state and advance with each committed token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -24,10 +26,12 @@ from stages.process.chain import ProcessorChain
 @attrs.define
 class ARState:
     """One sequence's autoregressive loop state: the committed token the cache does not
-    hold yet (None before the first update), and the forced-token source."""
+    hold yet (None before the first update), the forced-token source, and the request's
+    processor states (:meth:`ProcessorChain.start`)."""
 
     pending: int | None
     forcing: Forcing
+    processors: dict[str, Any] = attrs.field(factory=dict)
 
 
 class AutoregressiveStrategy:
@@ -57,7 +61,7 @@ class AutoregressiveStrategy:
 
     def start(self, row: Row, forcing: Forcing) -> ARState:
         """Nothing pending yet: the first update takes the prompt's last logits."""
-        return ARState(None, forcing)
+        return ARState(None, forcing, self.chain.start(row))
 
     def plan(self, state: ARState) -> Plan:
         """Feed the pending token; logits at its position."""
@@ -69,7 +73,8 @@ class AutoregressiveStrategy:
                logits: Sequence[torch.Tensor]) -> list[Update[ARState]]:
         """Select one token per sequence from its one logits row (``[1, V]`` each)."""
         z = torch.cat(list(logits)).float()                                   # [B, V]
-        batch = Batch(tuple(rows), z.shape[1])
+        batch = Batch(tuple(row.with_states(s.processors) if s.processors else row
+                            for s, row in zip(states, rows)), z.shape[1])
         choice = self.selector(self.chain(Scores(z), batch), batch)
         processed = None if choice.scores is None else choice.scores.to_dense(z.shape[1])
         out = []
@@ -77,9 +82,11 @@ class AutoregressiveStrategy:
             draw = choice.draws[i] if choice.draws else None
             taken = state.forcing.take(row.step, choice.token_ids[i], choice.logprobs[i], draw)
             state.pending = taken.token_id
+            self.chain.advance(state.processors, taken.token_id)
             out.append(Update(state, (taken,), 0,
                               None if processed is None else processed[i:i + 1]))
         return out
 
     def finish(self, state: ARState) -> None:
-        """Nothing to release: the state is two small values."""
+        """Let the processors' states go."""
+        self.chain.finish(state.processors)
