@@ -134,3 +134,48 @@ def test_greedy_decoding_with_penalties_equals_transformers() -> None:
     out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                          repetition_penalty=1.5, min_new_tokens=24)
     assert list(got.token_ids) == out[0, len(ids):].tolist()
+
+
+def test_the_grammar_stream_equals_the_ids_path_through_drafts_and_rejections() -> None:
+    # a request's matcher kept as its state (told each committed token) masks exactly as a
+    # processor that brings a matcher to each row's whole ids, over verified positions whose
+    # drafts are partly accepted and partly rejected (rollbacks), step after step
+    from pipeline.grammar import Grammar
+    from stages.grammar.processor import GrammarProcessor
+    from stages.tokenize import HFTokenizer
+
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    text = '{"name": "Ada", "tags": ["x", "yz"], "n": 12}'
+    target = tok.encode_text(text)
+    vocab = tok.vocab_size
+    config = GenerationConfig(grammar=Grammar.json_object(), max_tokens=64)
+    stateful, plain = GrammarProcessor(tok), GrammarProcessor(tok)
+    chain = ProcessorChain([stateful])
+    state = chain.start(Row("g", config, [1, 2], [], 1, 0, frozenset({0})))
+    rng = random.Random(3)
+    committed: list[int] = []
+    while len(committed) < len(target):
+        k = rng.randrange(0, 4)
+        truth = target[len(committed):len(committed) + k]
+        drafts = [t if rng.random() < 0.6 else rng.randrange(vocab) for t in truth]
+        rows_s, rows_p = [], []
+        for j in range(len(drafts) + 1):
+            ids = committed + drafts[:j]
+            row = Row("g", config, [1, 2], ids, len(ids) + 1, 0, frozenset({0}))
+            rows_s.append(row.with_states(state))
+            rows_p.append(Row("h", config, [1, 2], ids, len(ids) + 1, 0, frozenset({0})))
+        logits = torch.randn(len(rows_s), vocab, generator=torch.Generator().manual_seed(
+            len(committed)))
+        got = chain(Scores(logits.clone()), Batch(tuple(rows_s), vocab)).values
+        want = plain(Scores(logits.clone()), Batch(tuple(rows_p), vocab)).values
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), len(committed)
+        accepted = 0  # the drafts that agree with the text, then the next true token
+        while accepted < len(drafts) and drafts[accepted] == truth[accepted]:
+            accepted += 1
+        for token in target[len(committed):len(committed) + accepted + 1]:
+            committed.append(token)
+            chain.advance(state, token)
+    stream = state["grammar"]
+    assert stream.committed == len(target) and stream.track is not None
+    assert not plain._tracks or all(k[0] == "h" for k in plain._tracks)  # the state's
+    assert not stateful._tracks  # matcher never went through the per-stream cache

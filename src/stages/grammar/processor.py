@@ -3,15 +3,18 @@
 Owns :class:`GrammarProcessor` and its two caches. Compiled grammars are kept per
 (grammar, vocabulary width, whether the output starts as reasoning) for the tokenizer the processor was built with: a pristine
 llguidance matcher, deep-copied for each request (a copy costs microseconds; a compilation
-about a millisecond per small schema). Per request stream, the matcher that has consumed that
-row's output so far is kept too, but only as a cache of a pure function of
+about a millisecond per small schema). A request's matcher, having consumed its output so
+far, is its state (:class:`~pipeline.protocols.StatefulProcessor`: the strategy starts it,
+tells it each committed token and finishes it), and only a cache of a pure function of
 (grammar, ``row.output_ids``): each step it is brought to the row's ids by rolling back
-what the row no longer has and consuming what it has new, and rebuilt from nothing when
-that is impossible or it was evicted. So the processor stays a function of
-(scores, batch), as :class:`~pipeline.protocols.LogitProcessor` asks, and is correct for
-batches mixing constrained and unconstrained rows, for a request whose rows come back after
-preemption, and under speculative decoding, where each verified position is a row of its own
-whose ids end in that position's drafts.
+what the row no longer has and consuming what it has new, comparing only the ids past the
+committed tokens it is known to hold (so a step does not grow with the output), and rebuilt
+from nothing when that is impossible. A row with no state (a strategy that keeps none) uses
+a per-stream cache of the same matchers, compared over its whole ids. So the processor stays
+a function of (scores, batch), as :class:`~pipeline.protocols.LogitProcessor` asks, and is
+correct for batches mixing constrained and unconstrained rows, for a request whose rows come
+back after preemption, and under speculative decoding, where each verified position is a row
+of its own whose ids end in that position's drafts.
 
 When the prompt ends inside an open ``<think>`` block (templates that start the model's
 reasoning for it), the output is reasoning first: the grammar then allows any text up to the
@@ -125,6 +128,17 @@ class _Track:
         return self.failed or len(self.ids) > self.valid
 
 
+class _Stream:
+    """A request's grammar state, kept by its strategy: its track (None until the first
+    step), how many committed tokens it has been told of, and how many of the track's
+    leading ids are known to be those committed tokens."""
+
+    def __init__(self) -> None:
+        self.track: _Track | None = None
+        self.committed = 0
+        self.agree = 0
+
+
 class GrammarProcessor:
     """``grammar``: masks every token ``row.config.grammar`` does not allow next.
 
@@ -189,6 +203,9 @@ class GrammarProcessor:
             track.failed = bool(m.is_error())   # e.g. a parser limit
         if track.failed:
             self._tracks.pop((row.request_id, row.stream), None)
+            stream = row.states.get(self.name)
+            if isinstance(stream, _Stream):
+                stream.track = None
             raise _engine_failed(row, m)
         if track.broken:
             out.zero_()
@@ -397,17 +414,57 @@ class GrammarProcessor:
             self._table = token_table(self._tok)
         return self._table
 
+    # --- per-request state (StatefulProcessor) ------------------------------------------------
+
+    def start(self, row: Row) -> _Stream:
+        """A request's stream: its matcher comes at its first step."""
+        return _Stream()
+
+    def advance(self, state: _Stream, token: int) -> None:
+        """A committed token: the matcher already took it when a verified position's row
+        held it there (a draft accepted); otherwise the next step brings it there."""
+        n = state.committed
+        track = state.track
+        if (track is not None and state.agree == n and n < len(track.ids)
+                and track.ids[n] == token):
+            state.agree += 1
+        state.committed += 1
+
+    def finish(self, state: _Stream) -> None:
+        """Let the matcher go."""
+        state.track = None
+
     def _sync(self, row: Row, vocab: int) -> _Track:
-        """The row's matcher, having consumed exactly ``row.output_ids``."""
+        """The row's matcher, having consumed exactly ``row.output_ids``: from the request's
+        stream when the strategy keeps one (only the ids past what is known to agree are
+        compared), else from the per-stream cache (the whole ids compared)."""
         grammar = row.config.grammar
         assert grammar is not None
+        compiled = (grammar.digest, vocab, self._opens_thinking(row.prompt_ids))
+        stream = row.states.get(self.name)
+        if isinstance(stream, _Stream) and stream.committed <= len(row.output_ids):
+            track, known = stream.track, stream.agree
+            if track is None or track.key != compiled:
+                track, known = self._fresh(grammar, compiled), 0
+            stream.track = self._bring(track, row.output_ids, known, grammar, compiled)
+            stream.agree = stream.committed  # the row begins with every committed token
+            return stream.track
         key = (row.request_id, row.stream)
         track = self._tracks.pop(key, None)
-        ids = row.output_ids
-        compiled = (grammar.digest, vocab, self._opens_thinking(row.prompt_ids))
         if track is None or track.key != compiled:
             track = self._fresh(grammar, compiled)
-        common = _common_prefix(track.ids, ids)
+        track = self._bring(track, row.output_ids, 0, grammar, compiled)
+        self._tracks[key] = track
+        while len(self._tracks) > MAX_TRACKS:
+            self._tracks.popitem(last=False)
+        return track
+
+    def _bring(self, track: _Track, ids: Sequence[int], known: int, grammar: Grammar,
+               compiled: tuple[str, int, bool]) -> _Track:
+        """``track`` brought to ``ids`` (its first ``known`` ids are known to agree): roll
+        back what ``ids`` no longer has, consume what it has new (a fresh track when the
+        matcher cannot roll back that far)."""
+        common = known + _common_prefix(track.ids[known:], ids[known:])
         if track.failed or (common < track.valid
                             and not track.matcher.rollback(track.valid - common)):
             track, common = self._fresh(grammar, compiled), 0
@@ -417,9 +474,6 @@ class GrammarProcessor:
             self._feed(track, track.ids[:common])
         del track.ids[common:]
         self._consume(track, ids[common:])
-        self._tracks[key] = track
-        while len(self._tracks) > MAX_TRACKS:
-            self._tracks.popitem(last=False)
         return track
 
     def _consume(self, track: _Track, new: Sequence[int]) -> None:
