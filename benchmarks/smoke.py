@@ -48,7 +48,7 @@ FOLDER_OUT = ("moe_tune",)
 """Scripts whose ``--out`` is a folder (the tuner writes a table file named by its key)."""
 PRELOAD = ("torch", "numpy", "pipeline", "pipeline.builder", "pipeline.pipe", "pipeline.engine",
            "pipeline.trace", "pipeline.testing", "backends.torch.backend", "backends.gguf.file",
-           "backends.gguf.load", "stages.grammar", "stages.process", "stages.select",
+           "backends.gguf.load", "stages.structured", "stages.process", "stages.select",
            "transports.sse", "transports.http.app", "httpx", "jsonschema", "transformers",
            "transformers.generation.logits_process")
 """What the forking parent imports once (whichever are installed). Nothing that imports

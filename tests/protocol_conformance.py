@@ -18,9 +18,9 @@ from pipeline.protocols import (
 from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
 )
-from stages.tools import HermesParser, Llama3Parser, MistralParser
+from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
 from stages import detokenize, process, render, select, stop, tokenize
-from stages.grammar import GrammarProcessor
+from stages.structured import GrammarProcessor
 from backends.torch.backend import TorchBackend
 from stages.select.draft import DraftModelProposer
 from stages.select.proposers import NgramProposer, Proposer

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pipeline.engine.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
 from pipeline.types import Delta, FinishReason, ToolCallEnd
-from stages.tools import HermesParser, judge
+from stages.toolcalls import HermesParser, judge
 from transports.http.inbox import batches
 from pipeline.output_parts import OutputSplitter, Part, TextPart
 

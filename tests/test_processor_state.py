@@ -141,7 +141,7 @@ def test_the_grammar_stream_equals_the_ids_path_through_drafts_and_rejections() 
     # processor that brings a matcher to each row's whole ids, over verified positions whose
     # drafts are partly accepted and partly rejected (rollbacks), step after step
     from pipeline.grammar import Grammar
-    from stages.grammar.processor import GrammarProcessor
+    from stages.structured.processor import GrammarProcessor
     from stages.tokenize import HFTokenizer
 
     tok = HFTokenizer.from_dir(TINY_MODEL_DIR)

@@ -21,9 +21,9 @@ import pytest
 from pipeline import Grammar, build
 from pipeline.errors import InvalidValueError
 from pipeline.model_paths import TINY_MODEL_DIR
-from stages.grammar.closing import Closer
-from stages.grammar.guard import ANY, JsonGuard, JsonScan, unique_paths
-from stages.grammar.vocab import ll_tokenizer, token_table
+from stages.structured.closing import Closer
+from stages.structured.guard import ANY, JsonGuard, JsonScan, unique_paths
+from stages.structured.vocab import ll_tokenizer, token_table
 from stages.tokenize import HFTokenizer
 
 ASK = [{"role": "user", "content": "Describe a city as JSON."}]

@@ -20,9 +20,9 @@ from pipeline import Grammar, ToolSpec, build
 from pipeline.errors import InvalidValueError
 from pipeline.protocols import Batch, Row, Scores
 from pipeline.types import GenerationConfig
-from stages.grammar import GrammarProcessor
-from stages.grammar.bitmask import apply_bitmask, unpack_bits
-from stages.grammar.tools import tool_call_grammar
+from stages.structured import GrammarProcessor
+from stages.structured.bitmask import apply_bitmask, unpack_bits
+from stages.structured.tools import tool_call_grammar
 from stages.tokenize import HFTokenizer
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.trace import check
@@ -224,7 +224,7 @@ def test_a_prompt_that_opens_thinking_leaves_the_reasoning_free(tiny: Any) -> No
 
 
 def test_with_tools_and_a_format_both_openings_stay_allowed() -> None:
-    from stages.grammar.tools import tools_grammar
+    from stages.structured.tools import tools_grammar
 
     tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     tools = [ToolSpec("f", "", POINT)]

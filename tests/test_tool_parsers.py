@@ -23,7 +23,7 @@ from pipeline.types import OutputPiece, TextPiece, ToolCall, ToolCallDelta, Tool
 from qwen_files import oracle as qwen_oracle
 from qwen_files import renderer as qwen_renderer
 from stages.render import HFChatTemplateRenderer
-from stages.tools import HermesParser, Llama3Parser, MistralParser
+from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
 from tool_templates import LLAMA31_CALLS, MISTRAL_V3_CALLS, render_turn, tiny_oracle
 from pipeline.output_parts import OutputSplitter, TextPart
 

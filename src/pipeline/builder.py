@@ -41,7 +41,7 @@ DEFAULT_PROCESSORS = (
     "typical_p",
 )
 """The built-in processors of the default chain, in order: ``grammar`` (built with the
-tokenizer, :mod:`stages.grammar`), then ``stages.process.DEFAULT_ORDER``."""
+tokenizer, :mod:`stages.structured`), then ``stages.process.DEFAULT_ORDER``."""
 ADDED_PROCESSORS_BEFORE = "temperature"
 """Where ``build(processors=[...])`` inserts its processors: after every mask, bias and
 penalty, before temperature and truncation (see :func:`build`)."""

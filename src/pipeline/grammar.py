@@ -2,7 +2,7 @@
 
 Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, its named
 constructors (a JSON schema, any JSON object, a grammar in llguidance's Lark dialect, as
-the tool-call grammars of :mod:`stages.grammar.tools` are, or in EBNF, a regular expression,
+the tool-call grammars of :mod:`stages.structured.tools` are, or in EBNF, a regular expression,
 a choice among strings), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
 schema feature the engine does not support (``if``/``then``, a dangling ``$ref``) is an
@@ -14,7 +14,7 @@ naming where (:func:`annotations_dropped`). A JSON schema is also checked for a 
 "required": ["a"], "type": "object"}``) compiles, but every output would be infinitely deep,
 and the engine would fail at the first token (its parser's item limit), so it is refused
 naming the cycle. :func:`after_thinking` prefixes a grammar with free reasoning up to
-``</think>``. The per-token masking is in :mod:`stages.grammar`.
+``</think>``. The per-token masking is in :mod:`stages.structured`.
 
 JSON is generated in the layout of Python's ``json.dumps`` (``", "`` between items, ``": "``
 after keys, no other whitespace): the layout chat templates render tool calls in, and one

@@ -7,7 +7,7 @@ which the engine runs once per request as text is released, so every delta carri
 :func:`opens_thinking`, the one test of whether a rendered prompt opened a think block. The
 chat templates mark reasoning with ``<think>…</think>``; the splitter finds these markers
 across delta boundaries (holding back a partial marker) and hands the answer text to the
-model's tool-call reader (the ``stages/tools`` parser that ``build`` chose from the chat
+model's tool-call reader (the ``stages/toolcalls`` parser that ``build`` chose from the chat
 template, docs/design.md §11), so tool calls come out as the reader's deltas (the name, then
 argument fragments as they are generated) and ends. A call that is not well formed stays
 visible as text, so nothing the model wrote is lost. The newlines that open and close a

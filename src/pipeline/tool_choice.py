@@ -3,7 +3,7 @@
 Owns :func:`constrain_calls`, which the pipeline applies to every request with tools before
 it is queued (in process and over HTTP alike), and :class:`CallGrammars`, the capability a
 tool-call parser offers for it (the built-in parsers' ``calls``: the grammars of
-:mod:`stages.grammar.tools`, one per format). Under :class:`~pipeline.types.ToolChoice`:
+:mod:`stages.structured.tools`, one per format). Under :class:`~pipeline.types.ToolChoice`:
 
 - ``required`` / a named tool: the output starts with the format's opening (forced tokens:
   ``<tool_call>``, ``[TOOL_CALLS]``, the named call's head) and follows the format's call

@@ -49,7 +49,7 @@ def _processor(name: str) -> Any:
 
 
 def _grammar(ctx: BuildContext) -> Any:
-    from stages.grammar import GrammarProcessor
+    from stages.structured import GrammarProcessor
 
     return GrammarProcessor(ctx.tokenizer)
 
@@ -135,7 +135,7 @@ TOOL_PARSER_SUMMARIES = {
 
 def _tool_parser(name: str) -> Any:
     def factory(ctx: BuildContext) -> Any:
-        from stages.tools import PARSERS
+        from stages.toolcalls import PARSERS
 
         return PARSERS[name]()
 

@@ -1,6 +1,6 @@
 """Tools across the reality boundary (docs/design.md §11): everything after a call is parsed.
 
-The parsers that read calls out of the model's text are a stage family (``stages/tools``);
+The parsers that read calls out of the model's text are a stage family (``stages/toolcalls``);
 this package owns what the core does with a parsed call:
 
 - :mod:`pipeline.tools.parsing` — which parser a model gets (from its chat template);

@@ -1,7 +1,7 @@
 """Tool-call grammars in each model family's own format (docs/design.md §11).
 
 Owns the grammars that make a model's tool calls valid by construction, one class per format
-the parsers of :mod:`stages.tools.formats` read, so a call a grammar forces is always parsed
+the parsers of :mod:`stages.toolcalls.formats` read, so a call a grammar forces is always parsed
 back:
 
 - :class:`HermesCalls` (the tiny model, SmolLM2 through the renderer's fallback, Qwen):

@@ -33,13 +33,13 @@ the engine fails the request (never an EOS that would pass a cut output off as f
 The engine's own logging is off (``log_level=0``): the error reaches the caller instead.
 
 Every constrained output is kept finishable within ``max_tokens`` (the budget): the row's
-closing path (:mod:`stages.grammar.closing`, a token sequence after which the grammar
+closing path (:mod:`stages.structured.closing`, a token sequence after which the grammar
 accepts) is measured when the budget comes near it, and once the budget left would hold only
 the path, its EOS and :data:`MARGIN` tokens, the path's next token is the only one allowed;
 an output that accepts with no room to spare gets EOS only. So a schema whose objects stay
 open or whose numbers run on still ends valid, with ``finish_reason`` ``stop``.
 
-In a JSON output the guard of :mod:`stages.grammar.guard` also removes the tokens that would
+In a JSON output the guard of :mod:`stages.structured.guard` also removes the tokens that would
 repeat a key of the open object or an item of a ``uniqueItems`` array (which the grammar
 engine's copy of the schema leaves out).
 :meth:`GrammarProcessor.check_request` refuses, before anything is queued, a request whose
@@ -61,10 +61,10 @@ from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar, after_thinking
 from pipeline.protocols import Batch, Row, Scores, Tokenizer
 from pipeline.types import GenerationConfig
-from stages.grammar.bitmask import allowed_mask, apply_bitmask, bitmask_words
-from stages.grammar.closing import Closer
-from stages.grammar.guard import JsonGuard, JsonScan, unique_paths
-from stages.grammar.vocab import ll_tokenizer, token_table
+from stages.structured.bitmask import allowed_mask, apply_bitmask, bitmask_words
+from stages.structured.closing import Closer
+from stages.structured.guard import JsonGuard, JsonScan, unique_paths
+from stages.structured.vocab import ll_tokenizer, token_table
 
 MAX_COMPILED = 64
 """Compiled grammars kept (least recently used evicted)."""
@@ -120,7 +120,7 @@ class _Track:
         """The last closing path measured and how many ids preceded it: while the output
         follows it, the rest of it is the path (no new search)."""
         self.scan: JsonScan | None = None
-        """Where a JSON output is (keys and unique items so far: :mod:`stages.grammar.guard`)."""
+        """Where a JSON output is (keys and unique items so far: :mod:`stages.structured.guard`)."""
 
     @property
     def broken(self) -> bool:

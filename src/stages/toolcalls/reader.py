@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Sequence
 
 from pipeline.types import OutputPiece, TextPiece, ToolCall, ToolCallDelta, ToolCallEnd
-from stages.tools.scan import CallScanner, judge
+from stages.toolcalls.scan import CallScanner, judge
 
 
 def held_suffix(text: str, markers: Sequence[str]) -> int:

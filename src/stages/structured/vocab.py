@@ -3,7 +3,7 @@
 Owns :func:`token_table` (the bytes of each id, from :meth:`Tokenizer.token_bytes`, so any of
 our tokenizers works: a ``tokenizer.json``, a GGUF file's vocabulary) and :func:`ll_tokenizer`,
 the llguidance tokenizer built from it. Building either walks the whole vocabulary (tens of
-milliseconds at V = 152k), so :mod:`stages.grammar.compiler` keeps one per tokenizer.
+milliseconds at V = 152k), so :mod:`stages.structured.compiler` keeps one per tokenizer.
 """
 
 from __future__ import annotations

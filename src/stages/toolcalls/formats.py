@@ -6,7 +6,7 @@ call, ``{"name", "parameters"}``, optionally after ``<|python_tag|>``, several j
 ``;``) and :class:`MistralParser` (``[TOOL_CALLS][{"name", "arguments"}, ...]``). Each
 ``recognizes`` its format in a chat template's rendering of a call, which is how
 :func:`pipeline.tools.parsing.choose_parser` picks one for a model, and carries the format's
-grammars as ``calls`` (:mod:`stages.grammar.tools`), which force and limit calls in it.
+grammars as ``calls`` (:mod:`stages.structured.tools`), which force and limit calls in it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-from stages.grammar.tools import HermesCalls, Llama3Calls, MistralCalls
-from stages.tools.reader import CallReader, held_suffix
+from stages.structured.tools import HermesCalls, Llama3Calls, MistralCalls
+from stages.toolcalls.reader import CallReader, held_suffix
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

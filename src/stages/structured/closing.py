@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.protocols import Tokenizer
-from stages.grammar.guard import JsonGuard, JsonScan
+from stages.structured.guard import JsonGuard, JsonScan
 
 MAX_PATH = 768
 """Tokens a search may take before it gives up (a grammar whose greedy path never closes;
