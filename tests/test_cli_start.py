@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from backends.gguf.file import GGUFFile
 from pipeline import GenerationConfig, build, cli
 from pipeline.cli.start import SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, summary_line
 from pipeline.errors import ArtifactError
@@ -307,11 +308,14 @@ def test_a_gguf_files_sampling_metadata_gives_the_defaults(tmp_path: Path) -> No
             events["selection.configured"]["processors"])
         greedy = pipe.generate("hi", max_tokens=2, temperature=0)  # a keyword wins
         assert greedy.trace[1].payload["generation_config"]["temperature"] == 0
-    assert model_sampling(None, path).ignored == ("general.sampling.mirostat",)
+    assert model_sampling(None, path, gguf_metadata=GGUFFile.open(path).metadata).ignored == (
+        "general.sampling.mirostat",)
     with _gguf_pipe(path, defaults=GenerationConfig(top_k=3)) as pipe:  # type: ignore[attr-defined]
         assert pipe.defaults_source == CALLER and pipe.defaults.top_k == 3
     plain = _gguf(tmp_path / "plain.gguf")
-    assert model_sampling(None, plain).source == PIPELINE
+    assert model_sampling(None, plain, gguf_metadata=GGUFFile.open(plain).metadata
+                          ).source == PIPELINE
+    assert model_sampling(None, path).source == PIPELINE  # no metadata given: none read
 
 
 # --- the server ----------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The packages' import rules (docs/design.md §2): the transports sit above the core.
 
 Read from the source with :mod:`ast` (every import, also those inside functions): no module of
-``pipeline`` imports ``transports`` except the command line, ``pipeline.cli``, which is a face
-above both; and nothing in ``stages`` or ``backends`` imports ``transports`` or the command line.
+``pipeline`` imports ``transports`` or ``backends`` except the command line, ``pipeline.cli``,
+which is a face above all of them; and nothing in ``stages`` or ``backends`` imports
+``transports`` or the command line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _offenders(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ...
 
 def test_the_core_never_imports_the_transports() -> None:
     assert _offenders("pipeline", ("transports",), allowed=("pipeline.cli",)) == []
+
+
+def test_the_core_never_imports_a_backend() -> None:
+    # a backend's knowledge (a GGUF file's metadata, say) reaches the core through the
+    # build's context or a protocol, never an import
+    assert _offenders("pipeline", ("backends",), allowed=("pipeline.cli",)) == []
 
 
 def test_stages_and_backends_import_neither_transports_nor_the_command_line() -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,33 +106,31 @@ def pipeline_default() -> SamplingDefaults:
 
 def model_sampling(model_dir: Path | None, model_file: Path | None, *,
                    defaults: GenerationConfig | None = None,
-                   gguf_metadata: Callable[[], Mapping[str, Any]] | None = None
+                   gguf_metadata: Mapping[str, Any] | None = None
                    ) -> SamplingDefaults:
     """The defaults of a pipeline built from ``model_dir`` or ``model_file``: ``defaults``
     when the caller gave them, else the model's recommendation, else the pipeline default.
-    ``gguf_metadata`` reads the GGUF file's metadata (the build's own opening of the file);
-    without it the file's header is read here."""
+    ``gguf_metadata`` is the GGUF file's metadata, as the GGUF backend read it (this module
+    reads no model file format: the core stays below the backends); a GGUF file given
+    without it has no recommendation here."""
     if defaults is not None:
         return SamplingDefaults(defaults, CALLER)
     found: SamplingDefaults | None = None
     if model_file is not None:
-        read = gguf_metadata or (lambda: _gguf_metadata(model_file))
-        found = from_gguf(read(), str(model_file))
+        found = from_gguf(gguf_metadata, str(model_file)) if gguf_metadata else None
     elif model_dir is not None and (model_dir / GENERATION_CONFIG).is_file():
         found = from_generation_config(model_dir / GENERATION_CONFIG)
     return found or pipeline_default()
 
 
 def for_build(context: BuildContext, defaults: GenerationConfig | None) -> SamplingDefaults:
-    """:func:`model_sampling` for a build: a GGUF file's metadata comes from the build's
-    own opening of the file (the GGUF factories share it), not a second read."""
-    def metadata() -> Mapping[str, Any]:
-        from backends.gguf.factories import opened
-
-        return opened(context).metadata
+    """:func:`model_sampling` for a build: a GGUF file's metadata is what the build's GGUF
+    factories read when they opened it (``context.shared[MODEL_METADATA]``), not a second
+    read."""
+    from pipeline.registry import MODEL_METADATA
 
     return model_sampling(context.model_dir, context.model_file, defaults=defaults,
-                          gguf_metadata=metadata)
+                          gguf_metadata=context.shared.get(MODEL_METADATA))
 
 
 def from_generation_config(path: Path) -> SamplingDefaults | None:
@@ -176,9 +174,3 @@ def _recommended(given: Mapping[str, tuple[str, Any]], where: str, source: str,
         raise ArtifactError(f"{where}: a sampling setting is out of range: {exc}") from exc
     return SamplingDefaults(config, source, ignored)
 
-
-def _gguf_metadata(path: Path) -> Mapping[str, Any]:
-    """A GGUF file's metadata, read by the GGUF backend's own header reader."""
-    from backends.gguf.file import GGUFFile
-
-    return GGUFFile.open(path).metadata

@@ -25,7 +25,7 @@ import torch
 from backends.gguf.file import GGUFFile, hf_config
 from backends.torch.config import ModelSpec
 from pipeline.errors import ArtifactError
-from pipeline.registry import BuildContext
+from pipeline.registry import MODEL_METADATA, BuildContext
 
 _OPENED = "gguf.file"
 KV_CACHE_BYTES = 1 << 30
@@ -38,6 +38,7 @@ def opened(ctx: BuildContext) -> GGUFFile:
         raise ArtifactError("the gguf components need a model file (a .gguf path)")
     if _OPENED not in ctx.shared:
         ctx.shared[_OPENED] = GGUFFile.open(ctx.model_file)
+        ctx.shared[MODEL_METADATA] = ctx.shared[_OPENED].metadata
     f: GGUFFile = ctx.shared[_OPENED]
     return f
 
