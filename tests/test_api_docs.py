@@ -82,9 +82,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]
 
         patch.setattr(socket.socket, "connect", refuse)
         patch.setattr(socket, "getaddrinfo", refuse)
-        start = time.perf_counter()
+        start = time.process_time()  # the work done, not the machine's load
         warnings = API["build"](out)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
     return out, warnings, elapsed
 
 
