@@ -13,8 +13,11 @@ per-request state (detokenizer, stoppers) receive their state and return the new
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import (
+    TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, overload, runtime_checkable,
+)
 
 import attrs
 import torch
@@ -277,12 +280,81 @@ class Stopper(Protocol[S]):
 # --- decode state, processors, selection --------------------------------------------------
 
 
+class TokenIds(Sequence[int]):
+    """A fixed, read-only view of token ids that copies nothing: the first ``n`` ids of a list
+    that only grows (the engine's committed output), then ``tail`` (a verified position's
+    drafts). The list may grow after the view was made; the view does not. Slices are lists;
+    it equals any sequence with the same ids.
+
+    Example::
+
+        output = [5, 6]
+        ids = TokenIds(output)            # (5, 6)
+        output.append(7)                  # ids is still (5, 6)
+        ids.extended((9,))                # (5, 6, 9), nothing copied
+    """
+
+    __slots__ = ("_base", "_n", "_tail")
+
+    def __init__(self, base: Sequence[int], n: int | None = None,
+                 tail: Sequence[int] = ()) -> None:
+        self._base = base
+        self._n = len(base) if n is None else n
+        self._tail = tuple(tail)
+
+    def extended(self, more: Sequence[int]) -> TokenIds:
+        """These ids followed by ``more``."""
+        return TokenIds(self._base, self._n, (*self._tail, *more))
+
+    def __len__(self) -> int:
+        return self._n + len(self._tail)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        n = self._n
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            out = list(self._base[start:min(stop, n)]) if start < n else []
+            if stop > n:
+                out.extend(self._tail[max(start - n, 0):stop - n])
+            return out
+        at = index + len(self) if index < 0 else index
+        if not 0 <= at < len(self):
+            raise IndexError(index)
+        return self._base[at] if at < n else self._tail[at - n]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(itertools.islice(self._base, self._n), self._tail)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which have none
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
+
+
+def with_tokens(ids: Sequence[int], more: Sequence[int]) -> Sequence[int]:
+    """``ids`` followed by ``more``, copying ``ids`` only when it is not a :class:`TokenIds`."""
+    return ids.extended(more) if isinstance(ids, TokenIds) else (*ids, *more)
+
+
 @attrs.frozen
 class Row:
     """The decode state of one request, as processors and selectors see it (read-only).
 
-    ``output_ids`` is the engine's own list of selected tokens (y_1..y_{t-1}); stages must not
-    mutate it. ``step`` is t, the 1-based index of the token about to be selected; the RNG
+    ``output_ids`` are the selected tokens y_1..y_{t-1} (from the engine, a :class:`TokenIds`
+    view of its list: fixed when the row is made, nothing copied). ``step`` is t, the 1-based index of the token about to be selected; the RNG
     cursor is (``seed``, ``stream``, ``step``). ``states`` holds, by processor name, the
     request's state of each :class:`StatefulProcessor` (empty when the strategy keeps none):
     a cache of a function of the row's ids that covers its first outputs, never a different

@@ -32,7 +32,7 @@ from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
 from pipeline.engine.recorder import Recorder
 from pipeline.protocols import (
-    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken,
+    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken, TokenIds,
 )
 from pipeline.engine.text_state import TextState
 from pipeline.types import Completion, FinishReason, Recording, Timings, TokenLogprob, Usage
@@ -116,8 +116,9 @@ class Job:
 
     def row(self) -> Row:
         """This job's committed decode state as processors and selectors see it."""
-        return Row(self.request.request_id, self.config, self.prompt_ids, self.output_ids,
-                   len(self.output_ids) + 1, self.spec.seed, self.spec.eos_token_ids)
+        return Row(self.request.request_id, self.config, self.prompt_ids,
+                   TokenIds(self.output_ids), len(self.output_ids) + 1, self.spec.seed,
+                   self.spec.eos_token_ids)
 
     def deadline_passed(self, now_ns: int) -> bool:
         """True when the request's deadline has passed."""

@@ -38,7 +38,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.engine.forcing import Forcing
 from pipeline.protocols import (
     Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken,
-    Update,
+    Update, with_tokens,
 )
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
@@ -239,7 +239,7 @@ def _position(row: Row, block: Block, j: int) -> Row:
 def advanced(row: Row, tokens: Sequence[int]) -> Row:
     """``row`` after ``tokens`` more outputs (``step`` moved on by as many). Built directly:
     ``attrs.evolve`` costs several times more, and this runs per verified position."""
-    return Row(row.request_id, row.config, row.prompt_ids, (*row.output_ids, *tokens),
+    return Row(row.request_id, row.config, row.prompt_ids, with_tokens(row.output_ids, tokens),
                row.step + len(tokens), row.seed, row.eos_token_ids, row.stream, row.states)
 
 
