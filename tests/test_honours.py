@@ -116,3 +116,25 @@ def test_a_strategy_that_declares_nothing_is_named() -> None:
     with build(TINY_MODEL_DIR, strategy="silent", plugins=[SilentPlugin()]) as p:
         with pytest.raises(RegistryError, match="'silent'.*honours"):
             p.submit("hi", max_tokens=2)
+
+
+def test_build_takes_a_strategy_instance() -> None:
+    from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
+    from stages.select.greedy import GreedySelector
+
+    chain = ProcessorChain([make_processor(n) for n in DEFAULT_ORDER])
+    mine = AutoregressiveStrategy(chain, GreedySelector())
+    with build("tiny", strategy=mine) as p, build("tiny") as named:
+        assert p.engine is not None and p.engine.strategy(None) is mine
+        got = p.generate("hi", max_tokens=6, temperature=0, ignore_eos=True)
+        assert got.token_ids == named.generate("hi", max_tokens=6, temperature=0,
+                                               ignore_eos=True).token_ids
+        with pytest.raises(InvalidValueError) as caught:
+            p.submit("hi", max_tokens=2, processor_order=("temperature",))
+        assert caught.value.field == "processor_order"
+    with pytest.raises(InvalidValueError) as caught:
+        build("tiny", strategy=mine, steps=4)
+    assert caught.value.field == "steps"
+    with pytest.raises(InvalidValueError) as caught:
+        build("tiny", strategy=object())  # type: ignore[arg-type]
+    assert caught.value.field == "strategy"

@@ -67,7 +67,7 @@ def build(
     detokenizer: str | Detokenizer[Any] = "incremental",
     stoppers: Sequence[str | Stopper[Any]] | None = None,
     replace_stoppers: bool = False,
-    strategy: str | StrategyChoice | None = None,
+    strategy: str | StrategyChoice | Strategy | None = None,
     steps: int | None = None,
     block_length: int | None = None,
     strategy_options: Mapping[str, Any] | None = None,
@@ -139,9 +139,12 @@ def build(
     run at the same token, the earlier one's reason is reported. ``replace_stoppers=True``
     makes ``stoppers`` the whole list.
 
-    ``strategy`` (a name, or a :class:`~pipeline.strategy_choice.StrategyChoice` that also
-    carries ``steps``, ``block_length`` and ``strategy_options``) names how tokens are
-    generated: ``"autoregressive"`` (the default for an autoregressive model), ``"speculative"``, or an iterative sampler such as masked
+    ``strategy`` (a name, a :class:`~pipeline.strategy_choice.StrategyChoice` that also
+    carries ``steps``, ``block_length`` and ``strategy_options``, or a
+    :class:`~pipeline.protocols.Strategy` instance, used as it is with its own chain: a
+    request that reorders processors is then refused) says how tokens are generated:
+    ``"autoregressive"`` (the default for an autoregressive model), ``"speculative"``, or an
+    iterative sampler such as masked
     diffusion's ``"llada"``, ``"fast_dllm"`` and ``"dfm"`` (docs/diffusion.md) or continuous
     diffusion's and flow's ``"ddpm"``, ``"ddim"`` and ``"flow"`` (docs/continuous.md). A
     model whose ``config.json`` carries a ``pipeline_generation`` marker is not autoregressive: without a
@@ -173,6 +176,17 @@ def build(
     model_dir, model_file = found.directory, found.file
     if model_file is not None and not is_gguf_file(model_file):
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
+    given: Strategy | None = None
+    if strategy is not None and not isinstance(strategy, (str, StrategyChoice)):
+        if not isinstance(strategy, Strategy):
+            raise InvalidValueError("strategy", type(strategy).__name__, "must be a strategy's "
+                                    "name, a StrategyChoice or a Strategy instance")
+        for field, value in (("steps", steps), ("block_length", block_length),
+                             ("strategy_options", strategy_options)):
+            if value is not None:
+                raise InvalidValueError(field, value, "configures a strategy build() makes; "
+                                        "a Strategy instance comes configured")
+        given, strategy = strategy, strategy.name
     if isinstance(strategy, StrategyChoice):  # the choice as one value: it says it all
         for field, value in (("steps", steps), ("block_length", block_length),
                              ("strategy_options", strategy_options)):
@@ -186,7 +200,8 @@ def build(
     else:
         named = strategy
     name, strategy_settings = _strategy(model_dir, named, steps, block_length,
-                                        _mapping("strategy_options", strategy_options))
+                                        _mapping("strategy_options", strategy_options),
+                                        given is not None)
     context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file,
                            strategy_options=strategy_settings)
     tok = _tokenizer(registry, context, tokenizer)
@@ -216,7 +231,8 @@ def build(
     )
     model_backend = _backend(registry, context, backend)
     context = attrs.evolve(context, backend=model_backend)
-    make_strategy = cast(StrategyMaker, registry.create("strategy", name, context))
+    make_strategy = (_as_maker(given) if given is not None
+                     else cast(StrategyMaker, registry.create("strategy", name, context)))
     eng = None
     if model_backend is not None:
         if tok is None:
@@ -224,6 +240,10 @@ def build(
         by_name = {p.name: p for p in procs}
 
         def strategies(order: tuple[str, ...] | None) -> Strategy:
+            if given is not None and order is not None:
+                raise InvalidValueError("processor_order", list(order), "this pipeline's "
+                                        "strategy was given as an instance with its own chain; "
+                                        "build(strategy=<name>) to reorder processors")
             chain = procs if order is None else [by_name[n] for n in order]
             made = make_strategy(chain, sel)
             if not isinstance(getattr(made, "honours", None), Honours):
@@ -240,8 +260,16 @@ def build(
                                  "strategy": name}, registry=registry)
 
 
+def _as_maker(given: Strategy) -> StrategyMaker:
+    """A strategy given as an instance: it serves the default order only (its chain is its
+    own), so a request that reorders processors is refused, naming the field."""
+    def make(chain: Sequence[LogitProcessor], selector: Selector) -> Strategy:
+        return given
+    return make
+
+
 def _strategy(model_dir: Path | None, strategy: str | None, steps: int | None,
-              block_length: int | None, options: Mapping[str, Any]
+              block_length: int | None, options: Mapping[str, Any], instance: bool = False
               ) -> tuple[str, Mapping[str, Any]]:
     """The strategy's name (the model marker's when none is given) and its options, with
     ``steps`` and ``block_length`` folded in; an autoregressive strategy on a model marked
@@ -251,6 +279,8 @@ def _strategy(model_dir: Path | None, strategy: str | None, steps: int | None,
         strategy = str(marker.get("strategy")) if marker is not None else "autoregressive"
     if not isinstance(strategy, str):
         raise InvalidValueError("strategy", strategy, "must be a strategy's name")
+    if instance:  # a Strategy instance: nothing to fold in, and it is the caller's choice
+        return strategy, {}
     if marker is not None and strategy in AUTOREGRESSIVE_STRATEGIES:
         raise InvalidValueError("strategy", strategy, f"needs an autoregressive model; this "
                                 f"one is a {marker['family']!r} model ({GENERATION_KEY} in "
