@@ -126,7 +126,8 @@ def _serve(args: argparse.Namespace) -> int:
             models=models, strategies=strategies, api_keys=keys, data_dir=args.data_dir,
             num_slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
             context_slack=args.context_slack, clamp_max_tokens=not args.no_clamp,
-            reasoning_budget_tokens=args.reasoning_budget, limits=limits,
+            reasoning_budget_tokens=args.reasoning_budget,
+            answer_reserve_tokens=args.answer_reserve, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
             restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
@@ -195,6 +196,9 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
                        help="refuse a max_tokens beyond the room instead of clamping it")
     serve.add_argument("--reasoning-budget", type=int, default=None,
                        help="default reasoning budget in tokens")
+    serve.add_argument("--answer-reserve", type=int, default=4096, metavar="N",
+                       help="a request that states no thinking preference keeps min(N, "
+                            "max_tokens/3) tokens for its answer (default 4096)")
     serve.add_argument("--work-threads", type=int, default=4,
                        help="threads that parse, render and count requests")
     serve.add_argument("--work-queue", type=int, default=64,

@@ -77,7 +77,13 @@ class ServerConfig:
     and ``max_queue`` more wait; beyond that a request is refused as overloaded. ``max_context``
     caps each model's window (``None``: the model's own); ``context_slack`` tokens of it are
     kept free. A ``max_tokens`` larger than the room left is clamped when ``clamp_max_tokens``,
-    else refused; a request without one gets ``min(room, default_max_tokens)``.
+    else refused; a request without one gets ``min(room, default_max_tokens)``. The thinking
+    guard: a request that states no thinking preference (no Anthropic ``thinking``, no
+    ``reasoning_effort``) and no reasoning budget, to a model that can think and a strategy
+    that keeps a budget, gets a budget that leaves its answer ``min(answer_reserve_tokens,
+    max_tokens // 3)`` tokens beside the two think markers, so it never ends thinking with no
+    answer; a server-wide
+    ``reasoning_budget_tokens`` is a stated budget for every request instead.
 
     ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`);
     ``timeouts`` how long its headers and body may take to arrive (408 and close).
@@ -113,6 +119,7 @@ class ServerConfig:
     default_max_tokens: int = attrs.field(default=1024, validator=_positive)
     reasoning_budget_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_non_negative))
+    answer_reserve_tokens: int = attrs.field(default=4096, validator=_positive)
     ping_interval_s: float = 5.0
     limits: Limits = attrs.field(factory=Limits)
     timeouts: Timeouts = attrs.field(factory=Timeouts)

@@ -461,12 +461,30 @@ class Gateway:
         text = prepared.rendered.text
         thinking = opens_thinking(text)
         if token_upper_bound(text) + request.generation_config.max_tokens <= window:
-            return Fitted(prepared, thinking)
+            return self._guard_thinking(served, Fitted(prepared, thinking))
         self.refuse_longer(served, text, _prompt_field(request))
         if checkpoint is not None:
             checkpoint()
-        return self._fit_count(prepared, len(prepared.tokens), window, thinking,
-                               max_tokens_given, budget_field)
+        return self._guard_thinking(served, self._fit_count(
+            prepared, len(prepared.tokens), window, thinking, max_tokens_given, budget_field))
+
+    def _guard_thinking(self, served: ServedModel, fitted: Fitted) -> Fitted:
+        """The thinking guard (:class:`ServerConfig`): a request with no thinking preference
+        and no budget gets a reasoning budget that leaves its answer
+        ``min(answer_reserve_tokens, max_tokens // 3)`` tokens after the two think markers,
+        when the model has think markers and its strategy keeps a budget."""
+        request = fitted.request
+        config = request.generation_config
+        engine = served.pipe.engine
+        if (config.reasoning_budget_tokens is not None or "enable_thinking" in
+                request.template_kwargs or engine is None or served.pipe.think_markers() is None
+                or not engine.strategy(config.processor_order).honours.reasoning_budget):
+            return fitted
+        reserve = min(self.config.answer_reserve_tokens, config.max_tokens // 3)
+        budget = max(0, config.max_tokens - reserve - 2)  # <think> and </think> count too
+        guarded = attrs.evolve(config, reasoning_budget_tokens=budget)
+        return Fitted(fitted.prepared.with_request(attrs.evolve(
+            request, generation_config=guarded)), fitted.thinking)
 
     def refuse_longer(self, served: ServedModel, text: str, field: str) -> None:
         """Refuse ``text`` without tokenizing it when it has more characters than the window's
