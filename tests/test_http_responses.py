@@ -240,13 +240,16 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(oai: openai.OpenAI) ->
 
 
 def test_a_think_block_is_a_reasoning_item_streamed_and_not(oai: openai.OpenAI) -> None:
-    done = oai.responses.create(model="thinker", input="Hi", max_output_tokens=8)
+    # thinking asked for, no budget: the thinker thinks to the end (the thinking guard acts
+    # only when the client states no preference: tests/test_http_thinking_guard.py)
+    done = oai.responses.create(model="thinker", input="Hi", max_output_tokens=8,
+                                reasoning={"effort": "high"})
     (item,) = done.output
     assert item.type == "reasoning" and item.status == "incomplete"
     assert item.content is not None and item.content[0].text == "a" * 7
     assert done.status == "incomplete" and done.output_text == ""
     events = list(oai.responses.create(model="thinker", input="Hi", max_output_tokens=8,
-                                       stream=True))
+                                       reasoning={"effort": "high"}, stream=True))
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert thought == next(e.text for e in events if e.type == "response.reasoning_text.done")
     assert thought == item.content[0].text and events[-1].type == "response.incomplete"

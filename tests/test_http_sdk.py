@@ -228,9 +228,15 @@ def test_reasoning_budget_over_both_dialects(oai: openai.OpenAI, claude: anthrop
     message_oa = out.choices[0].message
     assert message_oa.content == "Done." and out.choices[0].finish_reason == "stop"
     assert (message_oa.model_extra or {}).get("reasoning_content") == ("a" * budget or None)
-    unbudgeted = oai.chat.completions.create(model="thinker", messages=ask, max_tokens=12)  # type: ignore[arg-type]
+    # thinking asked for with no budget: the thinker thinks to the end of max_tokens
+    unbudgeted = oai.chat.completions.create(model="thinker", messages=ask, max_tokens=12,  # type: ignore[arg-type]
+                                             reasoning_effort="high")
     assert unbudgeted.choices[0].finish_reason == "length"
     assert unbudgeted.choices[0].message.content is None or "Done" not in unbudgeted.choices[0].message.content
+    # no preference stated: the thinking guard keeps room for the answer (12 - 12 // 3 - 2)
+    guarded = oai.chat.completions.create(model="thinker", messages=ask, max_tokens=12)  # type: ignore[arg-type]
+    assert guarded.choices[0].message.content == "Done."
+    assert (guarded.choices[0].message.model_extra or {}).get("reasoning_content") == "a" * 6
 
 
 def test_a_required_or_named_tool_choice_makes_the_answer_a_tool_call(

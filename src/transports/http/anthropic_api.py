@@ -32,6 +32,7 @@ from transports.http.common import (
 from transports.http.documented import (
     _cache_control as cache_control, anthropic_fields, anthropic_tool, one_of, unsupported,
 )
+from transports.http.documents import Document, decode_base64, media_type, read_document
 from transports.http.fields import Obj, check
 from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
@@ -46,8 +47,37 @@ def _tool_result(path: str, block: Obj) -> Message:
     return Message("tool", content, tool_call_id=block.need("tool_use_id", "string"))
 
 
-def _blocks(path: str, role: str, value: Any) -> list[Message]:
-    """One Anthropic message → internal messages (tool results become ``tool`` messages)."""
+def _document(block: Obj) -> Document:
+    """A ``document`` block: a ``base64`` source (PDF, DOCX, XLSX, CSV, text) or a ``text``
+    one, named by its ``title``; ``context`` goes before its text."""
+    source = block.obj("source")
+    if source is None:
+        raise InvalidValueError(block.at("source"), None, "is required")
+    kind = source.need("type", "string")
+    name = block.get("title", "string") or "document"
+    context = block.get("context", "string")
+    citations = block.obj("citations")
+    if citations is not None:
+        citations.get("enabled", "boolean")
+        citations.done()
+    if kind == "base64":
+        media = media_type(name, source.need("media_type", "string"), source.at("media_type"))
+        data = decode_base64(source.need("data", "string"), source.at("data"))
+        text = read_document(name, media, data, source.at("data"))
+    elif kind == "text":
+        media_type(name, source.get("media_type", "string") or "text/plain",
+                   source.at("media_type"))
+        text = source.need("data", "string")
+    else:
+        raise unsupported(source.at("type"), kind, "base64 and text document sources only "
+                          "(nothing is fetched from a URL or a file store)")
+    source.done()
+    return Document.of(name, f"{context}\n\n{text}" if context else text)
+
+
+def _blocks(path: str, role: str, value: Any, documents: list[Document]) -> list[Message]:
+    """One Anthropic message → internal messages (tool results become ``tool`` messages;
+    a user's ``document`` blocks become text, each also noted in ``documents``)."""
     if isinstance(value, str):
         return [Message(role, value)]
     texts, thinking, calls, results = [], [], [], []
@@ -70,9 +100,13 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
                                   block.need("id", "string")))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(at, block))
+        elif kind == "document" and role == "user":
+            document = _document(block)
+            documents.append(document)
+            texts.append(f"\n{document.block}\n")
         else:
             allowed = ("text, thinking and tool_use" if role == "assistant"
-                       else "text and tool_result")
+                       else "text, document and tool_result")
             raise unsupported(f"{at}.type", kind, f"a {role} message takes {allowed} blocks")
         block.done()
     text = "".join(texts)
@@ -81,7 +115,7 @@ def _blocks(path: str, role: str, value: Any) -> list[Message]:
     return results + ([Message("user", text)] if texts or not results else [])
 
 
-def _messages(body: Obj) -> list[Message]:
+def _messages(body: Obj, documents: list[Document]) -> list[Message]:
     out: list[Message] = []
     system = body.value.get("system")
     body.has("system")
@@ -95,7 +129,7 @@ def _messages(body: Obj) -> list[Message]:
         o.has("content")
         if "content" not in o.value:
             raise InvalidValueError(f"{path}.content", None, "is required")
-        out.extend(_blocks(f"{path}.content", role, o.value["content"]))
+        out.extend(_blocks(f"{path}.content", role, o.value["content"], documents))
         o.done()
     if not any(m.role != "system" for m in out):
         raise InvalidValueError("messages", [], "at least one message is required")
@@ -185,7 +219,8 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
     """A Messages (or count_tokens) body → the internal request and how to answer it."""
     body = Obj(raw, "body")
     model = body.need("model", "string")
-    messages = _messages(body)
+    documents: list[Document] = []
+    messages = _messages(body, documents)
     tools, choice = _tools(body)
     config, enable_thinking = _config(body, defaults, counting=counting)
     stream = False if counting else body.get("stream", "boolean", False)
@@ -204,7 +239,7 @@ def parse_messages(raw: Any, defaults: ServerDefaults, *, counting: bool = False
                       template_kwargs=({} if enable_thinking is None
                                        else {"enable_thinking": enable_thinking}))
     return Parsed(model, request, stream, True, bool(request.tools_shown),
-                  sampling_given=sampling_given(raw))
+                  sampling_given=sampling_given(raw), documents=tuple(documents))
 
 
 # --- responses -----------------------------------------------------------------------------

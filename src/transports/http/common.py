@@ -21,6 +21,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import SAMPLING_FIELDS
 from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
+from transports.http.documents import Document
 from pipeline.types import Part
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -75,6 +76,9 @@ class Parsed:
     budget_field: str = "max_tokens"
     """The body's name for the output budget (``max_completion_tokens``, Responses'
     ``max_output_tokens``), so a refusal of it names what the client sent."""
+    documents: tuple[Document, ...] = ()
+    """The document parts the messages hold as text (:mod:`transports.http.documents`), which
+    the window fit may cut."""
 
 
 class StreamEncoder(Protocol):
@@ -126,10 +130,13 @@ def with_model_defaults(parsed: Parsed, defaults: GenerationConfig) -> Parsed:
 
 
 def text_content(path: str, value: Any, text_type: str,
-                 cache_control: Callable[[Obj], None] | None = None) -> str | None:
+                 cache_control: Callable[[Obj], None] | None = None,
+                 files: Callable[[Obj], Document] | None = None,
+                 documents: list[Document] | None = None) -> str | None:
     """Message content as text: a string, or a list of ``{"type": text_type, "text"}`` parts.
     A part's ``cache_control`` is checked by ``cache_control`` (a dialect's rule for the
-    hint), else only as an object."""
+    hint), else only as an object. With ``files``, a ``file`` part is a document read by it:
+    its text joins the content (on lines of its own) and the document ``documents``."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -138,9 +145,16 @@ def text_content(path: str, value: Any, text_type: str,
     for i, raw in enumerate(value):
         part = Obj(raw, f"{path}[{i}]")
         kind = part.need("type", "string")
+        if kind == "file" and files is not None and documents is not None:
+            document = files(part)
+            documents.append(document)
+            pieces.append(f"\n{document.block}\n")
+            part.done()
+            continue
         if kind != text_type:
+            allowed = f"'{text_type}' and 'file'" if files is not None else f"'{text_type}'"
             raise InvalidValueError(f"{path}[{i}].type", kind,
-                                    f"is not supported here: only '{text_type}' parts")
+                                    f"is not supported here: only {allowed} parts")
         pieces.append(part.need("text", "string"))
         if cache_control is None:
             part.get("cache_control", "object")

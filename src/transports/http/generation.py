@@ -19,11 +19,13 @@ from typing import Any, Protocol
 
 import attrs
 
+from pipeline.prepared import Prepared
 from pipeline.protocols import Detokenizer, Tokenizer
 from pipeline.types import Completion, Request
 from transports.http import anthropic_api, completions_api, openai_api
 from transports.http.choices import choice_requests, total_usage
 from transports.http.common import Parsed, StreamEncoder
+from transports.http.documents import fit_documents
 from transports.http.errors import Dialect
 from transports.http.gateway import Flight, Gateway, ServedModel
 from pipeline.types import Part
@@ -87,7 +89,11 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
     be readable with the keys whose fingerprints are ``owners``."""
     fitted = []
     for request in _inputs(gateway, served, parsed, checkpoint):
-        fitted.append(gateway.fit(served, request, max_tokens_given=parsed.max_tokens_given,
+        ready: Request | Prepared = request
+        if parsed.documents:  # documents cut to the room the window leaves, when it is short
+            ready = fit_documents(served.pipe, request, parsed.documents,
+                                  gateway.window(served), "messages")
+        fitted.append(gateway.fit(served, ready, max_tokens_given=parsed.max_tokens_given,
                                   checkpoint=checkpoint, budget_field=parsed.budget_field))
         checkpoint()
     # message_start reports the prompt's size before any token exists

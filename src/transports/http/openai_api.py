@@ -32,8 +32,9 @@ from transports.http.common import (
 )
 from transports.http.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
-    structured_outputs,
+    structured_outputs, unsupported,
 )
+from transports.http.documents import Document, decode_base64, media_type, read_document
 from transports.http.fields import Obj, check
 from pipeline.output_parts import calls_of
 from pipeline.types import Part, TextPart
@@ -76,12 +77,33 @@ def _tool_call(path: str, raw: Any) -> ToolCall:
     return call
 
 
-def _message(path: str, raw: Any) -> Message:
+def file_part(part: Obj) -> Document:
+    """An OpenAI ``file`` content part (``file.file_data``: base64 or a data URL, with
+    ``file.filename``) as a document; ``file_id`` names an uploaded file, which this server
+    does not keep."""
+    file = part.obj("file")
+    if file is None:
+        raise InvalidValueError(part.at("file"), None, "is required")
+    name = file.get("filename", "string")
+    if file.has("file_id"):
+        raise unsupported(file.at("file_id"), file.value["file_id"], "uploaded files: send "
+                          "the file's bytes as file_data")
+    data = file.need("file_data", "string")
+    given = data[5:data.index(";")] if data.startswith("data:") and ";" in data else None
+    kind = media_type(name, given, file.at("file_data"))
+    text = read_document(name or "file", kind, decode_base64(data, file.at("file_data")),
+                         file.at("file_data"))
+    file.done()
+    return Document.of(name or "file", text)
+
+
+def _message(path: str, raw: Any, documents: list[Document]) -> Message:
     o = Obj(raw, path)
     role = o.need("role", "string")
     if role not in _ROLES:
         raise InvalidValueError(f"{path}.role", role, f"must be one of {', '.join(_ROLES)}")
-    content = text_content(f"{path}.content", o.value.get("content"), "text")
+    content = text_content(f"{path}.content", o.value.get("content"), "text",
+                           files=file_part if role == "user" else None, documents=documents)
     o.has("content")
     calls = [_tool_call(p, c) for p, c in o.items("tool_calls")]
     if calls and role != "assistant":
@@ -196,7 +218,8 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
     """A chat-completions body → the internal request and how to answer it."""
     body = Obj(raw, "body")
     model = body.need("model", "string")
-    messages = [_message(p, m) for p, m in body.items("messages", required=True)]
+    documents: list[Document] = []
+    messages = [_message(p, m, documents) for p, m in body.items("messages", required=True)]
     if not messages:
         raise InvalidValueError("messages", [], "at least one message is required")
     tools = _tools(body)
@@ -218,7 +241,8 @@ def parse_chat(raw: Any, defaults: ServerDefaults) -> Parsed:
                       client_metadata={"user": user} if user else {},
                       template_kwargs=thinking)
     return Parsed(model, request, stream, given, bool(request.tools_shown), include_usage, n=n,
-                  sampling_given=sampling_given(raw), budget_field=budget_field)
+                  sampling_given=sampling_given(raw), budget_field=budget_field,
+                  documents=tuple(documents))
 
 
 # --- responses -----------------------------------------------------------------------------

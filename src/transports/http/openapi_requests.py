@@ -107,8 +107,15 @@ def _openai_parts() -> dict[str, Schema]:
     return {
         "OpenAITextPart": request_object({"type": {"const": "text"}, "text": STRING},
                                          {"cache_control": OBJECT}),
-        "OpenAIContent": {"oneOf": [STRING, array(ref("OpenAITextPart"))],
-                          "description": "a string, or text parts joined in order"},
+        "OpenAIFilePart": request_object(
+            {"type": {"const": "file"}, "file": request_object(
+                {"file_data": STRING}, {"filename": STRING})},
+            description="a user's document (PDF, DOCX, XLSX, CSV, text), base64 or a data URL, "
+                        "read to text; `file_id` is refused (no file store)"),
+        "OpenAIContent": {"oneOf": [STRING, array({"oneOf": [ref("OpenAITextPart"),
+                                                              ref("OpenAIFilePart")]})],
+                          "description": "a string, or text parts (and, from the user, file "
+                                         "parts) joined in order"},
         "OpenAIToolCall": request_object(
             {"function": request_object({"name": STRING}, {"arguments": STRING})},
             {"type": {"const": "function"}, "id": STRING}),
@@ -388,9 +395,22 @@ def _anthropic_blocks() -> dict[str, Schema]:
             {"type": {"const": "tool_result"}, "tool_use_id": STRING},
             {**cache, "is_error": BOOLEAN,
              "content": {"oneOf": [STRING, array(ref("AnthropicTextPart"))]}}),
+        "AnthropicDocumentBlock": request_object(
+            {"type": {"const": "document"}, "source": {"oneOf": [
+                request_object({"type": {"const": "base64"}, "media_type": enum(
+                    "application/pdf",
+                    "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+                    "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+                    "text/csv", "text/plain", "text/markdown"), "data": STRING}),
+                request_object({"type": {"const": "text"}, "data": STRING},
+                               {"media_type": {"const": "text/plain"}})]}},
+            {**cache, "title": STRING, "context": STRING, "citations": OBJECT},
+            description="read to text (a PDF needs a text layer: no OCR); cut head 70 % and "
+                        "tail 30 % when the window is short"),
         "AnthropicUserMessage": request_object({"role": {"const": "user"}, "content": {
             "oneOf": [STRING, array({"oneOf": [ref("AnthropicTextBlock"),
-                                               ref("AnthropicToolResultBlock")]})]}}),
+                                               ref("AnthropicToolResultBlock"),
+                                               ref("AnthropicDocumentBlock")]})]}}),
         "AnthropicAssistantMessage": request_object({"role": {"const": "assistant"}, "content": {
             "oneOf": [STRING, array({"oneOf": [
                 ref("AnthropicTextBlock"), ref("AnthropicThinkingBlock"),
