@@ -131,9 +131,16 @@ def read_document(name: str, kind: str, data: bytes, path: str) -> str:
 def _pdf(data: bytes, path: str) -> str:
     from pypdf import PdfReader
 
-    reader = PdfReader(io.BytesIO(data))
-    pages = [page.extract_text() or "" for page in reader.pages]
-    text = "\n\n".join(p.strip() for p in pages if p.strip())
+    reader = PdfReader(io.BytesIO(data))  # pypdf caps what one stream may inflate to
+    pages: list[str] = []
+    size = 0
+    for page in reader.pages:  # stop as soon as the text is too long to keep
+        pages.append((page.extract_text() or "").strip())
+        size += len(pages[-1])
+        if size > MAX_TEXT_CHARS:
+            raise InvalidValueError(path, f"{len(pages)} page(s)", "gives more than "
+                                    f"{MAX_TEXT_CHARS} characters of text")
+    text = "\n\n".join(p for p in pages if p)
     if not text:
         raise InvalidValueError(path, f"{len(pages)} page(s)", "is a PDF with no text layer "
                                 "(scanned pages?): there is no OCR here; send its text")
