@@ -165,6 +165,13 @@ def test_every_kind_of_file_reaches_the_model_in_both_dialects(url: str, name: s
     anthropic_block = {"type": "document", "title": name,
                        "source": {"type": "base64", "media_type": media, "data": b64(data)}}
     assert ask_anthropic(url, anthropic_block) == "found"
+    oa = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+    response = oa.responses.create(model="default", max_output_tokens=8, input=[{
+        "role": "user", "content": [
+            {"type": "input_text", "text": "What is the code?"},
+            {"type": "input_file", "filename": name,
+             "file_data": f"data:{media};base64,{b64(data)}"}]}])  # type: ignore[misc, list-item]
+    assert response.output_text == "found"
 
 
 def test_a_document_message_is_the_text_the_template_is_given(url: str) -> None:

@@ -285,7 +285,12 @@ def _responses_items() -> dict[str, Schema]:
                           {"annotations": {"type": "array"}, "logprobs": {"type": "array"}})
     refusal = request_object({"type": {"const": "refusal"}, "refusal": STRING},
                              description="in an assistant message only")
-    content = {"anyOf": [STRING, array({"anyOf": [text, refusal]})]}
+    file = request_object({"type": {"const": "input_file"}, "file_data": STRING},
+                          {"filename": STRING},
+                          description="a user's document (PDF, DOCX, XLSX, CSV, text), base64 "
+                                      "or a data URL, read to text; file_id and file_url are "
+                                      "refused")
+    content = {"anyOf": [STRING, array({"anyOf": [text, refusal, file]})]}
     return {
         "ResponsesInputItem": {"anyOf": [
             request_object({"role": enum("user", "system", "developer", "assistant"),

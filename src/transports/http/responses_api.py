@@ -53,6 +53,7 @@ from pipeline.grammar import Grammar
 from pipeline.types import Message, Request, ToolCall, ToolChoice, ToolSpec
 from transports.http.common import Parsed, ServerDefaults, config_from, sampling_given
 from transports.http.documented import one_of, openai_ignored, unsupported
+from transports.http.documents import Document, decode_base64, media_type, read_document
 from transports.http.fields import Obj, check
 from transports.http.limits import Limits, text_chars
 from transports.http.openai_api import sampling
@@ -74,9 +75,26 @@ _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # --- request ---------------------------------------------------------------------------------
 
 
-def _text(path: str, value: Any, role: str) -> str:
+def _file(part: Obj) -> Document:
+    """An ``input_file`` part (``file_data``: base64 or a data URL, with ``filename``) as a
+    document; a ``file_id`` or ``file_url`` names a file this server does not fetch."""
+    for field in ("file_id", "file_url"):
+        if part.has(field):
+            raise unsupported(part.at(field), part.value[field], "files by id or URL: send the "
+                              "file's bytes as file_data")
+    name = part.get("filename", "string")
+    data = part.need("file_data", "string")
+    given = data[5:data.index(";")] if data.startswith("data:") and ";" in data else None
+    kind = media_type(name, given, part.at("file_data"))
+    text = read_document(name or "file", kind, decode_base64(data, part.at("file_data")),
+                         part.at("file_data"))
+    return Document.of(name or "file", text)
+
+
+def _text(path: str, value: Any, role: str, documents: list[Document] | None = None) -> str:
     """Message content as text: a string, or ``input_text`` / ``output_text`` parts (and
-    ``refusal`` parts of an assistant message)."""
+    ``refusal`` parts of an assistant message, ``input_file`` parts of a user's, read to
+    text and noted in ``documents``)."""
     if isinstance(value, str):
         return value
     pieces = []
@@ -89,20 +107,25 @@ def _text(path: str, value: Any, role: str) -> str:
             pieces.append(part.need("text", "string"))
             part.get("annotations", "array")
             part.get("logprobs", "array")
+        elif kind == "input_file" and role == "user" and documents is not None:
+            document = _file(part)
+            documents.append(document)
+            pieces.append(f"\n{document.block}\n")
         else:
-            raise unsupported(part.at("type"), kind, "only text goes in ('input_text' or "
-                                                     "'output_text' parts)")
+            raise unsupported(part.at("type"), kind, "only text and a user's files go in "
+                                                     "('input_text', 'output_text' and "
+                                                     "'input_file' parts)")
         part.done()
     return "".join(pieces)
 
 
-def _message(o: Obj) -> Message:
+def _message(o: Obj, documents: list[Document]) -> Message:
     role = o.need("role", "string")
     if role not in _ROLES:
         raise InvalidValueError(o.at("role"), role, f"must be one of {', '.join(_ROLES)}")
     if "content" not in o.value or o.value["content"] is None:
         raise InvalidValueError(o.at("content"), None, "is required")
-    content = _text(o.at("content"), o.value["content"], role)
+    content = _text(o.at("content"), o.value["content"], role, documents)
     o.has("content")
     o.get("id", "string")
     one_of(o, "status", ("in_progress", "completed", "incomplete"))
@@ -140,7 +163,7 @@ def _reasoning_item(o: Obj) -> None:
     one_of(o, "status", ("in_progress", "completed", "incomplete"))
 
 
-def _input(body: Obj) -> list[Message]:
+def _input(body: Obj, documents: list[Document]) -> list[Message]:
     """``input``: a string (one user message) or a list of items, as chat messages."""
     value = body.value.get("input")
     body.has("input")
@@ -153,7 +176,7 @@ def _input(body: Obj) -> list[Message]:
         o = Obj(raw, path)
         kind = o.get("type", "string", "message")
         if kind == "message":
-            messages.append(_message(o))
+            messages.append(_message(o, documents))
         elif kind == "function_call":
             call = _call(o)
             last = messages[-1] if messages else None
@@ -321,7 +344,8 @@ def parse_responses(raw: Any, defaults: ServerDefaults, limits: Limits,
     instructions = body.get("instructions", "string")
     previous = body.get("previous_response_id", "string")
     history = conversations.messages(previous, keys) if previous is not None else ()
-    messages = _input(body)
+    documents: list[Document] = []
+    messages = _input(body, documents)
     if len(history) + len(messages) > limits.max_messages:
         raise LimitExceededError("previous_response_id", "max_messages",
                                  len(history) + len(messages), limits.max_messages,
@@ -348,7 +372,8 @@ def parse_responses(raw: Any, defaults: ServerDefaults, limits: Limits,
                       template_kwargs={} if effort is None else
                       {"enable_thinking": effort != "none"})
     parsed = Parsed(model, request, stream, given is not None, bool(request.tools_shown),
-                    sampling_given=sampling_given(raw), budget_field="max_output_tokens")
+                    sampling_given=sampling_given(raw), budget_field="max_output_tokens",
+                    documents=tuple(documents))
     echo = Echo(instructions, given, dict(metadata), choice.parallel, previous, effort, store,
                 format_echo, choice_echo, tools_echo)
     form = ResponsesForm(echo, (*history, *messages), conversations, keys)
