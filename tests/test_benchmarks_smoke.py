@@ -205,6 +205,17 @@ def _prefix_cache(r: Report, out: Path, log: str) -> None:
     assert r["ratio_median"] == pytest.approx(run["cold_s"] / run["warm_s"])
 
 
+def _kv_int8(r: Report, out: Path, log: str) -> None:
+    assert r["model"] == "tiny" and r["smoke"] is True and r["prompts"] == 3
+    b = r["bytes_per_position"]
+    assert b["int8"] < b["bfloat16"] < b["float32"] and b["float32"] == 2 * b["bfloat16"]
+    assert r["context_in_1_gib"]["int8"] > r["context_in_1_gib"]["float32"]
+    assert 0 <= r["logits"]["mean_abs_over_std"] <= r["logits"]["max_abs_over_std"]
+    assert 0 <= r["logits"]["argmax_agreement"] <= 1
+    assert 0 <= r["greedy"]["same_sequences"] <= r["greedy"]["of"] == 3
+    _positive(r["decode_tok_s"]["full"], r["decode_tok_s"]["int8"])
+
+
 def _penalty_history(r: Report, out: Path, log: str) -> None:
     assert r["vocab_size"] == 4096 and r["smoke"] is True
     assert [x["history"] for x in r["results"]] == [10, 200]
@@ -293,7 +304,7 @@ CHECKS: dict[str, Check] = {
     "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
     "llama_cpp": _llama_cpp, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
-    "paged_kv": _paged_kv, "penalty_history": _penalty_history,
+    "kv_int8": _kv_int8, "paged_kv": _paged_kv, "penalty_history": _penalty_history,
     "prefix_cache": _prefix_cache, "processors": _processors,
     "serve_memory": _serve_memory, "speculative": _speculative, "startup": _startup,
     "structured": _structured, "torch_backend": _torch_backend,

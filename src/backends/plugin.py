@@ -39,7 +39,7 @@ def _torch(ctx: BuildContext) -> Any:
         dtype=opts.torch_dtype, device=opts.device, pack=opts.pack,
         moe=moe_function(opts.moe, opts.moe_configs), kv_blocks=opts.kv_blocks,
         kv_cache_bytes=opts.kv_cache_bytes, block_size=opts.block_size,
-        batch_invariant=opts.invariant)
+        batch_invariant=opts.invariant, kv_int8=opts.kv_cache_dtype == "int8")
     if opts.moe == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 

@@ -86,7 +86,8 @@ def gguf_backend(ctx: BuildContext) -> Any:
     f.drop_resident_pages()  # the weights are copies now
     release_free_memory()    # and the load's scratch is free: hand its pages back
     budget = KV_CACHE_BYTES if opts.kv_cache_bytes is None else opts.kv_cache_bytes
-    window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget)
+    int8 = opts.kv_cache_dtype == "int8"
+    window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget, int8)
     return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window,
                         kv_blocks=opts.kv_blocks, kv_cache_bytes=opts.kv_cache_bytes,
-                        block_size=opts.block_size)
+                        block_size=opts.block_size, kv_int8=int8)

@@ -81,7 +81,7 @@ class TorchBackend:
     def __init__(self, model: Transformer, snapshot: str, *, num_slots: int = 8,
                  max_context: int | None = None, kv_blocks: int | None = None,
                  kv_cache_bytes: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, kv_int8: bool = False) -> None:
         spec = model.spec
         self.max_context = spec.max_position_embeddings if max_context is None else max_context
         if num_slots < 1:
@@ -97,7 +97,7 @@ class TorchBackend:
                 raise InvalidValueError("kv_cache_bytes", kv_cache_bytes,
                                         "give the KV pool's size once: kv_blocks or "
                                         "kv_cache_bytes")
-            kv_blocks = blocks_for_bytes(spec, model.dtype, kv_cache_bytes, block_size)
+            kv_blocks = blocks_for_bytes(spec, model.dtype, kv_cache_bytes, block_size, kv_int8)
         if kv_blocks is not None and kv_blocks < self.window_blocks:
             field, value = (("kv_blocks", kv_blocks) if kv_cache_bytes is None
                             else ("kv_cache_bytes", kv_cache_bytes))
@@ -116,7 +116,7 @@ class TorchBackend:
         self.num_blocks = num_slots * self.window_blocks if kv_blocks is None else kv_blocks
         self.cache = KVCache.empty(spec, num_blocks=self.num_blocks, block_size=block_size,
                                    num_slots=num_slots, dtype=model.dtype,
-                                   device=model.weights.embed.device)
+                                   device=model.weights.embed.device, quantized=kv_int8)
         self.own_blocks: BlockManager | None = BlockManager(self.num_blocks, block_size,
                                                             snapshot=snapshot)
         self._allocated: set[int] = set()
@@ -135,7 +135,7 @@ class TorchBackend:
                  moe: MoeFunction = moe_forward, pack: bool = True,
                  kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE,
-                 batch_invariant: bool = False) -> TorchBackend:
+                 batch_invariant: bool = False, kv_int8: bool = False) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the default pool
@@ -144,7 +144,8 @@ class TorchBackend:
         (:func:`fitting_context`); ``dtype`` defaults to the checkpoint's; ``moe`` computes
         MoE layers' routed experts; ``pack`` gives float32 CPU weights oneDNN-packed copies
         (:mod:`backends.torch.packed`; twice the weight memory); ``kv_blocks`` (or the byte
-        budget ``kv_cache_bytes``) and ``block_size`` size the KV pool; ``batch_invariant``
+        budget ``kv_cache_bytes``) and ``block_size`` size the KV pool (``kv_int8``: keys and
+        values kept in int8, :mod:`backends.torch.kv`); ``batch_invariant``
         makes each sequence's logits independent of its batch (:mod:`backends.torch.invariant`).
         Raises
         :class:`~pipeline.errors.InvalidValueError` for a device this machine lacks (before
@@ -157,9 +158,11 @@ class TorchBackend:
         model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack,
                             batch_invariant=batch_invariant)
         if max_context is None and kv_cache_bytes is not None:
-            max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes)
+            max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes,
+                                          kv_int8)
         return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context,
-                   kv_blocks=kv_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size)
+                   kv_blocks=kv_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+                   kv_int8=kv_int8)
 
     def model_info(self) -> ModelInfo:
         """Architecture, parameter count, dtype, device and memory
@@ -419,10 +422,18 @@ class TorchBackend:
         ]
 
 
-def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int) -> int:
+def position_bytes(spec: ModelSpec, dtype: torch.dtype, kv_int8: bool = False) -> int:
+    """Bytes one position's keys and values take over all layers: ``dtype``'s, or int8 with
+    a float32 scale per head."""
+    per_head = spec.head_dim + 4 if kv_int8 else spec.head_dim * dtype.itemsize
+    return 2 * spec.num_layers * spec.num_kv_heads * per_head
+
+
+def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int,
+                    kv_int8: bool = False) -> int:
     """The longest window (a multiple of 256, at least 256, at most the model's) whose keys
     and values for ``slots`` slots fit in ``budget`` bytes."""
-    per_position = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    per_position = position_bytes(spec, dtype, kv_int8)
     fits = budget // (slots * per_position) // 256 * 256
     return max(256, min(spec.max_position_embeddings, fits))
 def _table_problems(calls: Sequence[ModelCall], block_size: int, num_blocks: int
@@ -454,15 +465,16 @@ def _table_problems(calls: Sequence[ModelCall], block_size: int, num_blocks: int
     ]
 
 
-def block_bytes(spec: ModelSpec, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def block_bytes(spec: ModelSpec, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE,
+                kv_int8: bool = False) -> int:
     """Bytes one KV block takes over all layers (keys and values)."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize * block_size
+    return position_bytes(spec, dtype, kv_int8) * block_size
 
 
 def blocks_for_bytes(spec: ModelSpec, dtype: torch.dtype, budget: int,
-                     block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+                     block_size: int = DEFAULT_BLOCK_SIZE, kv_int8: bool = False) -> int:
     """The KV blocks that ``budget`` bytes hold."""
-    return budget // block_bytes(spec, dtype, block_size)
+    return budget // block_bytes(spec, dtype, block_size, kv_int8)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -13,6 +13,13 @@ gathered: per layer, one ``index_select`` fetches the blocks of every such seque
 batch, and each reads its slice. Views and gathered slices have the same layout, so the
 logits do not depend on where the blocks lie.
 
+Keys and values are kept in the compute dtype, or in int8 (``quantized``): each written
+position's key (and value) of each head is stored as int8 with one float32 scale, its largest
+magnitude over 127 (symmetric, per token and head), and dequantized to the compute dtype when
+attention reads it. That is D + 4 bytes a head and position instead of 4·D (float32) or 2·D
+(bfloat16); what it costs in logits and greedy agreement is measured by
+``benchmarks/kv_int8.py``.
+
 Shapes: T tokens in the call, NB blocks of S positions, Hkv heads, D head_dim.
 
 Example::
@@ -52,11 +59,21 @@ class KVCache:
     :meth:`discard`, :meth:`truncate` and :meth:`reset`.
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], num_slots: int) -> None:
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], num_slots: int,
+                 scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.k = k
         self.v = v
         self._flat_k = [t.view(-1, *t.shape[2:]) for t in k]                   # [NB*S, Hkv, D]
         self._flat_v = [t.view(-1, *t.shape[2:]) for t in v]
+        self.scales = scales
+        """Per layer, the keys' and values' int8 scales ``[NB, S, Hkv]`` (None: the pools
+        hold the compute dtype itself)."""
+        self._flat_s = (None if scales is None else
+                        ([t.view(-1, t.shape[2]) for t in scales[0]],
+                         [t.view(-1, t.shape[2]) for t in scales[1]]))          # [NB*S, Hkv]
+        self.dtype = dtype or k[0].dtype
+        """The dtype attention reads keys and values in."""
         self.lengths = [0] * num_slots
         self.key_extent = [[0] * num_slots for _ in k]
         self.value_extent = [[0] * num_slots for _ in v]
@@ -65,7 +82,8 @@ class KVCache:
 
     @classmethod
     def empty(cls, spec: ModelSpec, *, num_blocks: int, block_size: int, num_slots: int,
-              dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
+              dtype: torch.dtype, device: torch.device | str = "cpu",
+              quantized: bool = False) -> KVCache:
         """A pool of ``num_blocks`` blocks of ``block_size`` positions per layer, for
         ``num_slots`` sequences.
 
@@ -77,9 +95,15 @@ class KVCache:
         reads a slot's first ``lengths`` positions only, and a gather copies whole blocks
         but reads back only those."""
         shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        keys = torch.empty(shape, dtype=dtype, device=device)
-        values = torch.empty(shape, dtype=dtype, device=device)
-        return cls(list(keys.unbind(0)), list(values.unbind(0)), num_slots)
+        stored = torch.int8 if quantized else dtype
+        keys = torch.empty(shape, dtype=stored, device=device)
+        values = torch.empty(shape, dtype=stored, device=device)
+        scales = None
+        if quantized:
+            k_s = torch.empty(shape[:-1], dtype=torch.float32, device=device)
+            v_s = torch.empty(shape[:-1], dtype=torch.float32, device=device)
+            scales = (list(k_s.unbind(0)), list(v_s.unbind(0)))
+        return cls(list(keys.unbind(0)), list(values.unbind(0)), num_slots, scales, dtype)
 
     @property
     def num_blocks(self) -> int:
@@ -99,7 +123,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Memory the keys and values of every layer's pool take."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        pools = (*self.k, *self.v, *(() if self.scales is None else
+                                     (*self.scales[0], *self.scales[1])))
+        return sum(t.numel() * t.element_size() for t in pools)
 
     def update(self, layer: int, batch: RaggedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter the new ``k``/``v [T, Hkv, D]`` of the batch's writing sequences into their
@@ -109,13 +135,24 @@ class KVCache:
         if batch.write_tokens is not None:
             k, v = k[batch.write_tokens], v[batch.write_tokens]
         if k.shape[0]:
+            if self._flat_s is not None:
+                (k, k_s), (v, v_s) = quantize(k), quantize(v)
+                self._flat_s[0][layer].index_copy_(0, batch.write_rows, k_s)
+                self._flat_s[1][layer].index_copy_(0, batch.write_rows, v_s)
             self._flat_k[layer].index_copy_(0, batch.write_rows, k)
             self._flat_v[layer].index_copy_(0, batch.write_rows, v)
         self._written.append(layer)
         self._gathered = None
         if batch.gather_blocks is not None:
-            self._gathered = (_rows_of(self.k[layer].index_select(0, batch.gather_blocks)),
-                              _rows_of(self.v[layer].index_select(0, batch.gather_blocks)))
+            blocks = batch.gather_blocks
+            keys = _rows_of(self.k[layer].index_select(0, blocks))
+            values = _rows_of(self.v[layer].index_select(0, blocks))
+            if self.scales is not None:
+                keys = dequantize(keys, self.scales[0][layer].index_select(0, blocks)
+                                  .reshape(-1, keys.shape[1]), self.dtype)
+                values = dequantize(values, self.scales[1][layer].index_select(0, blocks)
+                                    .reshape(-1, values.shape[1]), self.dtype)
+            self._gathered = (keys, values)
 
     def read(self, layer: int, batch: RaggedBatch, b: int, k: torch.Tensor,
              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,11 +160,20 @@ class KVCache:
         new ``k``/``v [n, Hkv, D]`` (already written when it writes)."""
         plan = batch.reads[b]
         if plan.length:
-            keys, values = ((self._flat_k[layer], self._flat_v[layer]) if not plan.gathered
-                            else self._staged())
             end = plan.base + plan.length
-            k = _join(keys[plan.base:end], k, plan.append)                   # [L, Hkv, D]
-            v = _join(values[plan.base:end], v, plan.append)
+            if plan.gathered:
+                keys, values = self._staged()
+                cached_k, cached_v = keys[plan.base:end], values[plan.base:end]
+            elif self._flat_s is not None:  # int8 rows, dequantized as attention reads them
+                cached_k = dequantize(self._flat_k[layer][plan.base:end],
+                                      self._flat_s[0][layer][plan.base:end], self.dtype)
+                cached_v = dequantize(self._flat_v[layer][plan.base:end],
+                                      self._flat_s[1][layer][plan.base:end], self.dtype)
+            else:
+                cached_k = self._flat_k[layer][plan.base:end]
+                cached_v = self._flat_v[layer][plan.base:end]
+            k = _join(cached_k, k, plan.append)                              # [L, Hkv, D]
+            v = _join(cached_v, v, plan.append)
         return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
     def _staged(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +209,20 @@ class KVCache:
         self.lengths[slot] = 0
         for layer in range(len(self.k)):
             self.key_extent[layer][slot] = self.value_extent[layer][slot] = 0
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [W, Hkv, D]`` as int8 and a float32 scale per row and head ``[W, Hkv]``: the
+    largest magnitude over 127, symmetric (an all-zero row gets scale 1)."""
+    scale = x.detach().abs().amax(-1).float() / 127.0                      # [W, Hkv]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [L, Hkv, D]`` int8 with ``scale [L, Hkv]`` back in ``dtype``."""
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 def _join(cached: torch.Tensor, new: torch.Tensor, append: bool) -> torch.Tensor:
