@@ -97,3 +97,22 @@ def test_a_bad_cache_dtype_is_named() -> None:
     with pytest.raises(InvalidValueError) as caught:
         BackendOptions(kv_cache_dtype="int4")
     assert caught.value.field == "kv_cache_dtype"
+
+
+def test_the_command_line_and_the_server_take_the_cache_dtype(tmp_path: object) -> None:
+    import argparse
+
+    from pipeline.cli.run import add_backend, backend_options
+    from transports.http import ServerConfig
+
+    parser = argparse.ArgumentParser()
+    add_backend(parser)
+    assert backend_options(parser.parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype \
+        == "int8"
+    assert backend_options(parser.parse_args([])).kv_cache_dtype is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])
+    served = ServerConfig(models={"default": None}, kv_cache_dtype="int8")
+    assert served.backend_options().kv_cache_dtype == "int8"
+    with pytest.raises(InvalidValueError):
+        ServerConfig(models={"default": None}, kv_cache_dtype="fp8").backend_options()

@@ -134,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
             request_deadline_s=args.request_deadline,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype, quantized=INVARIANCE[args.quantized],
+            kv_cache_dtype=args.kv_cache_dtype,
             batch_invariant=INVARIANCE[args.batch_invariant])
         config.backend_options().check_device()
     except PipelineError as exc:

@@ -114,8 +114,8 @@ INVARIANCE = {"auto": None, "on": True, "off": False}
 
 
 def add_invariance(parser: Any) -> None:
-    """``--batch-invariant auto|on|off`` and ``--quantized auto|on|off`` (shared with
-    ``pipeline serve``)."""
+    """``--batch-invariant auto|on|off``, ``--quantized auto|on|off`` and
+    ``--kv-cache-dtype int8`` (shared with ``pipeline serve``)."""
     parser.add_argument("--batch-invariant", choices=tuple(INVARIANCE), default="auto",
                         help="results independent of the batch and of prompt chunking (auto: "
                              "on for CPU; off is faster for one request decoding alone)")
@@ -123,6 +123,10 @@ def add_invariance(parser: Any) -> None:
                         help="keep a GGUF file's weights quantized in memory (auto: on for "
                              "CPU at float32; off dequantizes to the compute dtype: the "
                              "reference numerics, five times the memory)")
+    parser.add_argument("--kv-cache-dtype", choices=("int8",), default=None,
+                        help="keep the KV cache in int8 with a scale per position and head "
+                             "(about 3.8 times the context in the same memory; default: the "
+                             "compute dtype)")
 
 
 def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
@@ -133,7 +137,8 @@ def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
 
     return BackendOptions(num_slots=1, device=args.device, dtype=args.dtype,
                           quantized=INVARIANCE[args.quantized],
-                          batch_invariant=INVARIANCE[args.batch_invariant], **fields)
+                          batch_invariant=INVARIANCE[args.batch_invariant],
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", None), **fields)
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:

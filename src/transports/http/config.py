@@ -88,7 +88,8 @@ class ServerConfig:
     ``limits`` bounds what one request may ask for (:mod:`transports.http.limits`);
     ``timeouts`` how long its headers and body may take to arrive (408 and close).
     ``device`` and ``dtype`` are the models' torch device and compute dtype (None: each
-    model's own), checked as :class:`~pipeline.options.BackendOptions` checks them;
+    model's own), checked as :class:`~pipeline.options.BackendOptions` checks them (as is
+    ``kv_cache_dtype``, ``"int8"`` for an int8 KV cache);
     :meth:`backend_options` is the value the models are built with.
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
@@ -127,6 +128,7 @@ class ServerConfig:
     dtype: str | None = attrs.field(default=None, converter=dtype_name)
     batch_invariant: bool | None = None
     quantized: bool | None = None
+    kv_cache_dtype: str | None = None
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
@@ -151,10 +153,11 @@ class ServerConfig:
 
     def backend_options(self) -> BackendOptions:
         """The options every served model is built with (slots, window, device, dtype,
-        quantization, batch invariance)."""
+        quantization, batch invariance, the KV cache's dtype)."""
         return BackendOptions(num_slots=self.num_slots, max_context=self.max_context,
                               device=self.device, dtype=self.dtype, quantized=self.quantized,
-                              batch_invariant=self.batch_invariant)
+                              batch_invariant=self.batch_invariant,
+                              kv_cache_dtype=self.kv_cache_dtype)
 
     @restart_delay_s.validator
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:
