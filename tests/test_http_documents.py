@@ -218,6 +218,9 @@ def test_what_cannot_be_read_is_a_clear_400(url: str) -> None:
     with pytest.raises(openai.BadRequestError, match="not valid base64"):
         ask_openai(url, {"type": "file", "file": {"filename": "a.txt",
                                                   "file_data": "data:text/plain;base64,@@@"}})
+    with pytest.raises(openai.BadRequestError, match="after a comma"):
+        ask_openai(url, {"type": "file", "file": {"filename": "a.txt",
+                                                  "file_data": "data:text/plain;base64"}})
     with pytest.raises(anthropic.BadRequestError, match="cannot be read"):
         ask_anthropic(url, {"type": "document", "source": {
             "type": "base64", "media_type": FILES["notes.docx"][0], "data": b64(b"not a zip")}})

@@ -95,9 +95,10 @@ def media_type(name: str | None, given: str | None, path: str) -> str:
 def decode_base64(data: str, path: str) -> bytes:
     """A part's base64 data (a ``data:`` URL's payload too)."""
     if data.startswith("data:"):
-        head, _, data = data.partition(",")
-        if ";base64" not in head:
-            raise InvalidValueError(path, head, "a data URL must be base64")
+        head, comma, data = data.partition(",")
+        if ";base64" not in head or not comma:
+            raise InvalidValueError(path, head, "a data URL must be base64, its data after a "
+                                    "comma")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
