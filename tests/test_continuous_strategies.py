@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipeline import build
-from pipeline.errors import InvalidValueError, RequestFailed, UnknownFieldError
+from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
 from pipeline.trace import check, diff
 from pipeline.types import Completion, Recording

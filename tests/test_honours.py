@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+
+import attrs
 from typing import Any
 
 import pytest
@@ -82,6 +84,13 @@ def test_what_a_strategy_does_not_keep_is_refused_at_submit(pipe: Pipeline) -> N
         assert caught.value.field == field
         assert repr(pipe.engine.strategy(None).name) in str(caught.value)
         assert pipe.engine.queue_depth == 0 and pipe.engine.active_slots == 0
+        # a prepared request's copy that adds the control is refused the same way
+        prepared = pipe.prepare("hi", max_tokens=4)
+        config = pipe.request("hi", max_tokens=4, **ask).generation_config
+        with pytest.raises(InvalidValueError) as caught:
+            pipe.submit(prepared.with_request(attrs.evolve(prepared.request,
+                                                           generation_config=config)))
+        assert caught.value.field == field
 
 
 def test_the_declarations_of_the_built_in_strategies() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import anthropic

@@ -26,7 +26,6 @@ from pipeline.protocols import ToolCallReader
 from pipeline.types import Part, TextPart, TextPiece, ToolCallDelta, ToolCallEnd
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_OPEN = "<tool_call>"
 
 
 def opens_thinking(prompt: str) -> bool:
@@ -134,17 +133,33 @@ class OutputSplitter:
 
 def joined(parts: list[Part], more: Sequence[Part]) -> None:
     """Append ``more`` to ``parts``, joining a run of one kind of text and a call's argument
-    fragments (a call's first delta, with its name, stays apart)."""
+    fragments (a call's first delta, with its name, stays apart); each run is joined once,
+    so the cost is linear in the text."""
+    run: list[str] = []  # the pieces of the run parts[-1] heads, once it has a second
+
+    def flush() -> None:
+        if run:
+            last = parts[-1]
+            if isinstance(last, TextPart):
+                parts[-1] = TextPart(last.kind, "".join(run))
+            elif isinstance(last, ToolCallDelta):
+                parts[-1] = attrs.evolve(last, arguments="".join(run))
+            run.clear()
+
     for part in more:
         last = parts[-1] if parts else None
         if (isinstance(part, TextPart) and isinstance(last, TextPart)
                 and last.kind == part.kind):
-            parts[-1] = TextPart(part.kind, last.text + part.text)
+            run.extend([last.text] if not run else [])
+            run.append(part.text)
         elif (isinstance(part, ToolCallDelta) and isinstance(last, ToolCallDelta)
               and part.name is None and last.name is None and last.index == part.index):
-            parts[-1] = attrs.evolve(last, arguments=last.arguments + part.arguments)
+            run.extend([last.arguments] if not run else [])
+            run.append(part.arguments)
         else:
+            flush()
             parts.append(part)
+    flush()
 
 
 def calls_of(parts: list[Part]) -> list[ToolCallEnd]:

@@ -241,6 +241,7 @@ class Pipeline:
             if prompt.source is not self:
                 raise InvalidValueError("prompt", "(prepared)", "was prepared by another "
                                         "pipeline: prepare it with the one that submits it")
+            self._validate(prompt.request)  # a copy (with_request) may carry a new config
             prepared = prompt
         else:
             prepared = self.prepare(prompt, config, **options)

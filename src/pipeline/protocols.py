@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from types import MappingProxyType
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import (
     TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, overload, runtime_checkable,
@@ -280,6 +281,10 @@ class Stopper(Protocol[S]):
 # --- decode state, processors, selection --------------------------------------------------
 
 
+NO_STATES: Mapping[str, Any] = MappingProxyType({})
+"""The processor states of a row whose strategy keeps none (shared: a row per step each)."""
+
+
 class TokenIds(Sequence[int]):
     """A fixed, read-only view of token ids that copies nothing: the first ``n`` ids of a list
     that only grows (the engine's committed output), then ``tail`` (a verified position's
@@ -369,7 +374,7 @@ class Row:
     seed: int
     eos_token_ids: frozenset[int]
     stream: int = 0
-    states: Mapping[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
+    states: Mapping[str, Any] = attrs.field(default=NO_STATES, eq=False, repr=False)
 
     def with_states(self, states: Mapping[str, Any]) -> Row:
         """This row carrying ``states`` (built directly: it runs per row per step, where

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from pipeline.engine.handle import RequestHandle
 from pipeline.output_parts import joined
-from pipeline.types import Delta, Part
+from pipeline.types import Delta, Part, ToolCallDelta
 
 
 class InProcessTransport:
@@ -82,7 +82,7 @@ def merge(deltas: list[Delta]) -> Delta:
     return Delta(last.request_id, last.seq, "".join(d.text for d in deltas),
                  tuple(t for d in deltas for t in d.token_ids),
                  tuple(lp for d in deltas for lp in d.logprobs), last.finish_reason,
-                 tuple(c for d in deltas for c in d.tool_calls), tuple(parts))
+                 tuple(p for p in parts if isinstance(p, ToolCallDelta)), tuple(parts))
 
 
 class _Inbox:

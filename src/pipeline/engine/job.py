@@ -325,5 +325,5 @@ class Job:
             stop_reason=self.stop_reason,
             logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error,
             tool_calls=self.text.tool_reader.calls if self.text.tool_reader else (),
-            parts=tuple(self.text.parts))
+            parts=self.text.whole_parts())
 

@@ -41,8 +41,6 @@ class Recorder:
         self.tracer = tracer
         self.full = full
         """Whether the request records content (``Recording.FULL``), not only digests."""
-        self.raw_digest: str | None = None
-        """The digest of the latest raw logits z_t."""
         self.raw_digests: list[str | None] = []
         """The digests of each wanted output of the latest call."""
         self._last = last_event
@@ -91,8 +89,7 @@ class Recorder:
         else:
             payload["prompt_tokens"] = prompt_tokens
             payload["logits"] = logits
-            self.raw_digest = None if logits is None else logits.get("digest")
-            self.raw_digests = [self.raw_digest]
+            self.raw_digests = [None if logits is None else logits.get("digest")]
             self.emit("backend", "prefill.completed", payload)
 
     def configured(self, strategy: str, order: tuple[str, ...], seed: int) -> None:
@@ -127,7 +124,6 @@ class Recorder:
             payload["outputs"] = list(plan.outputs)
             payload["block_logits"] = list(logits)
         self.raw_digests = [record.get("digest") for record in logits]
-        self.raw_digest = self.raw_digests[0]
         self.emit("backend", "decode.completed", _layers(payload, layout))
 
     def rolled_back(self, step: int, positions: int,

@@ -54,7 +54,7 @@ class TextState:
         self.splitter = OutputSplitter(tools=tool_reader, thinking=spec.thinking)
         """Types the released text: thinking, answer text, and the reader's calls."""
         self.parts: list[Part] = []
-        """Every delta's parts so far, joined (:func:`~pipeline.output_parts.joined`)."""
+        """Every delta's parts so far, in order (joined once, by :meth:`whole_parts`)."""
         self.detok_state = detokenizer.start(spec.prompt.input_ids)
         context = StopContext(spec.eos_token_ids, spec.accepted_ns)
         self.stop_states = [s.start(spec.request, context) for s in self.stoppers]
@@ -65,6 +65,14 @@ class TextState:
         """The next delta's sequence number."""
         self.unsent_ids: list[int] = []
         self.unsent_logprobs: list[TokenLogprob] = []
+
+    def whole_parts(self) -> tuple[Part, ...]:
+        """The output's parts with each run of text and each call's argument fragments
+        joined (:func:`~pipeline.output_parts.joined`), once at the end: joining per delta
+        would copy the growing text again at every delta."""
+        whole: list[Part] = []
+        joined(whole, self.parts)
+        return tuple(whole)
 
     @property
     def emitted(self) -> str:
@@ -125,7 +133,7 @@ class TextState:
         delta = Delta(self.request_id, self.seq, text, tuple(self.unsent_ids),
                       tuple(self.unsent_logprobs), reason, calls, parts)
         self.seq += 1
-        joined(self.parts, parts)
+        self.parts.extend(parts)
         self.pieces.append(text)
         self.unsent_ids.clear()
         self.unsent_logprobs.clear()
