@@ -245,9 +245,10 @@ def _prefill_top(done: Any) -> dict[int, float]:
 # --- a MoE architecture: the tiny Qwen3-MoE written as GGUF ---------------------------------
 
 def _tiny_as_gguf(path: Path, qtype: Any = None,
-                  extra: dict[str, np.ndarray] | None = None) -> Path:
+                  extra: dict[str, np.ndarray] | None = None, expert_qtype: Any = None) -> Path:
     """The package's tiny Qwen3-MoE written with gguf.GGUFWriter under llama.cpp's names
-    (float32 tensors; ``qtype`` quantizes the 2-D attention matrices)."""
+    (float32 tensors; ``qtype`` quantizes the 2-D attention matrices, ``expert_qtype`` the
+    expert stacks)."""
     from backends.torch.loader import load_checkpoint
     from pipeline.model_paths import TINY_MODEL_DIR
 
@@ -270,10 +271,10 @@ def _tiny_as_gguf(path: Path, qtype: Any = None,
     writer.add_expert_feed_forward_length(s.moe.intermediate_size)
     writer.add_vocab_size(s.vocab_size)
 
-    def put(name: str, t: torch.Tensor, quantize: bool = False) -> None:
+    def put(name: str, t: torch.Tensor, quantize: bool = False, kind: Any = qtype) -> None:
         data = t.detach().float().contiguous().numpy()
-        if quantize and qtype is not None:
-            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        if quantize and kind is not None:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, data)
 
@@ -290,9 +291,9 @@ def _tiny_as_gguf(path: Path, qtype: Any = None,
         put(p + "attn_q_norm.weight", a.q_norm)
         put(p + "attn_k_norm.weight", a.k_norm)
         put(p + "ffn_gate_inp.weight", m.router)
-        put(p + "ffn_gate_exps.weight", m.gate_up[:, :inter])
-        put(p + "ffn_up_exps.weight", m.gate_up[:, inter:])
-        put(p + "ffn_down_exps.weight", m.down)
+        put(p + "ffn_gate_exps.weight", m.gate_up[:, :inter], True, expert_qtype)
+        put(p + "ffn_up_exps.weight", m.gate_up[:, inter:], True, expert_qtype)
+        put(p + "ffn_down_exps.weight", m.down, True, expert_qtype)
     for name, value in (extra or {}).items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()

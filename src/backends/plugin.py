@@ -8,7 +8,9 @@ budget ``kv_cache_bytes`` (default: ``num_slots`` windows of ``max_context``; se
 :mod:`backends.torch.backend`), and ``moe`` — the routed-experts function of MoE layers: ``"torch"``
 (default, the reference), ``"triton"`` (fused Triton kernels; on a CPU only under
 ``TRITON_INTERPRET=1``, float32/float16), or a callable with ``moe_forward``'s signature.
-``moe_configs`` adds folders of tuned Triton launch tables. The built-in backends take no
+``moe_configs`` adds folders of tuned Triton launch tables. ``expert_cache_bytes`` and
+``expert_cache_policy`` put an MoE model's routed experts under a memory cap
+(:mod:`backends.torch.experts`). The built-in backends take no
 ``extra`` options.
 """
 
@@ -39,7 +41,8 @@ def _torch(ctx: BuildContext) -> Any:
         dtype=opts.torch_dtype, device=opts.device, pack=opts.pack,
         moe=moe_function(opts.moe, opts.moe_configs), kv_blocks=opts.kv_blocks,
         kv_cache_bytes=opts.kv_cache_bytes, block_size=opts.block_size,
-        batch_invariant=opts.invariant, kv_int8=opts.kv_cache_dtype == "int8")
+        batch_invariant=opts.invariant, kv_int8=opts.kv_cache_dtype == "int8",
+        expert_cache_bytes=opts.expert_cache_bytes, expert_cache_policy=opts.expert_cache_policy)
     if opts.moe == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 

@@ -135,6 +135,15 @@ def _kv_dtype(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
                                 "dtype)")
 
 
+EXPERT_CACHE_POLICIES = ("lru", "lfu")
+"""What ``expert_cache_policy`` may name."""
+
+
+def _policy(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in EXPERT_CACHE_POLICIES:
+        raise InvalidValueError(attribute.name, value, "must be 'lru' or 'lfu'")
+
+
 @attrs.frozen(init=False)
 class BackendOptions:
     """How the model backend loads and runs a model; every field is checked when it is built.
@@ -160,6 +169,12 @@ class BackendOptions:
       position instead of 4·D in float32: about 3.8 times the context in the same memory;
       ``benchmarks/kv_int8.py`` measures the logit error and greedy agreement); None (the
       default): the compute dtype;
+    - ``expert_cache_bytes``: a memory cap for an MoE model's routed experts: at most this
+      many bytes of them stay resident (converted, on the device), the rest are read from the
+      memory-mapped weight file when routing asks for them, with identical results
+      (``benchmarks/expert_tiers.py`` measures the speed against the fraction resident);
+      None (the default): every expert loaded; ``expert_cache_policy``: whom a miss evicts,
+      ``"lfu"`` (default: the least often routed recently) or ``"lru"``;
     - ``pack``: oneDNN-packed copies of float32 CPU weights (faster, twice the memory),
       default True;
     - ``quantized``: keep a GGUF file's quantized matrices in their encoding: Q4_0/Q4_1 on
@@ -191,6 +206,9 @@ class BackendOptions:
     kv_blocks: int | None = attrs.field(validator=attrs.validators.optional(_count(1)))
     block_size: int = attrs.field(validator=_count(1, MAX_BLOCK_SIZE))
     kv_cache_dtype: str | None = attrs.field(validator=_kv_dtype)
+    expert_cache_bytes: int | None = attrs.field(
+        validator=attrs.validators.optional(_count(1)))
+    expert_cache_policy: str = attrs.field(validator=_policy)
     pack: bool = attrs.field(validator=_flag)
     quantized: bool | None = attrs.field(validator=attrs.validators.optional(_flag))
     moe: MoeChoice = attrs.field(converter=_moe, eq=False)
@@ -203,7 +221,8 @@ class BackendOptions:
                  dtype: str | torch.dtype | None = None, num_slots: int = 8,
                  max_context: int | None = None, kv_cache_bytes: int | None = None,
                  kv_blocks: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 kv_cache_dtype: str | None = None, pack: bool = True, quantized: bool | None = None, moe: MoeChoice = "torch",
+                 kv_cache_dtype: str | None = None, expert_cache_bytes: int | None = None,
+                 expert_cache_policy: str = "lfu", pack: bool = True, quantized: bool | None = None, moe: MoeChoice = "torch",
                  moe_configs: Iterable[str | Path] = (), batch_invariant: bool | None = None,
                  extra: Mapping[str, Any] | None = None, **unknown: Never) -> None:
         if unknown:
@@ -211,7 +230,8 @@ class BackendOptions:
         self.__attrs_init__(
             device=device, dtype=dtype, num_slots=num_slots, max_context=max_context,
             kv_cache_bytes=kv_cache_bytes, kv_blocks=kv_blocks, block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype, pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs,
+            kv_cache_dtype=kv_cache_dtype, expert_cache_bytes=expert_cache_bytes,
+            expert_cache_policy=expert_cache_policy, pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs,
             batch_invariant=batch_invariant, extra=extra)
 
     @classmethod

@@ -78,12 +78,23 @@ def gguf_backend(ctx: BuildContext) -> Any:
     f, opts = opened(ctx), ctx.options
     refuse_extra(opts, "gguf")
     spec = ModelSpec.from_hf_config(hf_config(f))
-    loaded = load_weights(f, spec, dtype=opts.torch_dtype or torch.float32, device=opts.device,
-                          quantized=opts.keeps_quantized)
+    dtype = opts.torch_dtype or torch.float32
+    tiered = opts.expert_cache_bytes is not None
+    loaded = load_weights(f, spec, dtype=dtype, device=opts.device,
+                          quantized=opts.keeps_quantized, mapped_experts=tiered)
+    experts = None
+    if opts.expert_cache_bytes is not None:
+        from backends.gguf.load import GGUFExperts
+        from backends.torch.experts import ExpertCache
+
+        experts = ExpertCache(GGUFExperts(f, spec), spec, cap_bytes=opts.expert_cache_bytes,
+                              policy=opts.expert_cache_policy, dtype=dtype,
+                              device=loaded.weights.norm.device, pack=opts.pack)
     model = Transformer(spec, loaded.weights, moe=moe_function(opts.moe, opts.moe_configs),
                         pack=opts.pack, own_products=loaded.products,
-                        batch_invariant=opts.invariant)
-    f.drop_resident_pages()  # the weights are copies now
+                        batch_invariant=opts.invariant, experts=experts)
+    if experts is None:
+        f.drop_resident_pages()  # the weights are copies now (tiers still read the file)
     release_free_memory()    # and the load's scratch is free: hand its pages back
     budget = KV_CACHE_BYTES if opts.kv_cache_bytes is None else opts.kv_cache_bytes
     int8 = opts.kv_cache_dtype == "int8"

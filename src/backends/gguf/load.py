@@ -110,6 +110,7 @@ class _Loader:
         self.f, self.spec, self.dtype, self.device = f, spec, dtype, device
         self.quantized = quantized
         self.taken: set[str] = set()
+        self.mapped_experts = False
         self.products: list[Product] = []
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -242,10 +243,14 @@ class _Loader:
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", quantized: bool = False) -> Loaded:
+                 device: torch.device | str = "cpu", quantized: bool = False,
+                 mapped_experts: bool = False) -> Loaded:
     """Every weight of ``spec`` from ``f``; a missing, misshapen or unused tensor is an
-    :class:`ArtifactError` naming the file and the tensor."""
+    :class:`ArtifactError` naming the file and the tensor. ``mapped_experts``: the routed
+    experts' stacks are ``meta`` placeholders and their tensors only checked (expert tiers
+    read them per expert: :class:`GGUFExperts`)."""
     load = _Loader(f, spec, dtype, device, quantized)
+    load.mapped_experts = mapped_experts
     embed = load.table("token_embd.weight", spec.vocab_size, spec.hidden_size)
     layers = tuple(_layer(load, i) for i in range(spec.num_layers))
     norm = load.get("output_norm.weight", spec.hidden_size)
@@ -321,11 +326,43 @@ def _moe(load: _Loader, p: str) -> MoeWeights:
     s, moe = load.spec, load.spec.moe
     assert moe is not None
     e, h, inter = moe.num_experts, s.hidden_size, moe.intermediate_size
-    gate = load.get(p + "ffn_gate_exps.weight", e, inter, h)
-    up = load.get(p + "ffn_up_exps.weight", e, inter, h)
+    if load.mapped_experts:  # tiers: read per expert when routed to
+        load.tensor(p + "ffn_gate_exps.weight", e, inter, h)
+        load.tensor(p + "ffn_up_exps.weight", e, inter, h)
+        load.tensor(p + "ffn_down_exps.weight", e, h, inter)
+        gate_up = torch.empty(e, 2 * inter, h, dtype=load.dtype, device="meta")
+        down = torch.empty(e, h, inter, dtype=load.dtype, device="meta")
+    else:
+        gate_up = torch.cat([load.get(p + "ffn_gate_exps.weight", e, inter, h),
+                             load.get(p + "ffn_up_exps.weight", e, inter, h)], dim=1)
+        down = load.get(p + "ffn_down_exps.weight", e, h, inter)
     shared = shared_gate = None
     if moe.shared_intermediate_size:
         shared = _mlp(load, p, "_shexp", moe.shared_intermediate_size)
         shared_gate = load.get(p + "ffn_gate_inp_shexp.weight", h).reshape(1, h)
-    return MoeWeights(load.get(p + "ffn_gate_inp.weight", e, h), torch.cat([gate, up], dim=1),
-                      load.get(p + "ffn_down_exps.weight", e, h, inter), shared, shared_gate)
+    return MoeWeights(load.get(p + "ffn_gate_inp.weight", e, h), gate_up, down, shared,
+                      shared_gate)
+
+
+class GGUFExperts:
+    """The routed experts of a GGUF file, each read from the mapped ``ffn_*_exps`` stacks and
+    dequantized alone (an expert's rows are whole blocks of the stack's bytes), to the values
+    the full load gives (:class:`~backends.torch.experts.ExpertSource`)."""
+
+    def __init__(self, f: GGUFFile, spec: ModelSpec) -> None:
+        self.f, self.spec = f, spec
+
+    def read(self, layer: int, expert: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.spec.moe
+        assert moe is not None
+        h, inter = self.spec.hidden_size, moe.intermediate_size
+        p = f"blk.{layer}."
+
+        def one(name: str, rows: int, cols: int) -> torch.Tensor:
+            t = self.f.tensors[p + name]
+            return dequantize(t.data[expert], t.tensor_type, (rows, cols), dtype)
+
+        gate_up = torch.cat([one("ffn_gate_exps.weight", inter, h),
+                             one("ffn_up_exps.weight", inter, h)])
+        return gate_up, one("ffn_down_exps.weight", h, inter)

@@ -52,6 +52,7 @@ import torch
 
 from backends.torch.conditioning import Piece, call_inputs, embedding_space
 from backends.torch.config import ModelSpec
+from backends.torch.experts import ExpertCache, SafetensorsExperts
 from backends.torch.loader import load_checkpoint
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.model import MoeFunction, Transformer
@@ -135,7 +136,9 @@ class TorchBackend:
                  moe: MoeFunction = moe_forward, pack: bool = True,
                  kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE,
-                 batch_invariant: bool = False, kv_int8: bool = False) -> TorchBackend:
+                 batch_invariant: bool = False, kv_int8: bool = False,
+                 expert_cache_bytes: int | None = None,
+                 expert_cache_policy: str = "lfu") -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the default pool
@@ -146,7 +149,10 @@ class TorchBackend:
         (:mod:`backends.torch.packed`; twice the weight memory); ``kv_blocks`` (or the byte
         budget ``kv_cache_bytes``) and ``block_size`` size the KV pool (``kv_int8``: keys and
         values kept in int8, :mod:`backends.torch.kv`); ``batch_invariant``
-        makes each sequence's logits independent of its batch (:mod:`backends.torch.invariant`).
+        makes each sequence's logits independent of its batch (:mod:`backends.torch.invariant`);
+        ``expert_cache_bytes`` caps the memory of an MoE model's routed experts, the rest read
+        from the mapped weight files as routing asks for them and kept by
+        ``expert_cache_policy`` (``"lru"`` or ``"lfu"``; :mod:`backends.torch.experts`).
         Raises
         :class:`~pipeline.errors.InvalidValueError` for a device this machine lacks (before
         reading anything) and :class:`~pipeline.errors.ArtifactError` for an unusable folder.
@@ -154,9 +160,16 @@ class TorchBackend:
         check_device(device)
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
-        ckpt = load_checkpoint(Path(path), dtype=dtype, device=device)
+        tiered = expert_cache_bytes is not None
+        ckpt = load_checkpoint(Path(path), dtype=dtype, device=device, mapped_experts=tiered)
+        experts = None
+        if expert_cache_bytes is not None:
+            experts = ExpertCache(SafetensorsExperts(Path(path), ckpt.experts), ckpt.spec,
+                                  cap_bytes=expert_cache_bytes, policy=expert_cache_policy,
+                                  dtype=ckpt.weights.norm.dtype,
+                                  device=ckpt.weights.norm.device, pack=pack)
         model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack,
-                            batch_invariant=batch_invariant)
+                            batch_invariant=batch_invariant, experts=experts)
         if max_context is None and kv_cache_bytes is not None:
             max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes,
                                           kv_int8)
@@ -170,6 +183,8 @@ class TorchBackend:
         placeholder here) counts its parameters and its encoded bytes."""
         weights = list(tensors(self.model.weights))
         held = sum(t.numel() * t.element_size() for t in weights if not t.is_meta)
+        if self.model.experts is not None:  # tiered experts: what is resident now
+            held += self.model.experts.stats.resident_bytes
         linears = self.model.linears
         return ModelInfo(
             architecture=self.model.spec.architecture,

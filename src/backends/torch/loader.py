@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 
 from backends.torch.config import ModelSpec
+from backends.torch.experts import ExpertNames
 from backends.torch.weights import (
     AttentionWeights, ConditioningWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
@@ -54,6 +55,8 @@ class Checkpoint:
     spec: ModelSpec
     weights: ModelWeights = attrs.field(eq=False)
     snapshot: str
+    experts: dict[int, ExpertNames] = attrs.field(factory=dict, eq=False)
+    """Where each MoE layer (by layer index) stores its routed experts."""
 
 
 @attrs.frozen
@@ -171,6 +174,21 @@ class _Reader:
             self.progress.advance(self.nbytes(name))
         return tensor
 
+    def check(self, names: list[str], stacks: dict[str, tuple[int, ...]],
+              *matrices: tuple[int, ...]) -> None:
+        """Mark ``names`` used without reading them, after checking each exists with its
+        shape: a fused stack's from ``stacks``, a per-expert matrix's one of ``matrices``
+        (gate and up, then down: ``names`` come in gate, up, down triples)."""
+        for k, name in enumerate(names):
+            info = self.index.get(name)
+            if info is None:
+                raise ArtifactError(f"{self.folder}: tensor {name!r} is missing")
+            want = stacks.get(name, matrices[0] if k % 3 < 2 else matrices[1])
+            if info.shape != want:
+                raise ArtifactError(f"{info.file}: tensor {name!r} has shape "
+                                    f"{list(info.shape)}, expected {list(want)}")
+            self.used.add(name)
+
     def nbytes(self, name: str) -> int:
         """Stored size of tensor ``name`` in bytes."""
         info = self.index[name]
@@ -186,11 +204,14 @@ class _Reader:
 
 def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu",
-                    progress: TextIO | bool | None = None) -> Checkpoint:
+                    progress: TextIO | bool | None = None,
+                    mapped_experts: bool = False) -> Checkpoint:
     """Spec, weights (cast to ``dtype``, default the config's, on ``device``) and snapshot.
 
     ``progress``: a stream to draw the loading bar on, ``False`` for none, ``None`` (default)
-    for standard error when it is a terminal.
+    for standard error when it is a terminal. ``mapped_experts``: the routed experts' stacks
+    are ``meta`` placeholders and their tensors are only checked, not read (expert tiers read
+    them per expert, :mod:`backends.torch.experts`; ``Checkpoint.experts`` names them).
     """
     config = read_config(folder)
     spec = ModelSpec.from_hf_config(config)
@@ -201,7 +222,9 @@ def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
         if stream is not None:
             reader.progress = ProgressBar(stream, sum(reader.nbytes(n) for n in reader.index))
             stack.callback(reader.progress.close)
-        weights = _Builder(spec, reader, target, device).model()
+        builder = _Builder(spec, reader, target, device, mapped_experts)
+        weights = builder.model()
+        names = {i: builder.expert_names(i) for i in spec.moe_layers}
         if reader.progress is not None:  # tensors the model skips (a tied head) count as read
             reader.progress.advance(reader.progress.total)
         extra = reader.unused()
@@ -212,7 +235,7 @@ def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
             raise ArtifactError(f"{folder}: {len(extra)} tensor(s) the config does not account "
                                 f"for: {shown}")
         index = sorted([n, list(i.shape), i.dtype] for n, i in reader.index.items())
-    return Checkpoint(spec, weights, digest_json({"config": config, "weights": index}))
+    return Checkpoint(spec, weights, digest_json({"config": config, "weights": index}), names)
 
 
 def _progress_stream(progress: TextIO | bool | None) -> TextIO | None:
@@ -227,7 +250,8 @@ class _Builder:
     """Turns checkpoint tensors into :mod:`~backends.torch.weights` containers."""
 
     def __init__(self, spec: ModelSpec, reader: _Reader, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, mapped_experts: bool = False) -> None:
+        self.mapped_experts = mapped_experts
         self.s = spec
         self.r = reader
         self.dtype = dtype
@@ -262,7 +286,7 @@ class _Builder:
 
     def layer(self, i: int) -> LayerWeights:
         p, h = f"model.layers.{i}", self.s.hidden_size
-        mlp = self.moe(p) if i in self.s.moe_layers else self.mlp(
+        mlp = self.moe(i) if i in self.s.moe_layers else self.mlp(
             f"{p}.mlp", self.s.intermediate_size, self.s.mlp_bias)
         return LayerWeights(self.get(f"{p}.input_layernorm.weight", h), self.attention(p),
                             self.get(f"{p}.post_attention_layernorm.weight", h), mlp)
@@ -291,24 +315,38 @@ class _Builder:
         return MlpWeights(gate_up, self.get(f"{p}.down_proj.weight", h, inter), gate_up_bias,
                           self.maybe(bias, f"{p}.down_proj.bias", h))
 
-    def moe(self, layer: str) -> MoeWeights:
-        moe, h = self.s.moe, self.s.hidden_size
-        assert moe is not None  # moe_layers is non-empty only with a MoeSpec
+    def expert_names(self, i: int) -> ExpertNames:
+        """Where MoE layer ``i`` stores its routed experts."""
+        layer = f"model.layers.{i}"
         mixtral = self.s.architecture == "MixtralForCausalLM"
         p = f"{layer}.mlp"
         if mixtral and self.r.has(f"{layer}.block_sparse_moe.gate.weight"):
             p = f"{layer}.block_sparse_moe"
-        e, inter = moe.num_experts, moe.intermediate_size
         if self.r.has(f"{p}.experts.gate_up_proj"):
-            gate_up = self.get(f"{p}.experts.gate_up_proj", e, 2 * inter, h)
-            down = self.get(f"{p}.experts.down_proj", e, h, inter)
+            return ExpertNames(p, fused=True)
+        if mixtral:
+            return ExpertNames(p, fused=False, gate="w1", up="w3", down="w2")
+        return ExpertNames(p, fused=False)
+
+    def moe(self, i: int) -> MoeWeights:
+        moe, h = self.s.moe, self.s.hidden_size
+        assert moe is not None  # moe_layers is non-empty only with a MoeSpec
+        names = self.expert_names(i)
+        p = names.prefix
+        e, inter = moe.num_experts, moe.intermediate_size
+        if self.mapped_experts:  # tiers: the matrices stay in the file until routed to
+            self.r.check(names.all(e), {names.gate_up_stack: (e, 2 * inter, h),
+                                        names.down_stack: (e, h, inter)}, (inter, h), (h, inter))
+            gate_up = torch.empty(e, 2 * inter, h, dtype=self.dtype, device="meta")
+            down = torch.empty(e, h, inter, dtype=self.dtype, device="meta")
+        elif names.fused:
+            gate_up = self.get(names.gate_up_stack, e, 2 * inter, h)
+            down = self.get(names.down_stack, e, h, inter)
         else:
-            g, u, d = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
             gate_up = torch.stack([torch.cat([
-                self.get(f"{p}.experts.{j}.{g}.weight", inter, h),
-                self.get(f"{p}.experts.{j}.{u}.weight", inter, h)]) for j in range(e)])
-            down = torch.stack([self.get(f"{p}.experts.{j}.{d}.weight", h, inter)
-                                for j in range(e)])
+                self.get(names.expert(j)[0], inter, h),
+                self.get(names.expert(j)[1], inter, h)]) for j in range(e)])
+            down = torch.stack([self.get(names.expert(j)[2], h, inter) for j in range(e)])
         shared, shared_gate = None, None
         if moe.shared_intermediate_size:
             shared = self.mlp(f"{p}.shared_expert", moe.shared_intermediate_size, False)

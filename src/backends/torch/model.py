@@ -40,14 +40,16 @@ import torch
 import torch.nn.functional as F
 
 from backends.torch.config import ModelSpec
+from backends.torch.experts import DOWN, GATE_UP, ExpertCache
 from backends.torch.invariant import RowTiles, grid_attention, sdpa
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.moe import RoutingSpec, moe_forward
-from backends.torch.packed import DenseFn, LinearFn, Linears, PromptRows
+from backends.torch.packed import DenseFn, ExpertFetch, LinearFn, Linears, PromptRows
 from backends.torch.rope import apply_rope, rope_cos_sin, rope_frequencies
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
+from pipeline.errors import InvalidValueError
 
 
 OwnProduct = tuple[torch.Tensor, LinearFn, int, bool, "DenseFn | None"]
@@ -98,7 +100,8 @@ class Transformer:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, *,
                  moe: MoeFunction = moe_forward, pack: bool = True,
                  own_products: Sequence[OwnProduct] = (),
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False,
+                 experts: ExpertCache | None = None) -> None:
         self.spec = spec
         self.weights = weights
         self.batch_invariant = batch_invariant
@@ -108,7 +111,19 @@ class Transformer:
         for placeholder, multiply, nbytes, row_wise, dense in own_products:
             self.linears.register(placeholder, multiply, nbytes, row_wise=row_wise, dense=dense)
         self.linears.invariant = batch_invariant
-        self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant)
+        self.experts = experts
+        if experts is not None:
+            if not default_moe:
+                raise InvalidValueError("expert_cache_bytes", experts.cap_bytes,
+                                        "expert tiers run on the torch experts path "
+                                        "(moe='torch'); a fused kernel needs every expert "
+                                        "resident")
+            for i, layer in enumerate(weights.layers):
+                if isinstance(layer.mlp, MoeWeights):
+                    self.linears.register_experts(layer.mlp.gate_up, _fetch(experts, i, GATE_UP))
+                    self.linears.register_experts(layer.mlp.down, _fetch(experts, i, DOWN))
+        self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant
+                                                         or self.linears.tiered)
                     else moe)
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         if weights.rope_factors is not None:  # llama.cpp's per-frequency divisors
@@ -213,6 +228,12 @@ class Transformer:
         """:func:`moe_forward` with this model's packed expert weights."""
         return moe_forward(hidden, router_logits, w_gate_up, w_down, top_k=top_k,
                            routing=routing, linear=self.linears.expert)
+
+
+def _fetch(cache: ExpertCache, layer: int, which: int) -> ExpertFetch:
+    def fetch(e: int) -> tuple[torch.Tensor, bool]:
+        return cache.matrix(layer, e, which)
+    return fetch
 
 
 def _row_plans(batch: RaggedBatch, device: torch.device) -> tuple[RowTiles, RowTiles]:

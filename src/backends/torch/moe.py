@@ -115,7 +115,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # _grouped_mm (torch >= 2.8) takes bfloat16 on CUDA (sm90+) and needs 16-byte aligned
     # row strides.
-    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or x.shape[0] == 0:
+    if (not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or x.shape[0] == 0
+            or weight.device != x.device):  # a meta placeholder: tiered experts
         return False
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
@@ -136,12 +137,31 @@ def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.T
         return _one_token(hidden, weights, experts, w_gate_up, w_down, linear)
     order, token_of, counts = group_by_expert(experts, num_experts)
     x = hidden[token_of]                                              # [T*K, H]
-    gate_up = grouped_linear(x, w_gate_up, counts, linear)            # [T*K, 2I]
-    act = F.silu(gate_up[:, :two_i // 2]) * gate_up[:, two_i // 2:]   # [T*K, I]
-    y = grouped_linear(act, w_down, counts, linear) * weights.reshape(-1, 1)[order]  # [T*K, H]
+    if _grouped_mm_usable(x, w_gate_up):
+        gate_up = grouped_linear(x, w_gate_up, counts, linear)        # [T*K, 2I]
+        act = F.silu(gate_up[:, :two_i // 2]) * gate_up[:, two_i // 2:]   # [T*K, I]
+        y = grouped_linear(act, w_down, counts, linear)               # [T*K, H]
+    else:  # expert by expert, both matrices at once (an expert cache holds one at a time)
+        y = _per_expert(x, counts, w_gate_up, w_down, linear)         # [T*K, H]
+    y = y * weights.reshape(-1, 1)[order]                             # [T*K, H]
     unsorted = torch.empty_like(y)
     unsorted[order] = y                                               # [T*K, H] token-major
     return unsorted.view(*experts.shape, -1).sum(dim=1).to(hidden.dtype)   # [T, H]
+
+
+def _per_expert(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, linear: ExpertLinear) -> torch.Tensor:
+    """SwiGLU of rows ``x [N, H]`` sorted by expert, one expert after the other: ``[N, H]``.
+    Each expert's rows see the same products as :func:`grouped_linear`'s loop gives them."""
+    half = w_gate_up.shape[1] // 2
+    parts = []
+    at = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate_up = linear(x[at:at + n], w_gate_up, e)              # [n, 2I]
+            parts.append(linear(F.silu(gate_up[:, :half]) * gate_up[:, half:], w_down, e))
+            at += n
+    return torch.cat(parts) if parts else x.new_empty((0, w_down.shape[1]))
 
 
 def _one_token(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

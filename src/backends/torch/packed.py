@@ -40,6 +40,9 @@ the weight quantized and dequantizes it chunk by chunk)."""
 DenseFn = Callable[[], torch.Tensor]
 """``fn() -> [out, in]``: a kept-quantized weight decoded whole, in the dtype its dense
 products run in, for the rows of prompt chunks (:class:`PromptRows`)."""
+ExpertFetch = Callable[[int], "tuple[torch.Tensor, bool]"]
+"""``fetch(e) -> (matrix, packed)``: expert ``e``'s matrix of a tiered stack, and whether it
+is a oneDNN-packed copy (:class:`~backends.torch.experts.ExpertCache`)."""
 
 
 class PromptRows:
@@ -89,6 +92,7 @@ class Linears:
         self._own: dict[int, LinearFn] = {}
         self._row_wise: set[int] = set()
         self._dense: dict[int, DenseFn] = {}
+        self._tiers: dict[int, ExpertFetch] = {}
         self.prompt_rows: PromptRows | None = None
         """The kinds of the token rows of the forward being run (set by the model)."""
         self.own_bytes = 0
@@ -116,6 +120,16 @@ class Linears:
             self._row_wise.add(id(weight))
         if dense is not None:
             self._dense[id(weight)] = dense
+
+    def register_experts(self, stack: torch.Tensor, fetch: ExpertFetch) -> None:
+        """Take the matrices of the expert stack ``stack`` (a ``meta`` placeholder) from
+        ``fetch(e)`` (an expert cache, :mod:`backends.torch.experts`)."""
+        self._tiers[id(stack)] = fetch
+
+    @property
+    def tiered(self) -> bool:
+        """Whether some expert stack is fetched from an expert cache."""
+        return bool(self._tiers)
 
     @classmethod
     def plain(cls) -> Linears:
@@ -207,6 +221,14 @@ class Linears:
         return self._expert(x, stack, e)
 
     def _expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
+        fetch = self._tiers.get(id(stack))
+        if fetch is not None:
+            matrix, is_packed = fetch(e)
+            if not is_packed:
+                return F.linear(x, matrix)
+            tiered: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, None, "none",
+                                                                       [], "")
+            return tiered
         packed = self._packed.get((id(stack), e))
         if packed is None:
             return F.linear(x, stack[e])

@@ -134,7 +134,8 @@ def _serve(args: argparse.Namespace) -> int:
             request_deadline_s=args.request_deadline,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype, quantized=INVARIANCE[args.quantized],
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, expert_cache_bytes=args.expert_cache,
+            expert_cache_policy=args.expert_cache_policy,
             batch_invariant=INVARIANCE[args.batch_invariant])
         config.backend_options().check_device()
     except PipelineError as exc:

@@ -114,8 +114,9 @@ INVARIANCE = {"auto": None, "on": True, "off": False}
 
 
 def add_invariance(parser: Any) -> None:
-    """``--batch-invariant auto|on|off``, ``--quantized auto|on|off`` and
-    ``--kv-cache-dtype int8`` (shared with ``pipeline serve``)."""
+    """``--batch-invariant auto|on|off``, ``--quantized auto|on|off``,
+    ``--kv-cache-dtype int8`` and ``--expert-cache SIZE`` with ``--expert-cache-policy``
+    (shared with ``pipeline serve``)."""
     parser.add_argument("--batch-invariant", choices=tuple(INVARIANCE), default="auto",
                         help="results independent of the batch and of prompt chunking (auto: "
                              "on for CPU; off is faster for one request decoding alone)")
@@ -127,6 +128,30 @@ def add_invariance(parser: Any) -> None:
                         help="keep the KV cache in int8 with a scale per position and head "
                              "(about 3.8 times the context in the same memory; default: the "
                              "compute dtype)")
+    parser.add_argument("--expert-cache", type=byte_size, default=None, metavar="SIZE",
+                        help="memory cap for an MoE model's routed experts, e.g. 2GiB or "
+                             "512MiB: the rest are read from the weight file when routed to "
+                             "(same output, slower; default: every expert in memory)")
+    parser.add_argument("--expert-cache-policy", choices=("lfu", "lru"), default="lfu",
+                        help="which resident expert a miss evicts: the least often (lfu, "
+                             "default) or least recently (lru) routed")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def byte_size(text: str) -> int:
+    """``"512MiB"``, ``"2GB"``, ``"1048576"`` → bytes (an argparse type: a bad size is a usage
+    error naming it)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = _UNITS.get(match.group(2).upper()) if match else None
+    if match is None or unit is None or float(match.group(1)) * unit < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512MiB, 2GiB, 4GB or "
+                                         "a number of bytes)")
+    return int(float(match.group(1)) * unit)
 
 
 def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
@@ -138,7 +163,10 @@ def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
     return BackendOptions(num_slots=1, device=args.device, dtype=args.dtype,
                           quantized=INVARIANCE[args.quantized],
                           batch_invariant=INVARIANCE[args.batch_invariant],
-                          kv_cache_dtype=getattr(args, "kv_cache_dtype", None), **fields)
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+                          expert_cache_bytes=getattr(args, "expert_cache", None),
+                          expert_cache_policy=getattr(args, "expert_cache_policy", "lfu"),
+                          **fields)
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:

@@ -89,7 +89,8 @@ class ServerConfig:
     ``timeouts`` how long its headers and body may take to arrive (408 and close).
     ``device`` and ``dtype`` are the models' torch device and compute dtype (None: each
     model's own), checked as :class:`~pipeline.options.BackendOptions` checks them (as is
-    ``kv_cache_dtype``, ``"int8"`` for an int8 KV cache);
+    ``kv_cache_dtype``, ``"int8"`` for an int8 KV cache, and ``expert_cache_bytes`` with
+    ``expert_cache_policy``, a memory cap for MoE models' routed experts);
     :meth:`backend_options` is the value the models are built with.
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
@@ -129,6 +130,8 @@ class ServerConfig:
     batch_invariant: bool | None = None
     quantized: bool | None = None
     kv_cache_dtype: str | None = None
+    expert_cache_bytes: int | None = None
+    expert_cache_policy: str = "lfu"
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
@@ -153,11 +156,13 @@ class ServerConfig:
 
     def backend_options(self) -> BackendOptions:
         """The options every served model is built with (slots, window, device, dtype,
-        quantization, batch invariance, the KV cache's dtype)."""
+        quantization, batch invariance, the KV cache's dtype, the expert cap)."""
         return BackendOptions(num_slots=self.num_slots, max_context=self.max_context,
                               device=self.device, dtype=self.dtype, quantized=self.quantized,
                               batch_invariant=self.batch_invariant,
-                              kv_cache_dtype=self.kv_cache_dtype)
+                              kv_cache_dtype=self.kv_cache_dtype,
+                              expert_cache_bytes=self.expert_cache_bytes,
+                              expert_cache_policy=self.expert_cache_policy)
 
     @restart_delay_s.validator
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:

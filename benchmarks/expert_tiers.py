@@ -1,0 +1,181 @@
+"""Benchmark: an MoE model's decode speed against the fraction of its experts kept resident.
+
+``BackendOptions(expert_cache_bytes=...)`` caps the memory of the routed experts; the rest are
+read from the memory-mapped weight file when routing asks for them (:mod:`backends.torch.experts`).
+For each model, one greedy decode per setting of the same prompts:
+
+- **full**: every expert loaded (the ordinary model; the oracle for the tokens);
+- **100 %**, **50 %**, **25 %**: a cap of that fraction of the experts' bytes, with the
+  ``lfu`` and the ``lru`` policy.
+
+Per setting: decode tokens per second, the cache's hit rate (routed lookups that found the
+expert resident), bytes read from the file per token, resident expert bytes, and whether the
+greedy tokens equal the full model's (they must: the cap changes speed, not results).
+
+Models: ``tiny`` is the package's trained 4-layer, 8-expert Qwen3-MoE (its routing is skewed,
+as trained routers are); ``random`` is a random Qwen3-MoE written to a temporary folder
+(``--random-layers`` layers of ``--random-experts`` experts, hidden 512, expert width 768,
+top-4: about 0.9 GB of float32 experts), whose routing is close to uniform, the hard case for
+any cache. The file's pages stay in the operating system's page cache between misses here
+(the machine has the memory), so a miss costs a copy, a conversion and (float32 on a CPU) a
+oneDNN repack, not a disk read: on a machine where the file does not fit in memory, misses
+cost more.
+
+Prints a table, writes ``benchmarks/results/expert_tiers.json`` (``--out``).
+
+Run: ``.venv/bin/python benchmarks/expert_tiers.py [--tokens 48]``; ``--smoke``: the tiny
+model only, 4 tokens: it checks the script, its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.torch.backend import TorchBackend
+from pipeline.model_paths import TINY_MODEL_DIR
+from pipeline.protocols import PrefillChunk
+
+PROMPT = [1, 872, 198, 3219, 47, 9, 2025, 17, 5, 6, 44, 45]
+
+
+def random_moe(folder: Path, layers: int, experts: int) -> Path:
+    """A random Qwen3-MoE checkpoint (float32 safetensors, one tensor per expert matrix)."""
+    from safetensors.torch import save_file
+
+    h, inter, vocab, heads, kv, d = 512, 768, 8192, 8, 4, 64
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+              "hidden_size": h, "intermediate_size": 2048, "moe_intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "head_dim": d, "num_experts": experts,
+              "num_experts_per_tok": 4, "norm_topk_prob": True, "vocab_size": vocab,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": True, "dtype": "float32", "decoder_sparse_step": 1,
+              "mlp_only_layers": [], "hidden_act": "silu"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(vocab, h, scale=1.0),
+                                  "model.norm.weight": torch.ones(h)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t |= {f"{p}.input_layernorm.weight": torch.ones(h),
+              f"{p}.post_attention_layernorm.weight": torch.ones(h),
+              f"{p}.self_attn.q_proj.weight": w(heads * d, h),
+              f"{p}.self_attn.k_proj.weight": w(kv * d, h),
+              f"{p}.self_attn.v_proj.weight": w(kv * d, h),
+              f"{p}.self_attn.o_proj.weight": w(h, heads * d),
+              f"{p}.self_attn.q_norm.weight": torch.ones(d),
+              f"{p}.self_attn.k_norm.weight": torch.ones(d),
+              f"{p}.mlp.gate.weight": w(experts, h, scale=0.5)}
+        for e in range(experts):
+            q = f"{p}.mlp.experts.{e}"
+            t |= {f"{q}.gate_proj.weight": w(inter, h), f"{q}.up_proj.weight": w(inter, h),
+                  f"{q}.down_proj.weight": w(h, inter)}
+    save_file(t, str(folder / "model.safetensors"))
+    return folder
+
+
+def decode(backend: TorchBackend, tokens: int) -> tuple[list[int], float]:
+    """Greedy tokens after :data:`PROMPT` and the decode's tokens per second."""
+    slot = backend.allocate()
+    z = backend.prefill([PrefillChunk(slot, tuple(PROMPT), 0, True)])[0]
+    out = [int(z.argmax())]
+    start = time.perf_counter()
+    for _ in range(tokens - 1):
+        out.append(int(backend.decode([slot], [out[-1]])[0].argmax()))
+    elapsed = time.perf_counter() - start
+    backend.release(slot)
+    return out, (tokens - 1) / elapsed
+
+
+def measure(name: str, folder: Path, tokens: int, fractions: list[float],
+            repeats: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    full = TorchBackend.from_dir(folder, num_slots=1, max_context=512, dtype="float32")
+    want, _ = decode(full, tokens)                       # warm-up, and the oracle's tokens
+    speed = max(decode(full, tokens)[1] for _ in range(repeats))
+    spec, moe = full.model.spec, full.model.spec.moe
+    assert moe is not None
+    experts = len(spec.moe_layers) * moe.num_experts * 3 * moe.intermediate_size * spec.hidden_size
+    rows.append({"model": name, "setting": "full", "policy": "-", "tok_s": speed,
+                 "hit_rate": 1.0, "read_per_token": 0, "resident_bytes": experts * 4,
+                 "same_tokens": True})
+    del full
+    for fraction in fractions:
+        for policy in ("lfu", "lru"):
+            probe = TorchBackend.from_dir(folder, num_slots=1, max_context=512,
+                                          dtype="float32", expert_cache_bytes=1 << 40)
+            assert probe.model.experts is not None
+            cap = int(probe.model.experts.total_bytes * fraction)
+            del probe
+            backend = TorchBackend.from_dir(folder, num_slots=1, max_context=512,
+                                            dtype="float32", expert_cache_bytes=cap,
+                                            expert_cache_policy=policy)
+            cache = backend.model.experts
+            assert cache is not None
+            got, _ = decode(backend, tokens)             # warm-up: fills the cache
+            before = (cache.stats.hits, cache.stats.misses, cache.stats.read_bytes)
+            runs = [decode(backend, tokens) for _ in range(repeats)]
+            hits = cache.stats.hits - before[0]
+            misses = cache.stats.misses - before[1]
+            rows.append({
+                "model": name, "setting": f"{fraction:.0%}", "policy": policy,
+                "tok_s": max(r[1] for r in runs), "hit_rate": hits / max(1, hits + misses),
+                "read_per_token": (cache.stats.read_bytes - before[2]) / (repeats * tokens),
+                "resident_bytes": cache.stats.resident_bytes,
+                "same_tokens": got == want and all(r[0] == want for r in runs)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--random-layers", type=int, default=6)
+    parser.add_argument("--random-experts", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "expert_tiers.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    fractions = [1.0, 0.5, 0.25]
+    with open("/proc/loadavg") as fh:
+        load_before = fh.read().split()[:3]
+    rows = measure("tiny", TINY_MODEL_DIR, 4 if args.smoke else args.tokens, fractions,
+                   1 if args.smoke else args.repeats)
+    if not args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = random_moe(Path(tmp) / "random", args.random_layers, args.random_experts)
+            rows += measure("random", folder, args.tokens, fractions, args.repeats)
+    with open("/proc/loadavg") as fh:
+        load_after = fh.read().split()[:3]
+    print(f"{'model':7} {'setting':8} {'policy':6} {'tok/s':>8} {'hit rate':>9} "
+          f"{'read/token':>12} {'resident':>12} same")
+    for r in rows:
+        print(f"{r['model']:7} {r['setting']:8} {r['policy']:6} {r['tok_s']:8.1f} "
+              f"{r['hit_rate']:9.1%} {r['read_per_token'] / 1e6:10.2f}MB "
+              f"{r['resident_bytes'] / 1e6:10.1f}MB {r['same_tokens']}")
+    print(f"load before {' '.join(load_before)}, after {' '.join(load_after)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": platform.processor() or platform.machine(), "threads":
+        torch.get_num_threads(), "load_before": load_before, "load_after": load_after,
+        "tokens": args.tokens, "smoke": args.smoke, "rows": rows}, indent=2))
+    if not all(r["same_tokens"] for r in rows):
+        raise SystemExit("a capped model's greedy tokens differ from the full model's")
+
+
+if __name__ == "__main__":
+    main()
