@@ -290,6 +290,20 @@ class Tracer:
         with self._lock:
             return tuple(self._events)
 
+    def adopt(self, events: Sequence[Event]) -> None:
+        """Take the events of this trace recorded elsewhere (an engine in another process
+        that went on from this tracer's events): those after the last one here are appended
+        and handed to the sinks."""
+        with self._lock:
+            last = max((e.event_id for e in self._events), default=0)
+            new = [e for e in events if e.trace_id == self.trace_id and e.event_id > last]
+            self._events.extend(new)
+            if new:
+                self._ids = itertools.count(new[-1].event_id + 1)
+        for event in new:
+            for sink in self._sinks:
+                sink.emit(event)
+
     @classmethod
     def resume(cls, events: Sequence[Event], sinks: Iterable[EventSink] = ()) -> Tracer:
         """A tracer that goes on with the finished trace ``events`` (same trace id, ids after

@@ -234,6 +234,12 @@ class BackendOptions:
             expert_cache_policy=expert_cache_policy, pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs,
             batch_invariant=batch_invariant, extra=extra)
 
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickled as its fields (``extra`` as a plain dict): an engine process's recipe."""
+        fields = {name: getattr(self, name) for name in field_names()}
+        fields["extra"] = dict(self.extra)
+        return BackendOptions.from_dict, (fields,)
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BackendOptions:
         """Build from a mapping of field names; an unknown key is an error naming the closest."""

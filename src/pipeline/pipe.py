@@ -21,7 +21,7 @@ import attrs
 import torch
 from typing_extensions import Unpack
 
-from pipeline.engine import Engine
+from pipeline.engine.api import EngineAPI
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownNameError
 from pipeline.events import EventSink, Tracer, digest_ids, digest_json, digest_text
 from pipeline.grammar import Grammar
@@ -99,7 +99,7 @@ class Stages:
 class Pipeline:
     """A built pipeline. Safe to use from many threads at once; close it when done."""
 
-    def __init__(self, stages: Stages, engine: Engine | None, *, sinks: Sequence[EventSink] = (),
+    def __init__(self, stages: Stages, engine: EngineAPI | None, *, sinks: Sequence[EventSink] = (),
                  defaults: GenerationConfig | None = None, model_snapshot: str | None = None,
                  description: Mapping[str, Any] | None = None,
                  registry: Registry | None = None, defaults_source: str | None = None) -> None:
@@ -252,14 +252,22 @@ class Pipeline:
             "unix_ns": time.time_ns(), **trace_context(request)})
         spec = self._job_spec(prepared, tracer, accepted_ns, accepted)
         handle = RequestHandle(request.request_id, engine.wake)
+        engine.submit(self.job(spec, tracer, handle))
+        return handle
+
+    def job(self, spec: JobSpec, tracer: Tracer, handle: RequestHandle) -> Job:
+        """The engine's record of a request whose spec is made: its text state over this
+        pipeline's detokenizer, stoppers and tool-call reader. :meth:`submit` makes one; so
+        does an engine in another process for the spec it was sent
+        (:mod:`pipeline.engine.process`)."""
         assert self.stages.detokenizer is not None
+        request = spec.request
         parser = self.stages.tool_parser
         reader = (parser.start(request.request_id) if parser is not None and
                   request.tools_shown else None)
         text = TextState(spec, self.stages.detokenizer, self.stages.stoppers,
                          self._tokenizer.token_bytes, reader)
-        engine.submit(Job(spec, text, tracer, handle))
-        return handle
+        return Job(spec, text, tracer, handle)
 
     def generate(self, prompt: Prompt | Prepared, config: GenerationConfig | None = None,
                  **options: Unpack[RequestOptions]) -> Completion:
@@ -348,7 +356,7 @@ class Pipeline:
     # --- internals ---------------------------------------------------------------------------
 
     @property
-    def _engine(self) -> Engine:
+    def _engine(self) -> EngineAPI:
         if self.engine is None:
             raise ArtifactError("this pipeline has no model backend: it can render, tokenize "
                                 "and count tokens, not generate")

@@ -1,4 +1,4 @@
-"""The engine: one thread that drives every request of a pipeline over its backend's slots and
+"""The engine: one thread (or one child process) that drives every request of a pipeline over its backend's slots and
 KV blocks, one batched forward per step (docs/design.md §6; the step, walked through, is
 docs/engine_step.md).
 
@@ -23,6 +23,11 @@ The package's modules, in the order a request meets them:
 ``forcing``        :class:`~pipeline.engine.forcing.Forcing`: tokens that override the
                    selector (a forced prefix, a spent reasoning budget)
 ``text_state``     a request's detokenizer, stoppers and typed output parts between steps
+``api``            :class:`~pipeline.engine.api.EngineAPI`, what a pipeline and a supervisor
+                   use of an engine (the thread engine and the process engine provide it)
+``process``        :class:`~pipeline.engine.process.ProcessEngine`: a whole engine (model and
+                   scheduler) in a child process, watched from this one; its death fails its
+                   requests at once, and a fresh process replaces it
 =================  ==========================================================================
 
 Importing ``pipeline.engine`` gives the names a caller of the engine uses (:class:`Engine`,

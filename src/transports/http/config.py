@@ -103,7 +103,12 @@ class ServerConfig:
     (:mod:`transports.http.usage`: a record the database will not take is kept and retried).
     ``request_deadline_s`` (None: none) ends a request that has run that long since it was
     accepted, queueing included, with what it wrote so far (``finish_reason`` ``length``).
-    ``release_idle_memory`` hands malloc's free pages back to the system when the engines
+    ``engine_process`` runs each model's engine (model and scheduler) in a child process the
+    server starts and watches (:mod:`pipeline.engine.process`): a native crash, the
+    out-of-memory killer or a stalled step then ends that process, not the server; its requests
+    fail at once with an error event and a ``failed`` usage record, ``/health`` says
+    ``restarting``, and a fresh process takes over ``restart_delay_s`` later (a stalled
+    step's process is killed). ``release_idle_memory`` hands malloc's free pages back to the system when the engines
     fall idle after work (:func:`~backends.torch.native_memory.release_free_memory`).
     """
 
@@ -142,6 +147,7 @@ class ServerConfig:
     request_deadline_s: float | None = attrs.field(default=None,
                                                    validator=_seconds_or_none("no deadline"))
     release_idle_memory: bool = True
+    engine_process: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads

@@ -48,6 +48,7 @@ from pipeline.errors import (
     ModelNotFoundError, OverloadedError, StepStillRunning,
 )
 from pipeline.engine.handle import RequestHandle
+from pipeline.engine.process import EngineRecipe, ProcessEngine
 from pipeline.pipe import Pipeline
 from pipeline.prepared import Prepared
 from pipeline.sampling_defaults import sampling_summary
@@ -69,8 +70,12 @@ log = logging.getLogger("pipeline.serve")
 def default_builder(folder: Path | None, config: ServerConfig,
                     strategy: StrategyChoice | None = None) -> Pipeline:
     """``build()`` for a model (None: the default model) with the server's backend options
-    and the model's ``strategy`` (None: its own)."""
+    and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
+    and its scheduler run in a child process (:class:`~pipeline.engine.process.ProcessEngine`)."""
     args = strategy.build_args() if strategy is not None else {}
+    if config.engine_process:
+        recipe = EngineRecipe(folder, config.backend_options(), args)
+        return ProcessEngine.start(recipe).pipeline()
     return build(folder, options=config.backend_options(), **args)
 
 

@@ -1,0 +1,242 @@
+"""The engine in a child process (:mod:`pipeline.engine.process`), killed for real.
+
+Oracles: the same model on the in-process engine (tokens and trace for the same greedy
+request), the kernel (a SIGKILL the child cannot catch, its exit status), the HTTP streams as
+a client reads them, and the usage rows a separate read of the database returns. No verdict
+rests on a duration: every wait is a bound on something that must happen.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from pipeline.builder import build
+from pipeline.engine.process import EngineRecipe, ProcessEngine
+from pipeline.errors import BackendError, EngineClosed, RequestFailed
+from pipeline.model_paths import TINY_MODEL_DIR
+from pipeline.options import BackendOptions
+from pipeline.pipe import Pipeline
+from tests.http_support import config, running
+from transports.http import Gateway, ServerConfig
+from transports.http.usage import read_records
+
+NO_EOS = {"stoppers": ["max_tokens", "stop_strings", "deadline"], "replace_stoppers": True}
+"""Stoppers without the end-of-sequence one: a request runs to its max_tokens, so it is
+surely still running when the engine dies."""
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=4)))
+    pipe = started.pipeline()
+    yield pipe
+    pipe.close()
+
+
+def test_the_child_engine_gives_the_in_process_engines_tokens_and_trace(engine: Pipeline
+                                                                        ) -> None:
+    local = build(TINY_MODEL_DIR, options=BackendOptions(num_slots=4))
+    try:
+        for prompt in ("Hello, who are you?", "Count to five."):
+            want = local.generate(prompt, max_tokens=16, temperature=0, seed=3)
+            got = engine.generate(prompt, max_tokens=16, temperature=0, seed=3)
+            assert got.token_ids == want.token_ids and got.text == want.text
+            assert [e.event_type for e in got.trace] == [e.event_type for e in want.trace]
+            assert [e.event_id for e in got.trace] == list(range(1, len(got.trace) + 1))
+        deltas = list(engine.stream("Say hi", max_tokens=6, temperature=0))
+        assert deltas[-1].final and sum(len(d.token_ids) for d in deltas) == 6
+    finally:
+        local.close()
+
+
+def test_cancelling_in_the_parent_stops_the_request_in_the_child(engine: Pipeline) -> None:
+    handle = engine.submit("Tell me a story.", max_tokens=4000, temperature=0)
+    it = handle.deltas(timeout=60)
+    next(it)
+    handle.cancel()
+    done = handle.result(timeout=60)
+    assert done.finish_reason.value == "cancelled" and len(done.token_ids) < 4000
+
+
+def test_an_engine_call_runs_on_the_childs_backend(engine: Pipeline) -> None:
+    from transports.http.embeddings_api import pooled
+
+    local = build(TINY_MODEL_DIR, options=BackendOptions(num_slots=1))
+    try:
+        ids = (5, 6, 7, 8)
+        assert engine.engine is not None and local.engine is not None
+        got = engine.engine.call(functools.partial(pooled, engine.engine.backend, ids))
+        want = local.engine.call(functools.partial(pooled, local.engine.backend, ids))
+        assert torch.equal(got.result(60), want.result(60))
+    finally:
+        local.close()
+
+
+def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
+    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
+                                               dict(NO_EOS)))
+    pipe = started.pipeline()
+    stopped: list[str] = []
+    started.on_stop = stopped.append
+    try:
+        handles = [pipe.submit(f"Story {i}", max_tokens=4000, temperature=0) for i in range(3)]
+        first = handles[0].deltas(timeout=60)
+        next(first)                                  # running (two slots, one queued)
+        os.kill(started.pid, signal.SIGKILL)
+        rest = list(first)
+        assert rest[-1].finish_reason is not None and rest[-1].finish_reason.value == "error"
+        for handle in handles:
+            with pytest.raises(RequestFailed, match="the engine stopped: the engine process "
+                                                    "was killed by SIGKILL"):
+                handle.result(timeout=60)
+        failed = handles[0].state.value
+        assert failed == "failed"
+        assert len(stopped) == 1 and "SIGKILL" in stopped[0]
+        assert not started.alive
+        with pytest.raises(EngineClosed, match="SIGKILL"):
+            pipe.submit("more", max_tokens=2)
+        pipe.restart_engine()
+        assert pipe.engine is not started and pipe.engine is not None and pipe.engine.alive
+        assert len(pipe.generate("Hi", max_tokens=3, temperature=0).token_ids) == 3
+        # a stalled step is abandoned by killing the process, which a thread cannot be
+        fresh = pipe.engine
+        assert isinstance(fresh, ProcessEngine)
+        handle = pipe.submit("Story", max_tokens=4000, temperature=0)
+        next(handle.deltas(timeout=60))
+        fresh.abandon("stalled: step 9 has run 130.0 s")
+        with pytest.raises(RequestFailed, match="the engine stopped: stalled: step 9"):
+            handle.result(timeout=60)
+        assert fresh.failure == "stalled: step 9 has run 130.0 s" and not fresh.alive
+        assert stopped[-1] == fresh.failure
+    finally:
+        pipe.close()
+
+
+def test_a_child_that_cannot_load_is_an_error_naming_why(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(BackendError, match="could not load its model.*NoSuchModel"):
+        ProcessEngine.start(EngineRecipe(tmp_path))
+
+
+# --- over HTTP, under load ---------------------------------------------------------------------
+
+def endless_builder(folder: Path | None, cfg: ServerConfig) -> Pipeline:
+    """The server's own engine-process path, with requests that never stop at EOS."""
+    return ProcessEngine.start(EngineRecipe(folder, cfg.backend_options(), dict(NO_EOS))
+                               ).pipeline()
+
+
+def _stream(url: str, dialect: str, i: int, begun: threading.Event) -> tuple[int, list[str],
+                                                                                float]:
+    """One streamed request read to its end: status, its data/event lines, and when its
+    error event arrived (``time.monotonic``; 0 if none)."""
+    if dialect == "openai":
+        path, body = "/v1/chat/completions", {"model": "default", "max_tokens": 4000,
+                                              "stream": True, "messages": [
+                                                  {"role": "user", "content": f"story {i}"}]}
+    else:
+        path, body = "/v1/messages", {"model": "default", "max_tokens": 4000, "stream": True,
+                                      "messages": [{"role": "user", "content": f"story {i}"}]}
+    lines, error_at = [], 0.0
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", url + path, json=body) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if '"text"' in line or '"content"' in line:
+                    begun.set()
+                if not error_at and ("event: error" in line or line.startswith('data: {"error"')):
+                    error_at = time.monotonic()
+            return r.status_code, lines, error_at
+
+
+def test_killing_the_engine_process_under_load(tmp_path: Path) -> None:
+    gateway = Gateway(config(tmp_path, num_slots=8, models={"default": TINY_MODEL_DIR},
+                             restart_delay_s=1.0), endless_builder)
+    try:
+        with running(gateway) as url:
+            served = gateway.models["default"]
+            assert served.pipeline is not None
+            old = served.pipeline.engine
+            assert isinstance(old, ProcessEngine)
+            dialects = ["openai", "anthropic"] * 3
+            begun = [threading.Event() for _ in dialects]
+            with concurrent.futures.ThreadPoolExecutor(len(dialects)) as pool:
+                streams = [pool.submit(_stream, url, d, i, begun[i])
+                           for i, d in enumerate(dialects)]
+                assert all(b.wait(60) for b in begun), "every stream is under way"
+                killed_at = time.monotonic()
+                os.kill(old.pid, signal.SIGKILL)
+                answers = [s.result(timeout=120) for s in streams]  # nothing hangs
+            for dialect, (status, lines, error_at) in zip(dialects, answers):
+                assert status == 200 and error_at >= killed_at, (dialect, lines[-3:])
+                text = "\n".join(lines)
+                # the client hears that the engine stopped and to retry; the reason (the
+                # signal) is in the log and the usage record, not sent out
+                assert "a fresh one is starting: retry the request" in text
+                if dialect == "openai":  # the error is the stream's last event
+                    assert json.loads(lines[-1][len("data: "):])["error"]["type"] == \
+                        "service_unavailable"
+                else:
+                    assert "event: error" in text and "message_stop" not in text
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503
+            assert health.json()["models"]["default"] == "restarting"
+            assert "SIGKILL" in health.json()["problems"]["engine:default"]
+            path = tmp_path / "usage.sqlite3"
+            wait_for(lambda: len(read_records(path)) == len(dialects))
+            rows = read_records(path)
+            assert all(r.finish_reason == "error" and "SIGKILL" in (r.error or "")
+                       for r in rows)
+            assert sorted(r.endpoint for r in rows) == (["chat.completions"] * 3
+                                                        + ["messages"] * 3)
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=120)
+            new = served.pipeline.engine
+            assert isinstance(new, ProcessEngine) and new.pid != old.pid and new.alive
+            assert served.restarts == 1
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "default", "max_tokens": 4, "messages": [
+                    {"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        gateway.close()
+
+
+def test_the_servers_engine_process_option_serves_from_a_child(tmp_path: Path) -> None:
+    gateway = Gateway(config(tmp_path, num_slots=2, engine_process=True))
+    try:
+        with running(gateway) as url:
+            engine = gateway.models["default"].pipeline.engine  # type: ignore[union-attr]
+            assert isinstance(engine, ProcessEngine) and engine.pid != os.getpid()
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "default", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            e = httpx.post(f"{url}/v1/embeddings", timeout=60,
+                           json={"model": "default", "input": "hello"})
+            assert e.status_code == 200 and len(e.json()["data"][0]["embedding"]) == 192
+    finally:
+        gateway.close()
+    assert not engine.alive
