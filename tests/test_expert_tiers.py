@@ -275,3 +275,31 @@ def test_the_config_lists_the_tiny_model_as_moe() -> None:
     config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
     assert TINY_SPEC.moe is not None and TINY_SPEC.moe_layers == (0, 1, 2, 3)
     assert config["num_experts"] == 8 and config["moe_intermediate_size"] == 256
+
+
+def test_the_command_line_and_the_server_take_the_expert_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    import transports.http
+    from pipeline import cli
+    from pipeline.cli.run import add_backend, backend_options
+    from transports.http import ServerConfig, logs
+
+    parser = argparse.ArgumentParser()
+    add_backend(parser)
+    opts = backend_options(parser.parse_args(["--expert-cache", "64MiB",
+                                              "--expert-cache-policy", "lru"]))
+    assert (opts.expert_cache_bytes, opts.expert_cache_policy) == (64 << 20, "lru")
+    assert backend_options(parser.parse_args([])).expert_cache_bytes is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--expert-cache-policy", "fifo"])
+    served: list[ServerConfig] = []
+    monkeypatch.setattr(transports.http, "serve", lambda config, *_: served.append(config))
+    monkeypatch.setattr(logs, "configure", lambda level: None)
+    assert cli.main(["serve", "--model", "tiny", "--port", "1", "--expert-cache", "1GiB",
+                     "--engine-process"]) == 0
+    assert served[0].backend_options().expert_cache_bytes == 1 << 30
+    assert served[0].engine_process and served[0].expert_cache_policy == "lfu"
+    with pytest.raises(InvalidValueError, match="expert_cache_policy"):
+        ServerConfig(models={"default": None}, expert_cache_policy="mru")

@@ -16,7 +16,9 @@ token table and output head become float16 (:data:`TABLE_DTYPE`), the head with 
 oneDNN-packed copy. Norms and float matrices are dequantized either way. llama.cpp's
 converter permutes the rows of ``attn_q`` and ``attn_k`` of ``llama``-architecture models
 for its RoPE layout; they are permuted back here, as transformers' GGUF loader does. Separate ``ffn_gate`` and ``ffn_up`` become the fused
-``gate_up``; expert stacks ``ffn_{gate,up,down}_exps`` keep their ``[E, ...]`` layout.
+``gate_up``; expert stacks ``ffn_{gate,up,down}_exps`` keep their ``[E, ...]`` layout, or,
+under an expert cap (``mapped_experts``), stay in the file and :class:`GGUFExperts` reads one
+expert at a time for :class:`~backends.torch.experts.ExpertCache`.
 
 Example::
 
