@@ -12,7 +12,8 @@ default, before it starts the fresh process: add it to the last column). Each ro
    request answered 200 by the fresh process (a one-token chat request sent every 20 ms).
 
 Prints a table (one row per round), writes ``benchmarks/results/engine_restart.json``
-(``--out``). Run: ``.venv/bin/python benchmarks/engine_restart.py [--rounds 3]``.
+(``--out``). Run: ``.venv/bin/python benchmarks/engine_restart.py [--rounds 3]``; ``--smoke``:
+the tiny model, one round of two streams: it checks the script, its figures mean little.
 """
 
 from __future__ import annotations
@@ -95,9 +96,15 @@ def main() -> None:
                                                       "SmolLM2 GGUF)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny model, one round of two streams: checks the script")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "engine_restart.json")
     args = parser.parse_args()
+    if args.smoke:
+        from pipeline.model_paths import TINY_MODEL_DIR
+
+        args.model, args.rounds, args.streams = str(TINY_MODEL_DIR), 1, 2
     with open("/proc/loadavg") as fh:
         load_before = fh.read().split()[:3]
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +135,8 @@ def main() -> None:
     print(f"median served again {statistics.median(r['served_s'] for r in rows):.2f} s; "
           f"load before {' '.join(load_before)}, after {' '.join(load_after)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model or "smollm2", "streams": args.streams,
+    args.out.write_text(json.dumps({"model": "tiny" if args.smoke else args.model or "smollm2",
+                                    "smoke": args.smoke, "streams": args.streams,
                                     "load_before": load_before, "load_after": load_after,
                                     "rounds": rows}, indent=2))
 

@@ -216,6 +216,27 @@ def _kv_int8(r: Report, out: Path, log: str) -> None:
     _positive(r["decode_tok_s"]["full"], r["decode_tok_s"]["int8"])
 
 
+def _expert_tiers(r: Report, out: Path, log: str) -> None:
+    assert r["smoke"] is True and {row["model"] for row in r["rows"]} == {"tiny"}
+    settings = [(row["setting"], row["policy"]) for row in r["rows"]]
+    assert settings == [("full", "-")] + [(f, p) for f in ("100%", "50%", "25%")
+                                           for p in ("lfu", "lru")]
+    full = r["rows"][0]["resident_bytes"]
+    for row in r["rows"]:
+        assert row["same_tokens"] is True and 0 <= row["hit_rate"] <= 1
+        assert 0 < row["resident_bytes"] <= full
+        _positive(row["tok_s"])
+    assert r["rows"][-1]["resident_bytes"] <= full / 4
+
+
+def _engine_restart(r: Report, out: Path, log: str) -> None:
+    assert r["smoke"] is True and r["model"] == "tiny" and r["streams"] == 2
+    (one,) = r["rounds"]
+    _positive(one["first_error_s"], one["served_s"])
+    assert one["first_error_s"] <= one["last_error_s"] < one["served_s"]
+    assert one["health_after_errors"] == "restarting"
+
+
 def _penalty_history(r: Report, out: Path, log: str) -> None:
     assert r["vocab_size"] == 4096 and r["smoke"] is True
     assert [x["history"] for x in r["results"]] == [10, 200]
@@ -300,7 +321,8 @@ def _trace_overhead(r: Report, out: Path, log: str) -> None:
 
 CHECKS: dict[str, Check] = {
     "answer_quality": _answer_quality, "batch_invariance": _batch_invariance,
-    "default_model": _default_model, "fairness": _fairness, "gguf_model": _gguf_model,
+    "default_model": _default_model, "engine_restart": _engine_restart,
+    "expert_tiers": _expert_tiers, "fairness": _fairness, "gguf_model": _gguf_model,
     "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
     "llama_cpp": _llama_cpp, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,

@@ -9,6 +9,7 @@ rests on a duration: every wait is a bound on something that must happen.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import os
@@ -29,6 +30,7 @@ from pipeline.errors import BackendError, EngineClosed, RequestFailed
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline
+from pipeline.testing import ScriptedBackend, peaked
 from tests.http_support import config, running
 from transports.http import Gateway, ServerConfig
 from transports.http.usage import read_records
@@ -92,6 +94,58 @@ def test_an_engine_call_runs_on_the_childs_backend(engine: Pipeline) -> None:
         local.close()
 
 
+def test_requests_sharing_an_id_each_get_their_own_answer(engine: Pipeline) -> None:
+    a = engine.submit("Hello", max_tokens=5, temperature=0, request_id="same")
+    b = engine.submit("Count", max_tokens=7, temperature=0, request_id="same")
+    assert len(a.result(timeout=60).token_ids) == 5
+    assert len(b.result(timeout=60).token_ids) == 7
+
+
+def test_what_cannot_cross_is_refused_at_the_door_and_the_engine_goes_on(engine: Pipeline
+                                                                         ) -> None:
+    import datetime
+
+    from pipeline.errors import InvalidValueError
+    from transports.http.embeddings_api import pooled
+
+    process = engine.engine
+    assert isinstance(process, ProcessEngine)
+    with pytest.raises(InvalidValueError,
+                       match="cannot be sent to the engine process: .*date is not plain data"):
+        engine.submit("hi", max_tokens=2, template_kwargs={"when": datetime.date(2026, 1, 1)})
+    with pytest.raises(InvalidValueError, match="cannot be sent to the engine process"):
+        process.call(lambda: 1)
+    # the child's own error comes back whole (its type, field and message), nothing else fails
+    bad = process.call(functools.partial(pooled, process.backend, (10**9,)))
+    with pytest.raises(InvalidValueError) as caught:
+        bad.result(timeout=60)
+    assert caught.value.field == "token_ids"
+    assert process.alive and len(engine.generate("ok", max_tokens=3).token_ids) == 3
+
+
+def test_a_frozen_child_never_holds_a_caller() -> None:
+    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
+                                               dict(NO_EOS)))
+    pipe = started.pipeline()
+    os.kill(started.pid, signal.SIGSTOP)  # a cgroup freeze, a swap storm
+    returned = threading.Event()
+
+    def caller() -> None:
+        handles = [pipe.submit("word " * 1500, max_tokens=4000) for _ in range(12)]
+        for handle in handles:
+            handle.cancel()
+        pipe.close()  # kills the child once its own timeout passes
+        returned.set()
+
+    try:
+        threading.Thread(target=caller, daemon=True).start()
+        assert returned.wait(60), "a frozen child held a submit, a cancel or close"
+        assert not started.alive
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(started.pid, signal.SIGKILL)
+
+
 def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
     started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
                                                dict(NO_EOS)))
@@ -109,8 +163,8 @@ def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
             with pytest.raises(RequestFailed, match="the engine stopped: the engine process "
                                                     "was killed by SIGKILL"):
                 handle.result(timeout=60)
-        failed = handles[0].state.value
-        assert failed == "failed"
+        assert handles[0].state.value == "failed"
+        wait_for(lambda: bool(stopped))  # on_stop runs after the requests were failed
         assert len(stopped) == 1 and "SIGKILL" in stopped[0]
         assert not started.alive
         with pytest.raises(EngineClosed, match="SIGKILL"):
@@ -127,6 +181,7 @@ def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
         with pytest.raises(RequestFailed, match="the engine stopped: stalled: step 9"):
             handle.result(timeout=60)
         assert fresh.failure == "stalled: step 9 has run 130.0 s" and not fresh.alive
+        wait_for(lambda: len(stopped) == 2)
         assert stopped[-1] == fresh.failure
     finally:
         pipe.close()
@@ -240,3 +295,78 @@ def test_the_servers_engine_process_option_serves_from_a_child(tmp_path: Path) -
     finally:
         gateway.close()
     assert not engine.alive
+
+
+# --- device faults ------------------------------------------------------------------------------
+
+def cuda_fault() -> None:
+    """What torch raises after a kernel's illegal memory access (run in the child)."""
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class FaultyBackend(ScriptedBackend):
+    """A scripted backend whose forwards raise ``error`` once ``fail`` is set."""
+
+    def __init__(self, vocab: int, error: Exception) -> None:
+        super().__init__(vocab, peaked(vocab, lambda ids: 5, 30.0), num_slots=2)
+        self.error, self.fail = error, threading.Event()
+
+    def forward(self, calls: Any) -> torch.Tensor:
+        if self.fail.is_set():
+            raise self.error
+        return super().forward(calls)
+
+
+@pytest.mark.parametrize("error, fatal", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("shape mismatch"), False),
+])
+def test_a_device_fault_stops_the_engine_and_other_errors_fail_only_their_requests(
+        error: Exception, fatal: bool) -> None:
+    from stages.tokenize import HFTokenizer
+
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    backend = FaultyBackend(tok.vocab_size, error)
+    pipe = build(TINY_MODEL_DIR, backend=backend)
+    stopped: list[str] = []
+    assert pipe.engine is not None
+    pipe.engine.on_stop = stopped.append
+    try:
+        handle = pipe.submit("hi", max_tokens=1000, temperature=0)
+        next(handle.deltas(timeout=60))
+        backend.fail.set()
+        with pytest.raises(RequestFailed) as caught:
+            handle.result(timeout=60)
+        if fatal:
+            assert "the engine stopped: DeviceFault: device fault in the model's forward" \
+                in str(caught.value)
+            wait_for(lambda: bool(stopped))  # on_stop runs after the requests were failed
+            assert "DeviceFault" in stopped[0]
+            assert not pipe.engine.alive  # type: ignore[union-attr]
+        else:
+            assert "backend error" in str(caught.value) and pipe.engine.alive and not stopped
+    finally:
+        pipe.close()
+
+
+def test_a_device_fault_in_the_child_ends_it_and_its_requests() -> None:
+    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
+                                               dict(NO_EOS)))
+    pipe = started.pipeline()
+    stopped: list[str] = []
+    started.on_stop = stopped.append
+    try:
+        handle = pipe.submit("Story", max_tokens=4000, temperature=0)
+        next(handle.deltas(timeout=60))
+        call = started.call(cuda_fault)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            call.result(timeout=60)
+        with pytest.raises(RequestFailed, match="DeviceFault: device fault in an engine call"):
+            handle.result(timeout=60)
+        wait_for(lambda: bool(stopped))  # on_stop runs after the requests were failed
+        assert "DeviceFault" in stopped[0] and started.failure == stopped[0]
+        assert not started.alive
+    finally:
+        pipe.close()

@@ -303,3 +303,24 @@ def test_the_command_line_and_the_server_take_the_expert_cap(
     assert served[0].engine_process and served[0].expert_cache_policy == "lfu"
     with pytest.raises(InvalidValueError, match="expert_cache_policy"):
         ServerConfig(models={"default": None}, expert_cache_policy="mru")
+
+
+def test_float8_experts_are_read_and_an_unreadable_dtype_fails_the_load(tmp_path: Path) -> None:
+    from pipeline.errors import ArtifactError
+
+    tensors = load_file(str(TINY_MODEL_DIR / "model.safetensors"))
+    for kind, dtype in (("f8", torch.float8_e4m3fn), ("i32", torch.int32)):
+        folder = tmp_path / kind
+        folder.mkdir()
+        shutil.copy(TINY_MODEL_DIR / "config.json", folder / "config.json")
+        save_file({n: (t.to(dtype) if ".experts." in n else t) for n, t in tensors.items()},
+                  str(folder / "model.safetensors"))
+        if kind == "i32":  # refused when the model loads, not at its first request
+            with pytest.raises(ArtifactError, match="I32, which expert tiers do not read"):
+                TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32",
+                                      expert_cache_bytes=3 * ONE_EXPERT_F32)
+            continue
+        full = TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32")
+        capped = TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32",
+                                       expert_cache_bytes=3 * ONE_EXPERT_F32)
+        assert torch.equal(_run(capped, PROMPTS, 4)[0], _run(full, PROMPTS, 4)[0])

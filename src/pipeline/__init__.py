@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from pipeline.options import BackendOptions
     from pipeline.pipe import Pipeline
     from pipeline.errors import (
-        ArtifactError, BackendError, CapacityError, ContextWindowError, EngineClosed,
-        InvalidValueError, InvariantViolation, LimitExceededError, OutOfBlocks, PipelineError,
+        ArtifactError, BackendError, CapacityError, ContextWindowError, DeviceFault,
+        EngineClosed, InvalidValueError, InvariantViolation, LimitExceededError, OutOfBlocks, PipelineError,
         PluginLoadError, RegistryError, RequestCancelled, RequestError, RequestFailed,
         SlotError, StepStillRunning, TemplateError, TokenizerError, TraceError,
         UnknownFieldError, UnknownKeywordError, UnknownNameError, ValidationError,
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     )
 
 ERRORS = (
-    "ArtifactError", "BackendError", "CapacityError", "ContextWindowError", "EngineClosed",
-    "InvalidValueError", "InvariantViolation", "LimitExceededError", "OutOfBlocks",
+    "ArtifactError", "BackendError", "CapacityError", "ContextWindowError", "DeviceFault",
+    "EngineClosed", "InvalidValueError", "InvariantViolation", "LimitExceededError", "OutOfBlocks",
     "PipelineError", "PluginLoadError", "RegistryError", "RequestCancelled", "RequestError",
     "RequestFailed", "SlotError", "StepStillRunning", "TemplateError", "TokenizerError",
     "TraceError", "UnknownFieldError", "UnknownKeywordError", "UnknownNameError",

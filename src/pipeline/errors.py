@@ -28,6 +28,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
     │   └── RequestCancelled                     the request ended in state ``cancelled``
     ├── EngineClosed                           the engine no longer accepts work
     │   └── StepStillRunning                     an abandoned engine's step has not returned
+    ├── DeviceFault                            the device is unusable: the engine loop stops
     ├── InvariantViolation                     a live-checked trace broke a docs/design.md §8 rule
     └── ServingError                           the HTTP gateway refused a request
         ├── AuthenticationError                  missing or wrong API key
@@ -46,7 +47,7 @@ import functools
 import inspect
 import reprlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -79,7 +80,22 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
 
 class PipelineError(Exception):
-    """Root of every exception the library raises on purpose."""
+    """Root of every exception the library raises on purpose. Every one pickles and comes
+    back whole (its message and attributes), whatever its constructor takes: an engine in
+    another process sends them back (:mod:`pipeline.engine.process`)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type[PipelineError], args: tuple[Any, ...],
+             state: dict[str, Any]) -> PipelineError:
+    """:meth:`PipelineError.__reduce__`'s inverse, without calling the subclass's
+    constructor."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class ValidationError(PipelineError, ValueError):
@@ -286,6 +302,13 @@ class EngineClosed(PipelineError):
     """The engine was closed, or stopped (its loop died or its step stalled); it accepts no
     new requests. Also what a request failed with the engine as a whole is raised as over
     HTTP: a 503 the client may retry."""
+
+
+class DeviceFault(PipelineError):
+    """The device failed in a way that leaves it unusable (a CUDA error such as an illegal
+    memory access or a device-side assert, which poisons the process's device context): the
+    engine stops instead of failing request after request, and an engine in a child process
+    is replaced by a fresh process with a fresh context (:mod:`pipeline.engine.process`)."""
 
 
 class StepStillRunning(EngineClosed):

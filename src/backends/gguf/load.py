@@ -352,7 +352,16 @@ class GGUFExperts:
     the full load gives (:class:`~backends.torch.experts.ExpertSource`)."""
 
     def __init__(self, f: GGUFFile, spec: ModelSpec) -> None:
+        from backends.gguf.quants import SUPPORTED_TYPES
+
         self.f, self.spec = f, spec
+        for layer in spec.moe_layers:  # a type it cannot decode fails the load, not a request
+            for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                t = f.tensors[f"blk.{layer}.{name}.weight"]
+                if t.tensor_type not in SUPPORTED_TYPES:
+                    raise ArtifactError(f"{f.path}: tensor {t.name!r} is {t.tensor_type.name}, "
+                                        "which this library does not decode (supported: "
+                                        f"{', '.join(q.name for q in SUPPORTED_TYPES)})")
 
     def read(self, layer: int, expert: int,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +372,9 @@ class GGUFExperts:
 
         def one(name: str, rows: int, cols: int) -> torch.Tensor:
             t = self.f.tensors[p + name]
-            return dequantize(t.data[expert], t.tensor_type, (rows, cols), dtype)
+            value = dequantize(t.data[expert], t.tensor_type, (rows, cols), dtype)
+            # a float type read as itself may share the file's pages: resident means a copy
+            return value.clone() if t.tensor_type.name in _FLOAT_TYPES else value
 
         gate_up = torch.cat([one("ffn_gate_exps.weight", inter, h),
                              one("ffn_up_exps.weight", inter, h)])

@@ -20,7 +20,11 @@ was hot an hour ago does not stay forever). ``benchmarks/expert_tiers.py`` measu
 
 The cached matrices are the values the fully loaded model multiplies by, multiplied by the
 same products, so a capped model's logits are bit for bit those of the uncapped one and its
-greedy output is identical (``tests/test_expert_tiers.py``); only speed changes.
+greedy output is identical (``tests/test_expert_tiers.py``, on the CPU); only speed changes.
+One exception: in bfloat16 on a CUDA device that has ``torch._grouped_mm`` (sm90+), the
+uncapped model runs a multi-row forward's experts as one grouped product while the capped one
+runs them expert by expert (cuBLAS), which rounds differently; greedy output then agrees as a
+different kernel's would, not bit for bit.
 
 Example::
 
@@ -67,7 +71,8 @@ class ExpertSource(Protocol):
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "F64": torch.float64}
+                       "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
 
 
 class SafetensorsFile:
@@ -87,13 +92,21 @@ class SafetensorsFile:
         self.header: dict[str, dict[str, object]] = {
             k: v for k, v in header.items() if k != "__metadata__"}
 
+    def dtype(self, name: str) -> torch.dtype:
+        """Tensor ``name``'s dtype; :class:`~pipeline.errors.ArtifactError` for one this module
+        does not read."""
+        stored = str(self.header[name]["dtype"])
+        dtype = _SAFETENSORS_DTYPES.get(stored)
+        if dtype is None:
+            raise ArtifactError(f"{self.path}: tensor {name!r} has dtype {stored}, which "
+                                "expert tiers do not read (F32, F16, BF16, F64, F8_E4M3 or "
+                                "F8_E5M2)")
+        return dtype
+
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a view of the mapping (no copy)."""
         info = self.header[name]
-        dtype = _SAFETENSORS_DTYPES.get(str(info["dtype"]))
-        if dtype is None:
-            raise ArtifactError(f"{self.path}: tensor {name!r} has dtype {info['dtype']}, which "
-                                "expert tiers do not read (F32, F16, BF16 or F64)")
+        dtype = self.dtype(name)
         shape = [int(n) for n in info["shape"]]  # type: ignore[attr-defined]
         begin, end = (int(n) for n in info["data_offsets"])  # type: ignore[attr-defined]
         count = (end - begin) // dtype.itemsize
@@ -112,6 +125,10 @@ class SafetensorsExperts:
         self._files = [SafetensorsFile(p) for p in weight_files(folder)]
         self._where = {name: f for f in self._files for name in f.header}
         self._names = dict(names)
+        prefixes = tuple(f"{n.prefix}.experts." for n in self._names.values())
+        for name, f in self._where.items():  # a dtype it cannot read fails the load, not a
+            if name.startswith(prefixes):    # request
+                f.dtype(name)
 
     def _tensor(self, name: str) -> torch.Tensor:
         f = self._where.get(name)
@@ -122,13 +139,13 @@ class SafetensorsExperts:
     def read(self, layer: int, expert: int,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._names[layer]
-        if n.fused:
-            gate_up = self._tensor(n.gate_up_stack)[expert].to(dtype)
-            down = self._tensor(n.down_stack)[expert].to(dtype)
+        if n.fused:  # copies: a resident expert must not be a view of the file's pages
+            gate_up = self._tensor(n.gate_up_stack)[expert].to(dtype, copy=True)
+            down = self._tensor(n.down_stack)[expert].to(dtype, copy=True)
         else:
             gate, up, down_name = n.expert(expert)
             gate_up = torch.cat([self._tensor(gate).to(dtype), self._tensor(up).to(dtype)])
-            down = self._tensor(down_name).to(dtype)
+            down = self._tensor(down_name).to(dtype, copy=True)
         return gate_up, down
 
 
@@ -257,6 +274,8 @@ class ExpertCache:
     def _load(self, key: tuple[int, int]) -> _Entry:
         from backends.torch.packed import packing_available
 
+        while self._resident and self.stats.resident_bytes + self.expert_bytes > self.cap_bytes:
+            self._evict()  # room first: the cap bounds what is held, the read included
         gate_up, down = self.source.read(key[0], key[1], self.dtype)
         self.stats.read_bytes += sum(t.numel() * t.element_size() for t in (gate_up, down))
         gate_up, down = gate_up.to(self.device), down.to(self.device)
@@ -267,8 +286,6 @@ class ExpertCache:
         else:
             gate_up, down = gate_up.contiguous(), down.contiguous()
         nbytes = sum(t.numel() * t.element_size() for t in (gate_up, down))
-        while self._resident and self.stats.resident_bytes + nbytes > self.cap_bytes:
-            self._evict()
         entry = _Entry((gate_up, down), packed, nbytes)
         self._resident[key] = entry
         self.stats.resident += 1

@@ -216,24 +216,30 @@ class Linears:
 
     def expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
         """``x [n, in] @ stack[e].T`` for a stack of expert matrices ``[E, out, in]``."""
+        fetch = self._tiers.get(id(stack))
+        if fetch is not None:  # once per product: one routing, however many tiles
+            matrix, is_packed = fetch(e)
+            if self.invariant:
+                return tiled_rows(x, lambda rows: _tiered(rows, matrix, is_packed), NARROW_TILE)
+            return _tiered(x, matrix, is_packed)
         if self.invariant:
             return tiled_rows(x, lambda rows: self._expert(rows, stack, e), NARROW_TILE)
         return self._expert(x, stack, e)
 
     def _expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
-        fetch = self._tiers.get(id(stack))
-        if fetch is not None:
-            matrix, is_packed = fetch(e)
-            if not is_packed:
-                return F.linear(x, matrix)
-            tiered: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, None, "none",
-                                                                       [], "")
-            return tiered
         packed = self._packed.get((id(stack), e))
         if packed is None:
             return F.linear(x, stack[e])
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return out
+
+
+def _tiered(x: torch.Tensor, matrix: torch.Tensor, packed: bool) -> torch.Tensor:
+    """``x @ matrix.T`` for an expert cache's matrix (oneDNN-packed or plain)."""
+    if not packed:
+        return F.linear(x, matrix)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, matrix, None, "none", [], "")
+    return out
 
 
 def _matrices(weights: ModelWeights, experts: bool) -> Iterator[tuple[tuple[int, int], torch.Tensor]]:

@@ -34,7 +34,9 @@ trace) are :class:`~pipeline.engine.job.Job`'s.
 Request-level work before the queue (render, tokenize, validation) happens in
 :class:`~pipeline.pipe.Pipeline` on the caller's thread.
 
-Containment. A backend exception fails the requests of that call (only the named slots for a
+Containment. A device fault (:func:`device_fault`: a CUDA error that poisons the device
+context) ends the loop as below: nothing after it can be trusted. Any other backend exception
+fails the requests of that call (only the named slots for a
 :class:`~pipeline.errors.SlotError`); a selector that raises, or returns something that is not
 a token id of the vocabulary, fails the requests of its group; an exception while one request
 takes its token fails that request alone; an exception anywhere else in a step fails the
@@ -71,7 +73,7 @@ import attrs
 import torch
 
 from pipeline.errors import (
-    CapacityError, EngineClosed, InvalidValueError, SlotError, StepStillRunning,
+    CapacityError, DeviceFault, EngineClosed, InvalidValueError, SlotError, StepStillRunning,
 )
 from pipeline.events import Tracer
 from pipeline.engine.handle import RequestHandle, RequestState
@@ -170,6 +172,10 @@ class Engine:
         the tokenizer's, as Qwen's 151,936 for 151,669 ids): never selected. None: all."""
         self.on_stop = on_stop
         """Called once, on the engine thread, if the loop ends other than by ``close``."""
+        self.on_step: Callable[[int, int], None] | None = None
+        """Called on the engine thread with ``(steps begun, clock reading)`` as a step starts
+        and ``(steps begun, 0)`` as it ends: a watcher in another process learns of a step
+        from its first instant (:mod:`pipeline.engine.process`)."""
         self.failure: str | None = None
         """Why the loop thread ended other than by ``close`` (None while it runs)."""
         self.config = config or EngineConfig()
@@ -378,14 +384,20 @@ class Engine:
                 if call is not None:  # before the step's clock: neither stall nor pacing time
                     _run_call(*call)
                 self._step_started = started = self._clock()
+                if self.on_step is not None:
+                    self.on_step(self._steps, started)
                 shape = self._step()
                 if shape is not None and self._pacer is not None:
                     self._pacer.observe((self._clock() - started) / 1e9, *shape)
+            except DeviceFault:  # the device cannot be trusted again: the loop ends
+                raise
             except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
                 if not self._abandoned:
                     self._recover(exc)
             finally:
                 self._step_started, self._phase = None, "idle"
+                if self.on_step is not None:
+                    self.on_step(self._steps, 0)
             if self._abandoned:
                 self._free_abandoned()
                 return
@@ -655,6 +667,8 @@ class Engine:
                 jobs = rest if faulty else []
                 continue
             except Exception as exc:
+                if device_fault(exc):  # the loop ends: every request fails, on_stop runs
+                    raise DeviceFault(f"device fault in the model's forward: {exc!r}") from exc
                 for job in jobs:
                     self._fail(job, f"backend error: {exc!r}")
                 return []
@@ -739,3 +753,21 @@ def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future[Any]) -> 
         future.set_result(fn())
     except Exception as exc:  # the caller's failure, not the engine's
         future.set_exception(exc)
+        if device_fault(exc):  # unless the device broke under it
+            raise DeviceFault(f"device fault in an engine call: {exc!r}") from exc
+
+
+_DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access",
+                  "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED")
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device is unusable (:class:`~pipeline.errors.DeviceFault`):
+    torch's ``AcceleratorError``, or a runtime error naming a CUDA fault. Running out of device
+    memory is not one (the next step may fit)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+        return False
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(exc, accelerator):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_FAULTS)

@@ -10,25 +10,38 @@ process keeps the request side (render, tokenize, validate: a pipeline over a
 :class:`~pipeline.engine.api.EngineAPI`, so a :class:`~pipeline.pipe.Pipeline` and the HTTP
 gateway's supervision use it as they use the thread engine.
 
-**Wire.** One socket pair of tuples pickled by value (:func:`_put`). To the child: ``("submit", spec, events)`` (the
-:class:`~pipeline.engine.job_spec.JobSpec`, plain data, and the trace so far), ``("cancel",
-request_id)``, ``("call", call_id, fn)`` (:meth:`ProcessEngine.call`: ``fn`` is pickled, and a
-:class:`RemoteBackend` inside it arrives as the child's real backend), ``("close",)``. From the
-child: ``("ready", facts)`` or ``("failed", reason)`` once at start, then ``("delta",
-request_id, delta)``, ``("done", request_id, completion, state)``, ``("result", call_id, ok,
-value)`` and ``("stopped", why)`` when its engine loop dies. Liveness figures (steps begun, the
-start of the step in progress, requests active and queued) sit in a shared array the child
-rewrites every :data:`PUBLISH_S`, so the stall watchdog reads them without a round trip.
+**Wire.** One socket pair of messages pickled by value (:func:`_dumps`: a tensor travels as
+its data). To the child, ``(kind, key, payload)``: ``submit`` (the
+:class:`~pipeline.engine.job_spec.JobSpec`, plain data, and the trace so far), ``cancel``,
+``call`` (:meth:`ProcessEngine.call`'s function; a :class:`RemoteBackend` inside it arrives as
+the child's real backend), ``uncall`` (a call cancelled before it ran) and ``close``. From the
+child, after ``("ready", facts)`` or ``("failed", reason)``: ``(kind, key, extra, payload)``,
+``delta``, ``done`` (with the request's final state), ``result`` (``ok`` or ``error``) and
+``stopped`` (why its engine loop died). ``key`` is this process's number for the request or
+call, never the caller's request id (two requests may share one). A payload is pickled on its
+own, so one that cannot be read fails its request or call alone; the child's exceptions come
+back whole (:class:`~pipeline.errors.PipelineError` pickles; others become a
+:class:`~pipeline.errors.BackendError` naming them). Messages to the child are pickled on the
+caller's thread (what cannot cross is an :class:`~pipeline.errors.InvalidValueError` there)
+and written by a writer thread, so no caller — an event loop cancelling a request, ``close`` —
+ever blocks on a frozen child. Liveness figures sit in a small file both processes map: the
+child's engine thread writes a step's number and start as it begins and ends
+(``Engine.on_step``), and a publisher thread the requests active and queued, so the stall
+watchdog reads them without a round trip and sees a step wedged from its first instant.
 
-**Death.** When the pipe closes without a ``close`` (the child was killed — SIGKILL, the
-out-of-memory killer — or crashed, or its engine loop died), every request in flight ends at
-once: a final delta with ``finish_reason`` error, then a failed completion whose error begins
-``the engine stopped:`` and names how the process ended (its signal or exit status), with the
-text and tokens that had reached this process and a ``generation.finished`` event closing its
-trace. Waiting calls fail with :class:`~pipeline.errors.EngineClosed`; new work is refused
-with it; ``on_stop`` is called (the gateway then has ``/health`` say ``restarting`` and starts
-a :meth:`ProcessEngine.fresh` one). :meth:`ProcessEngine.abandon` (a stalled step) kills the
-child, which a thread engine cannot do.
+**Death.** When the pipe ends without a ``close`` (the child was killed — SIGKILL, the
+out-of-memory killer — or crashed, or its engine loop died, e.g. on a
+:class:`~pipeline.errors.DeviceFault`), every request in flight ends at once: a final delta
+with ``finish_reason`` error, then a failed completion whose error begins ``the engine
+stopped:`` and names how the process ended (its signal or exit status), with the text and
+tokens that had reached this process and a ``generation.finished`` event closing its trace.
+Waiting calls fail with :class:`~pipeline.errors.EngineClosed`; new work is refused with it;
+``on_stop`` is called (the gateway then has ``/health`` say ``restarting`` and starts a
+:meth:`ProcessEngine.fresh` one). :meth:`ProcessEngine.abandon` (a stalled step) does all of
+that at once and kills the child, which a thread engine cannot do; ``fresh`` raises
+:class:`~pipeline.errors.StepStillRunning` until the old child has exited. The child ends
+when this process does (its end of the pipe closes; the child's descriptors are not inherited
+by anything it starts).
 
 Example::
 
@@ -47,6 +60,7 @@ import logging
 import mmap
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -62,8 +76,10 @@ import attrs
 import torch
 
 from pipeline.engine.handle import RequestHandle, RequestState
-from pipeline.engine.loop import ENGINE_DOWN, Stall
-from pipeline.errors import BackendError, EngineClosed
+from pipeline.engine.loop import ENGINE_DOWN, MAX_CALLS, Engine, Stall
+from pipeline.errors import (
+    BackendError, CapacityError, EngineClosed, InvalidValueError, StepStillRunning,
+)
 from pipeline.events import Event, Tracer
 from pipeline.options import BackendOptions
 from pipeline.protocols import ModelCall, ModelInfo
@@ -80,7 +96,7 @@ T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")
 
 PUBLISH_S = 0.01
-"""How often the child rewrites its liveness figures."""
+"""How often the child rewrites its counts of requests active and queued."""
 START_TIMEOUT_S = 600.0
 """How long :meth:`ProcessEngine.start` waits for the child to load its model."""
 _STEPS, _STARTED, _ACTIVE, _QUEUED = range(4)
@@ -180,11 +196,12 @@ class ProcessEngine:
 
     Build with :meth:`start` (blocks until the child has loaded its model; raises
     :class:`~pipeline.errors.BackendError` naming why it could not). Every method is safe from
-    any thread."""
+    any thread and none blocks on the child: messages to it are pickled on the caller's
+    thread (a request that cannot be pickled is refused there) and written by a writer thread
+    of their own, so a frozen child never holds an event loop or a cancelling caller."""
 
     def __init__(self, recipe: EngineRecipe, process: _Child, conn: Connection, shared: Any,
-                 facts: _Facts, strategies: Callable[[tuple[str, ...] | None], Strategy] | None
-                 = None) -> None:
+                 facts: _Facts) -> None:
         self.recipe = recipe
         self.pid = facts.pid
         """The child process's id."""
@@ -192,17 +209,19 @@ class ProcessEngine:
         self.failure: str | None = None
         self.on_stop: Callable[[str], None] | None = None
         self._process, self._conn, self._shared = process, conn, shared
-        self._strategies = strategies
+        self._strategies: Callable[[tuple[str, ...] | None], Strategy] | None = None
         self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[int, _Flight] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
-        self._call_ids = itertools.count()
+        self._keys = itertools.count()
         self._closing = False
-        self._abandoned: str | None = None
-        self._reader = threading.Thread(target=self._read, name="pipeline-engine-process",
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="pipeline-engine-writer",
                                         daemon=True)
+        self._reader = threading.Thread(target=self._read, name="pipeline-engine-reader",
+                                        daemon=True)
+        self._writer.start()
         self._reader.start()
 
     # --- starting ------------------------------------------------------------------------------
@@ -212,12 +231,13 @@ class ProcessEngine:
         """Start a child that builds ``recipe`` and wait until it is ready."""
         child = _Child.spawn()
         try:
-            _put(child.conn, recipe)
+            child.conn.send_bytes(_dumps(recipe))
             if not child.conn.poll(timeout):
                 raise BackendError(f"the engine process did not load its model in "
                                    f"{timeout:.0f} s")
-            message = _get(child.conn)
+            message = _loads(child.conn.recv_bytes())
         except (EOFError, OSError) as exc:
+            child.kill()
             child.join(5)
             raise BackendError("the engine process ended while loading its model "
                                f"({_exit(child.exitcode)})") from exc
@@ -250,34 +270,52 @@ class ProcessEngine:
     # --- EngineAPI -----------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        """Send ``job``'s spec and trace so far to the child."""
-        rid = job.request.request_id
+        """Send ``job``'s spec and trace so far to the child. Raises
+        :class:`~pipeline.errors.InvalidValueError` for a request that cannot cross to
+        another process (a ``template_kwargs`` value that is not plain data, say) and
+        :class:`~pipeline.errors.EngineClosed` once the engine stopped."""
+        try:
+            payload = _dumps((job.spec, job.tracer.events))
+        except Exception as exc:
+            raise InvalidValueError("request", job.request.request_id, "cannot be sent to the "
+                                    f"engine process: {exc}") from exc
         with self._lock:
             self._check_open()
-            self._flights[rid] = _Flight(job)
-        self._send(("submit", job.spec, job.tracer.events))
+            key = next(self._keys)
+            self._flights[key] = _Flight(job)
+            self._send(("submit", key, payload))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the child's engine thread between two steps
-        (:meth:`~pipeline.engine.loop.Engine.call`); ``fn`` must pickle."""
+        (:meth:`~pipeline.engine.loop.Engine.call`); ``fn`` must pickle (a module-level
+        function or a ``functools.partial`` of one; a :class:`RemoteBackend` in it becomes
+        the child's backend). At most :data:`~pipeline.engine.loop.MAX_CALLS` wait at once
+        (more is a :class:`~pipeline.errors.CapacityError`); a call cancelled before it
+        starts never runs."""
+        try:
+            payload = _dumps(fn)
+        except Exception as exc:
+            raise InvalidValueError("fn", fn, "cannot be sent to the engine process (a "
+                                    f"module-level function or a partial of one): {exc!r}"
+                                    ) from exc
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             self._check_open()
-            call_id = next(self._call_ids)
-            self._calls[call_id] = future
-        self._send(("call", call_id, fn))
+            if len(self._calls) >= MAX_CALLS:
+                raise CapacityError(f"{MAX_CALLS} calls already wait for the engine")
+            key = next(self._keys)
+            self._calls[key] = future
+            self._send(("call", key, payload))
+        future.add_done_callback(lambda f: self._uncall(key) if f.cancelled() else None)
         return future
 
     def wake(self) -> None:
-        """Forward the cancellations asked since the last look."""
+        """Forward the cancellations asked since the last look (never blocks)."""
         with self._lock:
-            asked = [f for f in self._flights.values()
-                     if f.job.handle.cancel_requested and not f.cancel_sent]
-            for flight in asked:
-                flight.cancel_sent = True
-        for flight in asked:
-            with contextlib.suppress(OSError, ValueError):  # a dead child: _read ends it
-                self._send(("cancel", flight.job.request.request_id))
+            for key, flight in self._flights.items():
+                if flight.job.handle.cancel_requested and not flight.cancel_sent:
+                    flight.cancel_sent = True
+                    self._send(("cancel", key, b""))
 
     def strategy(self, order: tuple[str, ...] | None) -> Strategy:
         """The strategy for ``order``, built here from the request side's stages."""
@@ -299,36 +337,43 @@ class ProcessEngine:
 
     @property
     def active_slots(self) -> int:
-        return int(self._shared[_ACTIVE])
+        """Requests holding a slot in the child (0 once it stopped)."""
+        return int(self._shared[_ACTIVE]) if self.alive else 0
 
     @property
     def queue_depth(self) -> int:
-        return int(self._shared[_QUEUED])
+        """Requests waiting for a slot in the child (0 once it stopped)."""
+        return int(self._shared[_QUEUED]) if self.alive else 0
 
     def stall(self) -> Stall | None:
         """The child's step in progress, timed by this process's clock (the same monotonic
-        clock on one machine)."""
+        clock on one machine; the child's engine thread writes a step's start itself, so a
+        step wedged from its first instant is seen). None between steps and once stopped."""
         started = int(self._shared[_STARTED])
-        if not started:
+        if not started or not self.alive:
             return None
         with self._lock:
-            ids = tuple(self._flights)
+            ids = tuple(f.job.request.request_id for f in self._flights.values())
         return Stall(int(self._shared[_STEPS]), (time.monotonic_ns() - started) / 1e9,
                      "the engine process", ids)
 
     def abandon(self, why: str) -> None:
-        """Kill the child (a stalled step): its requests fail with ``why``."""
-        with self._lock:
-            if self.failure is not None or self._closing:
-                return
-            self._abandoned = why
+        """Give up on the child (a stalled step): its requests and calls fail with ``why`` at
+        once, new work is refused, ``on_stop`` runs, and the child is killed."""
+        if not self._stop(why):
+            return
         log.error("killing the engine process %d: %s", self.pid, why)
-        with contextlib.suppress(OSError):
-            self._process.kill()
+        self._process.kill()
 
     def fresh(self) -> ProcessEngine:
-        """A new child from the same recipe, with this engine's strategies and ``on_stop``."""
+        """A new child from the same recipe, with this engine's strategies and ``on_stop``.
+        Raises :class:`~pipeline.errors.StepStillRunning` while the old child has not exited
+        (a process in an uninterruptible device call may hold its memory a while)."""
+        self._process.kill()
         self._process.join(5)
+        if self._process.is_alive():
+            raise StepStillRunning(f"the engine process {self.pid} has not exited yet; a "
+                                   "fresh one would compete for its memory")
         engine = ProcessEngine.start(self.recipe)
         engine._strategies, engine.on_stop = self._strategies, self.on_stop
         return engine
@@ -337,16 +382,16 @@ class ProcessEngine:
         """Ask the child to cancel what is left and end; kill it if it has not in ``timeout``."""
         with self._lock:
             self._closing = True
-        with contextlib.suppress(OSError, ValueError):
-            self._send(("close",))
+            self._send(("close", 0, b""))
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
+        self._outbox.put(None)
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout)
 
-    # --- the parent's reader --------------------------------------------------------------------
+    # --- the parent's threads -------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self.failure is not None:
@@ -355,87 +400,136 @@ class ProcessEngine:
         if self._closing:
             raise EngineClosed("the engine is closed")
 
-    def _send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock:
-            _put(self._conn, message)
+    def _send(self, message: tuple[str, int, bytes]) -> None:
+        """Queue ``message`` for the writer thread (the caller holds ``_lock``)."""
+        self._outbox.put(_dumps(message))
+
+    def _uncall(self, key: int) -> None:
+        with self._lock:
+            if self._calls.pop(key, None) is not None and self.failure is None:
+                self._send(("uncall", key, b""))
+
+    def _write(self) -> None:
+        """The writer thread: messages to the child, in order, until told to stop or the
+        pipe breaks (the reader then sees the end and fails what is in flight)."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:
+                return
 
     def _read(self) -> None:
+        """The reader thread: the child's messages, until the pipe ends."""
         why: str | None = None
         try:
             while True:
-                message = _get(self._conn)
-                kind = message[0]
-                if kind == "delta":
-                    self._delta(message[1], message[2])
-                elif kind == "done":
-                    self._done(message[1], message[2], message[3])
-                elif kind == "result":
-                    self._result(message[1], message[2], message[3])
-                elif kind == "stopped":
-                    why = message[1]
+                kind, key, extra, payload = _loads(self._conn.recv_bytes())
+                if kind == "stopped":
+                    why = extra
+                else:
+                    self._dispatch(kind, key, extra, payload)
         except (EOFError, OSError):
             pass
-        except Exception as exc:  # an unreadable message: the child cannot be trusted
+        except Exception as exc:  # the framing itself broke: the child cannot be trusted
             why = f"unreadable message from the engine process: {exc!r}"
-            with contextlib.suppress(OSError):
-                self._process.kill()
+        self._process.kill()  # the pipe ended: whatever the child still does is unheard
         self._died(why)
 
-    def _delta(self, rid: str, delta: Delta) -> None:
-        with self._lock:
-            flight = self._flights.get(rid)
-            if flight is not None:
+    def _dispatch(self, kind: str, key: int, extra: str, payload: bytes) -> None:
+        """One message; a payload that cannot be read fails only its request or call."""
+        if kind == "delta":
+            with self._lock:
+                flight = self._flights.get(key)
+            if flight is None:
+                return
+            try:
+                delta: Delta = _loads(payload)
+            except Exception as exc:
+                self._fail_one(key, f"a delta could not be read from the engine process: "
+                                    f"{exc!r}")
+                return
+            with self._lock:
                 flight.ids.extend(delta.token_ids)
                 flight.text.append(delta.text)
-        if flight is not None:
             flight.job.handle._push(delta)
+        elif kind == "done":
+            with self._lock:
+                flight = self._flights.pop(key, None)
+            if flight is None:
+                return
+            try:
+                completion: Completion = _loads(payload)
+            except Exception as exc:
+                _fail(flight, f"the completion could not be read from the engine process: "
+                              f"{exc!r}")
+                return
+            try:
+                flight.job.tracer.adopt(completion.trace)
+            except Exception:  # a sink's failure must not keep the caller waiting
+                log.exception("handing the engine process's trace events to the sinks failed")
+            flight.job.handle._complete(completion, RequestState(extra))
+        elif kind == "result":
+            with self._lock:
+                future = self._calls.pop(key, None)
+            if future is None or not future.set_running_or_notify_cancel():
+                return
+            try:
+                value = _loads(payload)
+            except Exception as exc:
+                future.set_exception(BackendError(f"the call's answer could not be read from "
+                                                  f"the engine process: {exc!r}"))
+                return
+            if extra == "ok":
+                future.set_result(value)
+            else:
+                future.set_exception(value)
 
-    def _done(self, rid: str, completion: Completion, state: str) -> None:
+    def _fail_one(self, key: int, error: str) -> None:
         with self._lock:
-            flight = self._flights.pop(rid, None)
-        if flight is None:
-            return
-        tracer = flight.job.tracer
-        tracer.adopt(completion.trace)
-        flight.job.handle._complete(completion, RequestState(state))
+            flight = self._flights.pop(key, None)
+            if flight is not None and self.failure is None:
+                self._send(("cancel", key, b""))
+        if flight is not None:
+            _fail(flight, error)
 
-    def _result(self, call_id: int, ok: bool, value: Any) -> None:
+    def _stop(self, why: str) -> bool:
+        """Stop taking work and fail everything in flight with ``why``; run ``on_stop``.
+        False when already stopped or closing (nothing is done twice)."""
         with self._lock:
-            future = self._calls.pop(call_id, None)
-        if future is None or future.done():
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
-
-    def _died(self, why: str | None) -> None:
-        self._process.join(5)
-        closing = self._closing
-        if self._abandoned is not None:
-            why = self._abandoned
-        elif why is None:
-            why = ("the engine is closed" if closing
-                   else f"the engine process {_exit(self._process.exitcode)}")
-        with self._lock:
-            if not closing:
-                self.failure = why
-            flights = list(self._flights.values())
-            calls = list(self._calls.values())
-            self._flights.clear()
-            self._calls.clear()
-        if not closing:
-            log.error("the engine process %d stopped: %s", self.pid, why)
+            if self.failure is not None or self._closing:
+                return False
+            self.failure = why
+            flights, self._flights = list(self._flights.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
         for future in calls:
-            if not future.done():
+            if future.set_running_or_notify_cancel():
                 future.set_exception(EngineClosed(f"{ENGINE_DOWN}: {why}"))
         for flight in flights:
             _fail(flight, f"{ENGINE_DOWN}: {why}")
-        if not closing and self.on_stop is not None:
+        if self.on_stop is not None:
             try:
                 self.on_stop(why)
             except Exception:
                 log.exception("the engine's on_stop failed")
+        return True
+
+    def _died(self, why: str | None) -> None:
+        """The pipe ended: the child is gone (or killed just now)."""
+        self._process.join(5)
+        self._outbox.put(None)
+        if self._closing:  # close(): what the child did not answer ends as closed
+            with self._lock:
+                flights, self._flights = list(self._flights.values()), {}
+                calls, self._calls = list(self._calls.values()), {}
+            for future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineClosed("the engine is closed"))
+            for flight in flights:
+                _fail(flight, "the engine is closed")
+            return
+        why = why or f"the engine process {_exit(self._process.exitcode)}"
+        if self._stop(why):
+            log.error("the engine process %d stopped: %s", self.pid, why)
 
 
 def _fail(flight: _Flight, error: str) -> None:
@@ -459,14 +553,24 @@ def _fail(flight: _Flight, error: str) -> None:
     job.handle._abort(completion)
 
 
-def _put(conn: Connection, message: Any) -> None:
-    """Send ``message`` pickled by value (plain :mod:`pickle`: a tensor travels as its data,
-    never as a handle to shared memory the other process could not open)."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+def _dumps(message: Any) -> bytes:
+    """``message`` pickled by value (plain :mod:`pickle`: a tensor travels as its data, never
+    as a handle to shared memory the other process could not open)."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _get(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+def _loads(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip, else a :class:`BackendError` saying what
+    it was (an exception whose constructor takes other arguments than its message)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return BackendError(f"{type(exc).__name__}: {exc}")
 
 
 class _Child:
@@ -539,13 +643,16 @@ def _child_backend() -> Any:
 
 def _child_entry(conn_fd: int, figures_fd: int) -> None:
     """The child's start (:class:`_Child`): its connection and figures from their file
-    descriptors, then the recipe as the first message."""
+    descriptors (kept from any process it starts, so its death closes the pipe), then the
+    recipe as the first message."""
     from multiprocessing.connection import Connection
 
+    for fd in (conn_fd, figures_fd):
+        os.set_inheritable(fd, False)
     conn = Connection(conn_fd)
     shared = memoryview(mmap.mmap(figures_fd, 8 * 4)).cast("q")
     try:
-        recipe = _get(conn)
+        recipe = _loads(conn.recv_bytes())
     except (EOFError, OSError):
         return
     _child_main(conn, recipe, shared)
@@ -553,111 +660,141 @@ def _child_entry(conn_fd: int, figures_fd: int) -> None:
 
 def _child_main(conn: Connection, recipe: EngineRecipe, shared: Any) -> None:
     """The child: build the recipe, report ready, then serve the parent until it says close
-    or goes away."""
+    or goes away. Each message is handled on its own: one that cannot be read or run
+    answers its request or call with the error and the child goes on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's
-    send_lock = threading.Lock()
-
-    def send(message: tuple[Any, ...]) -> None:
-        with send_lock:
-            _put(conn, message)
-
     try:
         from pipeline.builder import build
 
         pipe = build(recipe.model, options=recipe.options, **recipe.build_args)
         engine = pipe.engine
-        if engine is None:
+        if not isinstance(engine, Engine):
             raise BackendError("the recipe builds no model backend")
     except Exception as exc:
-        send(("failed", f"{type(exc).__name__}: {exc}"))
+        conn.send_bytes(_dumps(("failed", f"{type(exc).__name__}: {exc}")))
         return
     backend = engine.backend
     _CHILD["backend"] = backend
     hidden = getattr(backend, "hidden_size", None)
     describe = getattr(backend, "model_info", None)
-    send(("ready", _Facts(backend.vocab_size, backend.num_slots, backend.max_context,
-                          backend.snapshot, getattr(backend, "batch_invariant", None),
-                          describe() if callable(describe) else None,
-                          hidden if isinstance(hidden, int) else None, os.getpid())))
+    conn.send_bytes(_dumps(("ready", _Facts(
+        backend.vocab_size, backend.num_slots, backend.max_context, backend.snapshot,
+        getattr(backend, "batch_invariant", None), describe() if callable(describe) else None,
+        hidden if isinstance(hidden, int) else None, os.getpid()))))
+    served = _Served(pipe, engine, conn)
 
     def stopped(why: str) -> None:  # the engine loop died: say why, then end this process
-        with contextlib.suppress(OSError, ValueError):
-            send(("stopped", why))
+        with contextlib.suppress(Exception):
+            served.send("stopped", 0, why)
         os._exit(3)
 
-    engine.on_stop = stopped
+    def step(steps: int, started: int) -> None:  # on the engine thread, at a step's edges
+        shared[_STEPS], shared[_STARTED] = steps, started
+
+    engine.on_stop, engine.on_step = stopped, step
     done = threading.Event()
     threading.Thread(target=_publish, args=(engine, shared, done), daemon=True).start()
-    handles: dict[str, RequestHandle] = {}
     try:
         while True:
             try:
-                message = _get(conn)
+                kind, key, payload = _loads(conn.recv_bytes())
             except (EOFError, OSError):  # the parent is gone
                 break
-            kind = message[0]
-            if kind == "submit":
-                _child_submit(pipe, engine, message[1], message[2], handles, send)
-            elif kind == "cancel":
-                handle = handles.get(message[1])
-                if handle is not None:
-                    handle.cancel()
-            elif kind == "call":
-                _child_call(engine, message[1], message[2], send)
-            elif kind == "close":
+            if kind == "close":
                 break
+            try:
+                served.handle(kind, key, payload)
+            except Exception:  # contained: the parent hears of it through that request
+                log.exception("the engine process could not handle a %r message", kind)
     finally:
         done.set()
         engine.close()
 
 
-def _child_submit(pipe: Pipeline, engine: Any, spec: Any, events: Sequence[Event],
-                  handles: dict[str, RequestHandle], send: Callable[[tuple[Any, ...]], None]
-                  ) -> None:
-    rid = spec.request.request_id
-    handle = RequestHandle(rid, engine.wake)
-    handles[rid] = handle
+class _Served:
+    """The child's side of the requests and calls it was sent, by the parent's keys."""
 
-    def on_delta(delta: Delta) -> None:
-        send(("delta", rid, delta))
+    def __init__(self, pipe: Pipeline, engine: Engine, conn: Connection) -> None:
+        self.pipe, self.engine, self.conn = pipe, engine, conn
+        self.lock = threading.Lock()
+        self.handles: dict[int, RequestHandle] = {}
+        self.calls: dict[int, concurrent.futures.Future[Any]] = {}
 
-    def on_done(completion: Completion) -> None:
-        handles.pop(rid, None)
-        send(("done", rid, completion, handle.state.value))
+    def send(self, kind: str, key: int, extra: str = "", payload: bytes = b"") -> None:
+        data = _dumps((kind, key, extra, payload))
+        with self.lock:
+            self.conn.send_bytes(data)
 
-    handle.add_listener(on_delta)
-    handle.add_done_callback(on_done)
-    try:
-        engine.submit(pipe.job(spec, Tracer.resume(events), handle))
-    except Exception as exc:  # refused here: the parent's request fails with why
-        handles.pop(rid, None)
-        completion = Completion(rid, "", (), FinishReason.ERROR, Usage(len(spec.prompt), 0),
-                                tuple(events), Timings(0.0, None, 0.0), error=repr(exc))
-        handle._abort(completion)
+    def handle(self, kind: str, key: int, payload: bytes) -> None:
+        if kind == "submit":
+            self.submit(key, payload)
+        elif kind == "cancel":
+            handle = self.handles.get(key)
+            if handle is not None:
+                handle.cancel()
+        elif kind == "call":
+            self.call(key, payload)
+        elif kind == "uncall":
+            future = self.calls.pop(key, None)
+            if future is not None:
+                future.cancel()
 
-
-def _child_call(engine: Any, call_id: int, fn: Callable[[], Any],
-                send: Callable[[tuple[Any, ...]], None]) -> None:
-    def answer(future: concurrent.futures.Future[Any]) -> None:
-        exc = future.exception()
+    def submit(self, key: int, payload: bytes) -> None:
         try:
-            send(("result", call_id, exc is None, exc if exc is not None else future.result()))
-        except Exception as err:  # an unpicklable result or exception: say so instead
-            send(("result", call_id, False, BackendError(f"the call's answer cannot be "
-                                                          f"sent back: {err!r}")))
+            spec, events = _loads(payload)
+        except Exception as exc:
+            failed = Completion("", "", (), FinishReason.ERROR, Usage(0, 0), (),
+                                Timings(0.0, None, 0.0), error=f"the engine process could "
+                                f"not read the request: {exc!r}")
+            self.send("done", key, RequestState.FAILED.value, _dumps(failed))
+            return
+        handle = RequestHandle(spec.request.request_id, self.engine.wake)
+        self.handles[key] = handle
 
-    try:
-        engine.call(fn).add_done_callback(answer)
-    except Exception as exc:
-        send(("result", call_id, False, exc))
+        def on_delta(delta: Delta) -> None:
+            self.send("delta", key, "", _dumps(delta))
+
+        def on_done(completion: Completion) -> None:
+            self.handles.pop(key, None)
+            self.send("done", key, handle.state.value, _dumps(completion))
+
+        handle.add_listener(on_delta)
+        handle.add_done_callback(on_done)
+        try:
+            self.engine.submit(self.pipe.job(spec, Tracer.resume(events), handle))
+        except Exception as exc:  # refused here: the parent's request fails with why
+            handle._abort(Completion(spec.request.request_id, "", (), FinishReason.ERROR,
+                                     Usage(len(spec.prompt), 0), tuple(events),
+                                     Timings(0.0, None, 0.0), error=repr(exc)))
+
+    def call(self, key: int, payload: bytes) -> None:
+        def answer(future: concurrent.futures.Future[Any]) -> None:
+            self.calls.pop(key, None)
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if exc is None:
+                try:
+                    self.send("result", key, "ok", _dumps(future.result()))
+                    return
+                except Exception as err:  # an answer that cannot be pickled
+                    exc = BackendError(f"the call's answer cannot be sent back: {err!r}")
+            self.send("result", key, "error", _dumps(_portable(exc)))
+
+        try:
+            fn = _loads(payload)
+            future = self.engine.call(fn)
+        except Exception as exc:
+            self.send("result", key, "error", _dumps(_portable(exc)))
+            return
+        self.calls[key] = future
+        future.add_done_callback(answer)
 
 
-def _publish(engine: Any, shared: Any, done: threading.Event) -> None:
-    """Rewrite the liveness figures every :data:`PUBLISH_S` until ``done``."""
+def _publish(engine: Engine, shared: Any, done: threading.Event) -> None:
+    """Rewrite the request counts every :data:`PUBLISH_S` until ``done`` (the step figures
+    are the engine thread's own: ``Engine.on_step``)."""
     while not done.wait(PUBLISH_S):
-        stall = engine.stall()
-        shared[_STARTED] = (time.monotonic_ns() - int(stall.running_s * 1e9)
-                            if stall is not None else 0)
-        shared[_STEPS] = engine.steps
-        shared[_ACTIVE] = engine.active_slots
-        shared[_QUEUED] = engine.queue_depth
+        with contextlib.suppress(Exception):
+            shared[_ACTIVE] = engine.active_slots
+            shared[_QUEUED] = engine.queue_depth
