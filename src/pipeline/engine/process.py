@@ -105,11 +105,14 @@ _STEPS, _STARTED, _ACTIVE, _QUEUED = range(4)
 @attrs.frozen
 class EngineRecipe:
     """What the child builds: ``build(model, options=options, **build_args)`` (``model``
-    None: the default model). Plain data, pickled to the child."""
+    None: the default model), after running ``setup``. Pickled to the child."""
 
     model: str | Path | None
     options: BackendOptions = attrs.field(factory=BackendOptions)
     build_args: dict[str, Any] = attrs.field(factory=dict)
+    setup: tuple[Callable[[], Any], ...] = ()
+    """Run in the child before it builds (module-level functions: the server's caps on native
+    memory caches, say, which are per process)."""
 
 
 @attrs.frozen
@@ -666,6 +669,8 @@ def _child_main(conn: Connection, recipe: EngineRecipe, shared: Any) -> None:
     try:
         from pipeline.builder import build
 
+        for prepare in recipe.setup:
+            prepare()
         pipe = build(recipe.model, options=recipe.options, **recipe.build_args)
         engine = pipe.engine
         if not isinstance(engine, Engine):

@@ -41,11 +41,11 @@ from pathlib import Path
 
 import attrs
 
-from backends.torch.native_memory import release_free_memory
+from backends.torch.native_memory import bound_native_caches, release_free_memory
 from pipeline.builder import build
 from pipeline.errors import (
     AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
-    ModelNotFoundError, OverloadedError, StepStillRunning,
+    ModelNotFoundError, OverloadedError, PipelineError, StepStillRunning,
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.engine.process import EngineRecipe, ProcessEngine
@@ -73,8 +73,9 @@ def default_builder(folder: Path | None, config: ServerConfig,
     and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
     and its scheduler run in a child process (:class:`~pipeline.engine.process.ProcessEngine`)."""
     args = strategy.build_args() if strategy is not None else {}
-    if config.engine_process:
-        recipe = EngineRecipe(folder, config.backend_options(), args)
+    if config.engine_process:  # the child caps its native caches as this process does
+        recipe = EngineRecipe(folder, config.backend_options(), args,
+                              setup=(bound_native_caches,))
         return ProcessEngine.start(recipe).pipeline()
     return build(folder, options=config.backend_options(), **args)
 
@@ -318,8 +319,18 @@ class Gateway:
                 self.check_stalls()
                 if self.config.release_idle_memory and self._fell_idle():
                     release_free_memory()
+                    self._release_in_children()
             except Exception:  # the watchdog must outlive a bug in one look
                 log.exception("the engine watchdog's check failed")
+
+    def _release_in_children(self) -> None:
+        """Have each engine process hand its free pages back too (on its engine thread,
+        between steps; its answer is not waited for)."""
+        for served in self.models.values():
+            engine = served.pipeline.engine if served.pipeline is not None else None
+            if isinstance(engine, ProcessEngine) and engine.alive:
+                with contextlib.suppress(PipelineError):  # stopped or busy: next time
+                    engine.call(release_free_memory)
 
     def _fell_idle(self) -> bool:
         """True when every engine is idle and some stepped since the last look that was."""
