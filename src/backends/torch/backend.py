@@ -44,7 +44,7 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,7 +56,8 @@ from backends.torch.experts import ExpertCache, SafetensorsExperts
 from backends.torch.loader import load_checkpoint
 from backends.torch.kv import KVCache, RaggedBatch
 from backends.torch.model import MoeFunction, Transformer
-from backends.torch.moe import moe_forward
+from backends.torch.moe import ExpertSlice, moe_forward
+from backends.torch.shard import Shard
 from backends.torch.threads import ThreadChooser
 from backends.torch.weights import tensors
 from pipeline.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
@@ -138,7 +139,8 @@ class TorchBackend:
                  block_size: int = DEFAULT_BLOCK_SIZE,
                  batch_invariant: bool = False, kv_int8: bool = False,
                  expert_cache_bytes: int | None = None,
-                 expert_cache_policy: str = "lfu") -> TorchBackend:
+                 expert_cache_policy: str = "lfu", shard: Shard | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the default pool
@@ -152,7 +154,9 @@ class TorchBackend:
         makes each sequence's logits independent of its batch (:mod:`backends.torch.invariant`);
         ``expert_cache_bytes`` caps the memory of an MoE model's routed experts, the rest read
         from the mapped weight files as routing asks for them and kept by
-        ``expert_cache_policy`` (``"lru"`` or ``"lfu"``; :mod:`backends.torch.experts`).
+        ``expert_cache_policy`` (``"lru"`` or ``"lfu"``; :mod:`backends.torch.experts`);
+        ``shard`` loads one rank's part of a tensor/expert-parallel model, whose blocks'
+        outputs ``reduce`` sums over the group (:mod:`backends.torch.parallel`).
         Raises
         :class:`~pipeline.errors.InvalidValueError` for a device this machine lacks (before
         reading anything) and :class:`~pipeline.errors.ArtifactError` for an unusable folder.
@@ -161,17 +165,25 @@ class TorchBackend:
         if isinstance(dtype, str):
             dtype = torch_dtype(dtype)
         tiered = expert_cache_bytes is not None
-        ckpt = load_checkpoint(Path(path), dtype=dtype, device=device, mapped_experts=tiered)
+        if shard is not None and (tiered or reduce is None):
+            raise InvalidValueError("shard", shard, "a shard needs the group's reduce and "
+                                    "cannot be combined with an expert cap")
+        ckpt = load_checkpoint(Path(path), dtype=dtype, device=device, mapped_experts=tiered,
+                               shard=shard)
+        spec = ckpt.spec if shard is None else shard.local_spec(ckpt.spec)
+        if shard is not None and spec.moe is not None:
+            first, stop = shard.span(spec.moe.num_experts)
+            moe = ExpertSlice(first, stop - first)
         experts = None
         if expert_cache_bytes is not None:
             experts = ExpertCache(SafetensorsExperts(Path(path), ckpt.experts), ckpt.spec,
                                   cap_bytes=expert_cache_bytes, policy=expert_cache_policy,
                                   dtype=ckpt.weights.norm.dtype,
                                   device=ckpt.weights.norm.device, pack=pack)
-        model = Transformer(ckpt.spec, ckpt.weights, moe=moe, pack=pack,
-                            batch_invariant=batch_invariant, experts=experts)
+        model = Transformer(spec, ckpt.weights, moe=moe, pack=pack,
+                            batch_invariant=batch_invariant, experts=experts, reduce=reduce)
         if max_context is None and kv_cache_bytes is not None:
-            max_context = fitting_context(ckpt.spec, num_slots, model.dtype, kv_cache_bytes,
+            max_context = fitting_context(spec, num_slots, model.dtype, kv_cache_bytes,
                                           kv_int8)
         return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context,
                    kv_blocks=kv_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,

@@ -39,6 +39,7 @@ from safetensors import safe_open
 
 from backends.torch.config import ModelSpec
 from backends.torch.experts import ExpertNames
+from backends.torch.shard import Shard
 from backends.torch.weights import (
     AttentionWeights, ConditioningWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
@@ -156,8 +157,10 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.index
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Tensor ``name``, checked against ``shape``."""
+    def take(self, name: str, shape: tuple[int, ...],
+             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name``, checked against ``shape``; only its part ``index`` is read when
+        given (a shard)."""
         info = self.index.get(name)
         if info is None:
             files = ", ".join(sorted({i.file.name for i in self.index.values()})) or "no files"
@@ -167,7 +170,9 @@ class _Reader:
                                 f"expected {list(shape)}")
         self.used.add(name)
         try:
-            tensor: torch.Tensor = self._handles[info.file].get_tensor(name)
+            handle = self._handles[info.file]
+            tensor: torch.Tensor = (handle.get_tensor(name) if index is None
+                                    else handle.get_slice(name)[index])
         except Exception as exc:
             raise ArtifactError(f"{info.file}: cannot read tensor {name!r}: {exc}") from exc
         if self.progress is not None:
@@ -205,13 +210,15 @@ class _Reader:
 def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu",
                     progress: TextIO | bool | None = None,
-                    mapped_experts: bool = False) -> Checkpoint:
+                    mapped_experts: bool = False, shard: Shard | None = None) -> Checkpoint:
     """Spec, weights (cast to ``dtype``, default the config's, on ``device``) and snapshot.
 
     ``progress``: a stream to draw the loading bar on, ``False`` for none, ``None`` (default)
     for standard error when it is a terminal. ``mapped_experts``: the routed experts' stacks
     are ``meta`` placeholders and their tensors are only checked, not read (expert tiers read
     them per expert, :mod:`backends.torch.experts`; ``Checkpoint.experts`` names them).
+    ``shard``: read only this rank's part of a tensor/expert-parallel model
+    (:mod:`backends.torch.shard`; ``Checkpoint.spec`` stays the whole model's).
     """
     config = read_config(folder)
     spec = ModelSpec.from_hf_config(config)
@@ -222,7 +229,9 @@ def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
         if stream is not None:
             reader.progress = ProgressBar(stream, sum(reader.nbytes(n) for n in reader.index))
             stack.callback(reader.progress.close)
-        builder = _Builder(spec, reader, target, device, mapped_experts)
+        if shard is not None:
+            shard.check(spec)
+        builder = _Builder(spec, reader, target, device, mapped_experts, shard)
         weights = builder.model()
         names = {i: builder.expert_names(i) for i in spec.moe_layers}
         if reader.progress is not None:  # tensors the model skips (a tied head) count as read
@@ -250,15 +259,35 @@ class _Builder:
     """Turns checkpoint tensors into :mod:`~backends.torch.weights` containers."""
 
     def __init__(self, spec: ModelSpec, reader: _Reader, dtype: torch.dtype,
-                 device: torch.device | str, mapped_experts: bool = False) -> None:
+                 device: torch.device | str, mapped_experts: bool = False,
+                 shard: Shard | None = None) -> None:
         self.mapped_experts = mapped_experts
+        self.shard = shard
         self.s = spec
         self.r = reader
         self.dtype = dtype
         self.device = device
 
-    def get(self, name: str, *shape: int) -> torch.Tensor:
-        return self.r.take(name, shape).to(device=self.device, dtype=self.dtype)
+    def get(self, name: str, *shape: int, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` of ``shape``, only ``rows`` (of its first dim) and ``cols`` (of its
+        last) read when given."""
+        index = None
+        if rows is not None or cols is not None:
+            whole = slice(None)
+            picked = [slice(*rows) if rows is not None else whole]
+            if len(shape) > 1:
+                picked.append(slice(*cols) if cols is not None else whole)
+            index = tuple(picked)
+        return self.r.take(name, shape, index).to(device=self.device, dtype=self.dtype)
+
+    def split(self, n: int) -> tuple[int, int] | None:
+        """This rank's span of ``n`` (None: the whole, no shard)."""
+        return self.shard.span(n) if self.shard is not None else None
+
+    def first_rank(self) -> bool:
+        """Whether this rank adds a row-parallel projection's bias (rank 0, or no shard)."""
+        return self.shard is None or self.shard.rank == 0
 
     def maybe(self, present: bool, name: str, *shape: int) -> torch.Tensor | None:
         return self.get(name, *shape) if present else None
@@ -294,26 +323,40 @@ class _Builder:
     def attention(self, p: str) -> AttentionWeights:
         s, a = self.s, f"{p}.self_attn"
         h, dq, dkv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        qs, kvs = self.split(dq), self.split(dkv)  # this rank's heads' rows (whole heads)
+
+        def bias(name: str, n: int, span: tuple[int, int] | None) -> torch.Tensor | None:
+            return self.get(name, n, rows=span) if s.qkv_bias else None
+
         return AttentionWeights(
-            q=self.get(f"{a}.q_proj.weight", dq, h), k=self.get(f"{a}.k_proj.weight", dkv, h),
-            v=self.get(f"{a}.v_proj.weight", dkv, h), o=self.get(f"{a}.o_proj.weight", h, dq),
-            q_bias=self.maybe(s.qkv_bias, f"{a}.q_proj.bias", dq),
-            k_bias=self.maybe(s.qkv_bias, f"{a}.k_proj.bias", dkv),
-            v_bias=self.maybe(s.qkv_bias, f"{a}.v_proj.bias", dkv),
-            o_bias=self.maybe(s.o_bias, f"{a}.o_proj.bias", h),
+            q=self.get(f"{a}.q_proj.weight", dq, h, rows=qs),
+            k=self.get(f"{a}.k_proj.weight", dkv, h, rows=kvs),
+            v=self.get(f"{a}.v_proj.weight", dkv, h, rows=kvs),
+            o=self.get(f"{a}.o_proj.weight", h, dq, cols=qs),
+            q_bias=bias(f"{a}.q_proj.bias", dq, qs),
+            k_bias=bias(f"{a}.k_proj.bias", dkv, kvs),
+            v_bias=bias(f"{a}.v_proj.bias", dkv, kvs),
+            o_bias=self.row_bias(s.o_bias, f"{a}.o_proj.bias", h),
             q_norm=self.maybe(s.qk_norm, f"{a}.q_norm.weight", s.head_dim),
             k_norm=self.maybe(s.qk_norm, f"{a}.k_norm.weight", s.head_dim))
 
     def mlp(self, p: str, inter: int, bias: bool) -> MlpWeights:
         h = self.s.hidden_size
-        gate_up = torch.cat([self.get(f"{p}.gate_proj.weight", inter, h),
-                             self.get(f"{p}.up_proj.weight", inter, h)])      # [2I, H]
+        part = self.split(inter)  # this rank's rows of gate and of up, columns of down
+        gate_up = torch.cat([self.get(f"{p}.gate_proj.weight", inter, h, rows=part),
+                             self.get(f"{p}.up_proj.weight", inter, h, rows=part)])  # [2I, H]
         gate_up_bias = None
         if bias:
-            gate_up_bias = torch.cat([self.get(f"{p}.gate_proj.bias", inter),
-                                      self.get(f"{p}.up_proj.bias", inter)])
-        return MlpWeights(gate_up, self.get(f"{p}.down_proj.weight", h, inter), gate_up_bias,
-                          self.maybe(bias, f"{p}.down_proj.bias", h))
+            gate_up_bias = torch.cat([self.get(f"{p}.gate_proj.bias", inter, rows=part),
+                                      self.get(f"{p}.up_proj.bias", inter, rows=part)])
+        return MlpWeights(gate_up, self.get(f"{p}.down_proj.weight", h, inter, cols=part),
+                          gate_up_bias, self.row_bias(bias, f"{p}.down_proj.bias", h))
+
+    def row_bias(self, present: bool, name: str, n: int) -> torch.Tensor | None:
+        """A row-parallel projection's bias: read (marked used) by every rank, kept by the
+        first (the ranks' partial sums are added up once)."""
+        value = self.maybe(present, name, n)
+        return value if self.first_rank() else None
 
     def expert_names(self, i: int) -> ExpertNames:
         """Where MoE layer ``i`` stores its routed experts."""
@@ -340,13 +383,18 @@ class _Builder:
             gate_up = torch.empty(e, 2 * inter, h, dtype=self.dtype, device="meta")
             down = torch.empty(e, h, inter, dtype=self.dtype, device="meta")
         elif names.fused:
-            gate_up = self.get(names.gate_up_stack, e, 2 * inter, h)
-            down = self.get(names.down_stack, e, h, inter)
+            mine = self.split(e)  # expert parallelism: this rank's experts, whole
+            gate_up = self.get(names.gate_up_stack, e, 2 * inter, h, rows=mine)
+            down = self.get(names.down_stack, e, h, inter, rows=mine)
         else:
+            first, stop = self.split(e) or (0, e)
+            for j in [*range(first), *range(stop, e)]:  # another rank's: checked, not read
+                self.r.check(list(names.expert(j)), {}, (inter, h), (h, inter))
             gate_up = torch.stack([torch.cat([
                 self.get(names.expert(j)[0], inter, h),
-                self.get(names.expert(j)[1], inter, h)]) for j in range(e)])
-            down = torch.stack([self.get(names.expert(j)[2], h, inter) for j in range(e)])
+                self.get(names.expert(j)[1], inter, h)]) for j in range(first, stop)])
+            down = torch.stack([self.get(names.expert(j)[2], h, inter)
+                                for j in range(first, stop)])
         shared, shared_gate = None, None
         if moe.shared_intermediate_size:
             shared = self.mlp(f"{p}.shared_expert", moe.shared_intermediate_size, False)

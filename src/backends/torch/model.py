@@ -33,7 +33,7 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -101,7 +101,8 @@ class Transformer:
                  moe: MoeFunction = moe_forward, pack: bool = True,
                  own_products: Sequence[OwnProduct] = (),
                  batch_invariant: bool = False,
-                 experts: ExpertCache | None = None) -> None:
+                 experts: ExpertCache | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.spec = spec
         self.weights = weights
         self.batch_invariant = batch_invariant
@@ -111,6 +112,9 @@ class Transformer:
         for placeholder, multiply, nbytes, row_wise, dense in own_products:
             self.linears.register(placeholder, multiply, nbytes, row_wise=row_wise, dense=dense)
         self.linears.invariant = batch_invariant
+        self.reduce = reduce
+        """Sums a block's partial output over the ranks of a tensor-parallel group (None:
+        this process holds the whole model; :mod:`backends.torch.parallel`)."""
         self.experts = experts
         if experts is not None:
             if not default_moe:
@@ -175,11 +179,14 @@ class Transformer:
                batch: RaggedBatch | None) -> torch.Tensor:
         eps = self.spec.rms_norm_eps
         x = rms_norm(h, layer.input_norm, eps)
-        h = h + self._attention(i, layer.attention, x, cos, sin, cache, batch)
+        attended = self._attention(i, layer.attention, x, cos, sin, cache, batch)
+        h = h + (attended if self.reduce is None else self.reduce(attended))
         x = rms_norm(h, layer.post_norm, eps)
         if isinstance(layer.mlp, MoeWeights):
-            return h + self._moe(layer.mlp, x)
-        return h + mlp_forward(layer.mlp, x, self.linears)
+            mixed = self._moe(layer.mlp, x)
+        else:
+            mixed = mlp_forward(layer.mlp, x, self.linears)
+        return h + (mixed if self.reduce is None else self.reduce(mixed))
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, cache: KVCache | None,

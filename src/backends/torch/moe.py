@@ -197,3 +197,31 @@ def moe_forward(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
                          f"down {tuple(w_down.shape)}")
     weights, experts = route(router_logits, top_k=top_k, routing=routing)
     return expert_forward(hidden, weights, experts, w_gate_up, w_down, linear)
+
+
+class ExpertSlice:
+    """:class:`~backends.torch.model.MoeFunction` for one rank of an expert-parallel group: the
+    routed-experts output's share of experts ``[first, first + count)``, whose stacks
+    (``[count, 2I, H]``, ``[count, H, I]``) this rank holds. Routing is the whole model's
+    (``router_logits [T, E]``); each (token, expert) pair of this rank's experts computes
+    :func:`expert_forward`'s product, the others add nothing, so the shares of all ranks sum
+    to :func:`moe_forward`'s output (up to the order of the sum)."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, *, top_k: int,
+                 routing: RoutingSpec) -> torch.Tensor:
+        t, h = hidden.shape
+        weights, experts = route(router_logits, top_k=top_k, routing=routing)    # [T, K]
+        local = (experts - self.first).reshape(-1)                              # [T*K]
+        pairs = ((local >= 0) & (local < self.count)).nonzero().squeeze(1)      # this rank's
+        dtype = weights.dtype if routing.weights_in_float32 else hidden.dtype
+        products = torch.zeros(t * top_k, h, dtype=dtype, device=hidden.device)  # [T*K, H]
+        if pairs.numel():
+            order = pairs[torch.argsort(local[pairs], stable=True)]              # by expert
+            counts = torch.bincount(local[order], minlength=self.count)
+            y = _per_expert(hidden[order // top_k], counts, w_gate_up, w_down, _plain_linear)
+            products[order] = y * weights.reshape(-1, 1)[order]
+        return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)          # [T, H]

@@ -764,7 +764,10 @@ _DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access",
 def device_fault(exc: BaseException) -> bool:
     """Whether ``exc`` says the device is unusable (:class:`~pipeline.errors.DeviceFault`):
     torch's ``AcceleratorError``, or a runtime error naming a CUDA fault. Running out of device
-    memory is not one (the next step may fit)."""
+    memory is not one (the next step may fit). A backend may raise ``DeviceFault`` itself (a
+    parallel group that lost a rank)."""
+    if isinstance(exc, DeviceFault):
+        return True
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
         return False
     accelerator = getattr(torch, "AcceleratorError", None)

@@ -1,0 +1,177 @@
+"""Tensor and expert parallelism for the torch backend over ``torch.distributed``.
+
+Owns :func:`join_group`, :class:`ParallelTorchBackend` (rank 0's backend) and
+:func:`serve_rank` (every other rank's loop). A group of W ranks — processes started by
+``torchrun --nproc-per-node W``, gloo on CPUs, NCCL on GPUs — holds one model split as
+:mod:`backends.torch.shard` says: each rank reads only its part of the weights, keeps only its
+heads' KV cache, and sums each attention and MLP output over the group with one all-reduce
+(:class:`~backends.torch.model.Transformer`'s ``reduce``). Every rank ends a forward with the
+whole logits; rank 0's are the ones used.
+
+Rank 0 runs everything else — the engine and its scheduler, the API, the trace — over a
+:class:`ParallelTorchBackend`. Before each call that touches the model or its cache
+(``allocate``, ``release``, ``truncate``, ``forward``, ``hidden_states``) it broadcasts the
+call to the other ranks, which make the same call on their part (:func:`serve_rank`), so all
+ranks walk the same slots and blocks and meet in the same collectives. A call a rank refuses
+(a bad slot, say) is refused by every rank alike, before any collective.
+
+**A rank's death.** The next collective on rank 0 fails (gloo sees the closed connection at
+once; otherwise the group's ``timeout`` bounds it) and the backend raises
+:class:`~pipeline.errors.DeviceFault` naming it: the engine stops, its requests fail with
+``the engine stopped: ...``, and ``/health`` says so. The group cannot be mended; the server
+must be started again. The other ranks end when rank 0 closes the group or dies.
+
+Example (``torchrun --nproc-per-node 2 script.py``; every rank runs the same script)::
+
+    group = join_group()                       # Shard(rank, world) from torchrun's variables
+    backend = parallel_backend("model/", group, num_slots=4, max_context=512)
+    # ranks > 0 serve inside parallel_backend() and exit when rank 0 closes the group
+    logits = backend.prefill([PrefillChunk(backend.allocate(), ids, 0, True)])
+    backend.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from backends.torch.backend import TorchBackend
+from backends.torch.shard import Shard
+from pipeline.errors import DeviceFault, PipelineError
+from pipeline.protocols import ModelCall
+
+log = logging.getLogger("pipeline.parallel")
+
+GROUP_TIMEOUT_S = 60.0
+"""The longest a collective waits for a rank that does not answer (a rank whose connection
+closes is seen at once)."""
+
+
+def launched_world() -> tuple[int, int] | None:
+    """``(rank, world)`` when this process was started by ``torchrun`` with more than one
+    rank (its ``RANK`` and ``WORLD_SIZE``), else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return None
+    return int(os.environ["RANK"]), world
+
+
+def join_group(timeout_s: float = GROUP_TIMEOUT_S, device: str = "cpu") -> Shard:
+    """Join the process group ``torchrun`` described (gloo on a CPU, NCCL on a CUDA device;
+    once per process) and return this rank's :class:`Shard`."""
+    place = launched_world()
+    if place is None:
+        raise DeviceFault("no parallel group: start the ranks with torchrun --nproc-per-node N")
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over the group (in place; returned for chaining)."""
+    dist.all_reduce(tensor)
+    return tensor
+
+
+class ParallelTorchBackend(TorchBackend):
+    """Rank 0's backend of a parallel group: a :class:`TorchBackend` over this rank's part
+    whose model calls are broadcast to the other ranks first (module docstring)."""
+
+    closed = False
+
+    def _tell(self, op: str, *args: Any) -> None:
+        """Broadcast ``op(*args)`` to the other ranks; a rank that is gone is a
+        :class:`DeviceFault`."""
+        if self.closed:
+            raise DeviceFault("the parallel group is closed")
+        try:
+            dist.broadcast_object_list([(op, args)], src=0)
+        except Exception as exc:
+            raise DeviceFault(f"a rank of the parallel group stopped answering: {exc}") from exc
+
+    def _mirrored(self, op: str, *args: Any) -> Any:
+        self._tell(op, *args)
+        try:
+            return getattr(TorchBackend, op)(self, *args)
+        except PipelineError:
+            raise
+        except RuntimeError as exc:  # a collective failed: the group cannot be trusted
+            raise DeviceFault(f"a rank of the parallel group stopped answering: {exc}") from exc
+
+    def allocate(self) -> int:
+        result: int = self._mirrored("allocate")
+        return result
+
+    def release(self, slot: int) -> None:
+        self._mirrored("release", slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        self._mirrored("truncate", slot, length)
+
+    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
+        result: torch.Tensor = self._mirrored("forward", list(calls))
+        return result
+
+    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        result: torch.Tensor = self._mirrored("hidden_states", list(token_ids))
+        return result
+
+    def close(self) -> None:
+        """Tell the other ranks to end (idempotent; also run at exit)."""
+        if not self.closed:
+            try:
+                self._tell("close")
+            except DeviceFault:
+                pass
+            self.closed = True
+
+
+_CALLS = ("allocate", "release", "truncate", "forward", "hidden_states")
+
+
+def serve_rank(backend: TorchBackend) -> None:
+    """A rank other than 0: make each call rank 0 broadcasts on this rank's part, until it
+    says close or is gone."""
+    while True:
+        box: list[Any] = [None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as exc:  # rank 0 is gone
+            log.error("rank %d: rank 0 stopped answering: %s", dist.get_rank(), exc)
+            return
+        op, args = box[0]
+        if op == "close":
+            return
+        if op not in _CALLS:
+            log.error("rank %d: unknown call %r from rank 0", dist.get_rank(), op)
+            return
+        try:
+            getattr(TorchBackend, op)(backend, *args)
+        except PipelineError:  # refused here as on rank 0, before any collective
+            pass
+
+
+def parallel_backend(path: str | Path, shard: Shard, **options: Any) -> ParallelTorchBackend:
+    """This rank's part of the model at ``path`` (``options``: :meth:`TorchBackend.from_dir`'s).
+    Rank 0 gets its :class:`ParallelTorchBackend`; every other rank serves rank 0's calls
+    here and then ends the process (it never returns), as a worker of the group should."""
+    if shard.rank == 0:
+        backend = ParallelTorchBackend.from_dir(path, shard=shard, reduce=all_reduce, **options)
+        assert isinstance(backend, ParallelTorchBackend)
+        atexit.register(backend.close)
+        return backend
+    worker = TorchBackend.from_dir(path, shard=shard, reduce=all_reduce, **options)
+    serve_rank(worker)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(0)

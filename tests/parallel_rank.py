@@ -1,0 +1,66 @@
+"""One rank of a tensor/expert-parallel group, for tests/test_parallel.py (run by torchrun, or
+by the test with torchrun's variables set).
+
+``python tests/parallel_rank.py FOLDER OUT MODE``. Every rank joins the group and loads its
+part of FOLDER; ranks > 0 serve rank 0 until it closes the group. Rank 0:
+
+- ``greedy``: a batched prefill of two prompts, then 8 batched greedy decode steps, a
+  hidden-states call; saves every logit row, the tokens and the hidden states to OUT;
+- ``kill``: writes ``OUT.ready`` after its prefill, then decodes until a call fails; writes the
+  error's type and message to OUT as JSON.
+Each rank writes its process id to ``OUT.pid<rank>`` first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from backends.torch.parallel import join_group, parallel_backend
+from pipeline.protocols import PrefillChunk
+
+PROMPTS = [[1, 5, 9, 17, 33, 64, 2, 7, 11, 3], [44, 45, 46]]
+
+
+def main() -> None:
+    folder, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    shard = join_group(timeout_s=30)
+    Path(f"{out}.pid{shard.rank}").write_text(str(os.getpid()))
+    backend = parallel_backend(folder, shard, num_slots=2, max_context=64, dtype="float32")
+    slots = [backend.allocate() for _ in PROMPTS]
+    z = backend.prefill([PrefillChunk(s, tuple(p), 0, True) for s, p in zip(slots, PROMPTS)])
+    if mode == "greedy":
+        rows, tokens = [z], []
+        for _ in range(8):
+            picked = [int(i) for i in z.argmax(-1)]
+            tokens.append(picked)
+            z = backend.decode(slots, picked)
+            rows.append(z)
+        hidden = backend.hidden_states(PROMPTS[0])
+        torch.save({"logits": torch.cat(rows), "tokens": tokens, "hidden": hidden}, out)
+    else:
+        Path(f"{out}.ready").write_text("1")
+        started, steps = time.monotonic(), 0
+        try:
+            while time.monotonic() - started < 120:
+                z = backend.decode(slots, [int(i) for i in z.argmax(-1)])
+                steps += 1
+                if backend.cache_length(slots[0]) >= 60:  # stay in the window: start over
+                    for s in slots:
+                        backend.truncate(s, len(PROMPTS[0]) if s == slots[0] else len(PROMPTS[1]))
+            outcome = {"error": None, "steps": steps}
+        except Exception as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc), "steps": steps}
+        out.write_text(json.dumps(outcome))
+        os._exit(0)  # the group is broken: leave without waiting on it
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Tensor and expert parallelism over two gloo ranks (:mod:`backends.torch.parallel`).
+
+The oracle is the same checkpoint in one process: two ranks started by ``torchrun`` must give
+the same greedy tokens and logits within 1e-5 of the logits' scale, for a dense model (heads
+and MLP split) and an MoE model (experts split, and a shared expert's MLP split), and the same
+hidden states. A rank killed mid-decode makes rank 0's next call fail with a
+:class:`~pipeline.errors.DeviceFault` naming the group, within the group's timeout, not hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backends.torch.backend import TorchBackend
+from backends.torch.shard import Shard
+from pipeline.errors import ArtifactError
+from pipeline.model_paths import TINY_MODEL_DIR
+from pipeline.protocols import PrefillChunk
+from tests.parallel_rank import PROMPTS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "parallel_rank.py"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+       "OMP_NUM_THREADS": "1"}
+
+
+def _reference(folder: Path) -> dict[str, Any]:
+    """The same calls as parallel_rank.py's greedy mode, in this process, unsplit."""
+    backend = TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32")
+    slots = [backend.allocate() for _ in PROMPTS]
+    z = backend.prefill([PrefillChunk(s, tuple(p), 0, True) for s, p in zip(slots, PROMPTS)])
+    rows, tokens = [z], []
+    for _ in range(8):
+        picked = [int(i) for i in z.argmax(-1)]
+        tokens.append(picked)
+        z = backend.decode(slots, picked)
+        rows.append(z)
+    return {"logits": torch.cat(rows), "tokens": tokens,
+            "hidden": backend.hidden_states(PROMPTS[0])}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_weights import redraw
+
+    common: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256)
+    made = {"dense": transformers.Qwen3Config(**common, head_dim=16),
+            "shared-expert": transformers.Qwen2MoeConfig(
+                **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, qkv_bias=True)}
+    out = {"moe": TINY_MODEL_DIR}
+    torch.manual_seed(0)
+    for name, config in made.items():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        redraw(model)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        out[name] = folder
+    return out
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "shared-expert"])
+def test_two_gloo_ranks_compute_what_one_process_does(name: str, checkpoints: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    folder, out = checkpoints[name], tmp_path / "rank0.pt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(SCRIPT), str(folder), str(out), "greedy"],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got, want = torch.load(out), _reference(folder)
+    assert got["tokens"] == want["tokens"]
+    scale = want["logits"].abs().max().item()
+    assert (got["logits"] - want["logits"]).abs().max().item() <= 1e-5 * max(1.0, scale)
+    assert torch.allclose(got["hidden"], want["hidden"], rtol=0, atol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_a_rank_killed_mid_decode_fails_rank_zeros_call_within_the_bound(tmp_path: Path
+                                                                        ) -> None:
+    out, port = tmp_path / "kill.json", _free_port()
+    ranks = []
+    for rank in (0, 1):  # torchrun's agent would stop rank 0 too: started here instead
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+               "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        ranks.append(subprocess.Popen([sys.executable, str(SCRIPT), str(TINY_MODEL_DIR),
+                                       str(out), "kill"], env=env, cwd=ROOT))
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(f"{out}.ready").exists():
+            assert time.monotonic() < deadline and ranks[0].poll() is None, "rank 0 never ran"
+            time.sleep(0.05)
+        os.kill(int(Path(f"{out}.pid1").read_text()), signal.SIGKILL)
+        assert ranks[0].wait(timeout=120) == 0  # the bound: the group's 30 s timeout, and more
+        outcome = json.loads(out.read_text())
+        assert outcome["error"] == "DeviceFault", outcome
+        assert "a rank of the parallel group stopped answering" in outcome["message"]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()  # the processes this test started, by their handles
+            p.wait()
+
+
+def test_a_model_that_does_not_split_is_refused_naming_the_sizes() -> None:
+    from backends.torch.config import ModelSpec
+    from backends.torch.loader import read_config
+
+    spec = ModelSpec.from_hf_config(read_config(TINY_MODEL_DIR))
+    with pytest.raises(ArtifactError, match="num_key_value_heads=2, num_experts=8 must be "
+                                            "multiples of 3"):
+        Shard(0, 3).check(spec)
+    local = Shard(1, 2).local_spec(spec)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 512)
+    assert Shard(1, 2).span(8) == (4, 8)
