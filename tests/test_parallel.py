@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -132,3 +133,85 @@ def test_a_model_that_does_not_split_is_refused_naming_the_sizes() -> None:
     local = Shard(1, 2).local_spec(spec)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 512)
     assert Shard(1, 2).span(8) == (4, 8)
+
+
+# --- pipeline serve over a group ---------------------------------------------------------------
+
+def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert time.monotonic() < deadline, "the server never became healthy"
+        assert all(p.poll() is None for p in procs), "a rank ended while loading"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:  # the processes this test started, by their handles
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+CHAT = {"model": "default_model", "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hello there"}]}
+SERVE = ["-m", "pipeline", "serve", "--model", str(TINY_MODEL_DIR), "--dtype", "float32"]
+
+
+def test_pipeline_serve_under_torchrun_answers_as_one_process_does(tmp_path: Path) -> None:
+    from pipeline.builder import build
+
+    port = _free_port()
+    group = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", *SERVE, "--port", str(port),
+                               "--data-dir", str(tmp_path)], env=ENV, cwd=ROOT)]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, group)
+        answer = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60).json()
+    finally:
+        _stop(group)
+    with build(TINY_MODEL_DIR, options={"dtype": "float32"}) as one:
+        want = one.generate(CHAT["messages"], max_tokens=12, temperature=0)
+    assert answer["choices"][0]["message"]["content"] == want.text
+    assert answer["usage"]["completion_tokens"] == len(want.token_ids) == 12
+
+
+def test_a_lost_rank_fails_the_stream_and_health_says_why(tmp_path: Path) -> None:
+    port, master = _free_port(), _free_port()
+    ranks = []
+    for rank in (0, 1):  # started without torchrun's agent, which would stop rank 0 too
+        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master),
+               "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        ranks.append(subprocess.Popen([sys.executable, *SERVE, "--port", str(port),
+                                       "--data-dir", str(tmp_path / str(rank))], env=env,
+                                      cwd=ROOT))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, ranks)
+        body = {**CHAT, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+        lines: list[str] = []
+        with httpx.Client(timeout=120) as client, \
+                client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    ranks[1].kill()  # rank 1, mid-stream
+        assert lines[-1].startswith('data: {"error"') and "service_unavailable" in lines[-1]
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 503
+        assert "stopped answering" in json.dumps(health.json())
+        again = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
+        assert again.status_code == 503  # at once, not after a wait on the lost rank
+    finally:
+        _stop(ranks)

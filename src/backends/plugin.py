@@ -10,7 +10,9 @@ budget ``kv_cache_bytes`` (default: ``num_slots`` windows of ``max_context``; se
 ``TRITON_INTERPRET=1``, float32/float16), or a callable with ``moe_forward``'s signature.
 ``moe_configs`` adds folders of tuned Triton launch tables. ``expert_cache_bytes`` and
 ``expert_cache_policy`` put an MoE model's routed experts under a memory cap
-(:mod:`backends.torch.experts`). The built-in backends take no
+(:mod:`backends.torch.experts`). A process started by ``torchrun`` with more than one rank
+loads its part of a tensor/expert-parallel model instead (:mod:`backends.torch.parallel`):
+``build()`` returns on rank 0 only; every other rank serves rank 0 inside it and then ends. The built-in backends take no
 ``extra`` options.
 """
 
@@ -36,18 +38,42 @@ def _torch(ctx: BuildContext) -> Any:
     if opts.quantized:
         raise InvalidValueError("quantized", True, "applies to GGUF files only; this model is "
                                 "a Hugging Face folder of safetensors weights")
+    settings: dict[str, Any] = dict(
+        num_slots=opts.num_slots, max_context=opts.max_context, dtype=opts.torch_dtype,
+        pack=opts.pack, kv_blocks=opts.kv_blocks, kv_cache_bytes=opts.kv_cache_bytes,
+        block_size=opts.block_size, batch_invariant=opts.invariant,
+        kv_int8=opts.kv_cache_dtype == "int8")
+    from backends.torch.parallel import launched_world
+
+    if launched_world() is not None:  # torchrun: this rank's part of the model
+        return _parallel(ctx.model_dir, opts, settings)
     backend = TorchBackend.from_dir(
-        ctx.model_dir, num_slots=opts.num_slots, max_context=opts.max_context,
-        dtype=opts.torch_dtype, device=opts.device, pack=opts.pack,
-        moe=moe_function(opts.moe, opts.moe_configs), kv_blocks=opts.kv_blocks,
-        kv_cache_bytes=opts.kv_cache_bytes, block_size=opts.block_size,
-        batch_invariant=opts.invariant, kv_int8=opts.kv_cache_dtype == "int8",
-        expert_cache_bytes=opts.expert_cache_bytes, expert_cache_policy=opts.expert_cache_policy)
+        ctx.model_dir, device=opts.device, moe=moe_function(opts.moe, opts.moe_configs),
+        expert_cache_bytes=opts.expert_cache_bytes, expert_cache_policy=opts.expert_cache_policy,
+        **settings)
     if opts.moe == "triton":  # refuse at build time, not at the first request
         from backends.triton_moe.launch import check_device
 
         check_device(backend.model.weights.embed.device, backend.model.dtype)
     return backend
+
+
+def _parallel(folder: Path, opts: BackendOptions, settings: dict[str, Any]) -> Any:
+    """Under ``torchrun``: join the group and load this rank's part
+    (:mod:`backends.torch.parallel`). Rank 0 gets the backend; any other rank serves rank 0's
+    calls here and ends its process when rank 0 closes the group."""
+    import os
+
+    from backends.torch.parallel import join_group, parallel_backend
+
+    if opts.expert_cache_bytes is not None or opts.moe != "torch":
+        raise InvalidValueError("options", "expert_cache_bytes / moe", "a parallel group runs "
+                                "the torch experts path with every expert of a rank resident")
+    device = opts.device
+    if device == "cuda":  # one device a rank
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    shard = join_group(device=device)
+    return parallel_backend(folder, shard, device=device, **settings)
 
 
 def refuse_extra(opts: BackendOptions, backend: str) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from backends.gguf.file import GGUFFile, hf_config
 from backends.torch.config import ModelSpec
-from pipeline.errors import ArtifactError
+from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.registry import MODEL_METADATA, BuildContext
 
 _OPENED = "gguf.file"
@@ -77,6 +77,12 @@ def gguf_backend(ctx: BuildContext) -> Any:
 
     f, opts = opened(ctx), ctx.options
     refuse_extra(opts, "gguf")
+    from backends.torch.parallel import launched_world
+
+    if launched_world() is not None:
+        raise InvalidValueError("model", str(f.path), "a parallel group (torchrun) splits a "
+                                "Hugging Face folder of safetensors weights; a GGUF file runs "
+                                "in one process")
     spec = ModelSpec.from_hf_config(hf_config(f))
     dtype = opts.torch_dtype or torch.float32
     tiered = opts.expert_cache_bytes is not None

@@ -18,8 +18,13 @@ ranks walk the same slots and blocks and meet in the same collectives. A call a 
 **A rank's death.** The next collective on rank 0 fails (gloo sees the closed connection at
 once; otherwise the group's ``timeout`` bounds it) and the backend raises
 :class:`~pipeline.errors.DeviceFault` naming it: the engine stops, its requests fail with
-``the engine stopped: ...``, and ``/health`` says so. The group cannot be mended; the server
-must be started again. The other ranks end when rank 0 closes the group or dies.
+``the engine stopped: ...``, and ``/health`` says so; every later call fails at once with the
+same reason (``broken``). The group cannot be mended; it must be started again. The other ranks
+end when rank 0 closes the group or dies. Under ``torchrun`` the agent itself stops the whole
+group when one rank dies (after rank 0 has failed its requests), and ``--max-restarts N``
+starts it again; ranks started by another launcher with torchrun's variables
+(``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``) leave rank 0 serving its
+``/health``.
 
 Example (``torchrun --nproc-per-node 2 script.py``; every rank runs the same script)::
 
@@ -88,16 +93,27 @@ class ParallelTorchBackend(TorchBackend):
     whose model calls are broadcast to the other ranks first (module docstring)."""
 
     closed = False
+    broken: str | None = None
+    """Why the group cannot be used any more (a rank stopped answering): every later call
+    fails at once with it, so a restarted engine reports it instead of waiting again."""
 
     def _tell(self, op: str, *args: Any) -> None:
         """Broadcast ``op(*args)`` to the other ranks; a rank that is gone is a
         :class:`DeviceFault`."""
+        if self.broken is not None:
+            raise DeviceFault(self.broken)
         if self.closed:
             raise DeviceFault("the parallel group is closed")
         try:
             dist.broadcast_object_list([(op, args)], src=0)
         except Exception as exc:
-            raise DeviceFault(f"a rank of the parallel group stopped answering: {exc}") from exc
+            raise self._lost(exc) from exc
+
+    def _lost(self, exc: BaseException) -> DeviceFault:
+        self.broken = (f"a rank of the parallel group stopped answering ({exc}); the group "
+                       "cannot go on: start it again")
+        log.error("%s", self.broken)
+        return DeviceFault(self.broken)
 
     def _mirrored(self, op: str, *args: Any) -> Any:
         self._tell(op, *args)
@@ -106,7 +122,7 @@ class ParallelTorchBackend(TorchBackend):
         except PipelineError:
             raise
         except RuntimeError as exc:  # a collective failed: the group cannot be trusted
-            raise DeviceFault(f"a rank of the parallel group stopped answering: {exc}") from exc
+            raise self._lost(exc) from exc
 
     def allocate(self) -> int:
         result: int = self._mirrored("allocate")
@@ -128,7 +144,7 @@ class ParallelTorchBackend(TorchBackend):
 
     def close(self) -> None:
         """Tell the other ranks to end (idempotent; also run at exit)."""
-        if not self.closed:
+        if not self.closed and self.broken is None:
             try:
                 self._tell("close")
             except DeviceFault:

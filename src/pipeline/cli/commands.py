@@ -142,6 +142,20 @@ def _serve(args: argparse.Namespace) -> int:
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
         return 2
+    from backends.torch.parallel import launched_world
+
+    place = launched_world()
+    if place is not None:  # torchrun: one model split over the ranks; rank 0 serves it
+        if len(models) != 1 or args.engine_process:
+            print("pipeline serve: under torchrun the ranks hold one model together: serve "
+                  "one --model, without --engine-process", file=sys.stderr)
+            return 2
+        if place[0] > 0:  # this rank's part of the model, no HTTP: it ends with rank 0
+            from transports.http.gateway import default_builder
+
+            name, folder = next(iter(models.items()))
+            default_builder(folder, config, config.strategy(name))
+            return 0
     if not keys and not _loopback(args.host) and not args.insecure:
         print(f"pipeline serve: refusing to serve {args.host} without API keys: set "
               f"${args.api_key_env} or --api-key-file, or pass --insecure", file=sys.stderr)
