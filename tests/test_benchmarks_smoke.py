@@ -237,6 +237,17 @@ def _engine_restart(r: Report, out: Path, log: str) -> None:
     assert one["health_after_errors"] == "restarting"
 
 
+def _parallel(r: Report, out: Path, log: str) -> None:
+    assert r["smoke"] is True and r["device"] == "cpu"
+    assert [(row["model"], row["ranks"]) for row in r["rows"]] == [("tiny", 1), ("tiny", 2)]
+    one, two = r["rows"]
+    for row in r["rows"]:
+        assert row["same_tokens"] is True and len(row["tokens"]) == 5
+        _positive(row["prefill_tok_s"], row["decode_tok_s"])
+    assert one["communication"] == {"decode_ms": 0.0, "prefill_ms": 0.0}
+    _positive(two["communication"]["decode_ms"], two["communication"]["prefill_ms"])
+
+
 def _penalty_history(r: Report, out: Path, log: str) -> None:
     assert r["vocab_size"] == 4096 and r["smoke"] is True
     assert [x["history"] for x in r["results"]] == [10, 200]
@@ -326,7 +337,8 @@ CHECKS: dict[str, Check] = {
     "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
     "llama_cpp": _llama_cpp, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
-    "kv_int8": _kv_int8, "paged_kv": _paged_kv, "penalty_history": _penalty_history,
+    "kv_int8": _kv_int8, "paged_kv": _paged_kv, "parallel": _parallel,
+    "penalty_history": _penalty_history,
     "prefix_cache": _prefix_cache, "processors": _processors,
     "serve_memory": _serve_memory, "speculative": _speculative, "startup": _startup,
     "structured": _structured, "torch_backend": _torch_backend,

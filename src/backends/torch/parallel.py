@@ -42,6 +42,7 @@ import datetime
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,19 @@ class ParallelTorchBackend(TorchBackend):
         result: torch.Tensor = self._mirrored("hidden_states", list(token_ids))
         return result
 
+    def probe(self, rows: int, count: int, payload: Any = None) -> float:
+        """Seconds the group's communication of one step takes without its compute: one
+        broadcast (carrying ``payload``, e.g. the step's calls) and ``count`` all-reduces of
+        ``[rows, H]`` (a step makes two a layer); also a check that every rank answers (a
+        :class:`DeviceFault` if not)."""
+        start = time.perf_counter()
+        self._tell("probe", rows, count, payload)
+        try:
+            _probe(self, rows, count)
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
+        return time.perf_counter() - start
+
     def close(self) -> None:
         """Tell the other ranks to end (idempotent; also run at exit)."""
         if not self.closed and self.broken is None:
@@ -168,6 +182,9 @@ def serve_rank(backend: TorchBackend) -> None:
         op, args = box[0]
         if op == "close":
             return
+        if op == "probe":
+            _probe(backend, args[0], args[1])
+            continue
         if op not in _CALLS:
             log.error("rank %d: unknown call %r from rank 0", dist.get_rank(), op)
             return
@@ -175,6 +192,15 @@ def serve_rank(backend: TorchBackend) -> None:
             getattr(TorchBackend, op)(backend, *args)
         except PipelineError:  # refused here as on rank 0, before any collective
             pass
+
+
+def _probe(backend: TorchBackend, rows: int, count: int) -> None:
+    """``count`` all-reduces of a ``[rows, H]`` tensor of the model's dtype (every rank)."""
+    model = backend.model
+    x = torch.zeros(rows, model.spec.hidden_size, dtype=model.dtype,
+                    device=model.weights.embed.device)
+    for _ in range(count):
+        all_reduce(x)
 
 
 def parallel_backend(path: str | Path, shard: Shard, **options: Any) -> ParallelTorchBackend:
