@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test demo docs typecheck clean chromium
+.PHONY: venv test demo docs typecheck clean chromium postgresql
 
 $(BIN)/.runtime: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,9 +35,19 @@ chromium:
 		DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q chromium; \
 	fi
 
-test: venv chromium
+# The PostgreSQL usage store's tests (tests/test_usage_postgres.py) start a server of their own
+# from Debian's package; `test` installs it where apt-get can, and makes those tests fail
+# rather than skip without it.
+postgresql:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi; \
+		$$sudo apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q postgresql; \
+	fi
+
+test: venv chromium postgresql
 	$(BIN)/mypy --strict src
-	PIPELINE_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	PIPELINE_REQUIRE_BROWSER=1 PIPELINE_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The API reference, generated from the docstrings by pdoc (offline) into build/api/.
 docs: venv

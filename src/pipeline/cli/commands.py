@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
             answer_reserve_tokens=args.answer_reserve, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
             restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
-            engine_process=args.engine_process,
+            engine_process=args.engine_process, usage_database=args.usage_db,
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
             request_deadline_s=args.request_deadline,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
@@ -222,6 +222,9 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
                        help="requests that may wait for those threads before a 429")
     serve.add_argument("--restart-delay", type=float, default=1.0, metavar="SECONDS",
                        help="wait before a stopped engine is replaced by a fresh one")
+    serve.add_argument("--usage-db", default=None, metavar="URL",
+                       help="a postgresql:// URL: usage records go to that database (one that "
+                            "replicas share) instead of SQLite in --data-dir")
     serve.add_argument("--engine-process", action="store_true",
                        help="run each model's engine in a child process the server watches: "
                             "a crash, an out-of-memory kill or a stall ends that process "

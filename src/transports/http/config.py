@@ -103,6 +103,8 @@ class ServerConfig:
     (:mod:`transports.http.usage`: a record the database will not take is kept and retried).
     ``request_deadline_s`` (None: none) ends a request that has run that long since it was
     accepted, queueing included, with what it wrote so far (``finish_reason`` ``length``).
+    ``usage_database`` (a ``postgresql://`` URL; None: SQLite in ``data_dir``) is where usage
+    records go, a database that replicas share (:mod:`transports.http.usage_postgres`).
     ``engine_process`` runs each model's engine (model and scheduler) in a child process the
     server starts and watches (:mod:`pipeline.engine.process`): a native crash, the
     out-of-memory killer or a stalled step then ends that process, not the server; its requests
@@ -148,6 +150,7 @@ class ServerConfig:
                                                    validator=_seconds_or_none("no deadline"))
     release_idle_memory: bool = True
     engine_process: bool = False
+    usage_database: str | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads
@@ -169,6 +172,13 @@ class ServerConfig:
                               kv_cache_dtype=self.kv_cache_dtype,
                               expert_cache_bytes=self.expert_cache_bytes,
                               expert_cache_policy=self.expert_cache_policy)
+
+    @usage_database.validator
+    def _usage_database(self, _: attrs.Attribute[str | None], value: str | None) -> None:
+        if value is not None:
+            from transports.http.usage_postgres import check_url
+
+            check_url(value)
 
     @restart_delay_s.validator
     def _delay(self, _: attrs.Attribute[float], value: float) -> None:

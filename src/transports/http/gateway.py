@@ -221,7 +221,12 @@ class Gateway:
         self._builder = builder
         self.models = {name: ServedModel(name, folder) for name, folder in config.models.items()}
         self.metrics = Metrics(self.pipelines, tuple(self.models))
-        self.usage = UsageStore(config.data_dir)
+        database = None
+        if config.usage_database is not None:  # replicas sharing one store
+            from transports.http.usage_postgres import PostgresUsage
+
+            database = PostgresUsage(config.usage_database)
+        self.usage = UsageStore(config.data_dir, database=database)
         self.metrics.watch_usage(self.usage.health)
         self.traces = TraceStore(config.keep_traces)
         self._loaders: list[threading.Thread] = []

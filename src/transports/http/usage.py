@@ -1,13 +1,15 @@
-"""The durable usage store: one SQLite row per finished, cancelled or failed request.
+"""The durable usage store: one row per finished, cancelled or failed request.
 
-Owns :class:`UsageRecord` and :class:`UsageStore`. The database lives in the server's data
-directory, in WAL mode with ``synchronous=FULL``: a record is on disk when its transaction
+Owns :class:`UsageRecord`, :class:`UsageStore`, the :class:`UsageDatabase` protocol and its
+SQLite implementation. By default the database lives in the server's data directory, in WAL
+mode with ``synchronous=FULL``: a record is on disk when its transaction
 commits, so a server killed with SIGKILL keeps every record it had committed. One writer thread
 owns the connection and commits records in batches; ``append`` takes a callback that runs once
 with ``True`` when the record is durable, or ``False`` when it could not be made durable yet.
 The HTTP handlers wait for that callback (with a bound of their own) before a response's last
 byte, so a response never outruns its row in the ordinary case and never waits without bound
-in the bad one.
+in the bad one. Replicas that share one store write to PostgreSQL instead
+(:mod:`transports.http.usage_postgres`), under the same supervision.
 
 Supervision. The writer never dies of a write error. When a batch cannot be committed (the
 database locked by another process past ``busy_timeout_s``, a full or read-only disk, an I/O
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import attrs
 
@@ -120,14 +123,63 @@ class StoreHealth:
     dropped: int
 
 
+class UsageDatabase(Protocol):
+    """Where the records go: one transaction a batch. ``name`` is what logs call it (never a
+    password); ``write`` commits ``records`` (a record whose ``request_id`` is there already
+    replaces it) or raises; ``reset`` drops a connection that failed (the next ``write``
+    opens a fresh one); ``close`` ends it. Called from the writer thread only."""
+
+    name: str
+
+    def write(self, records: Sequence[UsageRecord]) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class OneConnection:
+    """A :class:`UsageDatabase`'s one connection (``_db``): ``reset`` drops it, quietly (it
+    failed already), ``close`` too; the next ``write`` opens a fresh one."""
+
+    _db: Any = None
+
+    def reset(self) -> None:
+        if self._db is not None:
+            with contextlib.suppress(Exception):
+                self._db.close()
+            self._db = None
+
+    def close(self) -> None:
+        self.reset()
+
+
+class SqliteUsage(OneConnection):
+    """The default :class:`UsageDatabase`: ``usage.sqlite3`` in the data directory (WAL, full
+    sync, ``busy_timeout_s`` for another process's lock). Opened at construction."""
+
+    def __init__(self, path: Path, busy_timeout_s: float) -> None:
+        self.path, self.busy_timeout_s, self.name = path, busy_timeout_s, path.name
+        self._db: sqlite3.Connection | None = connect(path, busy_timeout_s)
+
+    def write(self, records: Sequence[UsageRecord]) -> None:
+        if self._db is None:
+            self._db = connect(self.path, self.busy_timeout_s)
+        self._db.executemany(_INSERT, [attrs.astuple(r) for r in records])
+        self._db.commit()
+
+
 class UsageStore:
-    """Appends :class:`UsageRecord`\\s to ``<data_dir>/usage.sqlite3`` from a supervised writer
-    thread. Opening fails at once (the caller learns of an unusable data directory before
-    serving); every later failure is retried, never raised."""
+    """Appends :class:`UsageRecord`\\s to ``<data_dir>/usage.sqlite3`` (or to ``database``,
+    e.g. a :class:`~transports.http.usage_postgres.PostgresUsage` that replicas share) from a
+    supervised writer thread. Opening fails at once (the caller learns of an unusable data
+    directory or database before serving); every later failure is retried, never raised. The
+    spill file goes to ``data_dir`` whatever the database."""
 
     def __init__(self, data_dir: str | Path, *, busy_timeout_s: float = 1.0,
                  spill_limit: int = 10_000, backoff_s: float = 0.1, max_backoff_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 database: UsageDatabase | None = None) -> None:
         self.path = Path(data_dir) / "usage.sqlite3"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s, self.spill_limit = busy_timeout_s, spill_limit
@@ -138,7 +190,8 @@ class UsageStore:
         self._spill: collections.deque[UsageRecord] = collections.deque()
         self._down: tuple[str, float] | None = None
         self._counts = {"durable": 0, "spilled": 0, "dropped": 0}
-        self._db: sqlite3.Connection | None = connect(self.path, busy_timeout_s)
+        self._db: UsageDatabase = (database if database is not None
+                                   else SqliteUsage(self.path, busy_timeout_s))
         self._thread = threading.Thread(target=self._run, daemon=True, name="usage-store")
         self._thread.start()
 
@@ -170,7 +223,7 @@ class UsageStore:
                 delay = min(delay * 2, self._backoff[1])
             if stopping:
                 self._last_resort()
-                if self._db is not None:
+                with contextlib.suppress(Exception):
                     self._db.close()
                 return
 
@@ -193,11 +246,8 @@ class UsageStore:
         if not records:
             return True
         try:
-            if self._db is None:
-                self._db = connect(self.path, self.busy_timeout_s)
-            self._db.executemany(_INSERT, [attrs.astuple(r) for r in records])
-            self._db.commit()
-        except Exception as exc:  # sqlite3.Error, OSError, or a bug: retried, never fatal
+            self._db.write(records)
+        except Exception as exc:  # a database error, OSError, or a bug: retried, never fatal
             self._failed(exc, items)
             return False
         if self._down is not None:
@@ -211,13 +261,11 @@ class UsageStore:
 
     def _failed(self, exc: Exception, items: list[tuple[UsageRecord, Done | None]]) -> None:
         why = f"{type(exc).__name__}: {exc}"
-        if self._db is not None:  # a broken connection is reopened on the next try
-            with contextlib.suppress(Exception):
-                self._db.close()
-            self._db = None
+        with contextlib.suppress(Exception):  # a broken connection is reopened on the next try
+            self._db.reset()
         if self._down is None:
             log.error("usage store: cannot write to %s (%s); records are kept in memory "
-                      "(at most %d) and retried with backoff", self.path.name, why,
+                      "(at most %d) and retried with backoff", self._db.name, why,
                       self.spill_limit)
             self._down = (why, self._clock())
         else:
