@@ -7,7 +7,9 @@ part of FOLDER; ranks > 0 serve rank 0 until it closes the group. Rank 0:
 - ``greedy``: a batched prefill of two prompts, then 8 batched greedy decode steps, a
   hidden-states call; saves every logit row, the tokens and the hidden states to OUT;
 - ``kill``: writes ``OUT.ready`` after its prefill, then decodes until a call fails; writes the
-  error's type and message to OUT as JSON.
+  error's type and message to OUT as JSON;
+- ``idle``: with a 3 s step timeout, waits 6 s after its prefill, then decodes one step (the
+  other ranks' wait for a call is not bounded by the step timeout).
 Each rank writes its process id to ``OUT.pid<rank>`` first.
 """
 
@@ -30,12 +32,16 @@ PROMPTS = [[1, 5, 9, 17, 33, 64, 2, 7, 11, 3], [44, 45, 46]]
 def main() -> None:
     folder, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
-    shard = join_group(timeout_s=30)
+    shard = join_group(timeout_s=3 if mode == "idle" else 30)
     Path(f"{out}.pid{shard.rank}").write_text(str(os.getpid()))
     backend = parallel_backend(folder, shard, num_slots=2, max_context=64, dtype="float32")
     slots = [backend.allocate() for _ in PROMPTS]
     z = backend.prefill([PrefillChunk(s, tuple(p), 0, True) for s, p in zip(slots, PROMPTS)])
-    if mode == "greedy":
+    if mode == "idle":  # idle longer than the step timeout, then one more step
+        time.sleep(6)
+        z = backend.decode(slots, [int(i) for i in z.argmax(-1)])
+        torch.save({"logits": z}, out)
+    elif mode == "greedy":
         rows, tokens = [z], []
         for _ in range(8):
             picked = [int(i) for i in z.argmax(-1)]

@@ -89,6 +89,25 @@ def test_two_gloo_ranks_compute_what_one_process_does(name: str, checkpoints: di
     assert torch.allclose(got["hidden"], want["hidden"], rtol=0, atol=1e-5)
 
 
+def test_ranks_idle_longer_than_the_step_timeout_still_answer(tmp_path: Path) -> None:
+    out = tmp_path / "idle.pt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(SCRIPT), str(TINY_MODEL_DIR), str(out),
+                           "idle"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert torch.load(out)["logits"].shape == (2, 6144)
+
+
+def test_a_group_holds_one_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backends.torch import parallel
+    from pipeline.errors import InvalidValueError
+
+    monkeypatch.setattr(parallel, "_SERVED", ["the main model"])
+    with pytest.raises(InvalidValueError, match="holds the main model already"):
+        parallel.parallel_backend(TINY_MODEL_DIR, Shard(0, 2))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -213,5 +232,13 @@ def test_a_lost_rank_fails_the_stream_and_health_says_why(tmp_path: Path) -> Non
         assert "stopped answering" in json.dumps(health.json())
         again = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
         assert again.status_code == 503  # at once, not after a wait on the lost rank
+        # the restart that follows finds the group broken: the model stays down, /health
+        # stays 503 (it never flaps back to ok for a server that cannot answer)
+        deadline = time.monotonic() + 60
+        while (body := httpx.get(f"{url}/health", timeout=30).json())["models"].get(
+                "default_model") != "failed":
+            assert time.monotonic() < deadline and body["status"] != "ok", body
+            time.sleep(0.1)
+        assert "stopped answering" in json.dumps(body)
     finally:
         _stop(ranks)

@@ -227,7 +227,65 @@ def test_two_servers_behind_one_store_record_each_request_once(url: str, tmp_pat
 
 
 def test_a_bad_url_is_refused_and_a_password_never_shown() -> None:
-    with pytest.raises(InvalidValueError, match="usage_database"):
-        ServerConfig(models={"default": None}, usage_database="mysql://x/y")
+    with pytest.raises(InvalidValueError, match="usage_database") as caught:
+        ServerConfig(models={"default": None}, usage_database="postgresq://me:hunter2@db/u")
+    assert "hunter2" not in str(caught.value)
     assert shown("postgresql://me:secret@db:5433/usage") == "postgresql://me@db:5433/usage"
-    assert "secret" not in shown("postgresql://me:secret@db/usage")
+    assert shown("postgresql://me@db/usage?password=secret&sslmode=require") == \
+        "postgresql://me@db/usage?sslmode=require"
+    assert "secret" not in shown("postgresql://me:secret@h1:5432,h2:5432/usage")
+    config = ServerConfig(models={"default": None},
+                          usage_database="postgresql://me:secret@db/usage")
+    assert "secret" not in repr(config)
+
+
+def test_replicas_starting_together_create_the_table_once(url: str) -> None:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        opened = list(pool.map(lambda _: PostgresUsage(url), range(4)))  # none raises
+    for db in opened:
+        db.close()
+
+
+def test_a_record_with_a_nul_character_lands(url: str, tmp_path: Path) -> None:
+    store = UsageStore(tmp_path, database=PostgresUsage(url))
+    bad = attrs.evolve(record(1), error="a\x00b")
+    try:
+        assert append_all(store, [bad, record(2)]) == [True, True]
+    finally:
+        store.close()
+    assert {r.request_id: r.error for r in read_records(url)}["req-1"] == "a\\0b"
+
+
+class FrozenDatabase:
+    """A database whose write never returns until released (a server frozen mid-write)."""
+
+    name = "frozen"
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def write(self, records: object) -> None:
+        self.entered.set()
+        self.release.wait(60)
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_write_that_does_not_return_makes_the_store_report_down(tmp_path: Path) -> None:
+    now = [100.0]
+    db = FrozenDatabase()
+    store = UsageStore(tmp_path, database=db, clock=lambda: now[0])
+    try:
+        store.append(record(1))
+        assert db.entered.wait(30)
+        assert store.health().down is None          # a write in flight is not yet a fault
+        now[0] += 11                                # the injected clock: past WRITE_STALL_S
+        down = store.health().down
+        assert down is not None and "has not returned for 11 s" in down
+    finally:
+        db.release.set()
+        store.close()

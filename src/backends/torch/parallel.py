@@ -57,14 +57,22 @@ import torch.distributed as dist
 
 from backends.torch.backend import TorchBackend
 from backends.torch.shard import Shard
-from pipeline.errors import DeviceFault, PipelineError
+from pipeline.errors import DeviceFault, InvalidValueError, PipelineError
 from pipeline.protocols import ModelCall
 
 log = logging.getLogger("pipeline.parallel")
 
 GROUP_TIMEOUT_S = 60.0
-"""The longest a collective waits for a rank that does not answer (a rank whose connection
-closes is seen at once)."""
+"""The longest a step's collective waits for a rank that does not answer (a rank whose
+connection closes is seen at once)."""
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+"""How long a rank other than 0 waits for rank 0's next call: without bound in practice (a
+server may idle for hours); rank 0's death still closes the connection at once."""
+_CONTROL: list[Any] = []
+"""The call channel: a gloo group of its own with :data:`CONTROL_TIMEOUT`, so an idle wait
+never meets the step collectives' timeout (set by :func:`join_group`)."""
+_SERVED: list[str] = []
+"""The model this process's group holds (a group holds one)."""
 
 
 def launched_world() -> tuple[int, int] | None:
@@ -83,9 +91,19 @@ def join_group(timeout_s: float = GROUP_TIMEOUT_S, device: str = "cpu") -> Shard
     if place is None:
         raise DeviceFault("no parallel group: start the ranks with torchrun --nproc-per-node N")
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.startswith("cuda"):  # one device a rank, current before NCCL starts
+            torch.cuda.set_device(torch.device(device))
+            dist.init_process_group("nccl", timeout=timeout,
+                                    device_id=torch.device(device))
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+        _CONTROL[:] = [dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)]
     return Shard(dist.get_rank(), dist.get_world_size())
+
+
+def _control() -> Any:
+    return _CONTROL[0] if _CONTROL else None
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -111,7 +129,7 @@ class ParallelTorchBackend(TorchBackend):
         if self.closed:
             raise DeviceFault("the parallel group is closed")
         try:
-            dist.broadcast_object_list([(op, args)], src=0)
+            dist.broadcast_object_list([(op, args)], src=0, group=_control())
         except Exception as exc:
             raise self._lost(exc) from exc
 
@@ -127,8 +145,11 @@ class ParallelTorchBackend(TorchBackend):
             return getattr(TorchBackend, op)(self, *args)
         except PipelineError:
             raise
-        except RuntimeError as exc:  # a collective failed: the group cannot be trusted
-            raise self._lost(exc) from exc
+        except RuntimeError as exc:
+            if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+                raise  # as in one process: this step failed; if a rank went on past it,
+                # the next collective's timeout says so
+            raise self._lost(exc) from exc  # a collective failed: the group cannot be trusted
 
     def allocate(self) -> int:
         result: int = self._mirrored("allocate")
@@ -174,29 +195,31 @@ class ParallelTorchBackend(TorchBackend):
 _CALLS = ("allocate", "release", "truncate", "forward", "hidden_states")
 
 
-def serve_rank(backend: TorchBackend) -> None:
+def serve_rank(backend: TorchBackend) -> bool:
     """A rank other than 0: make each call rank 0 broadcasts on this rank's part, until it
-    says close or is gone."""
+    says close (True) or is gone (False). A call that fails here fails on rank 0 alike (the
+    same refusal, the same out-of-memory step); should it not, the step's next collective
+    times out on rank 0, which then says the group is broken."""
     while True:
         box: list[Any] = [None]
         try:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=_control())
         except Exception as exc:  # rank 0 is gone
             log.error("rank %d: rank 0 stopped answering: %s", dist.get_rank(), exc)
-            return
+            return False
         op, args = box[0]
         if op == "close":
-            return
-        if op == "probe":
-            _probe(backend, args[0], args[1])
-            continue
-        if op not in _CALLS:
-            log.error("rank %d: unknown call %r from rank 0", dist.get_rank(), op)
-            return
+            return True
         try:
-            getattr(TorchBackend, op)(backend, *args)
-        except PipelineError:  # refused here as on rank 0, before any collective
-            pass
+            if op == "probe":
+                _probe(backend, args[0], args[1])
+            elif op in _CALLS:
+                getattr(TorchBackend, op)(backend, *args)
+            else:
+                log.error("rank %d: unknown call %r from rank 0", dist.get_rank(), op)
+                return False
+        except Exception as exc:
+            log.warning("rank %d: %s failed here as on rank 0: %r", dist.get_rank(), op, exc)
 
 
 def _probe(backend: TorchBackend, rows: int, count: int) -> None:
@@ -212,13 +235,18 @@ def parallel_backend(path: str | Path, shard: Shard, **options: Any) -> Parallel
     """This rank's part of the model at ``path`` (``options``: :meth:`TorchBackend.from_dir`'s).
     Rank 0 gets its :class:`ParallelTorchBackend`; every other rank serves rank 0's calls
     here and then ends the process (it never returns), as a worker of the group should."""
+    if _SERVED:  # a second model (a speculative draft, say) would share the call channel
+        raise InvalidValueError("model", str(path), f"this process's parallel group holds "
+                                f"{_SERVED[0]} already; a group holds one model (load a draft "
+                                "model without torchrun, or use n-gram drafts)")
+    _SERVED.append(str(path))
     if shard.rank == 0:
         backend = ParallelTorchBackend.from_dir(path, shard=shard, reduce=all_reduce, **options)
         assert isinstance(backend, ParallelTorchBackend)
         atexit.register(backend.close)
         return backend
     worker = TorchBackend.from_dir(path, shard=shard, reduce=all_reduce, **options)
-    serve_rank(worker)
-    if dist.is_initialized():
+    closed = serve_rank(worker)
+    if closed and dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(0)
+    sys.exit(0 if closed else 1)  # 1: the launcher sees a failed rank (--max-restarts)

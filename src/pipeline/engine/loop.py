@@ -284,14 +284,19 @@ class Engine:
         """A new engine over the same backend, strategies, config and ``on_stop`` (and
         ``clock``, unless another is given), after this one stopped. Slots this engine still
         holds (a release that failed as it died) are released first, so the fresh engine has
-        the backend's every slot."""
+        the backend's every slot. Raises :class:`~pipeline.errors.StepStillRunning` while an
+        abandoned step runs, and :class:`~pipeline.errors.DeviceFault` when the backend says
+        it is ``broken`` (it cannot be used again)."""
+        if self._thread.is_alive():  # first: a release now would race the stuck step
+            raise StepStillRunning(f"the abandoned engine's step {self._steps} has not "
+                                   "returned yet; a fresh engine would share its backend")
+        broken = getattr(self.backend, "broken", None)
+        if broken:  # a backend that knows it cannot be used again (a parallel group that
+            raise DeviceFault(broken)  # lost a rank): no fresh engine, the model stays down
         for slot in sorted(self._held):
             with contextlib.suppress(Exception):
                 self.backend.release(slot)
         self._held.clear()
-        if self._thread.is_alive():
-            raise StepStillRunning(f"the abandoned engine's step {self._steps} has not "
-                                   "returned yet; a fresh engine would share its backend")
         return Engine(self.backend, self._strategies, self.config, self.on_stop,
                       self.decodable_vocab, clock or self._clock)
 

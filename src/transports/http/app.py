@@ -400,7 +400,9 @@ class Server:
         """``GET /health``: 200 when every model is loaded and its engine runs, else 503 with
         each model's state (``restarting`` while a stopped engine waits for a fresh one),
         ``engine_failures`` naming why an engine stopped, and ``restarts`` counting fresh
-        engines per model once there were any. ``problems`` names every worker that is down
+        engines per model once there were any; ``model_failures`` says why a model failed (to
+        load, or to get a fresh engine: status ``failed``). ``problems`` names every worker that
+        is down
         (an engine that stopped or stalled, a usage store that cannot write) with why; a usage
         store alone down is ``degraded``: answers still flow, their records wait in memory."""
         states, failures = {}, {}
@@ -411,10 +413,13 @@ class Server:
                 failures[name] = failure
         ok = self.gateway.ready
         problems = self.gateway.problems()
-        loading = any(m.state is not ModelState.READY for m in self.gateway.models.values())
-        status = ("ok" if ok else "engine_stopped" if failures else "loading" if loading
-                  else "degraded")
+        failed = self.gateway.failed
+        loading = any(m.state is ModelState.LOADING for m in self.gateway.models.values())
+        status = ("ok" if ok else "failed" if failed else "engine_stopped" if failures
+                  else "loading" if loading else "degraded")
         body: dict[str, Any] = {"status": status, "models": states}
+        if failed:
+            body["model_failures"] = failed
         restarts = {n: m.restarts for n, m in self.gateway.models.items() if m.restarts}
         if restarts:
             body["restarts"] = restarts

@@ -117,7 +117,7 @@ class ServerConfig:
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
     strategies: Mapping[str, StrategyChoice] = attrs.field(factory=dict, converter=_strategies,
                                                            eq=False)
-    api_keys: frozenset[str] = attrs.field(default=frozenset(), converter=_keys)
+    api_keys: frozenset[str] = attrs.field(default=frozenset(), converter=_keys, repr=False)
     data_dir: Path = attrs.field(default=Path("pipeline-data"), converter=Path)
     num_slots: int = attrs.field(default=8, validator=_positive)
     max_queue: int = attrs.field(default=64, validator=_non_negative)
@@ -150,7 +150,7 @@ class ServerConfig:
                                                    validator=_seconds_or_none("no deadline"))
     release_idle_memory: bool = True
     engine_process: bool = False
-    usage_database: str | None = attrs.field(default=None)
+    usage_database: str | None = attrs.field(default=None, repr=False)  # may hold a password
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads

@@ -236,10 +236,13 @@ def _other_responses() -> dict[str, Schema]:
         "Text": out({"prompt": STRING}),
         "ModelList": out({"object": {"const": "list"}, "data": array(model)}),
         "Health": out({"status": {"type": "string",
-                                   "enum": ["ok", "loading", "engine_stopped"]},
+                                   "enum": ["ok", "loading", "failed", "engine_stopped",
+                                            "degraded"]},
                         "models": {"type": "object", "additionalProperties": state}},
                        {"engine_failures": {"type": "object",
                                             "additionalProperties": STRING},
+                        "model_failures": {"type": "object", "additionalProperties": STRING},
+                        "problems": {"type": "object", "additionalProperties": STRING},
                         "restarts": {"type": "object", "additionalProperties": COUNT}}),
     }
 

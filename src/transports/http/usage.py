@@ -61,6 +61,8 @@ _COLUMNS = ("request_id", "model", "endpoint", "prompt_tokens", "completion_toke
             "finished_at", "api_keys")
 _INSERT = f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) VALUES ({','.join('?' * 13)})"
 SPILL_FILE = "usage-spill.jsonl"
+WRITE_STALL_S = 10.0
+"""A write in flight longer than this makes the store's health say it is down."""
 log = logging.getLogger("pipeline.serve")
 
 
@@ -190,6 +192,7 @@ class UsageStore:
         self._spill: collections.deque[UsageRecord] = collections.deque()
         self._down: tuple[str, float] | None = None
         self._counts = {"durable": 0, "spilled": 0, "dropped": 0}
+        self._writing_since: float | None = None
         self._db: UsageDatabase = (database if database is not None
                                    else SqliteUsage(self.path, busy_timeout_s))
         self._thread = threading.Thread(target=self._run, daemon=True, name="usage-store")
@@ -200,8 +203,14 @@ class UsageStore:
         self._queue.put((record, on_done))
 
     def health(self) -> StoreHealth:
-        """A snapshot of the writer's state (safe from any thread)."""
+        """A snapshot of the writer's state (safe from any thread). A write that has not
+        returned for :data:`WRITE_STALL_S` counts as down (a database that stopped answering
+        without closing the connection)."""
         down = self._down
+        since = self._writing_since
+        if down is None and since is not None and self._clock() - since > WRITE_STALL_S:
+            down = (f"a write to {self._db.name} has not returned for "
+                    f"{self._clock() - since:.0f} s", since)
         return StoreHealth(down[0] if down else None,
                            self._clock() - down[1] if down else 0.0, len(self._spill),
                            **self._counts)
@@ -245,11 +254,14 @@ class UsageStore:
         records = list(self._spill) + [record for record, _ in items]
         if not records:
             return True
+        self._writing_since = self._clock()
         try:
             self._db.write(records)
         except Exception as exc:  # a database error, OSError, or a bug: retried, never fatal
             self._failed(exc, items)
             return False
+        finally:
+            self._writing_since = None
         if self._down is not None:
             log.warning("usage store: writing again after %.1f s down; %d spilled records "
                         "written", self._clock() - self._down[1], len(self._spill))

@@ -51,31 +51,51 @@ def _psycopg() -> Any:
     return psycopg
 
 
+HIDDEN = "(not shown: it may hold a password)"
+
+
 def shown(url: str) -> str:
-    """``url`` without its password, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    user = f"{parts.username}@" if parts.username else ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit((parts.scheme, f"{user}{host}{port}", parts.path, parts.query, ""))
+    """``url`` without its password (in the user part or as a ``password`` parameter), for
+    logs and errors; :data:`HIDDEN` for what cannot be taken apart safely."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc.rpartition("@")
+        user = netloc[0].partition(":")[0]
+        query = "&".join(q for q in parts.query.split("&")
+                         if q and not q.lower().startswith("password="))
+        return urlunsplit((parts.scheme, f"{user}@{netloc[2]}" if user else netloc[2],
+                           parts.path, query, ""))
+    except Exception:
+        return HIDDEN
 
 
 def check_url(url: str) -> str:
-    """``url`` if it is a PostgreSQL URL, else :class:`~pipeline.errors.InvalidValueError`
-    naming the field."""
+    """``url`` if it is a ``postgresql://`` URL, else :class:`~pipeline.errors.InvalidValueError`
+    naming the field (never echoing the value, which may hold a password)."""
     if not isinstance(url, str) or urlsplit(url).scheme not in ("postgresql", "postgres"):
-        raise InvalidValueError("usage_database", url, "must be a postgresql:// URL (or None "
-                                "for the SQLite database in the data directory)")
+        raise InvalidValueError("usage_database", HIDDEN, "must be a postgresql:// URL (or "
+                                "None for the SQLite database in the data directory)")
     return url
 
 
+TIMEOUTS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+            "keepalives_count": 3, "tcp_user_timeout": 30_000,
+            "options": "-c statement_timeout=30000 -c idle_in_transaction_session_timeout=60000"}
+"""libpq settings that bound a write: TCP keepalives and a user timeout (a server or network
+that went away is noticed in about 30 s), and the server's own statement and idle-transaction
+timeouts (a write that waits on a lock). A server whose process is frozen while its machine
+answers TCP is not noticed by any of them; the store's health reports a write in flight too
+long (:meth:`~transports.http.usage.UsageStore.health`)."""
+LOCK = 727270
+"""The advisory lock key that serializes the table's creation between replicas starting
+together (two concurrent ``CREATE TABLE IF NOT EXISTS`` can collide in PostgreSQL)."""
+
+
 class PostgresUsage(OneConnection):
-    """A :class:`~transports.http.usage.UsageDatabase` on a PostgreSQL server at ``url``
-    (a ``postgresql://`` URL or libpq connection string). Connects, and creates the table,
-    at construction: an unreachable server is an error before serving. ``connect_timeout_s``
-    bounds each connection attempt."""
+    """A :class:`~transports.http.usage.UsageDatabase` on a PostgreSQL server at ``url`` (a
+    ``postgresql://`` URL). Connects, and creates the table, at construction: an unreachable
+    server is an error before serving (naming the URL without its password).
+    ``connect_timeout_s`` bounds each connection attempt; :data:`TIMEOUTS` bound a write."""
 
     def __init__(self, url: str, connect_timeout_s: float = 5.0) -> None:
         self.url, self.connect_timeout_s = check_url(url), connect_timeout_s
@@ -84,9 +104,15 @@ class PostgresUsage(OneConnection):
 
     def _connect(self) -> Any:
         psycopg = _psycopg()
-        db = psycopg.connect(self.url, connect_timeout=max(1, int(self.connect_timeout_s)))
+        try:
+            db = psycopg.connect(self.url, connect_timeout=max(1, int(self.connect_timeout_s)),
+                                 **TIMEOUTS)
+        except psycopg.Error as exc:  # libpq may echo part of the URL: say what, not that
+            raise ConnectionError(f"cannot connect to {self.name}: "
+                                  f"{type(exc).__name__}") from None
         try:
             with db.transaction():
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK,))
                 db.execute(SCHEMA)
         except BaseException:
             db.close()
@@ -97,7 +123,14 @@ class PostgresUsage(OneConnection):
     def write(self, records: Sequence[UsageRecord]) -> None:
         db = self._db if self._db is not None else self._connect()
         with db.transaction(), db.cursor() as cur:
-            cur.executemany(INSERT, [attrs.astuple(r) for r in records])
+            cur.executemany(INSERT, [_storable(r) for r in records])
+
+
+def _storable(record: UsageRecord) -> tuple[Any, ...]:
+    """The record's columns, with NUL characters (which a PostgreSQL text column refuses, and
+    which would hold the whole spill back) written as the two characters ``\\0``."""
+    return tuple(v.replace("\x00", "\\0") if isinstance(v, str) else v
+                 for v in attrs.astuple(record))
 
 
 
