@@ -45,46 +45,12 @@ import torch
 from backends.torch.backend import TorchBackend
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.protocols import PrefillChunk
+from random_checkpoint import random_qwen3
 
 def random_moe(folder: Path, layers: int, experts: int) -> Path:
-    """A random Qwen3-MoE checkpoint (float32 safetensors, one tensor per expert matrix)."""
-    from safetensors.torch import save_file
-
-    h, inter, vocab, heads, kv, d = 512, 768, 8192, 8, 4, 64
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-              "hidden_size": h, "intermediate_size": 2048, "moe_intermediate_size": inter,
-              "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "head_dim": d, "num_experts": experts,
-              "num_experts_per_tok": 4, "norm_topk_prob": True, "vocab_size": vocab,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-              "tie_word_embeddings": True, "dtype": "float32", "decoder_sparse_step": 1,
-              "mlp_only_layers": [], "hidden_act": "silu"}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape: int, scale: float = 0.05) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(vocab, h, scale=1.0),
-                                  "model.norm.weight": torch.ones(h)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        t |= {f"{p}.input_layernorm.weight": torch.ones(h),
-              f"{p}.post_attention_layernorm.weight": torch.ones(h),
-              f"{p}.self_attn.q_proj.weight": w(heads * d, h),
-              f"{p}.self_attn.k_proj.weight": w(kv * d, h),
-              f"{p}.self_attn.v_proj.weight": w(kv * d, h),
-              f"{p}.self_attn.o_proj.weight": w(h, heads * d),
-              f"{p}.self_attn.q_norm.weight": torch.ones(d),
-              f"{p}.self_attn.k_norm.weight": torch.ones(d),
-              f"{p}.mlp.gate.weight": w(experts, h, scale=0.5)}
-        for e in range(experts):
-            q = f"{p}.mlp.experts.{e}"
-            t |= {f"{q}.gate_proj.weight": w(inter, h), f"{q}.up_proj.weight": w(inter, h),
-                  f"{q}.down_proj.weight": w(h, inter)}
-    save_file(t, str(folder / "model.safetensors"))
-    return folder
+    """The random Qwen3-MoE of the module docstring (float32 safetensors)."""
+    return random_qwen3(folder, hidden=512, layers=layers, heads=8, kv_heads=4, head_dim=64,
+                        vocab=8192, intermediate=768, scale=0.05, experts=experts, top_k=4)
 
 
 def decode(backend: TorchBackend, tokens: int, run: int) -> tuple[list[int], float]:

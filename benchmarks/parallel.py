@@ -40,43 +40,15 @@ import torch
 
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.protocols import ModelCall, PrefillChunk
+from random_checkpoint import random_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def random_dense(folder: Path) -> Path:
-    """A random Qwen3 checkpoint (float32 safetensors)."""
-    from safetensors.torch import save_file
-
-    h, inter, layers, heads, kv, d, vocab = 1024, 2816, 8, 16, 8, 64, 8192
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": h,
-              "intermediate_size": inter, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-              "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "tie_word_embeddings": True, "dtype": "float32",
-              "hidden_act": "silu"}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    g = torch.Generator().manual_seed(0)
-
-    def w(*shape: int, scale: float = 0.03) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
-    t = {"model.embed_tokens.weight": w(vocab, h, scale=1.0), "model.norm.weight": torch.ones(h)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        t |= {f"{p}.input_layernorm.weight": torch.ones(h),
-              f"{p}.post_attention_layernorm.weight": torch.ones(h),
-              f"{p}.self_attn.q_proj.weight": w(heads * d, h),
-              f"{p}.self_attn.k_proj.weight": w(kv * d, h),
-              f"{p}.self_attn.v_proj.weight": w(kv * d, h),
-              f"{p}.self_attn.o_proj.weight": w(h, heads * d),
-              f"{p}.self_attn.q_norm.weight": torch.ones(d),
-              f"{p}.self_attn.k_norm.weight": torch.ones(d),
-              f"{p}.mlp.gate_proj.weight": w(inter, h), f"{p}.mlp.up_proj.weight": w(inter, h),
-              f"{p}.mlp.down_proj.weight": w(h, inter)}
-    save_file(t, str(folder / "model.safetensors"))
-    return folder
+    """The random Qwen3 of the module docstring (float32 safetensors)."""
+    return random_qwen3(folder, hidden=1024, layers=8, heads=16, kv_heads=8, head_dim=64,
+                        vocab=8192, intermediate=2816, scale=0.03)
 
 
 def measure(backend: Any, prompt: int, steps: int, repeats: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-LIBRARIES = ("iterative_bounds", "moe_common", "smoke")
+LIBRARIES = ("iterative_bounds", "moe_common", "random_checkpoint", "smoke")
 """Modules here that are no benchmark: imported by the scripts (and this runner itself)."""
 FOLDER_OUT = ("moe_tune",)
 """Scripts whose ``--out`` is a folder (the tuner writes a table file named by its key)."""

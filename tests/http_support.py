@@ -3,6 +3,7 @@ and a scripted "tool-using" model over the embedded model's tokenizer and chat t
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,13 @@ def running(gateway: Gateway, wait: bool = True, *, timeouts: Timeouts | None = 
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def tool_model(delay_s: float = 0.0, num_slots: int = 8) -> tuple[Pipeline, ScriptedBackend]:

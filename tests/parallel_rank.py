@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,27 +30,43 @@ from pipeline.protocols import PrefillChunk
 PROMPTS = [[1, 5, 9, 17, 33, 64, 2, 7, 11, 3], [44, 45, 46]]
 
 
+def prefilled(backend: Any) -> tuple[list[int], torch.Tensor]:
+    """Two slots with :data:`PROMPTS` prefilled in one batch: the slots and the logits."""
+    slots = [backend.allocate() for _ in PROMPTS]
+    z = backend.prefill([PrefillChunk(s, tuple(p), 0, True) for s, p in zip(slots, PROMPTS)])
+    return slots, z
+
+
+def greedy(backend: Any) -> dict[str, Any]:
+    """The ``greedy`` mode's calls on any backend (split on rank 0, or whole in one process
+    as the test's oracle): every logit row of the prefill and 8 batched greedy steps, the
+    tokens, and the hidden states of the first prompt."""
+    slots, z = prefilled(backend)
+    rows, tokens = [z], []
+    for _ in range(8):
+        picked = [int(i) for i in z.argmax(-1)]
+        tokens.append(picked)
+        z = backend.decode(slots, picked)
+        rows.append(z)
+    return {"logits": torch.cat(rows), "tokens": tokens,
+            "hidden": backend.hidden_states(PROMPTS[0])}
+
+
 def main() -> None:
     folder, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
     shard = join_group(timeout_s=3 if mode == "idle" else 30)
     Path(f"{out}.pid{shard.rank}").write_text(str(os.getpid()))
     backend = parallel_backend(folder, shard, num_slots=2, max_context=64, dtype="float32")
-    slots = [backend.allocate() for _ in PROMPTS]
-    z = backend.prefill([PrefillChunk(s, tuple(p), 0, True) for s, p in zip(slots, PROMPTS)])
+    if mode == "greedy":
+        torch.save(greedy(backend), out)
+        backend.close()
+        return
+    slots, z = prefilled(backend)
     if mode == "idle":  # idle longer than the step timeout, then one more step
         time.sleep(6)
         z = backend.decode(slots, [int(i) for i in z.argmax(-1)])
         torch.save({"logits": z}, out)
-    elif mode == "greedy":
-        rows, tokens = [z], []
-        for _ in range(8):
-            picked = [int(i) for i in z.argmax(-1)]
-            tokens.append(picked)
-            z = backend.decode(slots, picked)
-            rows.append(z)
-        hidden = backend.hidden_states(PROMPTS[0])
-        torch.save({"logits": torch.cat(rows), "tokens": tokens, "hidden": hidden}, out)
     else:
         Path(f"{out}.ready").write_text("1")
         started, steps = time.monotonic(), 0

@@ -27,10 +27,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-LIBRARIES = ("iterative_bounds", "moe_common", "smoke")
+LIBRARIES = ("iterative_bounds", "moe_common", "random_checkpoint", "smoke")
 """Modules in ``benchmarks/`` that are no benchmark: ``iterative_bounds`` (the likelihoods
 ``iterative.py`` computes, checked by tests/test_bench_iterative.py), ``moe_common`` (shared by
-the two MoE scripts) and ``smoke`` (the runner)."""
+the two MoE scripts), ``random_checkpoint`` (the random Qwen3 checkpoints of the expert-tier
+and parallel scripts) and ``smoke`` (the runner)."""
 TIMEOUT_S = 120
 Report = Any
 Check = Callable[[Report, Path, str], None]

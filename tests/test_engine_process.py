@@ -124,9 +124,7 @@ def test_what_cannot_cross_is_refused_at_the_door_and_the_engine_goes_on(engine:
 
 
 def test_a_frozen_child_never_holds_a_caller() -> None:
-    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
-                                               dict(NO_EOS)))
-    pipe = started.pipeline()
+    started, pipe, _ = _endless_child()
     os.kill(started.pid, signal.SIGSTOP)  # a cgroup freeze, a swap storm
     returned = threading.Event()
 
@@ -146,12 +144,18 @@ def test_a_frozen_child_never_holds_a_caller() -> None:
             os.kill(started.pid, signal.SIGKILL)
 
 
-def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
+def _endless_child() -> tuple[ProcessEngine, Pipeline, list[str]]:
+    """A child engine of two slots whose requests never stop at EOS, its pipeline, and the
+    reasons its ``on_stop`` was called with."""
     started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
                                                dict(NO_EOS)))
-    pipe = started.pipeline()
     stopped: list[str] = []
     started.on_stop = stopped.append
+    return started, started.pipeline(), stopped
+
+
+def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
+    started, pipe, stopped = _endless_child()
     try:
         handles = [pipe.submit(f"Story {i}", max_tokens=4000, temperature=0) for i in range(3)]
         first = handles[0].deltas(timeout=60)
@@ -356,11 +360,7 @@ def test_a_device_fault_stops_the_engine_and_other_errors_fail_only_their_reques
 
 
 def test_a_device_fault_in_the_child_ends_it_and_its_requests() -> None:
-    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
-                                               dict(NO_EOS)))
-    pipe = started.pipeline()
-    stopped: list[str] = []
-    started.on_stop = stopped.append
+    started, pipe, stopped = _endless_child()
     try:
         handle = pipe.submit("Story", max_tokens=4000, temperature=0)
         next(handle.deltas(timeout=60))

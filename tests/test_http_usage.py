@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,13 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.http_support import free_port
 from transports.http.usage import read_records
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def client_loop(url: str, worker: int, completed: list[str], stop: threading.Event) -> None:

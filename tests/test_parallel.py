@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ from backends.torch.shard import Shard
 from pipeline.errors import ArtifactError
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.protocols import PrefillChunk
-from tests.parallel_rank import PROMPTS
+from tests.http_support import free_port
+from tests.parallel_rank import PROMPTS, greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "parallel_rank.py"
@@ -38,17 +38,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)
 
 def _reference(folder: Path) -> dict[str, Any]:
     """The same calls as parallel_rank.py's greedy mode, in this process, unsplit."""
-    backend = TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32")
-    slots = [backend.allocate() for _ in PROMPTS]
-    z = backend.prefill([PrefillChunk(s, tuple(p), 0, True) for s, p in zip(slots, PROMPTS)])
-    rows, tokens = [z], []
-    for _ in range(8):
-        picked = [int(i) for i in z.argmax(-1)]
-        tokens.append(picked)
-        z = backend.decode(slots, picked)
-        rows.append(z)
-    return {"logits": torch.cat(rows), "tokens": tokens,
-            "hidden": backend.hidden_states(PROMPTS[0])}
+    return greedy(TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +98,9 @@ def test_a_group_holds_one_model(monkeypatch: pytest.MonkeyPatch) -> None:
         parallel.parallel_backend(TINY_MODEL_DIR, Shard(0, 2))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_a_rank_killed_mid_decode_fails_rank_zeros_call_within_the_bound(tmp_path: Path
                                                                         ) -> None:
-    out, port = tmp_path / "kill.json", _free_port()
+    out, port = tmp_path / "kill.json", free_port()
     ranks = []
     for rank in (0, 1):  # torchrun's agent would stop rank 0 too: started here instead
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
@@ -189,7 +172,7 @@ SERVE = ["-m", "pipeline", "serve", "--model", str(TINY_MODEL_DIR), "--dtype", "
 def test_pipeline_serve_under_torchrun_answers_as_one_process_does(tmp_path: Path) -> None:
     from pipeline.builder import build
 
-    port = _free_port()
+    port = free_port()
     group = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc-per-node", "2", *SERVE, "--port", str(port),
                                "--data-dir", str(tmp_path)], env=ENV, cwd=ROOT)]
@@ -206,7 +189,7 @@ def test_pipeline_serve_under_torchrun_answers_as_one_process_does(tmp_path: Pat
 
 
 def test_a_lost_rank_fails_the_stream_and_health_says_why(tmp_path: Path) -> None:
-    port, master = _free_port(), _free_port()
+    port, master = free_port(), free_port()
     ranks = []
     for rank in (0, 1):  # started without torchrun's agent, which would stop rank 0 too
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master),

@@ -11,7 +11,6 @@ usage row for each response id. A request naming a model no replica serves is th
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from pipeline.model_paths import TINY_MODEL_DIR
+from tests.http_support import free_port
 from tests.test_usage_postgres import Server, server  # noqa: F401  (the PostgreSQL fixture)
 from transports.http import ServerConfig
 from transports.http.usage_postgres import read_records
@@ -36,9 +36,7 @@ def served(server: Server, tmp_path_factory: pytest.TempPathFactory  # noqa: F81
 
     server.clear()
     data = tmp_path_factory.mktemp("replicas")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

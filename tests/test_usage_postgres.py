@@ -13,7 +13,6 @@ import concurrent.futures
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -26,7 +25,7 @@ import httpx
 import pytest
 
 from pipeline.errors import InvalidValueError
-from tests.http_support import config, running
+from tests.http_support import config, free_port, running
 from transports.http import Gateway, ServerConfig
 from transports.http.usage import UsageRecord, UsageStore
 from transports.http.usage_postgres import PostgresUsage, read_records, shown
@@ -50,7 +49,7 @@ class Server:
             if os.environ.get("PIPELINE_REQUIRE_POSTGRES") == "1":
                 pytest.fail(reason)
             pytest.skip(reason)
-        self.data, self.port = folder / "data", _free_port()
+        self.data, self.port = folder / "data", free_port()
         self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self.as_user:
             shutil.chown(folder, "postgres")
@@ -92,13 +91,6 @@ class Server:
     def clear(self) -> None:
         with psycopg.connect(self.url) as db:
             db.execute("DROP TABLE IF EXISTS usage")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")

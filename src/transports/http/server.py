@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sqlite3
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -82,9 +83,14 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     and body must each arrive within ``config.timeouts``, and its head keep within
     ``config.limits`` (431). Raises
     :class:`~pipeline.errors.ArtifactError` when no model could be loaded (the server stops
-    as soon as that is known). Logging is left to the caller
+    as soon as that is known), and :class:`~pipeline.errors.InvalidValueError` for a data
+    directory or a usage database it cannot open (before serving). Logging is left to the caller
     (:func:`transports.http.logs.configure`); ``log_level`` is uvicorn's own."""
-    gateway = Gateway(config)
+    try:
+        gateway = Gateway(config)
+    except (OSError, sqlite3.Error) as exc:  # the usage database cannot be opened there
+        raise InvalidValueError("data_dir", str(config.data_dir),
+                                f"cannot hold the usage database: {exc}") from exc
     server = _Server(uvicorn_config(create_app(gateway), host, port, log_level,
                                     config.timeouts, log_config=None, limits=config.limits),
                      list(gateway.models))

@@ -108,8 +108,9 @@ class PostgresUsage(OneConnection):
             db = psycopg.connect(self.url, connect_timeout=max(1, int(self.connect_timeout_s)),
                                  **TIMEOUTS)
         except psycopg.Error as exc:  # libpq may echo part of the URL: say what, not that
-            raise ConnectionError(f"cannot connect to {self.name}: "
-                                  f"{type(exc).__name__}") from None
+            raise InvalidValueError("usage_database", self.name, "cannot connect "
+                                    f"({type(exc).__name__}): check that the server runs and "
+                                    "takes this user and database") from None
         try:
             with db.transaction():
                 db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK,))
