@@ -239,8 +239,6 @@ class ExpertCache:
         self._resident: OrderedDict[tuple[int, int], _Entry] = OrderedDict()  # LRU order
         self._uses: dict[tuple[int, int], float] = {}
         self._routings = 0
-        self._tick = 0
-        self._last: dict[tuple[int, int], int] = {}
 
     def matrix(self, layer: int, expert: int, which: int) -> tuple[torch.Tensor, bool]:
         """Expert ``expert``'s ``which`` matrix (:data:`GATE_UP` or :data:`DOWN`) of MoE
@@ -263,8 +261,6 @@ class ExpertCache:
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-        self._tick += 1
-        self._last[key] = self._tick
         self._uses[key] = self._uses.get(key, 0.0) + 1.0
         self._routings += 1
         if self._routings >= LFU_HALF_LIFE * max(1, self.cap_bytes // self.expert_bytes):
@@ -296,8 +292,9 @@ class ExpertCache:
         if self.policy == "lru":
             key = next(iter(self._resident))
         else:  # least used in recent history; ties: least recently routed
-            key = min(self._resident,
-                      key=lambda k: (self._uses.get(k, 0.0), self._last.get(k, 0)))
+            # (the residents are in routing order: a hit moves its entry to the end)
+            key = min(enumerate(self._resident),
+                      key=lambda ik: (self._uses.get(ik[1], 0.0), ik[0]))[1]
         entry = self._resident.pop(key)
         self.stats.evictions += 1
         self.stats.resident -= 1

@@ -91,25 +91,15 @@ def group_by_expert(experts: torch.Tensor,
     return order, token_of, counts
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                   linear: ExpertLinear = _plain_linear) -> torch.Tensor:
-    """Rows of ``x [N, in]`` sorted by expert times ``weight[e].T``: ``[N, out]``.
-
-    ``weight`` is ``[E, out, in]``; the first ``counts[0]`` rows belong to expert 0, and so on.
-    Uses ``torch._grouped_mm`` for bfloat16 on CUDA, else one matmul per expert that received
-    rows (experts with none cost nothing; on CPU ``_grouped_mm`` visits every expert and
-    copies the transposed weights, which made a decode step several times slower).
-    """
-    if _grouped_mm_usable(x, weight):
-        offsets = torch.cumsum(counts, dim=0).to(torch.int32)         # [E]
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    parts = []
-    at = 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            parts.append(linear(x[at:at + n], weight, e))            # [n, out]
-            at += n
-    return torch.cat(parts) if parts else x.new_empty((0, weight.shape[1]))
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x [N, in]`` sorted by expert times ``weight[e].T``: ``[N, out]``, as one
+    ``torch._grouped_mm`` (bfloat16 on CUDA: :func:`_grouped_mm_usable`). ``weight`` is
+    ``[E, out, in]``; the first ``counts[0]`` rows belong to expert 0, and so on. Elsewhere
+    the experts run one after the other (:func:`_per_expert`): on CPU ``_grouped_mm`` visits
+    every expert and copies the transposed weights, which made a decode step several times
+    slower."""
+    offsets = torch.cumsum(counts, dim=0).to(torch.int32)             # [E]
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
 
 
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -138,9 +128,9 @@ def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.T
     order, token_of, counts = group_by_expert(experts, num_experts)
     x = hidden[token_of]                                              # [T*K, H]
     if _grouped_mm_usable(x, w_gate_up):
-        gate_up = grouped_linear(x, w_gate_up, counts, linear)        # [T*K, 2I]
+        gate_up = grouped_linear(x, w_gate_up, counts)                # [T*K, 2I]
         act = F.silu(gate_up[:, :two_i // 2]) * gate_up[:, two_i // 2:]   # [T*K, I]
-        y = grouped_linear(act, w_down, counts, linear)               # [T*K, H]
+        y = grouped_linear(act, w_down, counts)                       # [T*K, H]
     else:  # expert by expert, both matrices at once (an expert cache holds one at a time)
         y = _per_expert(x, counts, w_gate_up, w_down, linear)         # [T*K, H]
     y = y * weights.reshape(-1, 1)[order]                             # [T*K, H]
@@ -152,7 +142,7 @@ def expert_forward(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.T
 def _per_expert(x: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, linear: ExpertLinear) -> torch.Tensor:
     """SwiGLU of rows ``x [N, H]`` sorted by expert, one expert after the other: ``[N, H]``.
-    Each expert's rows see the same products as :func:`grouped_linear`'s loop gives them."""
+    An expert with no rows costs nothing."""
     half = w_gate_up.shape[1] // 2
     parts = []
     at = 0

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from backends.torch.backend import TorchBackend
 from backends.torch.shard import Shard
+from pipeline.engine.loop import out_of_memory
 from pipeline.errors import DeviceFault, InvalidValueError, PipelineError
 from pipeline.protocols import ModelCall
 
@@ -146,7 +147,7 @@ class ParallelTorchBackend(TorchBackend):
         except PipelineError:
             raise
         except RuntimeError as exc:
-            if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+            if out_of_memory(exc):
                 raise  # as in one process: this step failed; if a rank went on past it,
                 # the next collective's timeout says so
             raise self._lost(exc) from exc  # a collective failed: the group cannot be trusted

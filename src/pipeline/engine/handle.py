@@ -120,6 +120,11 @@ class RequestHandle:
             if delta.final:
                 return
 
+    def pushed(self) -> tuple[Delta, ...]:
+        """The deltas pushed so far (a snapshot)."""
+        with self._cond:
+            return tuple(self._deltas)
+
     def add_listener(self, listener: DeltaListener) -> None:
         """Call ``listener`` with every delta, those already pushed first (in order).
 

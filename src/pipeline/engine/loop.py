@@ -766,6 +766,12 @@ _DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access",
                   "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED")
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device (or the host) running out of memory: a step's failure,
+    not the device's (the next step may fit)."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+
+
 def device_fault(exc: BaseException) -> bool:
     """Whether ``exc`` says the device is unusable (:class:`~pipeline.errors.DeviceFault`):
     torch's ``AcceleratorError``, or a runtime error naming a CUDA fault. Running out of device
@@ -773,7 +779,7 @@ def device_fault(exc: BaseException) -> bool:
     parallel group that lost a rank)."""
     if isinstance(exc, DeviceFault):
         return True
-    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc):
+    if out_of_memory(exc):
         return False
     accelerator = getattr(torch, "AcceleratorError", None)
     if accelerator is not None and isinstance(exc, accelerator):

@@ -186,11 +186,10 @@ def remote_backend(facts: _Facts) -> RemoteBackend:
 
 @attrs.define
 class _Flight:
-    """A request in the child, as this process knows it: its job and what reached here."""
+    """A request in the child, as this process knows it (what reached here is on its
+    handle)."""
 
     job: Job
-    ids: list[int] = attrs.field(factory=list)
-    text: list[str] = attrs.field(factory=list)
     cancel_sent: bool = False
 
 
@@ -451,9 +450,6 @@ class ProcessEngine:
                 self._fail_one(key, f"a delta could not be read from the engine process: "
                                     f"{exc!r}")
                 return
-            with self._lock:
-                flight.ids.extend(delta.token_ids)
-                flight.text.append(delta.text)
             flight.job.handle._push(delta)
         elif kind == "done":
             with self._lock:
@@ -538,8 +534,9 @@ class ProcessEngine:
 def _fail(flight: _Flight, error: str) -> None:
     """End a request the dead child held: what reached this process, and the error."""
     job = flight.job
-    ids = tuple(flight.ids)
-    text = "".join(flight.text)
+    pushed = job.handle.pushed()
+    ids = tuple(t for d in pushed for t in d.token_ids)
+    text = "".join(d.text for d in pushed)
     tracer = job.tracer
     try:
         tracer.emit("engine", "generation.finished", {

@@ -56,10 +56,11 @@ CREATE TABLE IF NOT EXISTS usage (
     queued_s REAL NOT NULL, first_token_s REAL, total_s REAL NOT NULL, finished_at REAL NOT NULL,
     api_keys TEXT NOT NULL DEFAULT ''
 )"""
-_COLUMNS = ("request_id", "model", "endpoint", "prompt_tokens", "completion_tokens",
+COLUMNS = ("request_id", "model", "endpoint", "prompt_tokens", "completion_tokens",
             "cached_tokens", "finish_reason", "error", "queued_s", "first_token_s", "total_s",
             "finished_at", "api_keys")
-_INSERT = f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) VALUES ({','.join('?' * 13)})"
+"""The table's columns, in :class:`UsageRecord`'s field order (both stores write them)."""
+_INSERT = f"INSERT OR REPLACE INTO usage ({', '.join(COLUMNS)}) VALUES ({','.join('?' * 13)})"
 SPILL_FILE = "usage-spill.jsonl"
 WRITE_STALL_S = 10.0
 """A write in flight longer than this makes the store's health say it is down."""
@@ -341,7 +342,7 @@ def read_records(path: str | Path) -> list[UsageRecord]:
     """Every record in a usage database (for reports and tests)."""
     db = sqlite3.connect(str(path))
     try:
-        rows = db.execute(f"SELECT {', '.join(_COLUMNS)} FROM usage").fetchall()
+        rows = db.execute(f"SELECT {', '.join(COLUMNS)} FROM usage").fetchall()
     finally:
         db.close()
     return [UsageRecord(*row) for row in rows]

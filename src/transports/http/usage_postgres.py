@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import attrs
 
 from pipeline.errors import InvalidValueError
-from transports.http.usage import OneConnection, UsageRecord
+from transports.http.usage import COLUMNS, OneConnection, UsageRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -36,7 +36,6 @@ CREATE TABLE IF NOT EXISTS usage (
     total_s DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION NOT NULL,
     api_keys TEXT NOT NULL DEFAULT ''
 )"""
-COLUMNS = tuple(a.name for a in attrs.fields(UsageRecord))
 INSERT = (f"INSERT INTO usage ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})"
           f" ON CONFLICT (request_id) DO UPDATE SET "
           + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS[1:]))
