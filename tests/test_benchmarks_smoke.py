@@ -211,7 +211,7 @@ def _kv_int8(r: Report, out: Path, log: str) -> None:
     b = r["bytes_per_position"]
     assert b["int8"] < b["bfloat16"] < b["float32"] and b["float32"] == 2 * b["bfloat16"]
     assert r["context_in_1_gib"]["int8"] > r["context_in_1_gib"]["float32"]
-    assert 0 <= r["logits"]["mean_abs_over_std"] <= r["logits"]["max_abs_over_std"]
+    assert 0 < r["logits"]["mean_abs_over_std"] <= r["logits"]["max_abs_over_std"]  # int8 on
     assert 0 <= r["logits"]["argmax_agreement"] <= 1
     assert 0 <= r["greedy"]["same_sequences"] <= r["greedy"]["of"] == 3
     _positive(r["decode_tok_s"]["full"], r["decode_tok_s"]["int8"])
@@ -224,9 +224,9 @@ def _expert_tiers(r: Report, out: Path, log: str) -> None:
                                            for p in ("lfu", "lru")]
     full = r["rows"][0]["resident_bytes"]
     for row in r["rows"]:
-        assert row["same_tokens"] is True and 0 <= row["hit_rate"] <= 1
-        assert 0 < row["resident_bytes"] <= full
+        assert 0 <= row["hit_rate"] <= 1 and 0 < row["resident_bytes"] <= full
         _positive(row["tok_s"])
+    assert all(row["same_tokens"] is True for row in r["rows"][1:])  # capped vs the full
     assert r["rows"][-1]["resident_bytes"] <= full / 4
 
 
@@ -243,8 +243,9 @@ def _parallel(r: Report, out: Path, log: str) -> None:
     assert [(row["model"], row["ranks"]) for row in r["rows"]] == [("tiny", 1), ("tiny", 2)]
     one, two = r["rows"]
     for row in r["rows"]:
-        assert row["same_tokens"] is True and len(row["tokens"]) == 5
+        assert len(row["tokens"]) == 5
         _positive(row["prefill_tok_s"], row["decode_tok_s"])
+    assert two["tokens"] == one["tokens"] and two["same_tokens"] is True  # 2 ranks vs 1
     assert one["communication"] == {"decode_ms": 0.0, "prefill_ms": 0.0}
     _positive(two["communication"]["decode_ms"], two["communication"]["prefill_ms"])
 

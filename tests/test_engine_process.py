@@ -95,10 +95,13 @@ def test_an_engine_call_runs_on_the_childs_backend(engine: Pipeline) -> None:
 
 
 def test_requests_sharing_an_id_each_get_their_own_answer(engine: Pipeline) -> None:
-    a = engine.submit("Hello", max_tokens=5, temperature=0, request_id="same")
-    b = engine.submit("Count", max_tokens=7, temperature=0, request_id="same")
-    assert len(a.result(timeout=60).token_ids) == 5
-    assert len(b.result(timeout=60).token_ids) == 7
+    asks = [("Hello", 5), ("Count to ten.", 7)]
+    handles = [engine.submit(p, max_tokens=n, min_tokens=n, temperature=0, request_id="same")
+               for p, n in asks]
+    with build(TINY_MODEL_DIR, options=BackendOptions(num_slots=4)) as local:  # the oracle
+        for handle, (prompt, n) in zip(handles, asks):
+            want = local.generate(prompt, max_tokens=n, min_tokens=n, temperature=0)
+            assert handle.result(timeout=60).token_ids == want.token_ids
 
 
 def test_what_cannot_cross_is_refused_at_the_door_and_the_engine_goes_on(engine: Pipeline

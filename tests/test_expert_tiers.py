@@ -53,22 +53,24 @@ def _run(backend: TorchBackend, prompts: Sequence[Sequence[int]], steps: int) ->
 PROMPTS = [[1, 872, 198, 3219, 47, 9, 2025, 17, 5, 6], [44, 45, 46]]
 
 
-@pytest.mark.parametrize("dtype,fraction", [("float32", 0.25), ("float32", 0.5),
-                                            ("bfloat16", 0.25)])
-def test_a_capped_model_computes_the_uncapped_models_logits(dtype: str,
-                                                            fraction: float) -> None:
+@pytest.mark.parametrize("dtype,fraction,policy", [
+    ("float32", 0.25, "lfu"), ("float32", 0.5, "lfu"), ("bfloat16", 0.25, "lfu"),
+    ("float32", 0.25, "lru")])
+def test_a_capped_model_computes_the_uncapped_models_logits(dtype: str, fraction: float,
+                                                            policy: str) -> None:
     full = TorchBackend.from_dir(TINY_MODEL_DIR, num_slots=2, max_context=64, dtype=dtype)
     assert full.model.experts is None
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     total = 4 * 8 * 3 * 256 * 192 * size
     capped = TorchBackend.from_dir(TINY_MODEL_DIR, num_slots=2, max_context=64, dtype=dtype,
-                                   expert_cache_bytes=int(total * fraction))
+                                   expert_cache_bytes=int(total * fraction),
+                                   expert_cache_policy=policy)
     want, want_tokens = _run(full, PROMPTS, 12)
     got, got_tokens = _run(capped, PROMPTS, 12)
     assert got_tokens == want_tokens
     assert torch.equal(got, want)
     cache = capped.model.experts
-    assert cache is not None and cache.total_bytes == total
+    assert cache is not None and cache.total_bytes == total and cache.policy == policy
     stats = cache.stats
     assert stats.misses > 0 and stats.evictions > 0           # it did run out of room
     assert stats.resident_bytes <= cache.cap_bytes
@@ -116,6 +118,8 @@ def test_fused_expert_stacks_are_read_per_expert(tmp_path: Path) -> None:
     want, _ = _run(full, PROMPTS, 8)
     got, _ = _run(capped, PROMPTS, 8)
     assert torch.equal(got, want)
+    cache = capped.model.experts
+    assert cache is not None and cache.stats.misses > 0 and cache.stats.evictions > 0
 
 
 def test_a_mixtral_checkpoint_under_a_one_expert_cap_matches_transformers(
@@ -186,10 +190,19 @@ def test_lfu_keeps_the_most_often_routed_expert() -> None:
     _route(cache, [0, 0, 0, 1, 2])          # 2 evicts 1 (routed once), not 0 (three times)
     _route(cache, [0])
     assert source.reads == [(0, 0), (0, 1), (0, 2)] and cache.stats.hits == 3
-    _route(cache, [1])                      # 1 and 2 both routed once: 2 (older) goes
+    _route(cache, [1])                      # 2 (once) goes before 0 (four times)
     assert source.reads[-1] == (0, 1)
     _route(cache, [0])
     assert cache.stats.hits == 4 and cache.stats.resident == 2
+
+
+def test_lfu_breaks_a_tie_by_recency() -> None:
+    cache, source = _cache("lfu", 2)
+    _route(cache, [0, 1, 2])                # 0 and 1 routed once each: 0 (older) goes
+    _route(cache, [1])
+    assert source.reads == [(0, 0), (0, 1), (0, 2)] and cache.stats.hits == 1
+    _route(cache, [0])                      # read again: it was the one evicted
+    assert source.reads[-1] == (0, 0)
 
 
 def test_a_cap_below_one_expert_and_a_dense_model_are_refused_by_name() -> None:
@@ -249,8 +262,11 @@ def test_a_gguf_files_quantized_expert_stacks_are_read_per_expert(tmp_path: Path
                             num_slots=2, max_context=64)
 
     want, _ = _run(backend(False), PROMPTS, 6)
-    got, _ = _run(backend(True), PROMPTS, 6)
+    capped = backend(True)
+    got, _ = _run(capped, PROMPTS, 6)
     assert torch.equal(got, want)
+    cache = capped.model.experts
+    assert cache is not None and cache.stats.misses > 0 and cache.stats.evictions > 0
 
 
 def test_build_with_an_expert_cap_generates_the_same_text() -> None:
@@ -265,6 +281,10 @@ def test_build_with_an_expert_cap_generates_the_same_text() -> None:
         a = plain.generate("Once upon a time", max_tokens=16, temperature=0)
         b = capped.generate("Once upon a time", max_tokens=16, temperature=0)
         assert a.token_ids == b.token_ids and a.text == b.text
+        cache = capped.engine.backend.model.experts  # type: ignore[union-attr]
+        assert cache is not None and cache.policy == "lru"     # the options reached it
+        assert cache.stats.evictions > 0 and cache.cap_bytes == 4 * ONE_EXPERT_F32
+        assert plain.engine.backend.model.experts is None  # type: ignore[union-attr]
     finally:
         plain.close()
         capped.close()
@@ -324,3 +344,4 @@ def test_float8_experts_are_read_and_an_unreadable_dtype_fails_the_load(tmp_path
         capped = TorchBackend.from_dir(folder, num_slots=2, max_context=64, dtype="float32",
                                        expert_cache_bytes=3 * ONE_EXPERT_F32)
         assert torch.equal(_run(capped, PROMPTS, 4)[0], _run(full, PROMPTS, 4)[0])
+        assert capped.model.experts is not None and capped.model.experts.stats.misses > 0

@@ -53,9 +53,12 @@ def test_memory_is_the_formula_and_buys_context() -> None:
             a.cache.nbytes * position_bytes(spec, torch.float32, kv_int8=True)
         assert position_bytes(spec, torch.float32, kv_int8=True) == \
             2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim + 4)
-        gib = 1 << 30
-        assert fitting_context(spec, 1, torch.float32, gib, kv_int8=True) >= min(
-            spec.max_position_embeddings, 3 * fitting_context(spec, 1, torch.float32, gib))
+        mib = 1 << 20  # below the model's window, so the cache's size decides
+        per = 2 * spec.num_layers * spec.num_kv_heads  # bytes a position per (byte of a head)
+        assert fitting_context(spec, 1, torch.float32, mib, kv_int8=True) == \
+            mib // (per * (spec.head_dim + 4)) // 256 * 256 == 1024
+        assert fitting_context(spec, 1, torch.float32, mib) == \
+            mib // (per * spec.head_dim * 4) // 256 * 256 == 256
 
 
 def test_greedy_decoding_agrees_with_the_full_precision_cache() -> None:

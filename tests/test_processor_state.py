@@ -89,6 +89,24 @@ def test_the_state_path_equals_the_ids_path(seed: int, draft_tails: bool) -> Non
     assert torch.equal(sparse_got.values, sparse_want.values)
 
 
+def test_the_counts_come_from_the_state_when_a_row_has_one() -> None:
+    # a state that saw token 5 three times, on a row whose ids say token 7: the penalties
+    # must fall on 5 (the state), and on 7 only for the row without a state
+    config = GenerationConfig(presence_penalty=0.7, frequency_penalty=0.4)
+    chain = ProcessorChain([PresencePenalty(), FrequencyPenalty()])
+    base = Row("r", config, [1], [], 1, 0, frozenset({0}))
+    states = chain.start(base)
+    for _ in range(3):
+        chain.advance(states, 5)
+    row = Row("r", config, [1], [7, 7, 7], 4, 0, frozenset({0}))
+    logits = torch.zeros(2, V)
+    got = chain(Scores(logits.clone()),
+                Batch((row.with_states(states), row), V)).values
+    penalty = 0.7 + 3 * 0.4
+    assert got[0, 5].item() == pytest.approx(-penalty) and got[0, 7].item() == 0.0
+    assert got[1, 7].item() == pytest.approx(-penalty) and got[1, 5].item() == 0.0
+
+
 def test_the_state_path_matches_the_definitions() -> None:
     stateful, plain, _ = rows_for(11, CONFIG, draft_tails=True)
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5)) * 4
