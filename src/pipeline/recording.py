@@ -2,7 +2,9 @@
 
 Owns the per-step records of the logits products: the sha256 digest of a row of raw logits
 (``z_t``) or of the processed distribution, always; and at ``Recording.FULL`` their top-k
-(token id, value, and for processed scores the probability). It also owns the W3C
+(token id, value, and for processed scores the probability) and, for raw logits, the row's
+``logsumexp``, so that any recorded logit ``z`` reads as the model's own probability
+``exp(z - logsumexp)`` (before temperature and the other processors). It also owns the W3C
 ``traceparent`` parsing that carries a caller's distributed-trace context into the trace.
 
 Digests are over the float32 bits of the dense ``[V]`` row, so two runs that produced
@@ -106,12 +108,13 @@ def processed_top(row: torch.Tensor, k: int = TOP_K) -> list[list[float]]:
 
 def logits_record(rows: torch.Tensor, full: Sequence[bool]) -> list[dict[str, Any]]:
     """One payload fragment per row of raw logits ``rows [B, V]`` (float32, on any device);
-    rows whose ``full`` flag is set also get their top-k."""
+    rows whose ``full`` flag is set also get their top-k and their ``logsumexp``."""
     width = int(rows.shape[1])
     records: list[dict[str, Any]] = [{"digest": d, "shape": [width]} for d in row_digests(rows)]
     for i, keep in enumerate(full):  # index only the rows asked for: a tensor view costs µs
         if keep:
             records[i]["top"] = raw_top(rows[i])
+            records[i]["logsumexp"] = float(torch.logsumexp(rows[i], dim=0))
     return records
 
 
