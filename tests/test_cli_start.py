@@ -35,7 +35,9 @@ import pytest
 
 from backends.gguf.file import GGUFFile
 from pipeline import GenerationConfig, build, cli
-from pipeline.cli.start import SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, summary_line
+from pipeline.cli.start import (
+    SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, sampling_line, summary_line,
+)
 from pipeline.errors import ArtifactError
 from pipeline.events import Event
 from pipeline.model_paths import TINY_MODEL_DIR
@@ -108,6 +110,78 @@ def test_run_flags_override_the_models_defaults(capsys: pytest.CaptureFixture[st
     config = next(e for e in events if e.event_type == "request.normalized").payload
     assert config["generation_config"]["temperature"] == 0
     assert config["generation_config"]["top_p"] == TINY_SAMPLING["top_p"]  # laid over them
+
+
+SHOWN = re.compile(r"(\w+) ([^,;() ]+)(?: \((.+?)\))?(?=, |$)")
+
+
+def _listed(part: str) -> dict[str, tuple[str, str]]:
+    """``a 1, b 2 (x), c 3 (y)`` → field → (value, source): a value without a source takes
+    the next one's (a run of values from one place names it once, after the last)."""
+    found = SHOWN.findall(part)
+    assert ", ".join(f"{n} {v}" + (f" ({w})" if w else "") for n, v, w in found) == part
+    out: dict[str, tuple[str, str]] = {}
+    where = ""
+    for name, value, source in reversed(found):
+        where = source or where
+        out[name] = (value, where)
+    assert found[-1][2], "the last value names its source"
+    return out
+
+
+def _ready_line(err: list[str]) -> tuple[bool, dict[str, tuple[str, str]],
+                                          dict[str, tuple[str, str]]]:
+    """The ready line as (greedy, values in effect, values unused when greedy)."""
+    ready = next(line for line in err if line.startswith("ready in "))
+    text = re.sub(r"^ready in \d+\.\d s: sampling ", "", ready)
+    greedy = text.startswith("greedy: ")
+    used, _, unused = text.removeprefix("greedy: ").partition("; unused when greedy: ")
+    return greedy, _listed(used), (_listed(unused) if unused else {})
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"--temperature": "0"},
+    {"--temperature": "0.5", "--top-k": "3", "--min-p": "0.05"},
+    {"--top-p": "0.5", "--repetition-penalty": "1.3"},
+])
+def test_the_ready_line_shows_the_values_in_effect_and_where_each_came_from(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: dict[str, str]) -> None:
+    """The oracle is the configuration the engine ran (the trace's ``request.normalized``):
+    every sampling value listed is that one's, and every one that is not neutral is listed;
+    each names the flag that set it, or the model's generation_config.json; at temperature 0
+    the truncation fields are said to be unused, not listed as in effect."""
+    trace = tmp_path / "run.jsonl"
+    argv = [x for pair in flags.items() for x in pair]
+    code, _, err = _run(capsys, "--max-tokens", "2", "--trace", str(trace), *argv, "hi")
+    assert code == 0
+    events = [Event.from_json(json.loads(line)) for line in trace.read_text().splitlines()]
+    ran = next(e for e in events if e.event_type == "request.normalized"
+               ).payload["generation_config"]
+    greedy, used, unused = _ready_line(err)
+    assert greedy == (ran["temperature"] == 0)
+    for name, (value, source) in {**used, **unused}.items():
+        assert float(value) == pytest.approx(ran[name]), name
+        flag = f"--{name.replace('_', '-')}"
+        assert source == (flag if flag in flags else GENERATION_CONFIG), name
+    neutral = GenerationConfig()
+    sampling = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty")
+    assert {f for f in sampling if ran[f] != getattr(neutral, f)} <= {*used, *unused}
+    truncation = {"top_k", "top_p", "min_p", "typical_p"}
+    assert set(unused) == ({*used, *unused} & truncation if greedy else set())
+    assert not (greedy and set(used) & truncation)
+
+
+def test_the_ready_line_shows_whatever_fields_the_defaults_hold() -> None:
+    """Defaults with fields beyond the usual sampling ones (as ``build(defaults=...)`` may
+    give, or a future pipeline default) are listed too, with their source."""
+    defaults = GenerationConfig(temperature=0.3, min_p=0.05, presence_penalty=0.5,
+                                max_tokens=64)
+    line = sampling_line(defaults, CALLER, {"temperature": (0.9, "--temperature")})
+    listed = _listed(line.removeprefix("sampling "))
+    assert listed == {"temperature": ("0.9", "--temperature"),
+                      "max_tokens": ("64", CALLER), "min_p": ("0.05", CALLER),
+                      "presence_penalty": ("0.5", CALLER)}
 
 
 def test_run_help_states_the_documented_default_and_that_the_model_comes_first(

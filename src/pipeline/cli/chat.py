@@ -4,8 +4,9 @@
 Owns the read-answer loop and its slash commands. Each line typed is a user turn: the whole
 conversation so far (system prompt, earlier turns, this line) goes through the model's chat
 template and the answer streams to standard output. ``--model``, ``--system``, the
-sampling flags, ``--device``, ``--dtype`` and the strategy flags (``--strategy``,
-``--steps``, ``--block-length``, ``--strategy-option``) are ``pipeline run``'s.
+sampling flags, ``--device``, ``--dtype``, ``--trace`` with ``--record`` (each turn's trace
+appended) and the strategy flags (``--strategy``, ``--steps``, ``--block-length``,
+``--strategy-option``) are ``pipeline run``'s.
 
 - ``/reset`` forgets the turns (the system prompt stays); ``/system TEXT`` sets or replaces
   the system prompt (alone: shows it); ``/save FILE`` writes the conversation as JSON, a list
@@ -41,7 +42,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.run import add_backend, add_sampling, backend_options, sampling_params
+from pipeline.cli.run import (
+    add_backend, add_record, add_sampling, backend_options, given_flags, recording,
+    sampling_params,
+)
 from pipeline.cli.start import DEFAULT_NAME, Loading
 from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import ArtifactError, PipelineError
@@ -82,12 +86,16 @@ def add_parser(sub: Any) -> None:
                       help="cap the model's window at N tokens")
     chat.add_argument("--trace", type=Path, default=None, metavar="FILE",
                       help="append each turn's trace as JSONL to FILE")
+    add_record(chat)
     chat.set_defaults(run=_chat)
 
 
 def _chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not at the 1st turn
+    level = recording(args)
+    if level is not None:
+        params["recording"] = level
     choice = strategy_choice(args)
     start = Loading(sys.stderr, args.model)
     with start.loading():  # the line shows now, before torch is imported
@@ -101,7 +109,7 @@ def _chat(args: argparse.Namespace) -> int:
     terminal = Terminal(sys.stdin.isatty() and sys.stdout.isatty())
     with pipe:
         session = Session(pipe, Conversation(args.system or None), params, terminal)
-        start.ready(pipe)
+        start.ready(pipe, given_flags(args))
         terminal.banner(args.model or DEFAULT_NAME, pipe, session.window)
         return session.run()
 

@@ -5,24 +5,28 @@ Owns the command's options (the sampling fields people use, in the spellings of
 ``llama-cli`` and ``mlx_lm.generate``; ``--device`` and ``--dtype``, which become the build's
 :class:`~pipeline.options.BackendOptions`, checked before the model loads) and its output:
 the text as it streams, or with ``--json`` one JSON object (text, finish reason, usage,
-timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace;
-``--json-schema`` constrains the answer to a JSON schema (a file or inline JSON). The prompt
-is the argument, or standard input when the argument is ``-`` or absent. Standard error gets
-the start lines (:mod:`pipeline.cli.start`: loading, then ready with the sampling defaults in
-effect and their source) and, after the answer, the run's figures: with ``--verbose`` time to
-first token, prompt tokens and prefill speed, tokens generated and decode speed, finish
-reason; without it one summary line when the answer went to a terminal. A sampling flag left
-out takes the pipeline's defaults (:mod:`pipeline.sampling_defaults`). The strategy flags
+timings, request id) on stdout; ``--trace FILE`` keeps the request's JSONL trace, at the
+level ``--record`` names (``digest``, the default: digests of every data product; ``full``:
+also their content, the text and token ids, so ``pipeline trace show`` lists each token's
+text); ``--json-schema`` constrains the answer to a JSON schema (a file or inline JSON). The
+prompt is the argument, or standard input when the argument is ``-`` or absent. Standard
+error gets the start lines (:mod:`pipeline.cli.start`: loading, then ready with the sampling
+in effect, each value with its source: the flag that set it or where the defaults came from)
+and, after the answer, the run's figures: with ``--verbose`` time to first token, prompt
+tokens and prefill speed, tokens generated and decode speed, finish reason; without it one
+summary line when the answer went to a terminal. A flag left out (``--max-tokens`` included)
+takes the pipeline's defaults (:mod:`pipeline.sampling_defaults`). The strategy flags
 (``--strategy``, ``--steps``, ``--block-length``, ``--strategy-option``) are
 :mod:`pipeline.cli.strategy`'s. ``pipeline chat`` takes the same flags through
-:func:`add_sampling`, :func:`sampling_params`, :func:`add_backend` and
-:func:`backend_options`.
+:func:`add_sampling`, :func:`sampling_params`, :func:`given_flags`, :func:`add_record`,
+:func:`add_backend` and :func:`backend_options`.
 
 Example::
 
     pipeline run "Why is the sky blue?" --temperature 0 --max-tokens 64
     echo "2+2?" | pipeline run --model tiny --json
     pipeline run --model tiny-masked --strategy fast_dllm --steps 4 "What is a list?"
+    pipeline run --trace run.jsonl --record full "hi" && pipeline trace show run.jsonl
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from pipeline.cli.start import Figures, Loading, summary_line, verbose_lines
 from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
+from pipeline.types import GenerationConfig, Recording
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.options import BackendOptions
@@ -52,7 +59,8 @@ _SAMPLING = (  # flag, GenerationConfig field, type, help
     ("--repetition-penalty", "repetition_penalty", float,
      f"divide repeated tokens' logits {_MODEL_DEFAULT}"),
     ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
-    ("--max-tokens", "max_tokens", int, "most tokens to generate (default 256)"),
+    ("--max-tokens", "max_tokens", int, "most tokens to generate (default "
+     f"{PIPELINE_DEFAULT.get('max_tokens', attrs.fields(GenerationConfig).max_tokens.default):g})"),
     ("--min-tokens", "min_tokens", int, "fewest tokens before EOS or a stop string may end"),
 )
 
@@ -75,6 +83,7 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--trace", type=Path, default=None, metavar="FILE",
                      help="write the request's trace as JSONL to FILE")
+    add_record(run)
     run.add_argument("--verbose", "-v", action="store_true",
                      help="after the answer, print on standard error the time to first token, "
                           "the prompt's tokens and prefill speed, the tokens generated and the "
@@ -98,6 +107,32 @@ def add_sampling(parser: Any) -> None:
         group.add_argument(flag, dest=field, type=kind, default=None, help=text)
     group.add_argument("--stop", action="append", default=None, metavar="TEXT",
                        help="stop before this text (repeatable)")
+
+
+RECORDS = tuple(r.value for r in Recording)
+"""``--record`` values, the trace's recording levels (:class:`~pipeline.types.Recording`)."""
+
+
+def add_record(parser: Any) -> None:
+    """``--record digest|full``: the level of the trace ``--trace`` writes."""
+    parser.add_argument("--record", default=None, metavar="LEVEL",
+                        help="what the --trace file records: digest (the default: a digest "
+                             "of every data product) or full (also the text and token ids, "
+                             "so `pipeline trace show` lists each token's text)")
+
+
+def recording(args: argparse.Namespace) -> Recording | None:
+    """``--record``'s level (None: not given); another value is one line listing the
+    levels, and a level without ``--trace`` would record into nothing: also an error."""
+    value = args.record
+    if value is None:
+        return None
+    if value not in RECORDS:
+        raise InvalidValueError("--record", value, f"must be one of {', '.join(RECORDS)}")
+    if args.trace is None:
+        raise InvalidValueError("--record", value, "sets the level of the trace --trace FILE "
+                                                   "writes: give --trace too")
+    return Recording(value)
 
 
 def add_backend(parser: Any) -> None:
@@ -170,14 +205,19 @@ def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`~pipeline.types.GenerationConfig` fields the flags set (``max_tokens``
-    256 unless given)."""
+    """The :class:`~pipeline.types.GenerationConfig` fields the flags set (a field left out
+    is the pipeline's default, ``max_tokens`` too, so the ready line tells the truth)."""
     params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
                               if getattr(args, field) is not None}
-    params.setdefault("max_tokens", 256)
     if args.stop:
         params["stop"] = args.stop
     return params
+
+
+def given_flags(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """Each field a sampling flag set → (its value, the flag), for the ready line."""
+    return {field: (getattr(args, field), flag) for flag, field, _, _ in _SAMPLING
+            if getattr(args, field) is not None}
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -208,9 +248,10 @@ def _schema(value: str | None) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.types import GenerationConfig, from_mapping
+    from pipeline.types import from_mapping
 
     choice = strategy_choice(args)
+    level = recording(args)
     messages = _messages(args)
     params = sampling_params(args)
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not after the load
@@ -224,8 +265,9 @@ def _run(args: argparse.Namespace) -> int:
         sinks = [JsonlSink(args.trace)] if args.trace is not None else []
         pipe = build_with(args.model, choice, sinks=sinks, options=options)
     with pipe:
-        start.ready(pipe)
-        handle = pipe.submit(messages, json_schema=_schema(args.json_schema), **params)
+        start.ready(pipe, given_flags(args))
+        handle = pipe.submit(messages, json_schema=_schema(args.json_schema), recording=level,
+                             **params)
         try:
             for delta in handle.deltas():
                 if not args.json:

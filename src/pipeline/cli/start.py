@@ -6,10 +6,12 @@ the file system without loading anything), :class:`Loading` (the ``loading MODEL
 Q4_1) ...`` line, on a terminal written at once, before the library imports torch, with an
 elapsed-time count while a GGUF file loads (a folder's safetensors draw their own progress
 bar, :mod:`backends.torch.loader`); then ``ready in 2.3 s: sampling temperature 0.2, top_p
-0.9 (pipeline default)``), :class:`Figures` (a finished request's speeds, as llama.cpp reports
-them) and the lines made of them: :func:`summary_line` and :func:`verbose_lines`. With
-standard error not a terminal both start lines are plain lines, written together once the
-model is ready (so an error before that is the only line, as the command line's errors are).
+0.9 (pipeline default)``), :func:`sampling_line` (the sampling a request of the command gets:
+each value in effect and where it came from, a flag or the pipeline's defaults and their
+source), :class:`Figures` (a finished request's speeds, as llama.cpp reports them) and the
+lines made of them: :func:`summary_line` and :func:`verbose_lines`. With standard error not a
+terminal both start lines are plain lines, written together once the model is ready (so an
+error before that is the only line, as the command line's errors are).
 
 Nothing here imports torch, so on a terminal the first line shows while the rest of the
 library loads.
@@ -20,6 +22,11 @@ Example (standard error of ``pipeline run --model tiny --verbose "hi"``)::
     ready in 1.9 s: sampling temperature 0.7, top_k 40, top_p 0.9, repetition_penalty 1.1
       (generation_config.json)
     ttft 41.0 ms | 160 tokens/s | finish length | prompt 9 tokens at 310 tokens/s | 16 tokens
+
+and of ``pipeline run --temperature 0 "hi"`` on the default model::
+
+    ready in 0.3 s: sampling greedy: temperature 0 (--temperature); unused when greedy: top_p
+      0.9 (pipeline default)
 """
 
 from __future__ import annotations
@@ -28,16 +35,16 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.pipe import Pipeline
-    from pipeline.types import Completion
+    from pipeline.types import Completion, GenerationConfig
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 """How the lines name the default model."""
@@ -136,12 +143,15 @@ class Loading:
             self._write(f"\r{self.line} {elapsed:.1f} s\n")
         return elapsed
 
-    def ready(self, pipe: Pipeline) -> None:
+    def ready(self, pipe: Pipeline, given: Mapping[str, tuple[Any, str]] | None = None
+              ) -> None:
         """End the loading line (off a terminal: write it now) and write ``ready in N.N s:
-        sampling ... (source)``."""
+        sampling ...``: :func:`sampling_line` of the pipeline's defaults with ``given`` (field
+        → (value, the flag that set it)) laid over them."""
         elapsed = self.end()
         head = "" if self.live else self.line + "\n"
-        self._write(f"{head}ready in {elapsed:.1f} s: {defaults_line(pipe)}\n")
+        line = sampling_line(pipe.defaults, pipe.defaults_source, given or {})
+        self._write(f"{head}ready in {elapsed:.1f} s: {line}\n")
 
     def _write(self, text: str) -> None:
         self.stream.write(text)
@@ -159,12 +169,57 @@ class Loading:
             raise
 
 
-def defaults_line(pipe: Pipeline) -> str:
-    """``sampling temperature 0.2, top_p 0.9 (pipeline default)``: the defaults a request
-    gets and where they came from."""
-    from pipeline.sampling_defaults import sampling_summary
+UNUSED_WHEN_GREEDY = ("top_k", "top_p", "min_p", "typical_p")
+"""The fields of the truncation processors, which are argmax-invariant and skip a greedy row
+(:mod:`stages.process.truncation`): at temperature 0 they change nothing."""
 
-    return f"sampling {sampling_summary(pipe.defaults)} ({pipe.defaults_source})"
+
+def sampling_line(defaults: GenerationConfig, source: str,
+                  given: Mapping[str, tuple[Any, str]]) -> str:
+    """``sampling temperature 0 (--temperature), top_p 0.9 (pipeline default)``: the
+    sampling a request gets when ``given`` (field → (value, where it was set)) is laid over
+    ``defaults`` (which came from ``source``), each value with where it came from (a run of
+    values from one place names it once, after the last).
+
+    Shown: temperature, every field of ``defaults`` that is not neutral (whatever fields the
+    defaults hold), and each sampling field given. At temperature 0 the truncation fields
+    (:data:`UNUSED_WHEN_GREEDY`) do nothing and are listed apart as unused."""
+    from pipeline.sampling_defaults import SAMPLING_FIELDS
+    from pipeline.types import GenerationConfig
+
+    neutral = GenerationConfig()
+    effective = attrs.evolve(defaults, **{f: value for f, (value, _) in given.items()})
+    shown = [f.name for f in attrs.fields(GenerationConfig)
+             if f.name == "temperature" or _differs(defaults, neutral, f.name)
+             or (f.name in given and f.name in SAMPLING_FIELDS)]
+    placed = [(f"{name} {_shown(getattr(effective, name))}",
+               given[name][1] if name in given else source) for name in shown]
+    if not effective.greedy:
+        return f"sampling {_grouped(placed)}"
+    used = [p for name, p in zip(shown, placed) if name not in UNUSED_WHEN_GREEDY]
+    unused = [p for name, p in zip(shown, placed) if name in UNUSED_WHEN_GREEDY]
+    tail = f"; unused when greedy: {_grouped(unused)}" if unused else ""
+    return f"sampling greedy: {_grouped(used)}{tail}"
+
+
+def _differs(config: GenerationConfig, neutral: GenerationConfig, name: str) -> bool:
+    value = getattr(config, name)
+    return bool(value != getattr(neutral, name)) if name != "logit_bias" else bool(value)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:g}"
+
+
+def _grouped(placed: list[tuple[str, str]]) -> str:
+    """``a 1, b 2 (x), c 3 (y)``: each value, its source after the last of a run from it."""
+    out = []
+    for i, (text, where) in enumerate(placed):
+        last = i + 1 == len(placed) or placed[i + 1][1] != where
+        out.append(f"{text} ({where})" if last else text)
+    return ", ".join(out)
 
 
 @attrs.frozen
