@@ -34,7 +34,8 @@ def pipe():  # type: ignore[no-untyped-def]
 
 def test_every_float_field_is_covered() -> None:
     assert set(FLOAT_FIELDS) == {"temperature", "top_p", "min_p", "typical_p",
-                                 "repetition_penalty", "presence_penalty", "frequency_penalty"}
+                                 "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                 "dry_multiplier", "dry_base"}
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)

@@ -33,7 +33,8 @@ from stages.stop import EosStopper, MaxTokensStopper, StopStringStopper
 
 FULL_CONFIG = GenerationConfig(
     max_tokens=40, temperature=0.1 + 0.2, top_k=7, top_p=0.9, min_p=0.05, typical_p=0.95,
-    repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.25,
+    repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.25, dry_multiplier=0.5,
+    dry_base=2.0, dry_allowed_length=3,
     logit_bias={5: 2.5, 17: -100.0}, stop=("\n\n", "END"), stop_token_ids=(3, 4),
     min_tokens=2, ignore_eos=True, seed=2**62 + 1, logprobs=True, top_logprobs=3,
     banned_token_ids=(9,), allowed_token_ids=(5, 6, 7, 8), processor_order=("temperature",),

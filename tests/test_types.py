@@ -19,7 +19,8 @@ from pipeline.errors import InvalidValueError, PipelineError, UnknownFieldError
     ("min_p", 2.0), ("typical_p", 0.0), ("repetition_penalty", 0), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("seed", -1), ("top_logprobs", 30), ("temperature", float("nan")),
     ("max_tokens", True), ("max_tokens", 2.5), ("stop", [""]), ("stop", ["x"] * 17),
-    ("stop_token_ids", [-1]), ("allowed_token_ids", []),
+    ("stop_token_ids", [-1]), ("allowed_token_ids", []), ("dry_multiplier", -0.1),
+    ("dry_base", 0.5), ("dry_allowed_length", 0), ("dry_allowed_length", 1.5),
 ])
 def test_bad_generation_values_name_field_and_value(field: str, value: object) -> None:
     with pytest.raises(InvalidValueError) as info:

@@ -37,7 +37,7 @@ AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
 DEFAULT_PROCESSORS = (
     "grammar",
     "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "presence_penalty", "frequency_penalty", "dry", "temperature", "top_k", "top_p", "min_p",
     "typical_p",
 )
 """The built-in processors of the default chain, in order: ``grammar`` (built with the
@@ -110,17 +110,19 @@ def build(
     6. ``repetition_penalty`` — over prompt and output tokens (divide positive, multiply negative)
     7. ``presence_penalty`` — over output tokens, once per distinct token
     8. ``frequency_penalty`` — over output tokens, per occurrence
-    9. the ``processors`` you pass, in the order given
-    10. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
-    11. ``top_k`` — keep the k most likely
-    12. ``top_p`` — keep the smallest set with mass >= p
-    13. ``min_p`` — keep tokens with probability >= min_p × the top probability
-    14. ``typical_p`` — locally typical sampling
+    9. ``dry`` — the DRY sequence penalty: a token that would extend a repeated run of the
+       output loses ``dry_multiplier * dry_base ** (L - dry_allowed_length)``
+    10. the ``processors`` you pass, in the order given
+    11. ``temperature`` — divide by T (T < 1e-5, zero included, is greedy: left for argmax)
+    12. ``top_k`` — keep the k most likely
+    13. ``top_p`` — keep the smallest set with mass >= p
+    14. ``min_p`` — keep tokens with probability >= min_p × the top probability
+    15. ``typical_p`` — locally typical sampling
 
     Masks and biases come first so that penalties and truncation see the allowed vocabulary (the
     grammar first: what it forbids can never be chosen, whatever the biases);
     temperature comes before truncation, as in vLLM, SGLang and transformers, so ``top_p``
-    acts on the distribution that is sampled. Your processors (step 9) join the default chain
+    acts on the distribution that is sampled. Your processors (step 10) join the default chain
     rather than replace it, so the request's temperature, top-k, top-p and penalties keep
     working. They run on logits with every mask, bias and penalty applied, at the logits'
     own scale (a bias of +5 means what ``logit_bias`` of +5 means, whatever the

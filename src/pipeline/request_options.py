@@ -34,6 +34,9 @@ class RequestOptions(TypedDict, total=False):
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
     logit_bias: Mapping[int, float]
     stop: str | Sequence[str]
     stop_token_ids: Sequence[int]

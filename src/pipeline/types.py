@@ -324,7 +324,10 @@ class GenerationConfig:
     """What to generate and how to choose tokens. Defaults follow the OpenAI API.
 
     ``temperature=0`` means greedy. ``top_k=0``, ``top_p=1``, ``min_p=0``, ``typical_p=1`` and
-    penalties of 1 / 0 / 0 are "off". ``processor_order`` overrides the builder's default chain
+    penalties of 1 / 0 / 0 are "off", and so is ``dry_multiplier=0`` (the DRY sequence
+    penalty: a token that would extend a run of ``L >= dry_allowed_length`` output tokens seen
+    before loses ``dry_multiplier * dry_base ** (L - dry_allowed_length)``,
+    :mod:`stages.process.dry`). ``processor_order`` overrides the builder's default chain
     order with the names of processors the pipeline has. ``reasoning_budget_tokens`` caps a
     ``<think>`` block: at the budget the engine forces the template's end-of-thinking marker.
     ``forced_prefix`` are token ids the output must begin with (e.g. a tool-call opening when
@@ -348,6 +351,9 @@ class GenerationConfig:
     repetition_penalty: float = attrs.field(default=1.0, validator=_range(0.01, 100))
     presence_penalty: float = attrs.field(default=0.0, validator=_range(-2, 2))
     frequency_penalty: float = attrs.field(default=0.0, validator=_range(-2, 2))
+    dry_multiplier: float = attrs.field(default=0.0, validator=_range(0, 100))
+    dry_base: float = attrs.field(default=1.75, validator=_range(1, 10))
+    dry_allowed_length: int = attrs.field(default=2, validator=_range(1, 64, integer=True))
     logit_bias: Mapping[int, float] = attrs.field(
         factory=lambda: MappingProxyType({}), converter=_logit_bias, eq=False)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)

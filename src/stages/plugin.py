@@ -19,6 +19,7 @@ PROCESSOR_SUMMARIES = {
     "repetition_penalty": "penalize prompt and output tokens multiplicatively",
     "presence_penalty": "subtract presence_penalty from tokens already output",
     "frequency_penalty": "subtract frequency_penalty per earlier occurrence",
+    "dry": "penalize tokens that would extend a repeated run of the output (DRY)",
     "temperature": "divide logits by the temperature",
     "top_k": "keep the k most likely tokens",
     "top_p": "keep the smallest set with probability mass >= top_p",

@@ -10,15 +10,16 @@ Owns :class:`ProcessorChain`, the default order :data:`DEFAULT_ORDER`, the name-
 5. ``repetition_penalty`` — prompt + output tokens: positive ``/ p``, negative ``* p``
 6. ``presence_penalty`` — output tokens: ``- presence``
 7. ``frequency_penalty`` — output tokens: ``- frequency * count``
-8. ``temperature`` — ``/ T`` (greedy rows, ``T < 1e-5``, are left alone)
-9. ``top_k`` — the k most likely
-10. ``top_p`` — the smallest most-likely set with mass >= p
-11. ``min_p`` — ``prob >= min_p * max prob``
-12. ``typical_p`` — locally typical sampling
+8. ``dry`` — a token that would extend a repeated run of the output: ``- m * base ** (L - a)``
+9. ``temperature`` — ``/ T`` (greedy rows, ``T < 1e-5``, are left alone)
+10. ``top_k`` — the k most likely
+11. ``top_p`` — the smallest most-likely set with mass >= p
+12. ``min_p`` — ``prob >= min_p * max prob``
+13. ``typical_p`` — locally typical sampling
 
 Masks and biases come first so penalties and truncation see the allowed vocabulary;
 temperature precedes truncation (as in vLLM, SGLang and transformers). A user's processors
-(``pipeline.build(processors=[...])``) run between 7 and 8: see ``build``'s docstring.
+(``pipeline.build(processors=[...])``) run between 8 and 9: see ``build``'s docstring.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from pipeline.errors import InvalidValueError, UnknownNameError
 from pipeline.protocols import Batch, LogitProcessor, Row, Scores, StatefulProcessor
+from stages.process.dry import DryPenalty
 from stages.process.masks import AllowedTokens, BannedTokens, LogitBias, MinTokens
 from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
 from stages.process.temperature import Temperature
@@ -36,7 +38,7 @@ from stages.process.truncation import MinP, TopK, TopP, TypicalP
 
 DEFAULT_ORDER: tuple[str, ...] = (
     "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "presence_penalty", "frequency_penalty", "dry", "temperature", "top_k", "top_p", "min_p",
     "typical_p",
 )
 """The names of the built-in processors in the order the default chain applies them."""
@@ -44,7 +46,7 @@ DEFAULT_ORDER: tuple[str, ...] = (
 PROCESSORS: Mapping[str, type[LogitProcessor]] = MappingProxyType({
     cls.name: cls for cls in (
         AllowedTokens, BannedTokens, LogitBias, MinTokens, RepetitionPenalty, PresencePenalty,
-        FrequencyPenalty, Temperature, TopK, TopP, MinP, TypicalP)
+        FrequencyPenalty, DryPenalty, Temperature, TopK, TopP, MinP, TypicalP)
 })
 """Built-in processor classes by name (read-only); each is built with no arguments."""
 
