@@ -379,5 +379,5 @@ def test_trace_cli_checks_and_diffs_shipped_model_runs(tmp_path: Path,
     capsys.readouterr()
     assert cli.main(["trace", "diff", files[0], files[1]]) == 1
     out = capsys.readouterr().out
-    assert "first divergence: iteration time at step 1" in out
+    assert "earliest internal difference: iteration time at step 1" in out
     assert "iteration 2 of the block at token 1 (16 vs 8 per block)" in out

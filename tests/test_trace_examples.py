@@ -33,4 +33,5 @@ def test_worked_trace_script_writes_its_page(docs: Path, script: str, pages: lis
     text = (docs / pages[0]).read_text()
     assert "VIOLATED" not in text
     if script == "trace_diverge.py":
-        assert text.count("first divergence: prefill logits at step 1") == 2
+        assert text.count("earliest internal difference: the model's scores for the first "
+                          "token (prefill logits) at step 1") == 2

@@ -171,7 +171,7 @@ def test_cli_check_diff_show_export_and_exit_status(tmp_path: Path, capsys) -> N
     assert "5. streamed bytes" in capsys.readouterr().out
     assert main(["trace", "diff", str(a), str(a)]) == 0
     assert main(["trace", "diff", str(a), str(b)]) == 1
-    assert "first divergence" in capsys.readouterr().out
+    assert "earliest internal difference" in capsys.readouterr().out
     assert main(["trace", "diff", str(a), str(b), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["divergence"]["product"] == "processor order"  # T=0: none; T=0.9: temperature

@@ -1,7 +1,8 @@
 """The ``pipeline trace`` subcommands: ``show``, ``check``, ``diff``, ``export``.
 
 Owns their argument parsing and printing; each calls the :mod:`pipeline.trace` function of the
-same name. Exit status: ``check`` 0 when every invariant holds, 1 otherwise; ``diff`` 0 when
+same name, and :class:`Tokenizers`, which finds the tokenizer a trace used (``--model``'s, or
+a shipped model's with the trace's tokenizer digest) to give token ids their text. Exit status: ``check`` 0 when every invariant holds, 1 otherwise; ``diff`` 0 when
 the runs do not diverge, 1 when they do; 2 for an unreadable trace.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.protocols import Tokenizer
 from pipeline.trace.check import check
 from pipeline.trace.diff import diff
 from pipeline.trace.export import export_otel, to_perfetto
@@ -22,47 +24,103 @@ from pipeline.trace.invariants import Detokenize
 from pipeline.trace.load import Trace, load, load_all
 from pipeline.trace.show import show
 from pipeline.trace.svg import to_svg
+from pipeline.trace.tokens import TokenText
+from pipeline.types import token_text
 
 
-def _detokenizer(trace: Trace, model: str | None) -> tuple[Detokenize | None, str]:
-    """``tokenizer.decode`` of the model folder (default: the embedded model), used only when
-    its digest is the trace's tokenizer artifact."""
-    from pipeline.model_paths import TINY_MODEL_DIR
-    from pipeline.registry import BuildContext, Registry
+SHIPPED = ("smollm2", "tiny")
+"""The models whose tokenizers label a trace when no ``--model`` is given: the default model
+(``build()``'s), then the tiny one inside the package; each is used only for a trace whose
+``tokenizer_version`` is its digest."""
 
-    folder = Path(model) if model else TINY_MODEL_DIR
-    if not (folder / "tokenizer.json").exists():
-        return None, f"no tokenizer.json in {folder}"
-    tokenizer = Registry().create("tokenizer", "hf", BuildContext(model_dir=folder))
-    if tokenizer.digest != trace.instance.get("tokenizer_version"):
-        return None, f"the tokenizer in {folder} is not the one this trace used"
-    return (lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))), ""
+
+class Tokenizers:
+    """The tokenizer of each trace a command reads, found by the trace's ``tokenizer_version``
+    among ``--model``'s or else the shipped models' (:data:`SHIPPED`), each loaded once."""
+
+    def __init__(self, model: str | None) -> None:
+        self.model = model
+        self._loaded: dict[str, Tokenizer | None] = {}
+
+    def _load(self, name: str) -> Tokenizer | None:
+        from pipeline.builder import load_tokenizer
+
+        if name not in self._loaded:
+            try:
+                self._loaded[name] = load_tokenizer(name)[0]
+            except PipelineError:   # not installed, or no tokenizer: it cannot be this one
+                if name == self.model:
+                    raise
+                self._loaded[name] = None
+        return self._loaded[name]
+
+    def find(self, trace: Trace) -> tuple[Tokenizer | None, str]:
+        """The trace's tokenizer, or None and why none was found."""
+        version = trace.instance.get("tokenizer_version")
+        for name in (self.model,) if self.model else SHIPPED:
+            tokenizer = self._load(name)
+            if tokenizer is not None and tokenizer.digest == version:
+                return tokenizer, ""
+        if self.model:
+            return None, f"the tokenizer of {self.model} is not the one this trace used"
+        return None, (f"none of the shipped models ({', '.join(SHIPPED)}) has the tokenizer "
+                      "this trace used: name its model with --model")
+
+    def text(self, trace: Trace) -> TokenText | None:
+        """A token id's text with the trace's tokenizer (None when it is not found)."""
+        tokenizer = self.find(trace)[0]
+        if tokenizer is None:
+            return None
+        found = tokenizer
+
+        def label(token_id: int) -> str | None:
+            try:
+                return token_text(found.token_bytes(token_id))
+            except (PipelineError, IndexError, KeyError, ValueError):
+                return None
+        return label
+
+    def detokenizer(self, trace: Trace) -> tuple[Detokenize | None, str]:
+        """``decode`` with the trace's tokenizer for invariant 5, which reads text only in a
+        ``full`` trace (a digest-level trace needs no tokenizer: no note)."""
+        if trace.instance.get("recording") != "full":
+            return None, ""
+        tokenizer, why = self.find(trace)
+        if tokenizer is None:
+            return None, why
+        found = tokenizer
+        return (lambda ids: str(found.decode(ids, skip_special_tokens=True))), ""
 
 
 def _show(args: argparse.Namespace) -> int:
+    tokenizers = Tokenizers(args.model)
     for trace in _selected(args.file, args.trace_id):
-        print(show(trace, limit=args.limit))
+        print(show(trace, limit=args.limit, token_text=tokenizers.text(trace)))
         print()
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
     status = 0
+    tokenizers = Tokenizers(args.model)
     for trace in _selected(args.file, args.trace_id):
-        detokenize, why = _detokenizer(trace, args.model)
+        detokenize, why = tokenizers.detokenizer(trace)
         report = check(trace, detokenize=detokenize)
         if args.json:
             print(json.dumps({**report.to_json(), "tokenizer_note": why or None}, default=str))
         else:
             print(report.render())
             if why:
-                print(f"note: {why}; invariant 5 compared digests only")
+                print(f"note: no tokenizer for invariant 5: {why}")
         status = status or (0 if report.ok else 1)
     return status
 
 
 def _diff(args: argparse.Namespace) -> int:
-    report = diff(load(args.a, args.trace_id_a), load(args.b, args.trace_id_b), atol=args.atol)
+    a, b = load(args.a, args.trace_id_a), load(args.b, args.trace_id_b)
+    tokenizers = Tokenizers(args.model)
+    report = diff(a, b, atol=args.atol, token_text=tokenizers.text(a),
+                  token_text_b=tokenizers.text(b))
     print(json.dumps(report.to_json(), default=str) if args.json else report.render())
     return 0 if report.divergence is None else 1
 
@@ -111,13 +169,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--trace-id",
                    help="the trace to use when the file holds several (default: the only one)")
     p.add_argument("--limit", type=int, default=None, help="at most this many event lines")
+    p.add_argument("--model", help="model (folder, GGUF file or name) whose tokenizer gives "
+                   "token ids their text (default: the default model's or the tiny one's, "
+                   "whichever the trace used)")
     p.set_defaults(run=_guard(_show))
     p = cmds.add_parser("check", help="check the eight invariants (exit 1 if any is violated)")
     p.add_argument("file", help="a JSONL trace file (pipeline run --trace, GET /traces/{id})")
     p.add_argument("--trace-id",
                    help="the trace to use when the file holds several (default: the only one)")
-    p.add_argument("--model", help="model folder whose tokenizer detokenizes (default: the "
-                   "embedded model, when the trace used its tokenizer)")
+    p.add_argument("--model", help="model (folder, GGUF file or name) whose tokenizer "
+                   "detokenizes a full trace for invariant 5 (default: the default model's or "
+                   "the tiny one's, whichever the trace used)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_check))
     p = cmds.add_parser("diff", help="first divergence and shared reproducibility level")
@@ -127,6 +189,9 @@ def add_parser(sub: Any) -> None:
                    help="tolerance for raw logits (needs full traces); default bitwise")
     p.add_argument("--trace-id-a", help="the trace of file a to compare (when it holds several)")
     p.add_argument("--trace-id-b", help="the trace of file b to compare (when it holds several)")
+    p.add_argument("--model", help="model (folder, GGUF file or name) whose tokenizer gives "
+                   "token ids their text (default: the default model's or the tiny one's, "
+                   "whichever the trace used)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_diff))
     p = cmds.add_parser("export", help="Perfetto JSON, an SVG timeline, or OpenTelemetry spans")

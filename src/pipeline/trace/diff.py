@@ -25,6 +25,13 @@ Digest-level traces locate a divergence (digests differ); ``full`` traces explai
 ids, top-k, draws) and let logits be compared within ``atol`` on their top-k. Differences in
 the execution instance (artifact digests, generation config, environment) are listed as
 *declared* differences: they are causes, judged by the products they change.
+
+The report leads with what a reader compares first, the answers: the first step whose
+committed tokens differ (:func:`pipeline.trace.tokens.first_token`: both tokens, their text
+and probabilities), then the first divergence of any level, worded as the *earliest internal
+difference* and placed against that step ("it changed no token until step 49"), so an early
+internal difference (a different seed's draw at step 1) never reads as a contradiction of a
+later different token.
 """
 
 from __future__ import annotations
@@ -40,8 +47,17 @@ from pipeline.trace.products import (
     LEVELS, Divergence, cache_after, ending, external_effects, logits_equal, processed_at,
     raw_logits_at, shown,
 )
+from pipeline.trace.tokens import FirstToken, TokenText, first_token
 
 INSTANCE_SKIP = frozenset({"request_id", "traceparent", "traceparent_ignored"})
+
+READABLE = {"rng": "the random draw", "prefill logits": "the model's scores for the first token",
+            "raw logits": "the model's scores", "processor order":
+            "the order of the sampling settings", "processed distribution":
+            "the distribution after the sampling settings", "selected token":
+            "the selected token", "emitted bytes": "the streamed text", "stop":
+            "where a run stopped", "finish": "how the runs ended"}
+"""Products named in words a reader knows (the product's own name follows in parentheses)."""
 
 
 @attrs.frozen
@@ -56,6 +72,11 @@ class DiffReport:
     batch_invariant: tuple[Any, Any] = (None, None)
     """What each run's trace declared about batch invariance (``request.normalized``'s
     ``batch_invariant``: True, False, or None when the backend said nothing)."""
+    first_token: FirstToken | None = None
+    """The first step whose committed tokens differ, with both tokens (None: the same
+    tokens throughout)."""
+    committed: tuple[int, int] = (0, 0)
+    """How many tokens each run committed."""
 
     def caveat(self) -> str | None:
         """Why a model-level divergence may come from the batches rather than the inputs: a
@@ -72,23 +93,60 @@ class DiffReport:
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-ready mapping (for CI and other tools)."""
         d = self.divergence
+        ft = self.first_token
         return {"divergence": None if d is None else attrs.asdict(d),
                 "shared_level": self.shared_level, "atol": self.atol,
                 "declared": [{"field": k, "a": a, "b": b} for k, a, b in self.declared],
                 "steps_compared": self.steps_compared,
-                "batch_invariant": list(self.batch_invariant), "caveat": self.caveat()}
+                "batch_invariant": list(self.batch_invariant), "caveat": self.caveat(),
+                "first_token": None if ft is None else ft.to_json(),
+                "committed_tokens": list(self.committed)}
+
+    def answers(self) -> str:
+        """One line on the answers themselves: how long they agree and where their tokens
+        first differ (with both tokens), or that they agree on every token."""
+        if self.first_token is not None:
+            return self.first_token.render()
+        n = self.committed[0]
+        return f"the answers agree on all {n} token{'' if n == 1 else 's'}"
+
+    def earliest(self) -> str | None:
+        """The first divergence of any level as a line placed against the first different
+        token: ``earliest internal difference: the random draw (rng) at step 1 (selection
+        level) — it changed no token until step 49``."""
+        d = self.divergence
+        if d is None:
+            return None
+        words = READABLE.get(d.product)
+        name = f"{words} ({d.product})" if words else d.product
+        where = f" at step {d.step}" if d.step is not None else ""
+        ft = self.first_token
+        if d.step is None:
+            then = " — before the first token" if d.level == "input" else \
+                " — after the last token"
+        elif ft is None:
+            then = " — it changed no token"
+        elif d.step < ft.step:
+            then = f" — it changed no token until step {ft.step}"
+        else:
+            then = " — at that same step" if d.step == ft.step else ""
+        return f"earliest internal difference: {name}{where} ({d.level} level){then}"
 
     def render(self) -> str:
-        """A readable report."""
+        """A readable report: the declared differences, the answers (:meth:`answers`), the
+        earliest internal difference (:meth:`earliest`) with both sides, the shared level."""
         lines = []
         for key, a, b in self.declared:
             lines.append(f"declared difference: {key}: {shown(a)} vs {shown(b)}")
         d = self.divergence
-        if d is None:
-            lines.append(f"no divergence in {self.steps_compared} steps")
+        if d is None and self.first_token is None:
+            lines.append(f"no divergence in {self.steps_compared} steps: {self.answers()}")
         else:
-            where = f" at step {d.step}" if d.step is not None else ""
-            lines.append(f"first divergence: {d.product}{where} ({d.level} level)")
+            lines.append(self.answers())
+        if self.first_token is not None and self.first_token.missing:
+            lines.append(f"  ({self.first_token.missing})")
+        if d is not None:
+            lines.append(str(self.earliest()))
             lines.append(f"  A: {shown(d.a)}")
             lines.append(f"  B: {shown(d.b)}")
             if d.detail:
@@ -436,17 +494,24 @@ def _walk(a: Trace, b: Trace, atol: float) -> tuple[Divergence | None, int]:
     return next((d for d in _after(a, b) if d is not None), None), steps
 
 
-def diff(a: TraceSource | Trace, b: TraceSource | Trace, *, atol: float = 0.0) -> DiffReport:
-    """Walk two traces' data products and report the first that differs.
+def diff(a: TraceSource | Trace, b: TraceSource | Trace, *, atol: float = 0.0,
+         token_text: TokenText | None = None, token_text_b: TokenText | None = None
+         ) -> DiffReport:
+    """Walk two traces' data products and report the first that differs, and the first step
+    whose committed tokens differ.
 
     ``atol`` is the model-level tolerance: raw logits whose digests differ still count as
     equal when both traces recorded their top-k (``full``) with the same token ids and
     values within ``atol``. With the default 0 the comparison is bitwise (by digest).
+    ``token_text`` labels token ids with text (run A's, and B's unless ``token_text_b``
+    does; e.g. the tokenizer's); without one, a ``full`` trace's streamed text does where
+    it can (:func:`pipeline.trace.tokens.token_texts`).
 
     Example::
 
         report = diff(run_a.trace, run_b.trace)
-        report.divergence.product       # e.g. "selected token"
+        report.divergence.product       # e.g. "rng"
+        report.first_token.step         # e.g. 49: the first different committed token
         report.shared_level             # e.g. "model"
     """
     ta, tb = load(a), load(b)
@@ -456,4 +521,6 @@ def diff(a: TraceSource | Trace, b: TraceSource | Trace, *, atol: float = 0.0) -
     else:
         shared = LEVELS[LEVELS.index(found.level) - 1]
     return DiffReport(found, shared, atol, declared(ta, tb), steps,
-                      (ta.instance.get("batch_invariant"), tb.instance.get("batch_invariant")))
+                      (ta.instance.get("batch_invariant"), tb.instance.get("batch_invariant")),
+                      first_token(ta, tb, token_text, token_text_b),
+                      (len(ta.by_step("token.selected")), len(tb.by_step("token.selected"))))

@@ -95,10 +95,14 @@ def _value(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def describe(event: Event) -> str:
-    """The payload fields that matter on a timeline, as ``key=value`` pairs."""
+def describe(event: Event, text: str | None = None) -> str:
+    """The payload fields that matter on a timeline, as ``key=value`` pairs; ``text``, the
+    text of the event's ``token_id`` when known, follows the id."""
     p: Mapping[str, Any] = event.payload
     parts = [f"{k}={_value(p[k])}" for k in SUMMARY_KEYS if k in p and p[k] is not None]
+    if text is not None and "token_id" in p:
+        at = parts.index(f"token_id={_value(p['token_id'])}") + 1
+        parts.insert(at, f"text={text!r}")
     if "text" in p and event.event_type == "stream.delta":
         parts.append(f"text={p['text']!r}")
     if isinstance(p.get("logits"), Mapping):
