@@ -99,9 +99,19 @@ def test_the_diff_endpoint_finds_the_known_first_divergence(base_url: str) -> No
     # the same prompt and model, different seeds: the random streams are the first difference
     assert body["divergence"]["product"] == "rng" and body["divergence"]["level"] == "selection"
     assert body["divergence"]["step"] == 1 and body["shared_level"] == "model"
-    assert body["first_token_step"] == first_difference(selected(base_url, sampled[0]),
-                                                        selected(base_url, sampled[1]))
-    assert "first divergence: rng at step 1" in body["text"]
+    ids = [selected(base_url, request_id) for request_id in sampled]
+    step = first_difference(*ids)
+    assert body["first_token_step"] == step
+    # the first different committed token, with both tokens, their text and probabilities
+    first, tok = body["first_token"], HFTokenizer.from_dir(TINY_MODEL_DIR)
+    assert first["step"] == step and first["agree_tokens"] == step - 1
+    for side, tokens in zip((first["a"], first["b"]), ids):
+        assert side["token_id"] == tokens[step - 1]
+        assert side["text"] == tok.decode([side["token_id"]])
+        assert 0 < side["processed_prob"] <= 1
+        assert side["raw_prob"] is not None or side["raw_prob_at_most"] is not None
+    assert "earliest internal difference: the random draw (rng) at step 1" in body["text"]
+    assert "first divergence" not in body["text"]
 
     # another prompt: the input differs first
     prompt = chat(base_url, seed=1, temperature=0, content="Something else.")

@@ -32,6 +32,7 @@ from pipeline.trace.diff import diff, order_at
 from pipeline.trace.load import Trace, group
 from pipeline.trace.products import processed_at, raw_logits_at
 from pipeline.trace.timeline import phases, summary
+from pipeline.trace.tokens import first_token
 from pipeline.types import Recording, Request, token_text
 from transports.http.gateway import Gateway
 from transports.http.work import Workers
@@ -141,22 +142,25 @@ def inspection(trace: Trace, tokenizer: Tokenizer | None) -> dict[str, Any]:
 
 def first_token_difference(a: Trace, b: Trace) -> int | None:
     """The first step whose selected token differs between the runs, or where only one of
-    them selected a token (None when their tokens are the same throughout)."""
-    sa, sb = a.by_step("token.selected"), b.by_step("token.selected")
-    for t in range(1, max(len(sa), len(sb)) + 1):
-        ea, eb = sa.get(t), sb.get(t)
-        if ea is None or eb is None or ea.payload.get("token_id") != eb.payload.get("token_id"):
-            return t
-    return None
+    them selected a token (None when their tokens are the same throughout); kept for
+    callers of ``first_token_step``, which ``first_token`` now describes in full."""
+    found = first_token(a, b)
+    return None if found is None else found.step
 
 
-def comparison(a: Trace, b: Trace) -> dict[str, Any]:
+def comparison(a: Trace, b: Trace, tokenizer: Tokenizer | None = None,
+               tokenizer_b: Tokenizer | None = None) -> dict[str, Any]:
     """The diff report (:meth:`~pipeline.trace.diff.DiffReport.to_json`: the first divergent
-    product, its level and step, the shared reproducibility level, the declared differences)
-    plus ``first_token_step``, the first step whose tokens differ, and the report as text."""
-    report = diff(a, b)
+    product, its level and step, the shared reproducibility level, the declared differences,
+    and ``first_token``: the first step whose committed tokens differ, with each run's token,
+    text and raw and processed probabilities), plus ``first_token_step`` (that step alone, for
+    older pages) and the report as text. Each run's tokenizer (None: not served any more)
+    labels its token ids with text, else its ``full`` trace's streamed text does."""
+    report = diff(a, b, token_text=_labeller(tokenizer), token_text_b=_labeller(tokenizer_b))
+    found = report.first_token
     return {"a": a.trace_id, "b": b.trace_id, **report.to_json(),
-            "first_token_step": first_token_difference(a, b), "text": report.render()}
+            "first_token_step": None if found is None else found.step,
+            "text": report.render()}
 
 
 # --- the handlers ----------------------------------------------------------------------------
@@ -204,7 +208,7 @@ class TraceViews:
         def job(_: object) -> dict[str, Any]:
             a, b = (self._trace(i, keys) for i in ids)
             try:
-                return comparison(a, b)
+                return comparison(a, b, self._tokenizer(a), self._tokenizer(b))
             except TraceError as exc:
                 raise InvalidValueError("traces", ids, f"cannot be compared: {exc}") from exc
 
