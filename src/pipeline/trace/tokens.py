@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from pipeline.errors import TraceError
 from pipeline.events import Event
 from pipeline.trace.load import Trace
 from pipeline.trace.products import processed_at, raw_logits_at
@@ -204,7 +205,9 @@ def _side(trace: Trace, t: int, event: Event | None, texts: Mapping[int, str]
           ) -> TokenSide | None:
     if event is None:
         return None
-    token = int(event.payload["token_id"])
+    token = event.payload.get("token_id")
+    if not isinstance(token, int):
+        raise TraceError(f"trace {trace.trace_id}: token.selected at step {t} has no token_id")
     raw, bound = raw_probability(trace, t, token)
     after, after_bound = processed_probability(event, token)
     return TokenSide(token, texts.get(t), raw, after, bound, after_bound)
