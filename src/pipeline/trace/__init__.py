@@ -4,8 +4,8 @@ Owns the public face of the trace tools, each usable from tests and from ``pipel
 
 - :func:`load` / :func:`load_all` — a JSONL file, a ``Completion`` or events → :class:`Trace`
 - :func:`check` — the eight invariants of docs/design.md §8 (:class:`CheckReport`)
-- :func:`diff` — the first divergence between two runs and their shared reproducibility level
-  (:class:`DiffReport`)
+- :func:`diff` — the first step where two runs' committed tokens differ, the first divergence
+  of any level and their shared reproducibility level (:class:`DiffReport`)
 - :func:`show` — a readable timeline
 - :func:`to_perfetto`, :func:`to_svg`, :func:`export_otel` — exports
 - :class:`CheckingSink` — live checking: every trace checked as its request ends

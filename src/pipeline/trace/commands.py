@@ -182,7 +182,8 @@ def add_parser(sub: Any) -> None:
                    "the tiny one's, whichever the trace used)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=_guard(_check))
-    p = cmds.add_parser("diff", help="first divergence and shared reproducibility level")
+    p = cmds.add_parser("diff", help="where the answers' tokens first differ, the earliest "
+                        "internal difference and the shared reproducibility level")
     p.add_argument("a", help="the first JSONL trace file")
     p.add_argument("b", help="the second JSONL trace file")
     p.add_argument("--atol", type=float, default=0.0,
