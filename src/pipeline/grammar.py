@@ -68,6 +68,13 @@ class Grammar:
     source: str = attrs.field(validator=attrs.validators.instance_of(str))
     field: str = attrs.field(default="grammar", eq=False)
     """The request field the grammar came from, for error messages."""
+    distinct_calls: bool = attrs.field(default=False, kw_only=True,
+                                       validator=attrs.validators.instance_of(bool))
+    """The output is tool calls that must differ: once a call repeats an earlier one of the
+    output byte for byte, the output takes its shortest way to an end (the model is
+    looping; the tool-call reader drops the repeat). Set by the tool-call grammars of
+    :mod:`stages.structured.tools` when several calls are allowed; a call there is a JSON
+    object at the top level or an item of a top-level array."""
 
     def __attrs_post_init__(self) -> None:
         schema = json.loads(self.source) if self.kind == "json_schema" else None
@@ -97,9 +104,11 @@ class Grammar:
         return cls("json_object", "", "json_object")
 
     @classmethod
-    def lark(cls, text: str, *, field: str = "grammar") -> Grammar:
-        """Output in the language of ``text``, a grammar in llguidance's Lark dialect."""
-        return cls("lark", text, field)
+    def lark(cls, text: str, *, field: str = "grammar", distinct_calls: bool = False
+             ) -> Grammar:
+        """Output in the language of ``text``, a grammar in llguidance's Lark dialect
+        (``distinct_calls``: see the attribute)."""
+        return cls("lark", text, field, distinct_calls=distinct_calls)
 
     @classmethod
     def text(cls, text: str, *, field: str = "grammar") -> Grammar:
@@ -481,15 +490,17 @@ def _resolve(root: Any, pointer: str) -> Any:
 
 def grammar_value(value: Any) -> Grammar | None:
     """``GenerationConfig.grammar``'s converter: a :class:`Grammar`, None, or a mapping
-    ``{"kind": ..., "source": ..., "field"?: ...}`` (how a config written out as JSON reads
-    back)."""
+    ``{"kind": ..., "source": ..., "field"?: ..., "distinct_calls"?: ...}`` (how a config
+    written out as JSON reads back)."""
     if value is None or isinstance(value, Grammar):
         return value
     if isinstance(value, str):
         return Grammar.text(value)
-    if isinstance(value, Mapping) and set(value) <= {"kind", "source", "field"}:
+    if isinstance(value, Mapping) and set(value) <= {"kind", "source", "field",
+                                                     "distinct_calls"}:
         return Grammar(str(value.get("kind")), str(value.get("source", "")),
-                       str(value.get("field", "grammar")))
+                       str(value.get("field", "grammar")),
+                       distinct_calls=value.get("distinct_calls") is True)
     raise InvalidValueError("grammar", value, "must be a Grammar (pipeline.Grammar.json_schema"
                             "(...), .json_object(), .lark(...), .regex(...), .choice(...)) "
                             "or a grammar's text (Lark or EBNF)")

@@ -7,8 +7,9 @@ tool-call parser offers for it (the built-in parsers' ``calls``: the grammars of
 
 - ``required`` / a named tool: the output starts with the format's opening (forced tokens:
   ``<tool_call>``, ``[TOOL_CALLS]``, the named call's head) and follows the format's call
-  grammar, so it always parses back as a call (one, or more when ``parallel``), arguments
-  valid for the tool's schema;
+  grammar, so it always parses back as a call (one, or more when ``parallel``, never the
+  same call twice: :attr:`~pipeline.grammar.Grammar.distinct_calls`), arguments valid for
+  the tool's schema;
 - ``auto`` with a JSON response format, ``strict`` tools, or ``parallel`` False: the model
   may answer, but a call it makes is valid (at most one when not ``parallel``);
 - ``auto`` otherwise, and ``none``: nothing forced (``none`` also hides the tools, which is

@@ -1,8 +1,10 @@
-"""What a grammar cannot say about JSON: no key twice in an object, no item twice in a unique array.
+"""What a grammar cannot say about JSON: no key twice in an object, no item twice in a unique
+array, no tool call twice in one output.
 
-Owns :class:`JsonGuard` (per tokenizer: which tokens would complete a given key or item) and
+Owns :class:`JsonGuard` (per tokenizer: which tokens would complete a given key or item),
 :class:`JsonScan` (per output: where in the JSON the output is, the keys each open object has,
-the items each open ``uniqueItems`` array has). The grammar processor applies it to outputs of
+the items each open ``uniqueItems`` array has) and :class:`CallRepeats` (per tool-call output:
+whether a call has repeated an earlier one, byte for byte). The grammar processor applies it to outputs of
 ``json_schema`` and ``json_object`` grammars: each step, the tokens that would finish a key the
 object already has, or a string or number item the unique array already has, are removed from
 what the grammar allows. A context-free grammar cannot compare two keys, so an open object
@@ -237,6 +239,60 @@ class JsonScan:
             item = bytes(self.text[frame.start:at]).strip(_SPACE)
             if item:
                 frame.seen.append(item)
+
+
+class CallRepeats:
+    """The calls of a tool-call output (a grammar with
+    :attr:`~pipeline.grammar.Grammar.distinct_calls`), fed its bytes as they come: a call is a
+    JSON object at the top level or an item of a top-level array (the forms of every
+    format's calls; markup between them holds no quote or brace), and ``repeated`` is set
+    once one closes whose text equals an earlier one's. ``after``: bytes before which
+    nothing is read (``</think>`` when the output starts as reasoning)."""
+
+    def __init__(self, after: bytes = b"") -> None:
+        self.repeated = False
+        self._after = after
+        self._seen = bytearray()    # the output before ``after`` (to find it)
+        self._stack = bytearray()   # open brackets: ``{`` or ``[``
+        self._string = False
+        self._escaped = False
+        self._call: bytearray | None = None   # the open call's text
+        self._depth = 0                       # the stack's height outside the open call
+        self._calls: set[bytes] = set()
+
+    def feed(self, data: bytes) -> None:
+        """Read more of the output."""
+        if self._after:
+            self._seen += data
+            at = self._seen.find(self._after)
+            if at < 0:
+                return
+            data, self._after = bytes(self._seen[at + len(self._after):]), b""
+        for byte in data:
+            self._byte(byte)
+
+    def _byte(self, c: int) -> None:
+        if self._call is not None:
+            self._call.append(c)
+        if self._string:
+            if self._escaped:
+                self._escaped = False
+            elif c == 0x5C:   # backslash
+                self._escaped = True
+            elif c == 0x22:
+                self._string = False
+        elif c == 0x22 and self._stack:
+            self._string = True
+        elif c == 0x7B or c == 0x5B:   # { [
+            if c == 0x7B and self._call is None and bytes(self._stack) in (b"", b"["):
+                self._call, self._depth = bytearray(b"{"), len(self._stack)
+            self._stack.append(c)
+        elif (c == 0x7D or c == 0x5D) and self._stack:   # } ]
+            self._stack.pop()
+            if self._call is not None and len(self._stack) == self._depth:
+                call, self._call = bytes(self._call), None
+                self.repeated = self.repeated or call in self._calls
+                self._calls.add(call)
 
 
 def _number(text: bytes) -> float | None:

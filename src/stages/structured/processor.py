@@ -41,7 +41,10 @@ open or whose numbers run on still ends valid, with ``finish_reason`` ``stop``.
 
 In a JSON output the guard of :mod:`stages.structured.guard` also removes the tokens that would
 repeat a key of the open object or an item of a ``uniqueItems`` array (which the grammar
-engine's copy of the schema leaves out).
+engine's copy of the schema leaves out). In a tool-call output whose calls must differ
+(:attr:`~pipeline.grammar.Grammar.distinct_calls`), once a call repeats an earlier one byte
+for byte only the closing path's tokens are allowed, then EOS: a model that writes the same
+call again is looping, and its turn ends there (the tool-call reader drops the repeat).
 :meth:`GrammarProcessor.check_request` refuses, before anything is queued, a request whose
 ``max_tokens`` cannot hold the closing path from its start (forced prefix included).
 """
@@ -63,7 +66,7 @@ from pipeline.protocols import Batch, Row, Scores, Tokenizer
 from pipeline.types import GenerationConfig
 from stages.structured.bitmask import allowed_mask, apply_bitmask, bitmask_words
 from stages.structured.closing import Closer
-from stages.structured.guard import JsonGuard, JsonScan, unique_paths
+from stages.structured.guard import CallRepeats, JsonGuard, JsonScan, unique_paths
 from stages.structured.vocab import ll_tokenizer, token_table
 
 MAX_COMPILED = 64
@@ -121,6 +124,8 @@ class _Track:
         follows it, the rest of it is the path (no new search)."""
         self.scan: JsonScan | None = None
         """Where a JSON output is (keys and unique items so far: :mod:`stages.structured.guard`)."""
+        self.calls: CallRepeats | None = None
+        """A tool-call output's calls so far (grammars with ``distinct_calls``)."""
 
     @property
     def broken(self) -> bool:
@@ -212,7 +217,10 @@ class GrammarProcessor:
         else:
             if track.scan is not None:
                 self._guard_row(row, track, out, vocab)
-            self._steer(row, track, out, logits)
+            if track.calls is not None and track.calls.repeated:
+                self._end(track, out)
+            else:
+                self._steer(row, track, out, logits)
         accepting = track.broken or m.is_accepting() or m.is_stopped()
         for eos in row.eos_token_ids:
             if eos < vocab:
@@ -272,6 +280,18 @@ class GrammarProcessor:
                         _set_bit(out, token, False)
         if not bool(out.any()):
             out.copy_(direct if bool(direct.any()) else saved)
+
+    def _end(self, track: _Track, out: torch.Tensor) -> None:
+        """A call repeated an earlier one: allow only the closing path's next token (none
+        once the output is whole, so EOS only), so the turn ends there."""
+        if track.matcher.is_accepting():
+            out.zero_()
+            return
+        guard = self._json_guard() if track.scan is not None else None
+        path = self._closing().path(track.matcher, track.scan, guard)
+        if path:
+            out.zero_()
+            _set_bit(out, path[0], True)
 
     def _with_comma(self, allowed: torch.Tensor) -> list[int]:
         """The allowed tokens with a ``,`` in them (they may end one item and begin another)."""
@@ -469,8 +489,9 @@ class GrammarProcessor:
                             and not track.matcher.rollback(track.valid - common)):
             track, common = self._fresh(grammar, compiled), 0
         track.valid = min(track.valid, common)
-        if common < len(track.ids) and track.scan is not None:   # went back: scan again
-            track.scan = self._scan(grammar, compiled)
+        if common < len(track.ids) and (track.scan is not None or track.calls is not None):
+            track.scan = self._scan(grammar, compiled)   # went back: scan again
+            track.calls = self._calls(grammar, compiled)
             self._feed(track, track.ids[:common])
         del track.ids[common:]
         self._consume(track, ids[common:])
@@ -486,15 +507,27 @@ class GrammarProcessor:
         track.ids.extend(new)
 
     def _feed(self, track: _Track, ids: Sequence[int]) -> None:
-        """Feed ``ids``' bytes to the track's JSON scan (if it has one)."""
-        if track.scan is not None and ids:
+        """Feed ``ids``' bytes to the track's JSON scan and call record (those it has)."""
+        if ids and (track.scan is not None or track.calls is not None):
             table = self._closing_table()
-            track.scan.feed(b"".join(table[i] if i < len(table) else b"" for i in ids))
+            data = b"".join(table[i] if i < len(table) else b"" for i in ids)
+            if track.scan is not None:
+                track.scan.feed(data)
+            if track.calls is not None:
+                track.calls.feed(data)
 
     def _fresh(self, grammar: Grammar, key: tuple[str, int, bool]) -> _Track:
         track = _Track(self._matcher(grammar, key), key)
         track.scan = self._scan(grammar, key)
+        track.calls = self._calls(grammar, key)
         return track
+
+    def _calls(self, grammar: Grammar, key: tuple[str, int, bool]) -> CallRepeats | None:
+        """A fresh call record for a grammar whose calls must differ (None for others)."""
+        if not grammar.distinct_calls:
+            return None
+        close = self._think[1] if key[2] and isinstance(self._think, tuple) else ""
+        return CallRepeats(close.encode())
 
     def _scan(self, grammar: Grammar, key: tuple[str, int, bool]) -> JsonScan | None:
         """A fresh JSON scan for a JSON grammar's output (None for other grammars, and for an

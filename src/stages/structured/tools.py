@@ -13,7 +13,11 @@ back:
 Each has two grammars: :meth:`forced` (``tool_choice`` required or named: one call, or one or
 more when parallel calls are allowed, with the text the output is made to start with) and
 :meth:`optional` (``tool_choice`` auto: the model may answer instead, but a call it makes is
-valid; with a JSON response format the answer is that JSON; without, free text). In both,
+valid; with a JSON response format the answer is that JSON; without, free text). Where
+several calls are allowed and the output is calls or JSON only (not free text), the grammar
+asks for distinct calls (:attr:`~pipeline.grammar.Grammar.distinct_calls`): a call that
+repeats an earlier one byte for byte ends the output, and the reader drops it
+(:mod:`stages.toolcalls.reader`), so a turn never holds the same call twice. In both,
 ``name`` is one of the allowed tools' names and the arguments validate against that tool's
 ``parameters``, which must be an object schema (else :class:`InvalidValueError` naming the
 tool), rewritten as a response format's schema is (:mod:`pipeline.schema_compat`; a tool's
@@ -106,7 +110,8 @@ class HermesCalls:
                                     if name else "")
         more = f'("\\n" {marker(TOOL_OPEN)} body)*' if parallel else ""
         text = f"start: {marker(TOOL_OPEN)} body {more}\n{self._body(allowed, marker)}"
-        return ForcedCall(first, Grammar.lark(text, field="tool_choice"))
+        return ForcedCall(first, Grammar.lark(text, field="tool_choice",
+                                              distinct_calls=parallel))
 
     def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
                  parallel: bool = True, marker: Marker = text_marker) -> Grammar:
@@ -117,7 +122,8 @@ class HermesCalls:
         if answer is not None:
             more = f'("\\n" {opening} body)*' if parallel else ""
             return Grammar.lark(f"start: {opening} body {more} | answer\n{body}"
-                                f"answer: {_answer(answer)}\n", field=answer.field)
+                                f"answer: {_answer(answer)}\n", field=answer.field,
+                                distinct_calls=parallel)
         if is_token(opening):
             text = (f"start: (PLAIN? {opening} body){'*' if parallel else '?'} PLAIN?\n"
                     f"PLAIN: /(?s:.+)/\n{body}")
@@ -144,7 +150,8 @@ class Llama3Calls:
         first = f'{{"name": {json.dumps(name)}, "parameters": ' if name else ""
         more = '("; " call)*' if parallel else ""
         text = f"start: call {more}\ncall: {_json(_any_call(allowed, 'parameters'))}\n"
-        return ForcedCall(first, Grammar.lark(text, field="tool_choice"))
+        return ForcedCall(first, Grammar.lark(text, field="tool_choice",
+                                              distinct_calls=parallel))
 
     def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
                  parallel: bool = True, marker: Marker = text_marker) -> Grammar:
@@ -156,7 +163,8 @@ class Llama3Calls:
                  else "TEXT: /[^{\\s](?s:.*)/\n")
         text = (f"start: call {more} | {other}\n"
                 f"call: {_json(_any_call(_picked(tools, ''), 'parameters'))}\n{rules}")
-        return Grammar.lark(text, field=answer.field if answer is not None else "tools")
+        return Grammar.lark(text, field=answer.field if answer is not None else "tools",
+                            distinct_calls=parallel and answer is not None)
 
 
 class MistralCalls:
@@ -169,7 +177,7 @@ class MistralCalls:
         first = MISTRAL_CALLS + (f'[{{"name": {json.dumps(name)}, "arguments": '
                                  if name else "")
         return ForcedCall(first, Grammar.lark(f"start: {self._calls(allowed, parallel, marker)}",
-                                              field="tool_choice"))
+                                              field="tool_choice", distinct_calls=parallel))
 
     def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
                  parallel: bool = True, marker: Marker = text_marker) -> Grammar:
@@ -178,7 +186,7 @@ class MistralCalls:
         calls = self._calls(_picked(tools, ""), parallel, marker)
         if answer is not None:
             return Grammar.lark(f"start: {calls} | answer\nanswer: {_answer(answer)}\n",
-                                field=answer.field)
+                                field=answer.field, distinct_calls=parallel)
         opening = marker(MISTRAL_CALLS)
         plain = ("/(?s:.+)/" if is_token(opening) else
                  "/(?s:.+)/ & ~/(?s:.*)\\[TOOL_CALLS\\](?s:.*)/")

@@ -116,9 +116,7 @@ class _ObjectsReader(CallReader):
         self._buffer = self._call_text(self._buffer)
         if not (scanner.done or scanner.broken):
             return False
-        calls = len(self._calls)
-        self._close(complete=scanner.done)
-        self._mode = "between" if len(self._calls) > calls else "text"
+        self._mode = "between" if self._close(complete=scanner.done) else "text"
         return True
 
     def _start_object(self, stripped: str) -> None:

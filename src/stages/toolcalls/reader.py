@@ -8,6 +8,14 @@ have begun, then argument fragments as they arrive), and closes
 (:meth:`CallReader._close`): judged strictly; a call that is not well formed ends with an
 error and its text is given back as answer text, so nothing the model wrote is lost.
 Whitespace right after a call is layout: it is held until real text follows.
+
+A call that repeats an earlier call of the output byte for byte (the same name, the same
+arguments text) is dropped: a turn never holds the same call twice (an agent would run the
+effect twice). While a call's name and arguments so far could still be such a repeat, its
+pieces are held back; once it differs they go out, and a repeat that closes is never seen
+(its index is the next call's). A tool-call grammar ends the output after such a repeat
+(:attr:`~pipeline.grammar.Grammar.distinct_calls`); without a grammar the reader alone keeps
+the calls distinct.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ class CallReader:
         self._args: list[str] = []  # the open call's argument fragments sent so far
         self._after_call = False  # just after a call: whitespace is held
         self._space = ""
+        self._held: list[OutputPiece] | None = None  # the open call's pieces, held while
+        # it could still repeat an earlier call
+        self._closing_name: str | None = None  # the name of the call being closed
 
     # --- the ToolCallReader face -------------------------------------------------------------
 
@@ -101,11 +112,33 @@ class CallReader:
     def _open(self, markup: str) -> None:
         self._scanner, self._markup, self._announced = CallScanner(), [markup], False
         self._args = []
+        self._held = [] if self._calls else None
 
     def _send(self, fragment: str) -> None:
         if fragment:
             self._args.append(fragment)
-            self._out.append(ToolCallDelta(self._index, fragment))
+            self._emit(ToolCallDelta(self._index, fragment))
+
+    def _emit(self, piece: OutputPiece) -> None:
+        """Put out one of the open call's pieces, or hold it while the call may repeat an
+        earlier one; the held pieces go out once it cannot."""
+        if self._held is None:
+            self._out.append(piece)
+            return
+        self._held.append(piece)
+        name, args = self._name, "".join(self._args)
+        if not any(c.name == name and c.arguments.startswith(args) for c in self._calls):
+            self._out.extend(self._held)
+            self._held = None
+
+    @property
+    def _name(self) -> str | None:
+        """The open call's name, once known."""
+        return self._scanner.name if self._scanner is not None else self._closing_name
+
+    def _repeats(self, call: ToolCall) -> bool:
+        """Whether ``call`` is an earlier call of the output again, byte for byte."""
+        return any(c.name == call.name and c.arguments == call.arguments for c in self._calls)
 
     def _call_text(self, text: str) -> str:
         """Give the open call more of its text; returns what follows its object's end."""
@@ -122,10 +155,11 @@ class CallReader:
 
     def _announce(self, name: str) -> None:
         self._announced = True
-        self._out.append(ToolCallDelta(self._index, id=self.make_id(self._index), name=name))
+        self._emit(ToolCallDelta(self._index, id=self.make_id(self._index), name=name))
 
-    def _close(self, *, complete: bool, trailer: str = "") -> None:
-        """End the open call; ``trailer`` is its closing markup (given back if it fails)."""
+    def _close(self, *, complete: bool, trailer: str = "") -> bool:
+        """End the open call; ``trailer`` is its closing markup (given back if it fails).
+        Whether it was a call (kept, or dropped as a repeat)."""
         scanner = self._scanner
         assert scanner is not None
         self._scanner = None
@@ -133,19 +167,27 @@ class CallReader:
         verdict = judge(body) if complete else "the call was cut off before it closed"
         index = self._index
         if isinstance(verdict, str):
-            if self._announced:
+            if self._announced and self._held is None:
                 self._out.append(ToolCallEnd(index, None, verdict))
                 self._index += 1
+            self._held = None   # a held piece of a broken call: given back below as text
             self._after_call = False
             self._text("".join(self._markup) + trailer)
-            return
+            return False
+        self._closing_name = verdict[0]
         if not self._announced:
             self._announce(verdict[0])
         self._send(scanner.take())
         if not self._args:
             self._send("{}")  # a call written without arguments takes none
+        self._closing_name = None
         call = ToolCall(name=verdict[0], arguments="".join(self._args), id=self.make_id(index))
+        self._after_call, self._space = True, ""
+        held, self._held = self._held, None
+        if held is not None and self._repeats(call):
+            return True   # the same call again: dropped, its index the next call's
+        self._out.extend(held or ())
         self._calls.append(call)
         self._out.append(ToolCallEnd(index, call))
         self._index += 1
-        self._after_call, self._space = True, ""
+        return True
