@@ -4,6 +4,11 @@
 Owns argument parsing and printing only; every command calls the library's public API. Every
 error a user can cause is one line on standard error that says what to do, with a non-zero
 exit status, never a traceback; a closed pipe (``pipeline run ... | head``) ends quietly.
+Usage errors too (:class:`Parser`): an unknown option of any command is named with the
+closest one (``unknown option --temprature; did you mean --temperature?``), a bad value with
+its flag, each one line and exit status 2. ``serve --port`` is 0 to 65535 (0: any free port,
+the log says which). ``count``'s text, like ``run``'s prompt, is standard input when it is
+``-`` or absent.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
@@ -50,6 +55,56 @@ def _shown(path: Path) -> str:
     return relative if os.sep in relative else f".{os.sep}{relative}"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on standard error (exit status 2):
+    the command, what is wrong and what to do, never the usage block. Arguments left over
+    are refused by the innermost command that saw them, so an unknown option is named with
+    that command's closest option. ``add_subparsers`` makes its commands of this class."""
+
+    def error(self, message: str) -> NoReturn:
+        """Exit with ``message`` as one line."""
+        self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists the options)\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, but what this parser cannot place is an error here and now."""
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.exit(2, f"{self.prog}: {self.unknown(extra)}\n")
+        return parsed, extra
+
+    def unknown(self, extra: Sequence[str]) -> str:
+        """What is wrong with the arguments ``extra`` this parser could not place."""
+        option = next((a.split("=", 1)[0] for a in extra if a.startswith("-") and a != "-"),
+                      None)
+        if option is None:
+            return (f"unexpected argument {' '.join(extra)!r} (quote a prompt or text of "
+                    f"several words; `{self.prog} --help` lists the arguments)")
+        from pipeline.errors import closest
+
+        known = [flag for action in self._actions for flag in action.option_strings
+                 if flag.startswith("--")]
+        near = closest(option, known)
+        hint = (f"did you mean {near}?" if near is not None
+                else f"`{self.prog} --help` lists the options")
+        return f"unknown option {option}; {hint}"
+
+
+PORTS = range(0, 65536)
+"""TCP ports ``serve --port`` takes; 0 asks the system for any free one."""
+
+
+def port(text: str) -> int:
+    """``--port``'s value (an argparse type): 0 to 65535, else a usage error naming it."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value not in PORTS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: give 0 to 65535, or "
+                                         "0 for any free one")
+    return value
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from pipeline.registry import Registry
 
@@ -69,13 +124,14 @@ def _count(args: argparse.Namespace) -> int:
     """Count through the model's own tokenizer and chat template, never its weights."""
     from pipeline.builder import build, load_tokenizer
 
+    text = sys.stdin.read() if args.text == "-" else args.text  # as `run -` reads its prompt
     tokenizer, renderer = load_tokenizer(args.model)
     with build(tokenizer=tokenizer, renderer=renderer) as pipe:
         if args.raw:
             assert pipe.stages.tokenizer is not None
-            print(len(pipe.stages.tokenizer.encode_text(args.text)))
+            print(len(pipe.stages.tokenizer.encode_text(text)))
         else:
-            print(pipe.count_tokens(args.text))
+            print(pipe.count_tokens(text))
     return 0
 
 
@@ -198,8 +254,9 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
                             "name or cached repo id (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8000,
-                       help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--port", type=port, default=8000,
+                       help="TCP port, 0 to 65535 (default 8000; 0 picks a free one, which "
+                            "the log names)")
     serve.add_argument("--data-dir", default="pipeline-data", help="where the usage store lives")
     serve.add_argument("--api-key-env", default="PIPELINE_API_KEYS",
                        help="environment variable holding comma-separated API keys")
@@ -266,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipeline`` console script."""
     from pipeline import __version__
 
-    parser = argparse.ArgumentParser(prog="pipeline", description=__doc__)
+    parser = Parser(prog="pipeline", description=__doc__)
     parser.add_argument("--version", action="version", version=f"pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
@@ -279,7 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "(default: SmolLM2-135M-Instruct)")
     count.add_argument("--raw", action="store_true",
                        help="count the text's own tokens, without the chat template")
-    count.add_argument("text", help="the text to count (a user message, or raw with --raw)")
+    count.add_argument("text", nargs="?", default="-",
+                       help="the text to count (a user message, or raw with --raw; default "
+                            "or '-': read standard input, all of it, as `run -` reads a "
+                            "prompt)")
     count.set_defaults(run=_count)
     demo = sub.add_parser("demo", help="stream an answer and print a run summary")
     demo.add_argument("--model", default=None,
@@ -294,7 +354,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.set_defaults(run=_demo)
     add_trace_parser(sub)
     _add_serve(sub, limits=_command(argv) not in QUICK_START)
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if not words:  # a bare `pipeline` asks what there is: the commands, not an error line
+        parser.print_help(sys.stderr)
+        return 2
+    if _command(words) is None:  # `pipeline --verison`: name it, not the missing command
+        known = {flag for action in parser._actions for flag in action.option_strings}
+        unknown = [w for w in words if w.startswith("-")  # argparse takes a known prefix
+                   and not any(k.startswith(w.split("=")[0]) for k in known)]
+        if unknown:
+            parser.exit(2, f"{parser.prog}: {parser.unknown(unknown)}\n")
+    args = parser.parse_args(words)
     return _guarded(args)
 
 
