@@ -16,7 +16,9 @@ Owns :func:`resolve_model`, what :func:`pipeline.build` does with its ``model`` 
    ``ddim``/``ddpm``, ``flow``; docs/continuous_models.md);
 3. ``"Org/name"`` is looked up in the local Hugging Face cache, offline and without
    downloading: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``;
-   the snapshot that ``refs/main`` names, else the only snapshot there is.
+   the snapshot that ``refs/main`` names, else the only snapshot there is. Such a name can
+   also be a path (``models/X`` run from a folder without ``models/``): when it is in
+   neither place the error says both, the folder it is not first.
 
 Anything else is an :class:`~pipeline.errors.ArtifactError` that says what was tried and
 where (and, for a missing wheel, the one command that installs it).
@@ -111,7 +113,11 @@ def resolve_model(model: str | Path) -> ResolvedModel:
     if _looks_like_path(name):
         raise ArtifactError(f"model {name!r}: no such folder or file ({path.absolute()})")
     if _looks_like_repo_id(name):
-        return ResolvedModel(directory=hf_cache_snapshot(name))
+        found = _snapshot(name)
+        if isinstance(found, Path):
+            return ResolvedModel(directory=found)
+        raise ArtifactError(f"model {name!r}: no such folder or file here "
+                            f"({path.absolute()}), and {found}")
     raise ArtifactError(f"model {name!r}: no such folder or file, and not a known name "
                         "('smollm2', 'tiny', 'tiny-masked', 'tiny-continuous', 'tiny-flow') "
                         "or a Hugging Face repo id ('Org/name')")
@@ -159,6 +165,14 @@ def hf_cache_dir() -> Path:
 
 def hf_cache_snapshot(repo_id: str) -> Path:
     """The cached snapshot folder of ``repo_id`` (offline; never downloads)."""
+    found = _snapshot(repo_id)
+    if isinstance(found, Path):
+        return found
+    raise ArtifactError(f"model {repo_id!r}: {found}")
+
+
+def _snapshot(repo_id: str) -> Path | str:
+    """:func:`hf_cache_snapshot`'s folder, or why there is none (where it looked)."""
     cache = hf_cache_dir()
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo / "snapshots"
@@ -171,9 +185,8 @@ def hf_cache_snapshot(repo_id: str) -> Path:
     if len(found) == 1:
         return found[0]
     why = (f"{len(found)} snapshots and no refs/main" if found else "it is not there")
-    raise ArtifactError(f"model {repo_id!r}: not in the local Hugging Face cache ({why}); "
-                        f"looked in {repo} (HF_HUB_CACHE, else HF_HOME/hub, else "
-                        "~/.cache/huggingface/hub); nothing is downloaded")
+    return (f"not in the local Hugging Face cache ({why}); looked in {repo} (HF_HUB_CACHE, "
+            "else HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is downloaded")
 
 
 def generation_marker(directory: Path | None) -> Mapping[str, Any] | None:
