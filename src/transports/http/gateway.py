@@ -19,8 +19,10 @@ returned. :meth:`Gateway.problems` names every worker that is down (an abandoned
 engine, a usage store that cannot write) for ``/health``.
 
 Keys: ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` are both accepted. When a request
-sends both (or repeats one), every value must be a valid key: a wrong one is a 401 naming its
-header, never ignored because another is right. An ``Authorization`` header of another scheme
+sends both (or repeats one), every value must be a valid key: a wrong one is a 401 naming the
+header it came in (the one the client used: the OpenAI SDK sends ``Authorization``, the
+Anthropic SDK ``Authorization`` or ``x-api-key`` by version and settings), never ignored
+because another is right. An ``Authorization`` header of another scheme
 is a 401. :meth:`Gateway.authenticate` returns the fingerprints of the keys a request sent;
 a request's trace is readable with those keys only (:mod:`transports.http.traces`).
 """
@@ -437,9 +439,12 @@ class Gateway:
         if not any(key for _, key in sent):
             raise AuthenticationError("missing API key: send Authorization: Bearer <key> "
                                       "or x-api-key")
-        for header, given in sent:  # both must be valid when both are sent
-            if not self._valid(given):
-                raise AuthenticationError(f"invalid API key in the {header} header")
+        wrong = list(dict.fromkeys(h for h, given in sent if not self._valid(given)))
+        if wrong:  # every key sent must be valid: say which header (the client's) held one
+            where = " and ".join(wrong)
+            raise AuthenticationError(f"invalid API key in the {where} header"
+                                      f"{'s' * (len(wrong) > 1)}: it is not one of this "
+                                      "server's keys")
         return frozenset(key_fingerprint(key) for _, key in sent if key)
 
     def _valid(self, given: str) -> bool:
