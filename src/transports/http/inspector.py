@@ -17,6 +17,7 @@ model matches any more).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from pipeline.trace.diff import diff, order_at
 from pipeline.trace.load import Trace, group
 from pipeline.trace.products import processed_at, raw_logits_at
 from pipeline.trace.timeline import phases, summary
-from pipeline.trace.tokens import first_token
+from pipeline.trace.tokens import first_token, processed_probability, raw_probability
 from pipeline.types import Recording, Request, token_text
 from transports.http.gateway import Gateway
 from transports.http.work import Workers
@@ -89,20 +90,29 @@ def _labeller(tokenizer: Tokenizer | None) -> Callable[[int], str | None]:
 
 def _step(trace: Trace, t: int, selected: Event, text: Callable[[int], str | None]
           ) -> dict[str, Any]:
-    """Step t: the token, the raw logits' and the processed distribution's top-k (``full``
-    traces only), and the processors applied."""
+    """Step t: the token with its probabilities (``raw_prob``, the model's own, and
+    ``processed_prob``, after the sampling settings; each ``_at_most`` a bound instead for a
+    token outside the recorded top-k: :mod:`pipeline.trace.tokens`), the raw logits' (each with its
+    probability) and the processed distribution's top-k (``full`` traces only), and the
+    processors applied."""
     p = selected.payload
     raw = raw_logits_at(trace, t) or {}
     processed = processed_at(selected) or {}
     token = int(p["token_id"])
+    lse = raw.get("logsumexp")
+    raw_top = [{"token_id": int(i), "text": text(int(i)), "logit": v,
+                "prob": None if lse is None else math.exp(v - lse)}
+               for i, v in raw.get("top", [])]
+    processed_top = [{"token_id": int(i), "text": text(int(i)), "score": s, "prob": pr}
+                     for i, s, pr in processed.get("top", [])]
+    raw_prob, raw_at_most = raw_probability(trace, t, token)
+    after, after_at_most = processed_probability(selected, token)
     return {
         "step": t, "token_id": token, "text": text(token), "logprob": p.get("logprob"),
+        "raw_prob": raw_prob, "raw_prob_at_most": raw_at_most,
+        "processed_prob": after, "processed_prob_at_most": after_at_most,
         "candidates": processed.get("candidates"), "draw": p.get("draw"),
-        "processors": order_at(trace, t),
-        "raw": [{"token_id": int(i), "text": text(int(i)), "logit": v}
-                for i, v in raw.get("top", [])],
-        "processed": [{"token_id": int(i), "text": text(int(i)), "score": s, "prob": pr}
-                      for i, s, pr in processed.get("top", [])],
+        "processors": order_at(trace, t), "raw": raw_top, "processed": processed_top,
     }
 
 
@@ -125,8 +135,9 @@ def _endings(trace: Trace) -> list[dict[str, Any]]:
 
 def inspection(trace: Trace, tokenizer: Tokenizer | None) -> dict[str, Any]:
     """What the inspector shows of one trace, as JSON: each step's token with its raw and
-    processed top-k (empty below ``full``), the declared and applied processor orders, and
-    the timeline (phases in milliseconds from the request's acceptance, latencies, ending)."""
+    processed probability and top-k (empty below ``full``; see :func:`_step`), the
+    declared and applied processor orders, and the timeline (phases in milliseconds from the
+    request's acceptance, latencies, ending)."""
     text = _labeller(tokenizer)
     steps = [_step(trace, t, e, text) for t, e in sorted(trace.by_step("token.selected").items())]
     return {
