@@ -38,6 +38,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import PurePath
 from typing import Any
 
 import attrs
@@ -54,6 +55,7 @@ from pipeline.errors import (
     PayloadTooLargeError, PipelineError,
 )
 from pipeline.engine.handle import RequestHandle
+from pipeline.pipe import Pipeline
 from pipeline.protocols import Transport
 from pipeline.types import Completion, Delta
 from transports.http import (
@@ -390,11 +392,17 @@ class Server:
         return JSONResponse(self._model_object(name))
 
     def _model_object(self, name: str) -> dict[str, Any]:
+        """OpenAI's model object, plus ``state``, and, once loaded, what the model is:
+        ``display_name`` (its file or folder, which a served name such as ``default`` does
+        not say) and ``description`` (architecture, parameters, dtype, device)."""
         served = self.gateway.models[name]
         state = ("restarting" if served.state is ModelState.READY and served.engine_failure
                  else served.state.value)
+        pipe = served.pipeline
+        info = pipe.model_info() if pipe is not None else None
         return {"id": name, "object": "model", "created": 0, "owned_by": "pipeline",
-                "state": state}
+                "state": state, "display_name": display_name(pipe),
+                "description": info.summary() if info is not None else None}
 
     async def health(self, http: HTTPRequest) -> Response:
         """``GET /health``: 200 when every model is loaded and its engine runs, else 503 with
@@ -451,6 +459,21 @@ class Server:
     async def openapi(self, http: HTTPRequest) -> Response:
         """``GET /openapi.json``: this server's OpenAPI document (no key needed)."""
         return JSONResponse(openapi_document(list(self.gateway.models), self.limits.max_n))
+
+
+def display_name(pipe: Pipeline | None) -> str | None:
+    """What a loaded model is called where it came from: a GGUF file's name without
+    ``.gguf`` (``SmolLM2-135M-Instruct.Q4_1``), a Hugging Face cache snapshot's repository
+    (``org/name``), else its folder's name; None before it is loaded or when unknown."""
+    where = pipe.description.get("model") if pipe is not None else None
+    if not where:
+        return None
+    path = PurePath(str(where))
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
 
 
 def create_app(gateway: Gateway) -> Starlette:

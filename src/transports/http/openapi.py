@@ -229,7 +229,8 @@ def _anthropic_responses() -> dict[str, Schema]:
 def _other_responses() -> dict[str, Schema]:
     state = {"type": "string", "enum": ["loading", "ready", "failed", "restarting"]}
     model = out({"id": STRING, "object": {"const": "model"}, "created": COUNT,
-                  "owned_by": STRING, "state": state})
+                  "owned_by": STRING, "state": state},
+                {"display_name": nullable(STRING), "description": nullable(STRING)})
     return {
         "ModelObject": model,
         "Tokens": out({"tokens": array(COUNT), "count": COUNT, "max_model_len": COUNT}),
