@@ -27,7 +27,7 @@ from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running
-from tests.test_web_page import TIMEOUT_MS, chromium_context, markup_model
+from tests.test_web_page import OPEN_TURNS, TIMEOUT_MS, chromium_context, markup_model
 from transports.http import Gateway, ServerConfig
 
 KEY, OTHER = "sk-inspector", "sk-someone-else"
@@ -215,8 +215,7 @@ def say(page: Any, text: str) -> Any:
 
 def turns(page: Any) -> list[dict[str, Any]]:
     """The conversation the page keeps (localStorage)."""
-    kept: list[dict[str, Any]] = page.evaluate(
-        "JSON.parse(localStorage.getItem('pipeline.chat')).turns")
+    kept: list[dict[str, Any]] = page.evaluate(OPEN_TURNS)
     return kept
 
 
@@ -338,9 +337,9 @@ def test_the_inspector_colours_tokens_explains_them_and_compares(page: Any, base
     tokens.first.hover()
     tip = page.locator("#tip")
     assert tip.is_visible()
-    assert tip.locator("th").all_text_contents() == ["token", "prob", "processed", "raw logit"]
+    assert tip.locator("th").all_text_contents() == ["token", "model", "after settings", "logit"]
     assert tip.locator("tr").count() >= 2 + 1
-    assert re.search(r"processors: .*temperature", tip.text_content())
+    assert re.search(r"processors applied in order: .*temperature", tip.text_content())
     tokens.nth(1).focus()  # the keyboard shows it too
     assert tip.is_visible() and "step 2" in tip.text_content()
     for phase in ("queue", "prefill", "decode 1"):
@@ -349,7 +348,7 @@ def test_the_inspector_colours_tokens_explains_them_and_compares(page: Any, base
 
     inspector.locator("button.compare").click()
     inspector.locator(".divergence").wait_for()
-    assert "first divergence: rng at step 1 (selection level)" in \
+    assert "the random draw at step 1 (rng, selection level)" in \
         inspector.locator(".divergence").text_content()
     kept = turns(page)[1]
     step = first_difference(selected(base_url, kept["requestId"]),

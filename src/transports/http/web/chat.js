@@ -5,7 +5,8 @@
 "use strict";
 (() => {
   const KEY_ITEM = "pipeline.apiKey";  // sessionStorage: this tab only
-  const CHAT_ITEM = "pipeline.chat";  // localStorage: the conversation, across reloads
+  const CHATS_ITEM = "pipeline.chats";  // localStorage: every conversation, across reloads
+  const OLD_CHAT_ITEM = "pipeline.chat";  // the one conversation earlier pages kept
   const byId = (id) => document.getElementById(id);
   const ui = {
     key: byId("key"), model: byId("model"), temperature: byId("temperature"), topP: byId("top-p"),
@@ -13,24 +14,59 @@
     settings: byId("settings"), log: byId("log"), error: byId("error"), composer: byId("composer"),
     input: byId("input"), send: byId("send"), stop: byId("stop"), dialog: byId("key-dialog"),
     keyForm: byId("key-form"), keyInput: byId("key-input"), keyReason: byId("key-reason"),
-    keyCancel: byId("key-cancel"),
+    keyCancel: byId("key-cancel"), chatList: byId("chat-list"), modelAbout: byId("model-about"),
   };
-  // The conversation: the system prompt, and turns {role, content} (an answer also has
-  // reasoning, requestId, model, stats, tokens [[text, logprob, [[text, logprob]...]]...] and
-  // its earlier versions, kept for "compare").
-  let state = load();
+  // The conversations: {current: id, chats: [conversation...]}, most recently used first. A
+  // conversation is {id, system, turns, updated}; a turn is {role, content}, and an answer
+  // also has reasoning, requestId, model, stats, tokens [[text, logprob, [[text, logprob]...]]...],
+  // and its other versions: ``versions`` (in order, without itself) and ``version`` (its own
+  // place among them all). ``state`` is the open conversation.
+  const store = load();
+  let state = store.chats.find((c) => c.id === store.current) || store.chats[0];
   let controller = null;  // the AbortController of the answer being streamed
-  let chat = 0;  // which conversation: "New chat" starts another
+  const models = new Map();  // served name -> {display_name, description} (GET /v1/models)
 
+  function conversation(system) {
+    const id = Date.now().toString(36) + "-" + Math.random().toString(36).slice(2, 8);
+    return { id, system: system || "", turns: [], updated: Date.now() };
+  }
+  function readable(chat) {
+    return chat && typeof chat.id === "string" && Array.isArray(chat.turns)
+      ? { id: chat.id, system: String(chat.system || ""), turns: chat.turns, updated: Number(chat.updated) || 0 }
+      : null;
+  }
+  function parsed(item) {
+    try { return JSON.parse(localStorage.getItem(item) || "null"); } catch (e) { return null; }  // unreadable: none
+  }
   function load() {
-    try {
-      const saved = JSON.parse(localStorage.getItem(CHAT_ITEM) || "null");
-      if (saved && Array.isArray(saved.turns)) return { system: String(saved.system || ""), turns: saved.turns };
-    } catch (e) { /* unreadable: start afresh */ }
-    return { system: "", turns: [] };
+    const saved = parsed(CHATS_ITEM);
+    const chats = saved && Array.isArray(saved.chats) ? saved.chats.map(readable).filter(Boolean) : [];
+    let current = saved ? String(saved.current) : "";
+    const old = parsed(OLD_CHAT_ITEM);  // an earlier page's one conversation joins the list, open
+    if (old && Array.isArray(old.turns) && old.turns.length) {
+      const chat = { ...conversation(old.system), turns: old.turns };
+      chats.unshift(chat);
+      current = chat.id;
+    }
+    const kept = chats.filter((c) => c.turns.length || c.id === current);  // no empty ones but the open one
+    if (!kept.length) kept.push(conversation(""));
+    return { current, chats: kept };
   }
   function save() {
-    try { localStorage.setItem(CHAT_ITEM, JSON.stringify(state)); } catch (e) { /* full: keep going */ }
+    store.current = state.id;
+    try {
+      localStorage.setItem(CHATS_ITEM, JSON.stringify(store));
+      localStorage.removeItem(OLD_CHAT_ITEM);
+    } catch (e) { /* full: keep going */ }
+  }
+  function touch(chat) {  // used now: first in the list
+    chat.updated = Date.now();
+    store.chats = [chat].concat(store.chats.filter((c) => c !== chat));
+  }
+  function title(chat) {
+    const first = chat.turns.find((t) => t.role === "user");
+    const text = first ? first.content.replace(/\s+/g, " ").trim() : "";
+    return text ? (text.length > 48 ? text.slice(0, 47) + "…" : text) : "New chat";
   }
 
   // --- small helpers -----------------------------------------------------------------------
@@ -126,6 +162,19 @@
 
   // --- settings ----------------------------------------------------------------------------
 
+  // What the served name is: "default (SmolLM2-135M-Instruct.Q4_1)" when the server says.
+  function modelLabel(id) {
+    const known = models.get(id);
+    const name = known && known.display_name;
+    return name && name !== id ? id + " (" + name + ")" : id;
+  }
+  function describeModel() {
+    const known = models.get(ui.model.value);
+    const parts = known ? [known.display_name, known.description].filter((x) => typeof x === "string" && x) : [];
+    ui.modelAbout.textContent = parts.join(" · ");
+    ui.modelAbout.title = parts.length ? "the model served under this name: " + parts.join(", ") : "";
+  }
+
   async function loadModels() {
     let response;
     try {
@@ -141,14 +190,22 @@
     const body = await response.json();
     const previous = ui.model.value;
     ui.model.replaceChildren();
+    models.clear();
     for (const model of body.data) {
-      const label = model.state === "ready" ? model.id : model.id + " (" + model.state + ")";
+      models.set(model.id, { display_name: model.display_name, description: model.description });
+      const label = modelLabel(model.id) + (model.state === "ready" ? "" : " [" + model.state + "]");
       const option = element("option", "", label);
       option.value = model.id;
+      if (typeof model.description === "string") option.title = model.description;
       ui.model.append(option);
     }
     if (Array.from(ui.model.options).some((o) => o.value === previous)) ui.model.value = previous;
+    describeModel();
     clearError();
+    for (const item of ui.log.querySelectorAll("article.message.assistant[data-index]")) {  // answers name their model
+      const turn = state.turns[Number(item.dataset.index)];
+      if (turn && turn.model) item.querySelector(".role").textContent = "assistant · " + modelLabel(turn.model);
+    }
   }
 
   function applyKey() {
@@ -267,7 +324,88 @@
     return -1;
   }
 
+  // --- versions of an answer ----------------------------------------------------------------
+
+  // Every version of an answer, in order (the turn shows one of them).
+  function allVersions(turn) {
+    const others = Array.isArray(turn.versions) ? turn.versions : [];
+    const at = Number.isInteger(turn.version) ? Math.min(turn.version, others.length) : others.length;
+    const self = { ...turn };
+    delete self.versions;
+    delete self.version;
+    return others.slice(0, at).concat([self], others.slice(at));
+  }
+  // The turn that shows version ``k`` of ``list``, keeping the others.
+  function showing(list, k) {
+    return { ...list[k], versions: list.filter((_, i) => i !== k), version: k };
+  }
+  function switcher(index) {
+    const list = allVersions(state.turns[index]);
+    const at = state.turns[index].version ?? list.length - 1;
+    const box = element("span", "versions");
+    const go = (k) => {
+      if (controller !== null || k < 0 || k >= list.length) return;
+      state.turns[index] = showing(list, k);
+      save();
+      render();
+    };
+    const previous = button("‹", "version-previous", "previous version of this answer", () => go(at - 1));
+    const next = button("›", "version-next", "next version of this answer", () => go(at + 1));
+    previous.disabled = at === 0;
+    next.disabled = at === list.length - 1;
+    const count = element("span", "version-count", (at + 1) + "/" + list.length);
+    count.title = "version " + (at + 1) + " of " + list.length + " (regenerate adds one; the one shown is what the conversation goes on from)";
+    box.append(previous, count, next);
+    return box;
+  }
+
+  // --- the list of conversations -----------------------------------------------------------
+
+  function renderChats() {
+    ui.chatList.replaceChildren();
+    for (const chat of store.chats) {
+      const item = element("li", "chat-item");
+      item.dataset.id = chat.id;
+      item.setAttribute("aria-current", chat === state ? "true" : "false");
+      const name = title(chat);
+      const open = button(name, "chat-open", "open this conversation: " + name, () => openChat(chat));
+      const remove = button("×", "chat-delete", "delete this conversation", () => deleteChat(chat));
+      remove.setAttribute("aria-label", "delete the conversation " + name);
+      item.append(open, remove);
+      ui.chatList.append(item);
+    }
+  }
+
+  function openChat(chat) {
+    if (controller !== null) controller.abort();  // its answer, so far, stays in its conversation
+    if (state !== chat && !state.turns.length) store.chats = store.chats.filter((c) => c !== state);  // nothing to keep
+    state = chat;
+    touch(chat);
+    save();
+    ui.system.value = state.system;
+    clearError();
+    if (typeof PipelineInspector !== "undefined") PipelineInspector.close();
+    render();
+  }
+  function newChat() {
+    const empty = state.turns.length === 0 ? state : conversation(ui.system.value);
+    if (empty !== state) store.chats.unshift(empty);
+    openChat(empty);
+  }
+  function deleteChat(chat) {
+    store.chats = store.chats.filter((c) => c !== chat);
+    if (chat === state) {
+      if (controller !== null) controller.abort();
+      if (!store.chats.length) store.chats.push(conversation(""));
+      openChat(store.chats[0]);
+    } else {
+      save();
+      renderChats();
+    }
+  }
+
   function render() {
+    renderChats();
     ui.log.replaceChildren();
     if (state.system) {
       const view = messageView("system");
@@ -282,11 +420,14 @@
                                    () => editTurn(index, view)));
         return;
       }
+      if (turn.model) view.role.textContent = "assistant · " + modelLabel(turn.model);
       if (turn.reasoning) { view.reasoning.textContent = turn.reasoning; view.reasoning.hidden = false; }
       renderContent(view.content, turn.content);
       describeStats(view, turn);
+      if (turn.versions && turn.versions.length) view.actions.append(switcher(index));
       if (index === lastAssistant()) {
-        view.actions.append(button("regenerate", "regenerate", "answer the last message again", regenerate));
+        view.actions.append(button("regenerate", "regenerate",
+                                   "answer the last message again (this answer is kept as a version)", regenerate));
       }
     });
     if (ui.log.lastElementChild) ui.log.lastElementChild.scrollIntoView({ block: "end" });
@@ -407,6 +548,19 @@
     }
   }
 
+  // "thinking", shown in an answer from its request until its first token (the server reads
+  // the whole conversation first: the prefill), or until it fails or is stopped.
+  function typing() {
+    const node = element("div", "typing", "thinking");
+    node.setAttribute("role", "status");
+    node.title = "the model is reading the conversation (prefill); the answer starts with its first token";
+    for (let i = 0; i < 3; i++) node.append(element("span", "dot", "."));
+    return node;
+  }
+  function doneTyping(view) {
+    if (view.typing) { view.typing.remove(); view.typing = null; }
+  }
+
   async function streamAnswer(response, run, view) {
     let pending = false;
     const paint = () => {
@@ -424,40 +578,53 @@
           break;
         }
         applyChunk(run, chunk);
+        if (run.first !== null) doneTyping(view);
         if (!pending) { pending = true; requestAnimationFrame(paint); }
       }
     } catch (e) {
       if (e.name === "AbortError") run.outcome = "stopped";
       else run.failure = e.message;
     }
+    doneTyping(view);
     if (run.failure !== null) run.outcome = "failed";
   }
 
-  function messages() {
-    const out = state.system ? [{ role: "system", content: state.system }] : [];
-    return out.concat(state.turns.map((t) => ({ role: t.role, content: t.content })));
+  function messages(chat) {
+    const out = chat.system ? [{ role: "system", content: chat.system }] : [];
+    return out.concat(chat.turns.map((t) => ({ role: t.role, content: t.content })));
   }
 
-  // Answer the conversation as it stands (it ends with a user turn). ``restore`` puts the
-  // conversation back when no answer came (``text``: what goes back into the input box).
-  async function answer(restore, text, previous) {
+  // Put ``chat`` back as ``before`` was (a copy of its system prompt and turns).
+  function restore(chat, before) {
+    chat.system = before.system;
+    chat.turns = before.turns;
+  }
+
+  // Answer ``chat`` as it stands (it ends with a user turn). ``before`` is the conversation
+  // to put back when no answer came (``text``: what goes back into the input box);
+  // ``previous``, the answer this one regenerates (a new version of it).
+  async function answer(chat, before, text, previous) {
     clearError();
     const model = ui.model.value;
     const fields = samplingFields();
     if (!model || fields === null) {
       if (!model) showError("no model to talk to: the model list is empty (is the API key right?)");
-      state = restore;
+      restore(chat, before);
       render();
       return;
     }
-    const current = chat;
     render();
-    const body = {
-      model, messages: messages(), stream: true, stream_options: { include_usage: true },
+    const body = {  // max_tokens only when set: the server's default applies otherwise
+      model, messages: messages(chat), stream: true, stream_options: { include_usage: true },
       logprobs: true, top_logprobs: 5, ...fields,
     };
     controller = new AbortController();
     setBusy(true);
+    const view = messageView("assistant");
+    view.role.textContent = "assistant · " + modelLabel(model);
+    view.typing = typing();
+    view.content.before(view.typing);
+    view.item.scrollIntoView({ block: "end" });
     const run = {
       start: performance.now(), first: null, end: null, chunks: 0, usage: null, content: "",
       reasoning: "", outcome: "finished", failure: null, requestId: null, tokens: [],
@@ -474,56 +641,61 @@
     }
     if (response !== null && !response.ok) run.failure = await errorText(response);
     if (run.failure !== null) {  // nothing was generated: the conversation is as it was
+      doneTyping(view);
       controller = null;
       setBusy(false);
-      if (current !== chat) return;
-      state = restore;
+      restore(chat, before);
+      if (chat !== state) { save(); return; }
       render();
       if (text && !ui.input.value) ui.input.value = text;
       showError(run.failure);
       return;
     }
     run.requestId = response.headers.get("x-request-id");
-    const view = messageView("assistant");
     await streamAnswer(response, run, view);
     run.end = performance.now();
     controller = null;
     setBusy(false);
-    if (current !== chat) return;  // "New chat" was pressed meanwhile
-    if (run.content || run.reasoning) {
-      const versions = previous ? (previous.versions || []).concat([{ ...previous, versions: undefined }]) : [];
-      state.turns.push({
+    if (run.content || run.reasoning) {  // kept in its conversation, open or not
+      const made = {
         role: "assistant", content: run.content, reasoning: run.reasoning, requestId: run.requestId,
-        model, stats: stats(run), tokens: run.tokens, versions,
-      });
+        model, stats: stats(run), tokens: run.tokens,
+      };
+      chat.turns.push(previous ? showing(allVersions(previous).concat([made]), allVersions(previous).length)
+                               : { ...made, versions: [] });
       save();
-      render();
+      if (chat === state) render();
     } else {  // an empty answer (stopped, failed) does not enter the conversation
       view.item.remove();
-      state = restore;
+      restore(chat, before);
+      save();
+      if (chat !== state) return;
       render();
       if (text && !ui.input.value) ui.input.value = text;
     }
-    if (run.failure !== null) showError("the answer failed: " + run.failure);
+    if (run.failure !== null && chat === state) showError("the answer failed: " + run.failure);
   }
 
-  function snapshot() { return JSON.parse(JSON.stringify(state)); }
+  function snapshot(chat) { return JSON.parse(JSON.stringify({ system: chat.system, turns: chat.turns })); }
 
   function send(text) {
-    const before = snapshot();
-    state.turns.push({ role: "user", content: text });
+    const chat = state;
+    const before = snapshot(chat);
+    chat.turns.push({ role: "user", content: text });
+    touch(chat);
     save();
-    answer(before, text, null);
+    answer(chat, before, text, null);
   }
 
   function regenerate() {
     if (controller !== null) return;
     const index = lastAssistant();
     if (index < 0) return;
-    const before = snapshot();
-    const previous = state.turns[index];
-    state.turns = state.turns.slice(0, index);
-    answer(before, "", previous);
+    const chat = state;
+    const before = snapshot(chat);
+    const previous = chat.turns[index];
+    chat.turns = chat.turns.slice(0, index);
+    answer(chat, before, "", previous);
   }
 
   function editTurn(index, view) {
@@ -538,10 +710,12 @@
     editor.addEventListener("submit", (event) => {
       event.preventDefault();
       if (!area.value.trim() || controller !== null) return;
-      const before = snapshot();
-      state.turns = state.turns.slice(0, index).concat([{ role: "user", content: area.value }]);
+      const chat = state;
+      const before = snapshot(chat);
+      chat.turns = chat.turns.slice(0, index).concat([{ role: "user", content: area.value }]);
+      touch(chat);
       save();
-      answer(before, "", null);
+      answer(chat, before, "", null);
     });
     view.content.replaceWith(editor);
     view.actions.hidden = true;
@@ -557,7 +731,7 @@
     for (const t of state.turns) {
       if (t.role !== "assistant") continue;
       number += 1;
-      const versions = (t.versions || []).concat([t]);
+      const versions = allVersions(t);
       versions.forEach((v, k) => {
         if (!v.requestId || v.requestId === turn.requestId) return;
         others.push({ ...v, label: "answer " + number + (versions.length > 1 ? ", version " + (k + 1) : "") });
@@ -582,16 +756,9 @@
     }
   });
   ui.stop.addEventListener("click", () => { if (controller !== null) controller.abort(); });
-  ui.clear.addEventListener("click", () => {
-    if (controller !== null) controller.abort();
-    chat += 1;
-    state = { system: ui.system.value, turns: [] };
-    save();
-    render();
-    clearError();
-    if (typeof PipelineInspector !== "undefined") PipelineInspector.close();
-  });
+  ui.clear.addEventListener("click", newChat);
   ui.system.addEventListener("input", () => { state.system = ui.system.value; save(); });
+  ui.model.addEventListener("change", describeModel);
   ui.system.addEventListener("change", () => { if (controller === null) render(); });
   ui.settings.addEventListener("submit", (event) => event.preventDefault());
   ui.key.addEventListener("change", applyKey);  // on leaving the field
@@ -601,6 +768,7 @@
 
   ui.key.value = sessionStorage.getItem(KEY_ITEM) || "";
   ui.system.value = state.system;
+  save();
   render();
   document.body.dataset.ready = "true";
   loadModels();

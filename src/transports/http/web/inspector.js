@@ -1,8 +1,10 @@
 // The inspector of the chat page (see the comment at the top of index.html): for one answer,
-// its tokens coloured by probability (hover or focus one: the alternatives, raw logit against
-// processed score and probability, and the processors applied at that step), the request's
-// timeline (queue, prefill, each step's select and decode, where it stopped), and a comparison
-// with another answer (the server's trace diff; the first divergent token is marked in both).
+// its tokens coloured by the model's own probability of each (the raw one, before temperature,
+// top-p and the other sampling settings; hover or focus a token: that probability beside the
+// one after the settings, the alternatives, and the processors applied at that step), the
+// request's timeline (queue, prefill, each step's select and decode, where it stopped), and a
+// comparison with another answer (the server's trace diff: how long the answers agree, the
+// first token that differs, marked in both, and the earliest internal difference).
 // Data: GET /traces/{id}/inspect (the trace, recorded at "full" by the chat) and
 // GET /traces/{a}/diff/{b}; without a kept trace, the answer's own logprobs.
 // Everything from the model or the server is inserted as text.
@@ -35,20 +37,36 @@ globalThis.PipelineInspector = (() => {
     return { body: await response.json() };
   }
 
+  const known = (x) => x !== null && x !== undefined;
+  const RAW = "the model's own probability of this token: the softmax of its raw logits, before "
+    + "temperature, top-p and the other sampling settings";
+  const AFTER = "the probability the token was drawn with: after the sampling settings "
+    + "(temperature, top-p, penalties...), renormalized over the candidates they leave";
+  const LOGIT = "the model's raw score for the token (probability = exp(logit) / the sum over every token)";
+
   // The tokens to show: the trace's steps (with alternatives) when kept, else the answer's
-  // own logprobs (text, logprob, top alternatives), also when the trace holds no top-k.
+  // own logprobs (text, logprob, top alternatives: after the sampling settings), also when
+  // the trace holds no top-k. ``prob`` colours a token: the raw probability when known.
   function tokensOf(answer, inspected) {
     const own = answer.tokens || [];
     const full = inspected && inspected.steps.length && (inspected.recording === "full" || !own.length);
     if (full) {
-      return inspected.steps.map((s) => ({
-        text: shown(s.text, s.token_id), id: s.token_id, prob: s.logprob === null || s.logprob === undefined ? null : Math.exp(s.logprob),
-        step: s.step, processed: s.processed, raw: s.raw, processors: s.processors, candidates: s.candidates,
-      }));
+      return inspected.steps.map((s) => {
+        const after = typeof s.processed_prob === "number" ? s.processed_prob : known(s.logprob) ? Math.exp(s.logprob) : null;
+        const raw = known(s.raw_prob) ? s.raw_prob : null;
+        const atMost = known(s.raw_prob_at_most) ? s.raw_prob_at_most : null;
+        return {
+          text: shown(s.text, s.token_id), id: s.token_id, step: s.step, rawProb: raw, rawAtMost: atMost,
+          processedProb: after, processedAtMost: typeof s.processed_prob_at_most === "number" ? s.processed_prob_at_most : null,
+          prob: raw ?? atMost ?? after, basis: raw !== null || atMost !== null ? "raw" : "processed",
+          processedTop: s.processed, rawTop: s.raw, processors: s.processors, candidates: s.candidates,
+        };
+      });
     }
     return own.map(([text, logprob, top], i) => ({
-      text, prob: Math.exp(logprob), step: i + 1,
-      processed: top.map(([t, lp]) => ({ text: t, prob: Math.exp(lp) })), raw: [], processors: null,
+      text, step: i + 1, rawProb: null, rawAtMost: null, processedProb: Math.exp(logprob), processedAtMost: null, prob: Math.exp(logprob),
+      basis: "processed", processedTop: top.map(([t, lp]) => ({ text: t, prob: Math.exp(lp) })), rawTop: [],
+      processors: null,
     }));
   }
 
@@ -63,7 +81,11 @@ globalThis.PipelineInspector = (() => {
       span.setAttribute("aria-describedby", "tip");
       span.dataset.index = String(i);
       span.dataset.step = String(token.step);
+      span.dataset.basis = token.basis;
       if (token.prob !== null) span.dataset.prob = token.prob.toFixed(4);
+      if (token.rawProb !== null) span.dataset.rawProb = token.rawProb.toFixed(4);
+      if (token.rawAtMost !== null) span.dataset.rawProbAtMost = token.rawAtMost.toFixed(4);
+      if (token.processedProb !== null) span.dataset.processedProb = token.processedProb.toFixed(4);
       const show = () => showTip(span, token);
       span.addEventListener("mouseenter", show);
       span.addEventListener("focus", show);
@@ -74,40 +96,78 @@ globalThis.PipelineInspector = (() => {
     return box;
   }
 
-  function legend() {
+  function legend(tokens) {
     const box = element("div", "legend");
-    box.append(element("span", "", "probability:"));
+    const raw = tokens.some((t) => t.basis === "raw");
+    const what = element("span", "basis", raw ? "colour: the model's own probability (before the sampling settings)"
+                                               : "colour: the probability after the sampling settings (the model's own was not recorded)");
+    what.title = raw ? RAW + ". Hover or focus a token for the probability after the settings, and the alternatives."
+                     : AFTER + ". The trace that holds the model's own probabilities is no longer kept.";
+    box.append(what);
     for (const [cls, text] of [["p0", "< 10%"], ["p1", "10–30%"], ["p2", "30–60%"], ["p3", "60–90%"], ["p4", "≥ 90%"]]) {
-      box.append(element("span", cls, text));
+      const item = element("span", cls, text);
+      item.title = (raw ? "the model gave the token " : "the token had ") + text;
+      box.append(item);
     }
     return box;
   }
+  const PROCESSOR_WORDS = { top_p: "top-p", top_k: "top-k", min_p: "min-p", typical_p: "typical-p",
+    repetition_penalty: "repetition penalty", presence_penalty: "presence penalty",
+    frequency_penalty: "frequency penalty", logit_bias: "logit bias", min_tokens: "min tokens",
+    allowed_tokens: "allowed tokens", banned_tokens: "banned tokens", grammar: "grammar (structured output)" };
+  const words = (names) => (names || []).map((n) => PROCESSOR_WORDS[n] || n.replace(/_/g, " "));
+  const settingsName = (processors) => (processors && processors.length ? words(processors).join(", then ") : "the sampling settings");
+  function rawText(token) {
+    if (known(token.rawProb)) return pct(token.rawProb);
+    if (known(token.rawAtMost)) return "below " + pct(token.rawAtMost);
+    return "not recorded";
+  }
+  function afterText(token) {
+    if (known(token.processedProb)) return pct(token.processedProb);
+    if (known(token.processedAtMost)) return "below " + pct(token.processedAtMost);
+    return "not recorded";
+  }
 
-  // The tooltip: the step's candidates, processed (score, probability) beside raw (logit).
+  // The tooltip: the token's own probability beside the one after the settings, then the
+  // step's candidates (the model's probability, after the settings, the raw logit).
   function showTip(span, token) {
-    const raw = new Map((token.raw || []).map((r) => [r.token_id, r]));
-    const rows = (token.processed || []).map((p) => ({ ...p, raw: raw.get(p.token_id) }));
+    const after = new Map((token.processedTop || []).map((p) => [p.token_id, p]));
+    const rows = (token.rawTop || []).map((r) => ({ token_id: r.token_id, text: r.text, raw: r, after: after.get(r.token_id) }));
     const seen = new Set(rows.map((r) => r.token_id));
-    for (const r of token.raw || []) if (!seen.has(r.token_id)) rows.push({ token_id: r.token_id, text: r.text, raw: r, removed: true });
-    const head = element("div", "", "step " + token.step + ": " + JSON.stringify(token.text) + " · p " + pct(token.prob));
+    for (const p of token.processedTop || []) if (!seen.has(p.token_id)) { seen.add(p.token_id); rows.push({ token_id: p.token_id, text: p.text, after: p }); }
+    if (known(token.id) && !seen.has(token.id) && rows.length) rows.push({ token_id: token.id, text: token.text, own: true });  // outside both top-k
+    // every candidate the settings left is listed: one missing from them was removed
+    const complete = known(token.candidates) && (token.processedTop || []).length >= token.candidates;
+    const head = element("div", "", "step " + token.step + ": " + JSON.stringify(token.text));
+    const probs = element("div", "probs", "the model's probability: " + rawText(token) + " · after "
+                          + settingsName(token.processors) + ": " + afterText(token));
+    probs.title = "the model's probability: " + RAW + ". After the settings: " + AFTER + ".";
     const table = element("table");
     const header = element("tr");
-    for (const h of ["token", "prob", "processed", "raw logit"]) header.append(element("th", "", h));
+    for (const [h, why] of [["token", "the candidates at this step, most likely first"], ["model", RAW],
+                            ["after settings", AFTER], ["logit", LOGIT]]) {
+      const th = element("th", "", h);
+      th.title = why;
+      header.append(th);
+    }
     table.append(header);
     for (const row of rows) {
       const tr = element("tr", row.token_id !== undefined && row.token_id === token.id ? "chosen" : "");
+      const removed = !row.after && !row.own && complete;
+      const afterCell = element("td", "", row.own ? afterText(token) : row.after ? pct(row.after.prob) : removed ? "removed" : "—");
+      if (removed) afterCell.title = "the sampling settings removed this token: it could not be drawn";
+      else if (!row.after) afterCell.title = "not among the top " + (token.processedTop || []).length + " after the settings";
       tr.append(element("td", "", JSON.stringify(shown(row.text, row.token_id))),
-                element("td", "", row.removed ? "removed" : pct(row.prob)),
-                element("td", "", row.score === undefined ? "—" : num(row.score)),
-                element("td", "", row.raw ? num(row.raw.logit) : "—"));
+                element("td", "", row.own ? rawText(token) : row.raw && known(row.raw.prob) ? pct(row.raw.prob) : "—"),
+                afterCell, element("td", "", row.raw ? num(row.raw.logit) : "—"));
       table.append(tr);
     }
-    tip.replaceChildren(head, table);
+    tip.replaceChildren(head, probs, table);
     if (token.processors) {
-      tip.append(element("div", "processors", "processors: " + (token.processors.length ? token.processors.join(" → ") : "none")
-                         + (token.candidates ? " · " + token.candidates + " candidates left" : "")));
-    } else if (!(token.raw || []).length) {
-      tip.append(element("div", "processors", "the trace is not kept: alternatives from the answer's logprobs"));
+      tip.append(element("div", "processors", "processors applied in order: " + (token.processors.length ? words(token.processors).join(" → ") : "none")
+                         + (token.candidates ? " · " + token.candidates + " candidates left to draw from" : "")));
+    } else if (!(token.rawTop || []).length) {
+      tip.append(element("div", "processors", "the trace is no longer kept: alternatives from the answer's logprobs, after the sampling settings"));
     }
     tip.hidden = false;
     const box = span.getBoundingClientRect();
@@ -159,6 +219,56 @@ globalThis.PipelineInspector = (() => {
 
   function label(answer) { return answer.requestId || "(no request id)"; }
 
+  const PRODUCT_WORDS = { rng: "the random draw", request: "the request", "rendered bytes": "the prompt as rendered",
+    "token ids": "the prompt's tokens", positions: "the prompt's positions", "prefill logits": "the model's logits",
+    "raw logits": "the model's logits", "processor order": "the order of the sampling settings",
+    "processed distribution": "the probabilities after the sampling settings", "selected token": "the chosen token",
+    "emitted bytes": "the text sent", finish: "how the run ended" };
+
+  // One side of the first different token: from the diff's ``first_token`` (a, b) when the
+  // server sends it, else from that step of the answer's inspected tokens.
+  function side(name, given, tokens, step) {
+    let t = null;
+    if (given) {
+      t = { text: shown(given.text, given.token_id), rawProb: given.raw_prob ?? null,
+            rawAtMost: given.raw_prob_at_most ?? null, processedProb: given.processed_prob ?? null,
+            processedAtMost: given.processed_prob_at_most ?? null };
+    } else {
+      const found = tokens.find((x) => x.step === step);
+      if (found) t = found;
+    }
+    if (!t) return name + " had ended";
+    return name + " chose " + JSON.stringify(t.text) + " (the model's probability " + rawText(t)
+      + ", after the sampling settings " + afterText(t) + ")";
+  }
+
+  // The two lines of a comparison: where the answers' tokens part, and the earliest internal
+  // difference of any kind (a random draw may differ from step 1 and change no token for long).
+  function comparisonLines(body, mine, theirs) {
+    const given = body.first_token;
+    const step = given ? given.step : body.first_token_step ?? null;
+    let first;
+    if (step === null) first = "The answers have the same tokens throughout.";
+    else {
+      const agree = given && known(given.agree_tokens) ? given.agree_tokens : step - 1;
+      first = (agree === 0 ? "The answers differ from their first token (step " + step + "): "
+                           : "The answers agree for " + agree + " token" + (agree === 1 ? "" : "s")
+                             + "; first different token at step " + step + ": ")
+        + side("A (this answer)", given && given.a, mine, step) + ", " + side("B (the other)", given && given.b, theirs, step) + ".";
+    }
+    const d = body.divergence;
+    let internal;
+    if (d === null || d === undefined) internal = "No internal difference: the two runs agree on every product the traces hold.";
+    else {
+      internal = "Earliest internal difference: " + (PRODUCT_WORDS[d.product] || d.product) + (known(d.step) ? " at step " + d.step : "")
+        + " (" + d.product + ", " + d.level + " level)";
+      if (step !== null && known(d.step) && d.step < step) internal += "; it changed no token until step " + step;
+      else if (step === null) internal += "; it changed no token";
+      internal += ".";
+    }
+    return { step, first, internal, level: d ? d.level : "" };
+  }
+
   async function compare(ctx, state, choice, out) {
     const other = ctx.others[Number(choice.value)];
     if (!other) return;
@@ -166,15 +276,17 @@ globalThis.PipelineInspector = (() => {
     const diff = await getJson(ctx, "/traces/" + encodeURIComponent(ctx.answer.requestId) + "/diff/" + encodeURIComponent(other.requestId));
     const theirs = await getJson(ctx, "/traces/" + encodeURIComponent(other.requestId) + "/inspect");
     if (diff.error) { out.replaceChildren(element("p", "note", "compare: " + diff.error)); return; }
-    const d = diff.body.divergence;
-    const summary = d === null ? "no divergence: the two runs agree on every product"
-      : "first divergence: " + d.product + (d.step !== null ? " at step " + d.step : "") + " (" + d.level + " level)";
-    const head = element("p", "divergence", summary);
-    head.dataset.level = d === null ? "" : d.level;
     const tokensB = tokensOf(other, theirs.body || null);
+    const lines = comparisonLines(diff.body, state.tokens, tokensB);
+    const first = element("p", "first-token", lines.first);
+    first.title = "the first step where the two answers committed different tokens (A: this answer, B: " + label(other) + ")";
+    const head = element("p", "divergence", lines.internal);
+    head.dataset.level = lines.level;
+    head.title = "the first thing that differs inside the two runs, in the order the pipeline makes them "
+      + "(prompt, model, sampling, text): a cause, which may change a token only later, or never";
     const stripB = strip(tokensB, "tokens of the other answer");
     stripB.classList.add("other");
-    const step = diff.body.first_token_step;
+    const step = lines.step;
     for (const s of [state.strip, stripB]) for (const node of s.querySelectorAll(".tok.diverge")) node.classList.remove("diverge");
     if (step !== null) {
       for (const s of [state.strip, stripB]) {
@@ -182,8 +294,7 @@ globalThis.PipelineInspector = (() => {
         if (node) { node.classList.add("diverge"); node.title = "first token that differs (step " + step + ")"; }
       }
     }
-    const first = step === null ? "the tokens are the same throughout" : "first different token: step " + step;
-    out.replaceChildren(head, element("p", "note", first), element("h2", "", "other answer · " + label(other)), stripB,
+    out.replaceChildren(first, head, element("h2", "", "other answer · " + label(other)), stripB,
                         element("pre", "report", diff.body.text));
     const marked = state.strip.querySelector(".tok.diverge");
     if (marked) marked.scrollIntoView({ block: "nearest" });
@@ -206,13 +317,18 @@ globalThis.PipelineInspector = (() => {
     if (mine !== opened) return;
     const data = inspected.body || null;
     const tokens = tokensOf(ctx.answer, data);
-    const state = { strip: strip(tokens, "tokens of this answer") };
-    const parts = [bar, element("h2", "", "Tokens"), legend(), state.strip];
+    const state = { tokens, strip: strip(tokens, "tokens of this answer") };
+    const parts = [bar, element("h2", "", "Tokens"), legend(tokens), state.strip];
     if (inspected.error) parts.push(element("p", "note", "trace: " + inspected.error));
     else if (data.recording !== "full") parts.push(element("p", "note", "this trace was recorded at \"" + data.recording + "\": no alternatives per step"));
     if (data) {
-      const order = (data.processors || []).join(" → ") || "none";
-      parts.push(element("p", "note", "processors applied (in order): " + order + " · declared chain: " + (data.processor_chain || []).join(", ")));
+      const order = words(data.processors).join(" → ") || "none (the model's own probabilities were used as they are)";
+      const applied = element("p", "note processors-applied", "sampling settings applied, in order: " + order);
+      applied.title = "the processors that changed this request's probabilities, in the order they ran";
+      const chain = element("p", "note processor-chain", "every setting this server can apply, in the order it would: "
+                            + words(data.processor_chain).join(", "));
+      chain.title = "a setting left at its neutral value (temperature 1, top-p 1, no penalty...) is skipped";
+      parts.push(applied, chain);
       const timelineBox = timeline(data.timeline);
       timelineBox.classList.add("timeline-box");
       parts.push(element("h2", "", "Timeline"), timelineBox);
