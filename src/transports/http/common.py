@@ -22,7 +22,7 @@ from pipeline.sampling_defaults import SAMPLING_FIELDS
 from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
 from transports.http.documents import Document
-from pipeline.types import Part
+from pipeline.types import DEFAULT_MAX_TOKENS, Part
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -31,7 +31,7 @@ TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 class ServerDefaults:
     """Server-side defaults for fields a request leaves out."""
 
-    max_tokens: int = 1024
+    max_tokens: int = DEFAULT_MAX_TOKENS
     reasoning_budget_tokens: int | None = None
 
 

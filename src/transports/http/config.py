@@ -19,6 +19,7 @@ import attrs
 from pipeline.errors import InvalidValueError
 from pipeline.options import BackendOptions, device_name, dtype_name
 from pipeline.strategy_choice import StrategyChoice
+from pipeline.types import DEFAULT_MAX_TOKENS
 from transports.http.limits import Limits
 from transports.http.timeouts import Timeouts
 
@@ -125,7 +126,7 @@ class ServerConfig:
         default=None, validator=attrs.validators.optional(_positive))
     context_slack: int = attrs.field(default=0, validator=_non_negative)
     clamp_max_tokens: bool = True
-    default_max_tokens: int = attrs.field(default=1024, validator=_positive)
+    default_max_tokens: int = attrs.field(default=DEFAULT_MAX_TOKENS, validator=_positive)
     reasoning_budget_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_non_negative))
     answer_reserve_tokens: int = attrs.field(default=4096, validator=_positive)
