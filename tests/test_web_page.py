@@ -445,7 +445,8 @@ def test_regenerate_keeps_each_version_behind_a_switcher_that_survives_a_reload(
 
     page.reload()
     answer = page.locator("article.message.assistant")
-    expect(answer.locator(".version-count")).to_have_text("1/2")  # kept, as it was shown
+    expect(answer.locator(".version-count")).to_have_text(  # kept, as it was shown
+        "1/2", timeout=TIMEOUT_MS)
     assert answer.locator("button.trace").get_attribute("data-request-id") == first_id
     answer.locator("button.version-next").click()
     expect(answer.locator(".version-count")).to_have_text("2/2")
@@ -526,7 +527,7 @@ def test_thinking_shows_until_the_first_token_and_goes_on_stop_or_error(page: An
     try:
         page.fill("#input", "Where is Paris?")
         page.press("#input", "Enter")
-        expect(typing).to_be_visible()
+        expect(typing).to_be_visible(timeout=TIMEOUT_MS)
         assert answer.locator(".content").text_content() == ""
         GATE.set()  # the first token comes
         answer.locator(".stats").wait_for()
@@ -536,9 +537,9 @@ def test_thinking_shows_until_the_first_token_and_goes_on_stop_or_error(page: An
         GATE.clear()  # stopped before the first token
         page.fill("#input", "And Rome?")
         page.press("#input", "Enter")
-        expect(answer.nth(1).locator(".typing")).to_be_visible()
+        expect(answer.nth(1).locator(".typing")).to_be_visible(timeout=TIMEOUT_MS)
         page.click("#stop")
-        expect(page.locator(".typing")).to_have_count(0)
+        expect(page.locator(".typing")).to_have_count(0, timeout=TIMEOUT_MS)
         assert page.is_enabled("#send")
     finally:
         GATE.set()
@@ -547,8 +548,8 @@ def test_thinking_shows_until_the_first_token_and_goes_on_stop_or_error(page: An
         status=503, json={"error": {"message": "overloaded", "type": "server_error"}}))
     page.fill("#input", "And Berlin?")
     page.press("#input", "Enter")
-    expect(page.locator("#error")).to_have_text("503: overloaded")
-    expect(page.locator(".typing")).to_have_count(0)
+    expect(page.locator("#error")).to_have_text("503: overloaded", timeout=TIMEOUT_MS)
+    expect(page.locator(".typing")).to_have_count(0, timeout=TIMEOUT_MS)
 
 
 def test_the_page_sends_max_tokens_only_when_the_user_sets_it(page: Any) -> None:
@@ -581,8 +582,10 @@ def test_the_page_names_the_model_a_served_default_is(browser: Any,
         try:
             tab.goto(f"{url}/")
             option = tab.locator("#model option[value='default']")
-            expect(option).to_have_text(re.compile(r"^default \(SmolLM2-135M-Instruct"))
-            expect(tab.locator("#model-about")).to_contain_text("LlamaForCausalLM")
+            expect(option).to_have_text(re.compile(r"^default \(SmolLM2-135M-Instruct"),
+                                        timeout=TIMEOUT_MS)
+            expect(tab.locator("#model-about")).to_contain_text("LlamaForCausalLM",
+                                                                timeout=TIMEOUT_MS)
             tab.fill("#max-tokens", "2")
             answer = say(tab, "Hi")
             assert "SmolLM2-135M-Instruct" in answer.locator(".role").text_content()
