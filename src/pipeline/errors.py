@@ -34,6 +34,7 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
         ├── AuthenticationError                  missing or wrong API key
         ├── ModelNotFoundError                   no served model has that name
         ├── TraceNotFoundError                   no kept trace for that request id (and key)
+        ├── ResponseNotFoundError                no stored response with that id (and key)
         ├── OverloadedError                      concurrency and queue are full
         ├── ModelLoadingError                    the model is still loading (or restarting)
         ├── PayloadTooLargeError                 the request body exceeds the size limit
@@ -340,6 +341,19 @@ class ModelNotFoundError(ServingError, LookupError):
         self.served = tuple(sorted(served))
         super().__init__(f"model {model!r} is not served here; served models: "
                          f"{', '.join(self.served) or '(none)'}")
+
+
+class ResponseNotFoundError(ServingError, LookupError):
+    """The server keeps no response ``response_id`` for this caller: unknown, stored with
+    ``store`` false, deleted, dropped as the oldest of ``kept``, or made with another API key
+    (deliberately indistinguishable)."""
+
+    def __init__(self, response_id: str, kept: int) -> None:
+        self.response_id = response_id
+        self.kept = kept
+        super().__init__(f"no response {brief(response_id)} is stored here for this key "
+                         f"(unknown, stored with store=false, deleted, made with another key, "
+                         f"or dropped: the last {kept} are kept)")
 
 
 class TraceNotFoundError(ServingError, LookupError):

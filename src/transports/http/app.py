@@ -17,7 +17,9 @@ nginx's "client closed request", not as a server error.
 
 ``POST /v1/responses`` takes the same flow: :mod:`transports.http.responses_api` turns its
 body into the chat request it amounts to and brings a :class:`~transports.http.generation.Form`
-that answers in the Responses shape. ``POST /v1/embeddings``
+that answers in the Responses shape; ``GET`` and ``DELETE /v1/responses/{id}`` read and
+forget a stored response (:class:`~transports.http.responses_output.Conversations`), for a
+key that made it. ``POST /v1/embeddings``
 (:mod:`transports.http.embeddings_api`) runs its forwards on the engine's thread.
 
 Every generation response carries its request id (the body's ``id``) in ``x-request-id``;
@@ -195,6 +197,20 @@ class Server:
             self._door(raw), self.defaults, self.limits, self.conversations, keys))
         return await self._generate(http, asked.parsed, Dialect.OPENAI, "responses",
                                     asked.form)
+
+    async def stored_response(self, http: HTTPRequest) -> Response:
+        """``GET /v1/responses/{response_id}``: a stored response object, for a key that made
+        it (404 for any other, as for an unknown, deleted or dropped id)."""
+        responses_output.check_retrieve_query(http.query_params.multi_items())
+        response_id = http.path_params["response_id"]
+        return JSONResponse(self.conversations.response(response_id, http.state.keys))
+
+    async def delete_response(self, http: HTTPRequest) -> Response:
+        """``DELETE /v1/responses/{response_id}``: forget a stored response (its object and
+        its conversation), for a key that made it; OpenAI's deletion object."""
+        response_id = http.path_params["response_id"]
+        self.conversations.delete(response_id, http.state.keys)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def embeddings(self, http: HTTPRequest) -> Response:
         """``POST /v1/embeddings`` (the forwards run on the engine's thread)."""
@@ -487,6 +503,10 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/completions", s.endpoint("completions", oa, s.completions),
               methods=["POST"]),
         Route("/v1/responses", s.endpoint("responses", oa, s.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", s.endpoint("responses", oa, s.stored_response),
+              methods=["GET"]),
+        Route("/v1/responses/{response_id}", s.endpoint("responses", oa, s.delete_response),
+              methods=["DELETE"]),
         Route("/v1/embeddings", s.endpoint("embeddings", oa, s.embeddings), methods=["POST"]),
         Route("/v1/messages", s.endpoint("messages", an, s.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", s.endpoint("count_tokens", an, s.count_tokens),

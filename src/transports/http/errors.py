@@ -20,6 +20,7 @@ TemplateError                  400     invalid_request_error       invalid_reque
 AuthenticationError            401     authentication_error        authentication_error
 ModelNotFoundError             404     invalid_request_error       not_found_error
 TraceNotFoundError             404     invalid_request_error       not_found_error
+ResponseNotFoundError          404     invalid_request_error       not_found_error
 OverloadedError                429/529 rate_limit_exceeded (429)   overloaded_error (529)
 ModelLoadingError, EngineClosed 503    service_unavailable         api_error
 PayloadTooLargeError           413     invalid_request_error       request_too_large
@@ -45,8 +46,8 @@ import attrs
 from pipeline.errors import (
     AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
     LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
-    PayloadTooLargeError, TemplateError, TraceNotFoundError, UnknownFieldError, UnknownNameError,
-    ValidationError,
+    PayloadTooLargeError, ResponseNotFoundError, TemplateError, TraceNotFoundError,
+    UnknownFieldError, UnknownNameError, ValidationError,
 )
 
 
@@ -107,6 +108,9 @@ def classify(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, TraceNotFoundError):
         return ErrorInfo(404, "invalid_request_error", "not_found_error", str(exc),
                          "request_id", "trace_not_found")
+    if isinstance(exc, ResponseNotFoundError):
+        return ErrorInfo(404, "invalid_request_error", "not_found_error", str(exc),
+                         "response_id", "response_not_found")
     if isinstance(exc, OverloadedError):
         return ErrorInfo(429, "rate_limit_exceeded", "overloaded_error", str(exc),
                          code="overloaded")

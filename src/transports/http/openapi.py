@@ -25,6 +25,7 @@ from transports.http.openapi_requests import (
     COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, request_schemas,
     response_object as out,
 )
+from transports.http.responses_output import KEEP_RESPONSES
 
 JSON = "application/json"
 SSE = "text/event-stream"
@@ -154,6 +155,8 @@ def _responses_api() -> dict[str, Schema]:
                  "summary": {"type": "array"}, "content": array(thought)}),
             out({"id": STRING, "type": {"const": "function_call"}, "status": status,
                  "call_id": STRING, "name": STRING, "arguments": STRING})]},
+        "ResponseDeleted": out({"id": STRING, "object": {"const": "response"},
+                                "deleted": {"const": True}}),
         "Response": out({
             "id": STRING, "object": {"const": "response"}, "created_at": COUNT,
             "status": status, "model": STRING, "output": array(ref("ResponseItem")),
@@ -269,7 +272,7 @@ _STATUS_TEXT = {
          "over the window (`param` names the field)",
     401: "missing or wrong API key",
     404: "the model is not served (`served_models` lists the served names), or no trace "
-         "of that request is kept for this key",
+         "of that request, or no stored response of that id, is kept for this key",
     408: "the request took too long",
     413: "the request body is too large",
     429: "every slot and the queue are full",
@@ -346,6 +349,29 @@ def _open_get(summary: str, responses: Schema) -> Schema:
     return {"get": {"summary": summary, "security": [], "responses": responses}}
 
 
+def _stored_response() -> Schema:
+    """``GET`` and ``DELETE /v1/responses/{response_id}``."""
+    path = [{"name": "response_id", "in": "path", "required": True, "schema": STRING,
+             "description": "a `POST /v1/responses` answer's `id` (stored unless it asked "
+                            "`store: false`)"}]
+    kept = (f"The last {KEEP_RESPONSES} stored responses are kept, each readable and "
+            "deletable only with an API key it was made with; for any other key, and for an "
+            "unknown, deleted or dropped id, a 404.")
+    return {
+        "get": {"summary": "a stored response object, as `POST /v1/responses` answered it",
+                "description": kept + " It comes back whole: no query parameter but "
+                                      "`stream=false` is taken (a 400 names any other).",
+                "parameters": [*path, {"name": "stream", "in": "query", "required": False,
+                                       "schema": {"type": "string", "enum": ["false"]}}],
+                "responses": {"200": _json(ref("Response"), "the stored response"),
+                              **_errors(OPENAI, (400, *LISTING, 404))}},
+        "delete": {"summary": "forget a stored response (its object and its conversation for "
+                              "`previous_response_id`)", "description": kept,
+                   "parameters": path,
+                   "responses": {"200": _json(ref("ResponseDeleted"), "it is deleted"),
+                                 **_errors(OPENAI, (*LISTING, 404))}}}
+
+
 def _paths() -> Schema:
     text = {"description": "Prometheus text exposition",
             "content": {"text/plain": {"schema": STRING}}}
@@ -359,6 +385,7 @@ def _paths() -> Schema:
                                      "`response` (kept for `previous_response_id`)",
                                      "ResponsesRequest", "Response", "ResponseStreamEvent",
                                      OPENAI, 429),
+        "/v1/responses/{response_id}": _stored_response(),
         "/v1/embeddings": _post("OpenAI embeddings: each input's final hidden states, "
                                 "mean-pooled and L2-normalized", "EmbeddingsRequest",
                                 "EmbeddingList", OPENAI),

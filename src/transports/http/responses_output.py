@@ -1,5 +1,6 @@
 """The answer side of OpenAI's Responses API (``POST /v1/responses``): output items, the
-``response`` object, its event stream, and the responses kept for ``previous_response_id``.
+``response`` object, its event stream, and the stored responses (for ``previous_response_id``,
+``GET /v1/responses/{id}`` and ``DELETE /v1/responses/{id}``).
 
 Owns :class:`Output` (an answer's parts, from :mod:`pipeline.output_parts`, as output items:
 ``reasoning`` for a ``<think>`` block, ``message`` with one ``output_text`` part,
@@ -9,8 +10,9 @@ through it, so both give the same items), :class:`ResponsesForm` (the
 body, the stream encoder, the keeping of a finished conversation), :class:`ResponseStream`
 (the named SSE events, each with its ``sequence_number``; a failure ends the stream with an
 ``error`` event), :class:`Echo` (what a response repeats of its request) and
-:class:`Conversations` (the last ``capacity`` stored conversations, each readable only with a
-key that made it). The request side is :mod:`transports.http.responses_api`.
+:class:`Conversations` (the last ``capacity`` stored responses, each its conversation and
+its finished ``response`` object, readable and deletable only with a key that made it). The
+request side is :mod:`transports.http.responses_api`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from pipeline.errors import InvalidValueError
+from pipeline.errors import InvalidValueError, ResponseNotFoundError
 from pipeline.types import (
     Completion, Delta, FinishReason, Message, ToolCall, ToolCallDelta, ToolCallEnd,
 )
@@ -50,12 +52,14 @@ _CUT = (FinishReason.LENGTH, FinishReason.DEADLINE)
 class _Kept:
     owners: frozenset[str]
     messages: tuple[Message, ...]
+    response: str  # the finished response object, as JSON: a stored copy nobody can change
 
 
 class Conversations:
-    """The last ``capacity`` stored responses' conversations, by response id, each readable
-    only with a key whose fingerprint made it (by anyone when it was made without keys).
-    Thread-safe; ``capacity`` 0 keeps nothing."""
+    """The last ``capacity`` stored responses, by response id: each one's conversation (for
+    ``previous_response_id``) and its finished ``response`` object (for ``GET``), readable
+    and deletable only with a key whose fingerprint made it (by anyone when it was made
+    without keys). Thread-safe; ``capacity`` 0 keeps nothing."""
 
     def __init__(self, capacity: int = KEEP_RESPONSES) -> None:
         self.capacity = capacity
@@ -66,27 +70,68 @@ class Conversations:
         with self._lock:
             return len(self._kept)
 
-    def keep(self, response_id: str, owners: frozenset[str],
-             messages: Sequence[Message]) -> None:
-        """Keep ``messages`` as ``response_id``'s conversation; the oldest goes when full."""
+    def keep(self, response_id: str, owners: frozenset[str], messages: Sequence[Message],
+             response: dict[str, Any]) -> None:
+        """Keep ``messages`` as ``response_id``'s conversation and ``response`` as its
+        object; the oldest goes when full."""
         if not self.capacity:
             return
         with self._lock:
-            self._kept[response_id] = _Kept(owners, tuple(messages))
+            self._kept[response_id] = _Kept(owners, tuple(messages),
+                                            json.dumps(response, ensure_ascii=False))
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
+
+    def _find(self, response_id: str, keys: frozenset[str]) -> _Kept | None:
+        with self._lock:
+            kept = self._kept.get(response_id)
+        return None if kept is None or (kept.owners and not kept.owners & keys) else kept
 
     def messages(self, response_id: str, keys: frozenset[str]) -> tuple[Message, ...]:
         """The conversation of ``response_id`` for a caller presenting ``keys``; a 400 naming
         ``previous_response_id`` when none is kept for that caller."""
-        with self._lock:
-            kept = self._kept.get(response_id)
-        if kept is None or (kept.owners and not kept.owners & keys):
+        kept = self._find(response_id, keys)
+        if kept is None:
             raise InvalidValueError(
                 "previous_response_id", response_id,
-                f"no such response is kept here (unknown, stored with store=false, made with "
-                f"another key, or dropped: the last {self.capacity} are kept)")
+                f"no such response is kept here (unknown, stored with store=false, deleted, "
+                f"made with another key, or dropped: the last {self.capacity} are kept)")
         return kept.messages
+
+    def response(self, response_id: str, keys: frozenset[str]) -> dict[str, Any]:
+        """``response_id``'s stored ``response`` object for a caller presenting ``keys``;
+        :class:`~pipeline.errors.ResponseNotFoundError` (a 404) when none is kept for it."""
+        kept = self._find(response_id, keys)
+        if kept is None:
+            raise ResponseNotFoundError(response_id, self.capacity)
+        return json.loads(kept.response)  # type: ignore[no-any-return]
+
+    def delete(self, response_id: str, keys: frozenset[str]) -> None:
+        """Forget ``response_id`` (its object and its conversation) for a caller presenting
+        ``keys``; :class:`~pipeline.errors.ResponseNotFoundError` when none is kept for it."""
+        with self._lock:
+            kept = self._kept.get(response_id)
+            if kept is None or (kept.owners and not kept.owners & keys):
+                raise ResponseNotFoundError(response_id, self.capacity)
+            del self._kept[response_id]
+
+
+RETRIEVE_QUERY = {"stream": ("false",)}
+"""The query parameters ``GET /v1/responses/{id}`` takes, with their values: a stored response
+comes back whole (OpenAI's ``stream=true`` replay of its events, ``starting_after`` and
+``include`` are not kept here)."""
+
+
+def check_retrieve_query(params: Sequence[tuple[str, str]]) -> None:
+    """A 400 naming the first query parameter of a retrieval this server does not take."""
+    for name, value in params:
+        allowed = RETRIEVE_QUERY.get(name)
+        if allowed is None:
+            raise InvalidValueError(name, value, "a stored response is returned whole: no "
+                                                 "query parameter but stream=false is taken")
+        if value not in allowed:
+            raise InvalidValueError(name, value, f"only {name}={allowed[0]} is taken: a stored "
+                                                 "response's events are not kept for replay")
 
 
 @attrs.frozen
@@ -310,11 +355,12 @@ class ResponsesForm:
                 "user": parsed.request.client_metadata.get("user"),
                 "metadata": e.metadata}
 
-    def finished(self, parsed: Parsed, output: Output) -> None:
-        """Keep the conversation with this output, when ``store``."""
+    def finished(self, parsed: Parsed, output: Output, response: dict[str, Any]) -> None:
+        """Keep the conversation with this output and the finished ``response``, when
+        ``store``."""
         if self.echo.store:
             self._conversations.keep(parsed.request.request_id, self._owners,
-                                     (*self._conversation, output.message()))
+                                     (*self._conversation, output.message()), response)
 
     def answer(self, served: ServedModel, parsed: Parsed, started: generation.Started,
                completions: Sequence[Completion]) -> dict[str, Any]:
@@ -324,8 +370,9 @@ class ResponsesForm:
         output.feed(generation.split(served, parsed, completion))
         status = _status(completion.finish_reason)
         output.close(status)
-        self.finished(parsed, output)
-        return self.body(parsed, status, output, completions)
+        body = self.body(parsed, status, output, completions)
+        self.finished(parsed, output, body)
+        return body
 
     def encoder(self, served: ServedModel, parsed: Parsed,
                 started: generation.Started) -> ResponseStream:
@@ -374,8 +421,8 @@ class ResponseStream:
 
     def end(self, completions: Sequence[Completion]) -> bytes:
         """``response.completed`` (or ``response.incomplete``) with the whole response."""
-        self._form.finished(self._parsed, self._output)
         body = self._form.body(self._parsed, self._status, self._output, completions)
+        self._form.finished(self._parsed, self._output, body)
         return self._events([{"type": f"response.{self._status}", "response": body}])
 
     def fail(self, exc: BaseException) -> bytes:
