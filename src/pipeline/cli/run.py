@@ -37,13 +37,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from pipeline.cli.start import Figures, Loading, summary_line, verbose_lines
 from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
-from pipeline.types import GenerationConfig, Recording
+from pipeline.types import DEFAULT_MAX_TOKENS, GenerationConfig, Recording
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.options import BackendOptions
@@ -59,8 +57,8 @@ _SAMPLING = (  # flag, GenerationConfig field, type, help
     ("--repetition-penalty", "repetition_penalty", float,
      f"divide repeated tokens' logits {_MODEL_DEFAULT}"),
     ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
-    ("--max-tokens", "max_tokens", int, "most tokens to generate (default "
-     f"{PIPELINE_DEFAULT.get('max_tokens', attrs.fields(GenerationConfig).max_tokens.default):g})"),
+    ("--max-tokens", "max_tokens", int, f"most tokens to generate (default "
+                                        f"{DEFAULT_MAX_TOKENS}, as for every request)"),
     ("--min-tokens", "min_tokens", int, "fewest tokens before EOS or a stop string may end"),
 )
 

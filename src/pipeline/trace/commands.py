@@ -13,10 +13,9 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import PipelineError
-from pipeline.protocols import Tokenizer
 from pipeline.trace.check import check
 from pipeline.trace.diff import diff
 from pipeline.trace.export import export_otel, to_perfetto
@@ -26,6 +25,9 @@ from pipeline.trace.show import show
 from pipeline.trace.svg import to_svg
 from pipeline.trace.tokens import TokenText
 from pipeline.types import token_text
+
+if TYPE_CHECKING:  # it imports torch: `pipeline run` and `chat` build this parser before torch
+    from pipeline.protocols import Tokenizer
 
 
 SHIPPED = ("smollm2", "tiny")
