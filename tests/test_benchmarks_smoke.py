@@ -56,6 +56,23 @@ def _answer_quality(r: Report, out: Path, log: str) -> None:
     assert "wrote" in log
 
 
+def _loops(r: Report, out: Path, log: str) -> None:
+    assert r["model"] == "tiny" and r["max_tokens"] == 8
+    names = set(r["candidates"])
+    assert set(r["summary"]) == names and "pipeline default" in names
+    for name, s in r["summary"].items():
+        mine = [a for a in r["answers"] if a["candidate"] == name]
+        assert s["answers"] == len(mine) == 3                 # 3 prompts, one seed
+        assert s["ended"] == sum(a["ended"] for a in mine) / 3
+        assert s["loops"] == sum(a["loop"] for a in mine)
+    for a in r["answers"]:
+        assert 1 <= a["tokens"] <= 8
+        assert a["ended"] == (a["finish"] in ("EOS", "STOP_TOKEN", "STOP_STRING"))
+        assert a["loop"] is False or a["finish"] in ("LENGTH", "REPETITION")
+    assert r["candidates"]["pipeline default"]["dry_multiplier"] > 0
+    assert "wrote" in log
+
+
 def _batch_invariance(r: Report, out: Path, log: str) -> None:
     (row,) = r["rows"]
     assert row["model"] == "tiny" and set(row["cells"]) == {"prefill", "decode", "decode x8"}
@@ -338,7 +355,7 @@ CHECKS: dict[str, Check] = {
     "expert_tiers": _expert_tiers, "fairness": _fairness, "gguf_model": _gguf_model,
     "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
-    "llama_cpp": _llama_cpp, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
+    "llama_cpp": _llama_cpp, "loops": _loops, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
     "kv_int8": _kv_int8, "paged_kv": _paged_kv, "parallel": _parallel,
     "penalty_history": _penalty_history,
     "prefix_cache": _prefix_cache, "processors": _processors,

@@ -17,7 +17,8 @@ model's recommendation:
    ``penalty_last_n`` has no counterpart here). Source ``"GGUF metadata"``.
 3. **otherwise** :data:`PIPELINE_DEFAULT`: temperature 0.2 with top_p 0.9 (chosen by
    measuring the default model on everyday questions, ``benchmarks/answer_quality.py``,
-   docs/performance.md). Source ``"pipeline default"``.
+   docs/performance.md) and the DRY loop guard at multiplier 0.8 (chosen by measuring how
+   often answers end by themselves, ``benchmarks/loops.py``). Source ``"pipeline default"``.
 
 A field the model does not name stays off (``GenerationConfig``'s neutral value), not
 transformers' or llama.cpp's own default for it. Keys no stage implements (mirostat, XTC,
@@ -55,8 +56,16 @@ if TYPE_CHECKING:  # the registry imports torch; reading a recommendation needs 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 """The :class:`~pipeline.types.GenerationConfig` fields a model may recommend."""
-PIPELINE_DEFAULT: Mapping[str, float] = {"temperature": 0.2, "top_p": 0.9}
-"""The sampling of a model that recommends none (docs/performance.md, "Answer quality")."""
+GUARD_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length")
+"""The loop guard's fields (the DRY penalty, :mod:`stages.process.dry`): no model file
+recommends them, the pipeline default sets them."""
+DEFAULTED_FIELDS = (*SAMPLING_FIELDS, *GUARD_FIELDS)
+"""The fields a request that leaves them out takes from the pipeline's defaults, in the
+library, the command line and every HTTP dialect alike."""
+PIPELINE_DEFAULT: Mapping[str, float] = {"temperature": 0.2, "top_p": 0.9, "dry_multiplier": 0.8}
+"""The sampling of a model that recommends none: temperature and top_p from the answer-quality
+measurement, and the DRY loop guard from the loop measurement (docs/performance.md, "Answer
+quality" and "Loops at the defaults")."""
 GENERATION_CONFIG = "generation_config.json"
 GGUF_METADATA = "GGUF metadata"
 PIPELINE = "pipeline default"
@@ -94,7 +103,7 @@ def sampling_summary(config: GenerationConfig) -> str:
         return "greedy (temperature 0)"
     neutral = GenerationConfig()
     parts = [f"temperature {config.temperature:g}"]
-    parts += [f"{name} {getattr(config, name):g}" for name in SAMPLING_FIELDS[1:]
+    parts += [f"{name} {getattr(config, name):g}" for name in DEFAULTED_FIELDS[1:]
               if getattr(config, name) != getattr(neutral, name)]
     return ", ".join(parts)
 

@@ -56,6 +56,9 @@ _SAMPLING = (  # flag, GenerationConfig field, type, help
                                 f"{_MODEL_DEFAULT}"),
     ("--repetition-penalty", "repetition_penalty", float,
      f"divide repeated tokens' logits {_MODEL_DEFAULT}"),
+    ("--dry-multiplier", "dry_multiplier", float,
+     "the loop guard: penalize tokens that would extend a repeated run of the answer, "
+     "0: off (default: the pipeline's, 0.8)"),
     ("--seed", "seed", int, "seed of the counter-based sampler (a run replays exactly)"),
     ("--max-tokens", "max_tokens", int, f"most tokens to generate (default "
                                         f"{DEFAULT_MAX_TOKENS}, as for every request)"),

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.sampling_defaults import SAMPLING_FIELDS
+from pipeline.sampling_defaults import DEFAULTED_FIELDS
 from pipeline.types import Completion, Delta, GenerationConfig, Request
 from transports.http.fields import Obj
 from transports.http.documents import Document
@@ -70,7 +70,7 @@ class Parsed:
     """The raw prompts of a completions request (``request`` is then the first prompt's;
     each prompt's own request replaces its prompt with the prompt's ids)."""
     sampling_given: frozenset[str] | None = None
-    """The sampling fields (:data:`~pipeline.sampling_defaults.SAMPLING_FIELDS`) the body
+    """The sampling fields (:data:`~pipeline.sampling_defaults.DEFAULTED_FIELDS`) the body
     set; the others take the served pipeline's defaults (:func:`with_model_defaults`).
     None: the request's config is complete as parsed."""
     budget_field: str = "max_tokens"
@@ -113,7 +113,7 @@ def sampling_given(raw: Any) -> frozenset[str]:
     """The sampling fields a request body sets (a ``null`` sets nothing)."""
     if not isinstance(raw, dict):
         return frozenset()
-    return frozenset(f for f in SAMPLING_FIELDS if raw.get(f) is not None)
+    return frozenset(f for f in DEFAULTED_FIELDS if raw.get(f) is not None)
 
 
 def with_model_defaults(parsed: Parsed, defaults: GenerationConfig) -> Parsed:
@@ -124,7 +124,7 @@ def with_model_defaults(parsed: Parsed, defaults: GenerationConfig) -> Parsed:
     the command line do (docs/serving.md)."""
     if parsed.sampling_given is None:
         return parsed
-    fill = {f: getattr(defaults, f) for f in SAMPLING_FIELDS if f not in parsed.sampling_given}
+    fill = {f: getattr(defaults, f) for f in DEFAULTED_FIELDS if f not in parsed.sampling_given}
     config = attrs.evolve(parsed.request.generation_config, **fill)
     return attrs.evolve(parsed, request=attrs.evolve(parsed.request, generation_config=config))
 

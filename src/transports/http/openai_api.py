@@ -52,6 +52,10 @@ _NUMBERS: dict[str, tuple[str, float, float, bool]] = {
     "top_k": ("top_k", 0, 1 << 30, True),
     "min_p": ("min_p", 0.0, 1.0, False),
     "repetition_penalty": ("repetition_penalty", 0.01, 100.0, False),
+    # the DRY loop guard (llama.cpp's spellings)
+    "dry_multiplier": ("dry_multiplier", 0.0, 100.0, False),
+    "dry_base": ("dry_base", 1.0, 10.0, False),
+    "dry_allowed_length": ("dry_allowed_length", 1, 64, True),
     "min_tokens": ("min_tokens", 0, 1 << 30, True),
     "reasoning_budget_tokens": ("reasoning_budget_tokens", 0, 1 << 30, True),
 }

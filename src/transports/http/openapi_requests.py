@@ -159,6 +159,9 @@ def _sampling_openai() -> Schema:
         "presence_penalty": number(-2, 2), "frequency_penalty": number(-2, 2),
         "top_k": integer(0, description="0: off (an extension)"),
         "min_p": number(0, 1), "repetition_penalty": number(0, 100, lo_open=True),
+        "dry_multiplier": number(0, 100), "dry_base": number(1, 10),
+        "dry_allowed_length": integer(1, 64, description="the DRY loop guard (an extension; "
+                                                          "left out: the server's default)"),
         "min_tokens": integer(0, description="at most the effective max_tokens (an extension)"),
         "seed": {"type": "integer", "description": "any integer; taken modulo 2**63; choice i "
                                                    "of a prompt uses seed + i"},
@@ -329,6 +332,7 @@ def _responses_request() -> Schema:
                        "lacks is a 400"}
     sampling = {k: v for k, v in _sampling_openai().items()
                 if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                         "dry_multiplier", "dry_base", "dry_allowed_length",
                          "seed", "logit_bias", "stop")}
     return request_object(
         {"model": ref("Model"),
