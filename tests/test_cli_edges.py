@@ -304,3 +304,36 @@ def test_a_name_that_is_in_neither_place_says_both_the_folder_first(
     assert str(tmp_path / "hub" / "models--models--X") in said
     assert cli.main(["run", "--model", "models/X", "hi"]) == 1
     assert capsys.readouterr().err == f"pipeline run: {said}\n"
+
+
+def test_the_top_level_help_is_written_for_a_new_user(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """``pipeline --help`` says what the tool does and shows examples, not the maintainers'
+    notes (no reStructuredText markup, no "Owns"); every example is a command line the
+    parser itself accepts."""
+    import shlex
+
+    from pipeline.cli import commands
+
+    with pytest.raises(SystemExit) as done:
+        commands.main(["--help"])
+    assert done.value.code == 0
+    shown = capsys.readouterr().out
+    assert "``" not in shown and ":class:" not in shown and "Owns" not in shown
+    assert "SmolLM2-135M-Instruct" in shown and "http://127.0.0.1:8000/" in shown
+    examples = [line.strip().split("  ")[0] for line in shown.splitlines()
+                if line.startswith("  pipeline ")]
+    assert len(examples) >= 5
+    accepted = []
+    for example in examples:
+        for command in example.split(";"):
+            words = shlex.split(command)[1:]
+            parser = commands.Parser(prog="pipeline")
+            sub = parser.add_subparsers(dest="command", required=True)
+            commands.add_run_parser(sub)
+            commands.add_chat_parser(sub)
+            del sub
+            if words[0] in ("run", "chat"):
+                parser.parse_args(words)       # a usage error would exit with status 2
+                accepted.append(words[0])
+    assert {"run", "chat"} <= set(accepted)

@@ -319,11 +319,30 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
     serve.set_defaults(run=_serve)
 
 
+HELP = """\
+Run a language model on this machine, as an explicit pipeline you can inspect.
+With no --model, the commands use SmolLM2-135M-Instruct, a small model that runs on any CPU.
+
+examples:
+  pipeline run "Why is the sky blue?"          answer one question (or pipe text in)
+  pipeline chat                                talk to the model; /help inside
+  pipeline serve --port 8000                   OpenAI- and Anthropic-compatible server and a
+                                               chat page at http://127.0.0.1:8000/
+  pipeline count "hello world"                 count tokens exactly, as the model sees them
+  pipeline run --trace t.jsonl --record full "hi"; pipeline trace show t.jsonl
+                                               see each step of a run, token by token
+
+'pipeline COMMAND --help' lists a command's options. Documentation: docs/quickstart.md."""
+"""What ``pipeline --help`` says above the command list: what the tool is for, written for
+someone who has just installed it (the module docstring is for maintainers)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipeline`` console script."""
     from pipeline import __version__
 
-    parser = Parser(prog="pipeline", description=__doc__)
+    parser = Parser(prog="pipeline", description=HELP,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pipeline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
