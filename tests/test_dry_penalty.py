@@ -107,7 +107,8 @@ def test_greedy_decoding_that_would_loop_forever_leaves_the_loop() -> None:
         return out
 
     with build_scripted(ScriptedBackend(300, logits)) as pipe:
-        plain = pipe.generate("go", max_tokens=48, temperature=0, ignore_eos=True)
+        plain = pipe.generate("go", max_tokens=48, temperature=0, ignore_eos=True,
+                              dry_multiplier=0.0)   # the pipeline default has the guard on
         guarded = pipe.generate("go", max_tokens=48, temperature=0, ignore_eos=True,
                                 dry_multiplier=0.8)
     assert plain.text == "abcd" * 12

@@ -102,9 +102,10 @@ def test_prefill_logits_and_greedy_tokens_equal_transformers(oracle: Any, pipe: 
     tok, model = oracle
     chats = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
     # the four prompts at once, one per slot: on the CPU the engine is batch-invariant, and
-    # each answer is checked against transformers on its own either way
-    handles = [pipe.submit(chat, max_tokens=32, temperature=0, min_tokens=32, recording="full")
-               for chat in chats]
+    # each answer is checked against transformers on its own either way; plain greedy
+    # decoding, as transformers' is: the pipeline default's loop guard (DRY) off
+    handles = [pipe.submit(chat, max_tokens=32, temperature=0, min_tokens=32, recording="full",
+                           dry_multiplier=0.0) for chat in chats]
     eos = model.generation_config.eos_token_id
     for prompt, chat, handle in zip(PROMPTS, chats, handles, strict=True):
         done = handle.result()
