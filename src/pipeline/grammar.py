@@ -13,8 +13,10 @@ naming where (:func:`annotations_dropped`). A JSON schema is also checked for a 
 (:func:`check_finite`): one that requires itself (``{"properties": {"a": {"$ref": "#"}},
 "required": ["a"], "type": "object"}``) compiles, but every output would be infinitely deep,
 and the engine would fail at the first token (its parser's item limit), so it is refused
-naming the cycle. :func:`after_thinking` prefixes a grammar with free reasoning up to
-``</think>``. The per-token masking is in :mod:`stages.structured`.
+naming the cycle. The engine's copy of a schema bounds its numbers, which would otherwise run
+on (:mod:`pipeline.schema_compat`: the schema's bounds, else ±(2^53 − 1) for integers and 15
+significant digits for numbers). :func:`after_thinking` prefixes a grammar with free
+reasoning up to ``</think>``. The per-token masking is in :mod:`stages.structured`.
 
 JSON is generated in the layout of Python's ``json.dumps`` (``", "`` between items, ``": "``
 after keys, no other whitespace): the layout chat templates render tool calls in, and one
@@ -34,7 +36,7 @@ from urllib.parse import unquote
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.schema_compat import rewrite, without_unique
+from pipeline.schema_compat import open_values_bounded, rewrite, without_unique
 
 KINDS = ("json_schema", "json_object", "lark", "regex", "choice")
 """What a grammar's ``source`` is: a JSON schema (JSON text), nothing (any JSON object), a
@@ -163,8 +165,8 @@ class Grammar:
             options = " | ".join(json.dumps(o) for o in json.loads(self.source))
             lark = f"start: CHOICE\nCHOICE: {options}\n"   # one terminal: no parser row
             return json.dumps({"grammars": [{"name": "main", "lark_grammar": lark}]})
-        return _schema_source({"type": "object"} if self.kind == "json_object"
-                              else json.loads(self.source))
+        return _schema_source(open_values_bounded({"type": "object"})
+                              if self.kind == "json_object" else json.loads(self.source))
 
 
 def _schema_source(schema: Any) -> str:
@@ -231,10 +233,11 @@ def annotations_dropped(schema: Any, field: str) -> Any:
     and enforced. Only schema positions are walked (a property *named* ``format`` is kept).
     Keywords the engine lacks are rewritten into ones it has where the result allows no
     instance the original forbids (:mod:`pipeline.schema_compat`: dependencies, ``not``,
-    ``propertyNames``, exclusive ``oneOf``, ``if`` on a constant)."""
+    ``propertyNames``, exclusive ``oneOf``, ``if`` on a constant), and numbers are bounded
+    (the schema's bounds or the defaults there), open values included."""
     if not isinstance(schema, Mapping):
-        return schema
-    return _tidy(schema, "", field, schema)
+        return open_values_bounded(schema)
+    return open_values_bounded(_tidy(schema, "", field, schema))
 
 
 def _subschemas(node: Mapping[str, Any], pointer: str

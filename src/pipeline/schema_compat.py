@@ -25,6 +25,29 @@ engine's refusal names it with its JSON Pointer.
   {"const": v}}}``, ``required`` or not) and whose sibling ``k`` is an ``enum`` or a boolean:
   ``anyOf`` of the condition with ``then`` and of the other values with ``else``.
 
+Numbers end (the engine would let an integer run on for as long as the budget lasts): every
+``integer`` and ``number`` the schema types is bounded (:func:`_bounded`), the result again
+allowing nothing the original forbids:
+
+- an ``integer`` within the schema's ``minimum``/``maximum`` (or exclusive variants) where
+  given, and on a side not given within ±(2^53 − 1) (:data:`INTEGER_BOUND`: the integers an
+  IEEE double, so every JSON parser, keeps exactly);
+- a ``number`` with both bounds given: those, and at most :data:`FRACTION_DIGITS` digits
+  after the point (``multipleOf`` 10^-6); with a ``multipleOf`` of its own: that, and a side not
+  given within ±(10^15 − 1) (:data:`NUMBER_BOUND`); otherwise written with at most 15
+  significant digits (:data:`TIERS`: below 10^9 in magnitude with up to six digits after the
+  point, or an integer below 10^15), within the one bound given;
+- a number is never written with an exponent (the engine writes bounded numbers as plain
+  decimals). A schema's own bound beyond a default on the other side (``minimum`` 10^20 and
+  no ``maximum``) is left as the schema gives it;
+- a value the schema leaves open (:func:`open_values_bounded`: ``true`` or ``{}``, the
+  additional properties of an object and the items of an array it does not describe, any
+  value of ``json_object`` mode) is any JSON value whose numbers have the default shape: a
+  reference to :data:`ANY` (added to the root's ``$defs`` as :data:`ANY_NAME`). Not inside
+  ``allOf`` branches or next to ``allOf``/``anyOf``/``oneOf``/``$ref`` (where the engine
+  would have to intersect it), nor at a position with keywords but no ``type``: numbers
+  there are not bounded (the budget steering still ends them).
+
 ``uniqueItems`` is not rewritten: no grammar compares items. :func:`without_unique` takes it
 out of the engine's copy of a schema (the :class:`~pipeline.grammar.Grammar` keeps it), and the
 grammar processor enforces it while the output is generated.
@@ -38,6 +61,109 @@ from collections.abc import Mapping
 from typing import Any
 
 TYPES = ("null", "boolean", "object", "array", "number", "string")
+INTEGER_BOUND = 2**53 - 1
+"""Integers without a bound of the schema's on a side stay within ±this: the range every JSON
+parser keeps exactly (an IEEE double holds every integer up to 2^53)."""
+FRACTION_DIGITS = 6
+"""Digits after the point of a ``number`` without a ``multipleOf`` of its own."""
+NUMBER_BOUND = 10**15 - 1
+"""A ``number``'s bound on a side the schema leaves open (15 integer digits)."""
+ANY_NAME = "pipeline_any"
+"""The name of :data:`ANY` among the root's ``$defs``."""
+ANY_REF = {"$ref": f"#/$defs/{ANY_NAME}"}
+"""A reference to :data:`ANY` (where an open value was)."""
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment",
+                         "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor"})
+"""Keywords that assert nothing: a subschema of only these allows any value."""
+TIERS: list[dict[str, Any]] = [
+    {"minimum": -999_999_999.999_999, "maximum": 999_999_999.999_999,
+     "multipleOf": 10.0**-FRACTION_DIGITS},
+    {"minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND, "multipleOf": 1}]
+"""The default shape of a ``number``: at most 15 significant digits (nine before the point
+and six after, or fifteen and none), so a double keeps the value as written."""
+
+
+ANY: dict[str, Any] = {"anyOf": [
+    {"type": ["null", "boolean", "string"]},
+    {"type": "number", "allOf": [{"anyOf": TIERS}]},
+    {"type": "array", "items": ANY_REF},
+    {"type": "object", "additionalProperties": ANY_REF}]}
+"""Any JSON value, its numbers (at any depth) in the default shape of :data:`TIERS`."""
+
+
+def open_values_bounded(schema: Any) -> Any:
+    """``schema`` (already tidied) with the values it leaves open bounded (see the module
+    docstring): each open position a reference to :data:`ANY`, defined in the root's
+    ``$defs`` when used (``true`` itself becomes that reference)."""
+    if _is_open(schema):
+        return {**ANY_REF, "$defs": {ANY_NAME: copy.deepcopy(ANY)}}
+    if not isinstance(schema, dict) or ANY_NAME in (schema.get("$defs") or {}):
+        return schema   # ``false``, or a name of the caller's: as it is
+    shared: set[str] = set()
+    _shared_refs(schema, shared)
+    out = _close(copy.deepcopy(schema), False, frozenset(shared), "#")
+    if json.dumps(ANY_REF)[1:-1] in json.dumps(out):
+        out["$defs"] = {**(out.get("$defs") or {}), ANY_NAME: copy.deepcopy(ANY)}
+    return out
+
+
+def _is_open(node: Any) -> bool:
+    """Whether ``node`` allows any value (``true``, or only annotations)."""
+    return node is True or isinstance(node, Mapping) and set(node) <= ANNOTATIONS
+
+
+def _shared_refs(node: Any, out: set[str], shared: bool = False) -> None:
+    """Add to ``out`` each ``$ref`` written beside other assertions, or below a keyword of
+    :data:`SHARED` (its schema is then intersected with others)."""
+    if isinstance(node, Mapping):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (shared or set(node) - ANNOTATIONS - {"$ref"}):
+            out.add(ref)
+        for key, value in node.items():
+            _shared_refs(value, out, shared or key in SHARED)
+    elif isinstance(node, list):
+        for value in node:
+            _shared_refs(value, out, shared)
+
+
+SHARED = frozenset({"allOf", "then", "else", "dependentSchemas", "contains",
+                    "patternProperties"})
+"""Keywords whose subschemas apply to a value together with its other keywords' (the engine
+would intersect an open value's bound with them): left open below."""
+
+
+def _close(node: Any, shared: bool, refs: frozenset[str], pointer: str) -> Any:
+    """:func:`open_values_bounded` below the root: ``node``'s open subschemas replaced (in
+    place) and an object's or array's unstated additional values bounded, unless ``shared``
+    (another schema applies to the same value: see :data:`SHARED`); ``refs`` are the
+    definitions referenced beside other keywords, ``pointer`` where ``node`` is."""
+    if not isinstance(node, dict):
+        return node
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    alone = not shared and not any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
+    if alone and "object" in kinds and _is_open(node.get("additionalProperties", True)):
+        node["additionalProperties"] = dict(ANY_REF)
+    if alone and "array" in kinds and not isinstance(node.get("items"), list) \
+            and _is_open(node.get("items", True)):
+        node["items"] = dict(ANY_REF)
+    for key, value in node.items():
+        inner = shared or key in SHARED
+        if key in ("items", "additionalProperties", "then", "else", "contains",
+                   "additionalItems"):
+            node[key] = _close(value, inner, refs, f"{pointer}/{key}")
+        elif key in ("properties", "patternProperties", "$defs", "definitions",
+                     "dependentSchemas") and isinstance(value, dict):
+            for name, sub in value.items():
+                at = f"{pointer}/{key}/{name.replace('~', '~0').replace('/', '~1')}"
+                within = inner or (key in ("$defs", "definitions") and at in refs)
+                value[name] = (dict(ANY_REF) if _is_open(sub) and not within
+                               else _close(sub, within, refs, at))
+        elif key in ("anyOf", "oneOf", "prefixItems", "allOf") and isinstance(value, list):
+            node[key] = [dict(ANY_REF) if _is_open(sub) and not inner
+                         else _close(sub, inner, refs, f"{pointer}/{key}/{i}")
+                         for i, sub in enumerate(value)]
+    return node
 
 
 def rewrite(node: dict[str, Any], root: Any, siblings: Mapping[str, Any] | None = None
@@ -81,9 +207,48 @@ def _rewrite(node: dict[str, Any], root: Any, siblings: Mapping[str, Any] | None
         if exclusive is not None:
             del node["oneOf"]
             extra.append({"anyOf": exclusive})
+    _bounded(node, extra)
     if extra:
         node["allOf"] = [*(node.get("allOf") or []), *extra]
     return node
+
+
+def _bounded(node: dict[str, Any], extra: list[Any]) -> None:
+    """Bound ``node``'s integers or numbers where it leaves them open (see the module
+    docstring); a tier choice goes to ``extra`` (the node's ``allOf``). Nothing for a node
+    that types neither, lists its values (``enum``, ``const``), or whose bounds are not
+    numbers (draft 4's boolean ``exclusive*``)."""
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if "number" not in kinds and "integer" not in kinds or "enum" in node or "const" in node:
+        return   # an enum or a constant ends by itself
+    low, high = _bound(node, "minimum", "exclusiveMinimum"), _bound(node, "maximum",
+                                                                    "exclusiveMaximum")
+    if low is False or high is False:
+        return
+    grid = "multipleOf" in node
+    if "number" not in kinds or grid:
+        edge = INTEGER_BOUND if "number" not in kinds else NUMBER_BOUND
+        if low is None and (high is None or high >= -edge):
+            node["minimum"] = -edge
+        if high is None and (low is None or low <= edge):
+            node["maximum"] = edge
+    elif low is not None and high is not None:
+        node["multipleOf"] = 10.0**-FRACTION_DIGITS
+    elif (low is None or low < NUMBER_BOUND) and (high is None or high > -NUMBER_BOUND):
+        extra.append({"anyOf": copy.deepcopy(TIERS)})
+
+
+def _bound(node: Mapping[str, Any], word: str, exclusive: str) -> float | None | bool:
+    """The schema's bound on one side (the stricter of ``word`` and ``exclusive``; None when
+    it gives neither), or False when one is not a number."""
+    values = [node[k] for k in (word, exclusive) if k in node]
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        return False
+    if not values:
+        return None
+    found: float = max(values) if word == "minimum" else min(values)
+    return found
 
 
 def _dependencies(value: Mapping[str, Any], extra: list[Any]) -> bool:

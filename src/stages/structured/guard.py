@@ -14,7 +14,10 @@ until ``max_tokens``; JSON objects should not repeat names (RFC 8259), and a sch
 (:func:`pipeline.schema_compat.without_unique`) and enforced here instead.
 
 What is compared is the text as written (the output's layout is fixed, so equal strings and
-numbers are written alike); arrays of objects or arrays under ``uniqueItems`` are not checked.
+numbers are written alike). An object or array item of a unique array is compared whole: the
+tokens that would close it as the text of an earlier item are removed (objects equal but
+written with their keys in another order, or numbers equal in value but not in text, are not
+told apart).
 Unique arrays are found by their place in the output (property names and array positions, an
 additional property matching any name), the union over ``anyOf``/``oneOf`` branches: an
 array is kept unique wherever some branch asks for it (a unique array is valid either way).
@@ -22,6 +25,7 @@ array is kept unique wherever some branch asks for it (a unique array is valid e
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +44,10 @@ class JsonGuard:
     (they finish a number or literal)."""
 
     def __init__(self, table: Sequence[bytes]) -> None:
+        self._table = table
+        self._sorted: list[tuple[bytes, int]] | None = None   # for prefix look-ups
+        self._enders: list[int] | None = None   # tokens that may end a number
+        self._longest = max((len(t) for t in table), default=0)
         self.closing: dict[bytes, list[int]] = {}
         self.whole: dict[bytes, list[int]] = {}
         self.ending: dict[bytes, list[int]] = {}
@@ -63,6 +71,51 @@ class JsonGuard:
             if ends:
                 self.ending.setdefault(text[:min(ends)], []).append(token)
 
+    def starting(self, text: bytes) -> list[int]:
+        """The tokens whose bytes begin with ``text``."""
+        if self._sorted is None:
+            self._sorted = sorted((t, i) for i, t in enumerate(self._table) if t)
+        at = bisect.bisect_left(self._sorted, (text, -1))
+        out: list[int] = []
+        while at < len(self._sorted) and self._sorted[at][0].startswith(text):
+            out.append(self._sorted[at][1])
+            at += 1
+        return out
+
+    def _composite(self, scan: JsonScan) -> list[int]:
+        """Inside an object or array item of a unique array: the tokens that would close it
+        as an item the array has already: its text (a whole item's text ends where the item
+        does, so a token that completes that text closes a repeat), or, outside a string,
+        its text with each number's trailing fraction zeros dropped (``1.0`` is ``1``)."""
+        out: list[int] = []
+        for frame in scan.stack[:-1]:
+            if not frame.unique or not frame.seen:
+                continue
+            current = bytes(scan.text[frame.start:]).lstrip(_SPACE)
+            for earlier in frame.seen:
+                rest = earlier[len(current):]
+                if earlier.startswith(current) and 0 < len(rest) <= self._longest:
+                    out += self.starting(rest)
+            number = bytes(scan.scalar) if scan.scalar is not None else b""
+            if scan.string is None and current.endswith(number):
+                out += self._by_value(current, number, frame.seen)
+        return out
+
+    def _by_value(self, current: bytes, number: bytes, seen: Sequence[bytes]) -> list[int]:
+        """The tokens after which ``current`` (ending in ``number``, the open number, or
+        b"" outside one) reads as one of ``seen`` with numbers compared by value."""
+        lead = _numbers_trimmed(current[:len(current) - len(number)])
+        now = lead + _numbers_trimmed(number)
+        near = [e[len(lead):] for e in map(_numbers_trimmed, seen)
+                if e.startswith(now) and len(e) - len(now) <= self._longest + 1]
+        if not near:
+            return []
+        if self._enders is None:
+            self._enders = [i for i, t in enumerate(self._table)
+                            if any(b in _END for b in t)]
+        return [i for i in self._enders   # the number's end, by value, then the rest
+                if any(_numbers_trimmed(number + self._table[i]).startswith(e) for e in near)]
+
     def suspects(self, scan: JsonScan) -> list[int]:
         """Where a key or an item is about to begin: the tokens that write the start of one
         the open object or unique array has already (``0`` in ``[0, 1, ``), which may lead
@@ -82,7 +135,7 @@ class JsonGuard:
         if not scan.stack:
             return []
         frame = scan.stack[-1]
-        out: list[int] = []
+        out: list[int] = self._composite(scan)
         seen = frame.seen
         if not seen:
             return out
@@ -293,6 +346,31 @@ class CallRepeats:
                 call, self._call = bytes(self._call), None
                 self.repeated = self.repeated or call in self._calls
                 self._calls.add(call)
+
+
+def _numbers_trimmed(text: bytes) -> bytes:
+    """JSON ``text`` (maybe cut short) with each number's trailing fraction zeros, and then a
+    bare point, dropped outside strings (``1.50`` is ``1.5``, ``1.0`` is ``1``)."""
+    out = bytearray()
+    run = bytearray()
+    string = escaped = False
+    for c in text + b" ":
+        if string:
+            out.append(c)
+            string = escaped or c != 0x22
+            escaped = not escaped and c == 0x5C
+            continue
+        if c in b"-+.0123456789eE":
+            run.append(c)
+            continue
+        if run:
+            if b"." in run and not (b"e" in run or b"E" in run):
+                run = bytearray(run.rstrip(b"0").rstrip(b"."))
+            out += run
+            run = bytearray()
+        out.append(c)
+        string = c == 0x22
+    return bytes(out[:-1])
 
 
 def _number(text: bytes) -> float | None:

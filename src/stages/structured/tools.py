@@ -28,13 +28,14 @@ would not spell (the ``marker`` argument: :func:`text_marker` when every marker 
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import JSON_LAYOUT, ForcedCall, Grammar, Marker, text_marker
-from pipeline.schema_compat import without_unique
+from pipeline.schema_compat import ANY, ANY_NAME, without_unique
 from pipeline.types import ToolSpec
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -76,7 +77,16 @@ def _any_call(tools: Sequence[ToolSpec], arguments: str) -> dict[str, Any]:
         raise InvalidValueError("tools", [], "no tool to call")
     schemas = [without_unique(json.loads(Grammar.json_schema(
         call_schema(t, arguments), field=f"tools[{t.name}].parameters").source)) for t in tools]
-    return {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
+    if len(schemas) == 1:
+        one: dict[str, Any] = schemas[0]
+        return one
+    used = False   # the bound on open values, defined once at the new root
+    for schema in schemas:
+        defs = schema.get("$defs") or {}
+        used = defs.pop(ANY_NAME, None) is not None or used
+        if "$defs" in schema and not defs:
+            del schema["$defs"]
+    return {"anyOf": schemas, **({"$defs": {ANY_NAME: copy.deepcopy(ANY)}} if used else {})}
 
 
 def _json(schema: Any) -> str:
@@ -194,8 +204,10 @@ class MistralCalls:
 
     @staticmethod
     def _calls(tools: Sequence[ToolSpec], parallel: bool, marker: Marker) -> str:
-        array = {"type": "array", "items": _any_call(tools, "arguments"), "minItems": 1,
-                 **({} if parallel else {"maxItems": 1})}
+        items = _any_call(tools, "arguments")
+        defs = items.pop("$defs", None)   # a definition belongs at the root
+        array = {"type": "array", "items": items, "minItems": 1,
+                 **({} if parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}
         return f"{marker(MISTRAL_CALLS)} {_json(array)}"
 
 
