@@ -26,7 +26,7 @@ from pipeline import EngineConfig, build
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import TextPiece, ToolCallDelta, ToolCallEnd, ToolSpec
+from pipeline.types import GenerationConfig, TextPiece, ToolCallDelta, ToolCallEnd, ToolSpec
 from stages.tokenize import HFTokenizer
 from stages.toolcalls.formats import HermesParser, Llama3Parser, MistralParser
 from tests.http_support import IM_END, IM_START, TOOL_CALL_TEXT, config, running
@@ -142,8 +142,12 @@ def test_a_repeated_call_ends_the_turn(choice: str) -> None:
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cfg = config(tmp_path_factory.mktemp("forced"), api_keys={KEY}, models={"default": None})
     unpaced = EngineConfig(step_latency_ratio=None)   # as test_structured_default_model's
-    with running(Gateway(cfg, lambda folder, c: build(options={"num_slots": 8},
-                                                      engine=unpaced))) as url:
+    # The pipeline default's loop guard (DRY) happens to steer this model off its repeated
+    # call; without it the model writes the same call again, the case the constraint itself
+    # must handle (the requests below are greedy, temperature 0).
+    unguarded = GenerationConfig(temperature=0.2, top_p=0.9)
+    with running(Gateway(cfg, lambda folder, c: build(options={"num_slots": 8}, engine=unpaced,
+                                                      defaults=unguarded))) as url:
         yield url
 
 
