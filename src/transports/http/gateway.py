@@ -361,7 +361,7 @@ class Gateway:
                 continue
             log.error("model %r: the engine stalled: %s (limit %.1f s); its requests fail and "
                       "a fresh engine starts once the step returns", served.name,
-                      stall.describe(), limit)
+                      stall.describe_for_log(), limit)
             engine.abandon(f"stalled: {stall.describe()}")
             abandoned.append(served.name)
         return abandoned
