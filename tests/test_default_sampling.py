@@ -100,3 +100,19 @@ def test_the_server_fills_the_loop_guard_like_the_library(pipe: Pipeline, tmp_pa
     assert guarded.choices[0].finish_reason == "stop", guarded.choices[0].message.content
     assert off.choices[0].finish_reason == "length"
     assert guarded.choices[0].message.content == library
+
+
+def test_the_servers_defaults_line_names_what_still_acts_when_greedy() -> None:
+    """At temperature 0 the truncation fields skip the row (argmax-invariant processors) but
+    the loop guard and the penalties do not (the chain's own ``order_for`` is the oracle)."""
+    from pipeline.sampling_defaults import sampling_summary
+    from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
+    from pipeline.protocols import Row
+
+    config = GenerationConfig(temperature=0, top_p=0.9, dry_multiplier=0.8,
+                              repetition_penalty=1.1)
+    row = Row("r", config, (1,), (1, 2, 3), 4, 0, frozenset({0}))
+    acting = ProcessorChain([make_processor(n) for n in DEFAULT_ORDER]).order_for(row)
+    line = sampling_summary(config)
+    assert acting == ("repetition_penalty", "dry")
+    assert line == "greedy (temperature 0), repetition_penalty 1.1, dry_multiplier 0.8"

@@ -98,13 +98,15 @@ class SamplingDefaults:
 
 
 def sampling_summary(config: GenerationConfig) -> str:
-    """``config``'s sampling fields that differ from the neutral config, in order."""
-    if config.greedy:
-        return "greedy (temperature 0)"
+    """``config``'s sampling fields that differ from the neutral config, in order; when
+    greedy, the fields that still act (penalties and the loop guard, not the truncation
+    fields, which skip a greedy row)."""
     neutral = GenerationConfig()
-    parts = [f"temperature {config.temperature:g}"]
+    truncation = ("top_k", "top_p", "min_p")
+    parts = ["greedy (temperature 0)" if config.greedy else f"temperature {config.temperature:g}"]
     parts += [f"{name} {getattr(config, name):g}" for name in DEFAULTED_FIELDS[1:]
-              if getattr(config, name) != getattr(neutral, name)]
+              if getattr(config, name) != getattr(neutral, name)
+              and not (config.greedy and name in truncation)]
     return ", ".join(parts)
 
 
