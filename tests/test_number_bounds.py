@@ -94,8 +94,9 @@ def _values(node: Any, word: str) -> Iterator[Any]:
             yield from _values(value, word)
 
 
-def test_the_collection_asks_for_nothing_beyond_the_defaults() -> None:
-    # what the collection check below relies on: no bound of a schema's own lies beyond the
+def test_the_fixture_collection_has_no_bound_beyond_the_defaults() -> None:
+    # a check of the fixture data, not of the bounding: what the collection check below
+    # relies on is that no bound of a schema's own lies beyond the
     # exact range, so every integer it admits is within ±(2^53 - 1) either way
     for entry in ENTRIES:
         for word in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):

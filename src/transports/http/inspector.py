@@ -33,7 +33,7 @@ from pipeline.trace.diff import diff, order_at
 from pipeline.trace.load import Trace, group
 from pipeline.trace.products import processed_at, raw_logits_at
 from pipeline.trace.timeline import phases, summary
-from pipeline.trace.tokens import first_token, processed_probability, raw_probability
+from pipeline.trace.tokens import processed_probability, raw_probability
 from pipeline.types import Recording, Request, token_text
 from transports.http.gateway import Gateway
 from transports.http.work import Workers
@@ -149,14 +149,6 @@ def inspection(trace: Trace, tokenizer: Tokenizer | None) -> dict[str, Any]:
         "timeline": {"phases": _phases(trace), "summary": summary(trace),
                      "stops": _endings(trace)},
     }
-
-
-def first_token_difference(a: Trace, b: Trace) -> int | None:
-    """The first step whose selected token differs between the runs, or where only one of
-    them selected a token (None when their tokens are the same throughout); kept for
-    callers of ``first_token_step``, which ``first_token`` now describes in full."""
-    found = first_token(a, b)
-    return None if found is None else found.step
 
 
 def comparison(a: Trace, b: Trace, tokenizer: Tokenizer | None = None,
