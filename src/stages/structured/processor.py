@@ -218,7 +218,7 @@ class GrammarProcessor:
             if track.scan is not None:
                 self._guard_row(row, track, out, vocab)
             if track.calls is not None and track.calls.repeated:
-                self._end(track, out)
+                self._end(row, track, out)
             else:
                 self._steer(row, track, out, logits)
         accepting = track.broken or m.is_accepting() or m.is_stopped()
@@ -281,17 +281,29 @@ class GrammarProcessor:
         if not bool(out.any()):
             out.copy_(direct if bool(direct.any()) else saved)
 
-    def _end(self, track: _Track, out: torch.Tensor) -> None:
+    def _end(self, row: Row, track: _Track, out: torch.Tensor) -> None:
         """A call repeated an earlier one: allow only the closing path's next token (none
         once the output is whole, so EOS only), so the turn ends there."""
         if track.matcher.is_accepting():
             out.zero_()
             return
-        guard = self._json_guard() if track.scan is not None else None
-        path = self._closing().path(track.matcher, track.scan, guard)
+        path = self._path(row, track)
         if path:
             out.zero_()
             _set_bit(out, path[0], True)
+
+    def _path(self, row: Row, track: _Track) -> list[int] | None:
+        """The closing path from the row's state: the rest of the last path measured when the
+        output has followed it since (the rest of a path is a path), else a new search."""
+        done = len(row.output_ids)
+        last, at = track.path
+        if last and 0 < done - at <= len(last) and list(row.output_ids[at:]) == last[:done - at]:
+            return last[done - at:]
+        guard = self._json_guard() if track.scan is not None else None
+        path = self._closing().path(track.matcher, track.scan, guard)
+        if path is not None:
+            track.path = (path, done)
+        return path
 
     def _with_comma(self, allowed: torch.Tensor) -> list[int]:
         """The allowed tokens with a ``,`` in them (they may end one item and begin another)."""
@@ -320,15 +332,7 @@ class GrammarProcessor:
         retry = before is None and 0 < track.misses <= RETRIES   # a search that failed
         if not (near or retry or track.measured_at < 0 or done - track.measured_at >= RECHECK):
             return
-        closer = self._closing()
-        guard = self._json_guard() if track.scan is not None else None
-        last, at = track.path
-        if last and 0 < done - at <= len(last) and list(row.output_ids[at:]) == last[:done - at]:
-            path: list[int] | None = last[done - at:]   # the rest of a path is a path
-        else:
-            path = closer.path(track.matcher, track.scan, guard)
-            if path is not None:
-                track.path = (path, done)
+        path = self._path(row, track)
         if path is not None and before is not None and track.measured_at == done - 1:
             track.jump = max(track.jump, len(path) - before + 1)
         track.measured_at, track.distance = done, None if path is None else len(path)
@@ -370,7 +374,8 @@ class GrammarProcessor:
                 ahead = scan.copy()
                 ahead.feed(self._closing_table()[token] if token < len(self._closing_table())
                            else b"")
-            then = closer.path(after, ahead, guard, work=WORK_PER_CHECK)
+            guard = self._json_guard() if scan is not None else None
+            then = self._closing().path(after, ahead, guard, work=WORK_PER_CHECK)
             if then is not None and len(then) + 1 + MARGIN <= budget - 1:
                 _set_bit(out, token, True)
 
