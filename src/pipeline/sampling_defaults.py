@@ -59,6 +59,9 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 GUARD_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length")
 """The loop guard's fields (the DRY penalty, :mod:`stages.process.dry`): no model file
 recommends them, the pipeline default sets them."""
+UNUSED_WHEN_GREEDY = ("top_k", "top_p", "min_p", "typical_p")
+"""The fields of the truncation processors, which are argmax-invariant and skip a greedy row
+(:mod:`stages.process.truncation`): at temperature 0 they change nothing."""
 DEFAULTED_FIELDS = (*SAMPLING_FIELDS, *GUARD_FIELDS)
 """The fields a request that leaves them out takes from the pipeline's defaults, in the
 library, the command line and every HTTP dialect alike."""
@@ -102,11 +105,10 @@ def sampling_summary(config: GenerationConfig) -> str:
     greedy, the fields that still act (penalties and the loop guard, not the truncation
     fields, which skip a greedy row)."""
     neutral = GenerationConfig()
-    truncation = ("top_k", "top_p", "min_p")
     parts = ["greedy (temperature 0)" if config.greedy else f"temperature {config.temperature:g}"]
     parts += [f"{name} {getattr(config, name):g}" for name in DEFAULTED_FIELDS[1:]
               if getattr(config, name) != getattr(neutral, name)
-              and not (config.greedy and name in truncation)]
+              and not (config.greedy and name in UNUSED_WHEN_GREEDY)]
     return ", ".join(parts)
 
 

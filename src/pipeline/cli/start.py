@@ -169,11 +169,6 @@ class Loading:
             raise
 
 
-UNUSED_WHEN_GREEDY = ("top_k", "top_p", "min_p", "typical_p")
-"""The fields of the truncation processors, which are argmax-invariant and skip a greedy row
-(:mod:`stages.process.truncation`): at temperature 0 they change nothing."""
-
-
 def sampling_line(defaults: GenerationConfig, source: str,
                   given: Mapping[str, tuple[Any, str]]) -> str:
     """``sampling temperature 0 (--temperature), top_p 0.9 (pipeline default)``: the
@@ -183,8 +178,8 @@ def sampling_line(defaults: GenerationConfig, source: str,
 
     Shown: temperature, every field of ``defaults`` that is not neutral (whatever fields the
     defaults hold), and each sampling field given. At temperature 0 the truncation fields
-    (:data:`UNUSED_WHEN_GREEDY`) do nothing and are listed apart as unused."""
-    from pipeline.sampling_defaults import SAMPLING_FIELDS
+    (:data:`~pipeline.sampling_defaults.UNUSED_WHEN_GREEDY`) do nothing and are listed apart as unused."""
+    from pipeline.sampling_defaults import SAMPLING_FIELDS, UNUSED_WHEN_GREEDY
     from pipeline.types import GenerationConfig
 
     neutral = GenerationConfig()
