@@ -36,8 +36,10 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
         ├── TraceNotFoundError                   no kept trace for that request id (and key)
         ├── ResponseNotFoundError                no stored response with that id (and key)
         ├── OverloadedError                      concurrency and queue are full
+        │   └── QueueTimeoutError                  an admitted request waited too long
         ├── ModelLoadingError                    the model is still loading (or restarting)
         ├── PayloadTooLargeError                 the request body exceeds the size limit
+        ├── UnsupportedMediaTypeError            the request body is not declared JSON
         └── ClientGone                           the client disconnected; work for it stopped
 """
 
@@ -369,7 +371,25 @@ class TraceNotFoundError(ServingError, LookupError):
 
 
 class OverloadedError(ServingError):
-    """Every concurrency slot and queue place is taken; try again later."""
+    """Every concurrency slot and queue place is taken; try again later. ``reason`` is what
+    the server's summary of refusals counts it as."""
+
+    def __init__(self, message: str, reason: str = "over capacity") -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class QueueTimeoutError(OverloadedError):
+    """An admitted request waited in its model's queue longer than the server's bound
+    (``waited_s``) without getting a slot; it was never started."""
+
+    def __init__(self, model: str, waited_s: float) -> None:
+        self.model = model
+        self.waited_s = waited_s
+        super().__init__(f"model {model!r} is overloaded: the request waited {waited_s:g} s "
+                         "in its queue without getting a slot (server setting "
+                         "max_queue_wait_s); retry later",
+                         reason=f"waited over {waited_s:g} s in the queue")
 
 
 class ModelLoadingError(ServingError):
@@ -385,6 +405,17 @@ class ModelLoadingError(ServingError):
                  f"has an engine that stopped ({restarting}); a fresh one is starting"
                  if restarting else "is still loading")
         super().__init__(f"model {model!r} {state}")
+
+
+class UnsupportedMediaTypeError(ServingError):
+    """A request body whose ``Content-Type`` is not JSON (the server reads JSON only)."""
+
+    def __init__(self, content_type: str) -> None:
+        self.content_type = content_type
+        super().__init__(f"Content-Type {brief(content_type)} is not JSON: send the body as "
+                         "JSON with Content-Type: application/json (curl: --json, or -H "
+                         "'Content-Type: application/json'; -d alone sends "
+                         "application/x-www-form-urlencoded)")
 
 
 class PayloadTooLargeError(ServingError):

@@ -189,6 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
             engine_process=args.engine_process, usage_database=args.usage_db,
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
             request_deadline_s=args.request_deadline,
+            max_queue_wait_s=args.max_queue_wait or None,
             timeouts=Timeouts(args.header_timeout, args.body_timeout),
             device=args.device, dtype=args.dtype, quantized=INVARIANCE[args.quantized],
             kv_cache_dtype=args.kv_cache_dtype, expert_cache_bytes=args.expert_cache,
@@ -292,6 +293,10 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
     serve.add_argument("--request-deadline", type=float, default=None, metavar="SECONDS",
                        help="end a request that has run this long since it was accepted "
                             "(queueing included) with what it wrote so far")
+    serve.add_argument("--max-queue-wait", type=float, default=60.0, metavar="SECONDS",
+                       help="a request that waits this long in its model's queue without a "
+                            "slot gets the overload error (OpenAI 503, Anthropic 529; "
+                            "default 60, 0: no bound)")
     serve.add_argument("--usage-wait", type=float, default=5.0, metavar="SECONDS",
                        help="the longest a response waits for its usage record to be "
                             "durable (a record not yet written is kept and retried)")

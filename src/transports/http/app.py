@@ -1,14 +1,19 @@
 """The ASGI application: routes, the request flow, and streaming with disconnect → cancel.
 
 Owns :func:`create_app` (a Starlette app over a :class:`~transports.http.gateway.Gateway`) and
-the flow every generation takes: key → body (at most ``max_body_bytes``, else 413) → JSON
-checked at the door (depth, Unicode, size limits) and dialect parse → model →
+the flow every generation takes: key → body (declared JSON or undeclared, else 415; at most
+``max_body_bytes``, else 413) → the capacity pre-check on the raw body (a request whose
+model is full is refused before it is parsed:
+:mod:`transports.http.admission`) → JSON checked at the door (depth, Unicode, size limits)
+and dialect parse → model →
 ``traceparent`` → the request's choices prepared, fitted and admitted together
 (:mod:`transports.http.generation`) → stream (their deltas interleaved by choice) or wait for
 all of them. Everything after reading the body that costs in proportion to the input runs on
 the bounded pool of :mod:`transports.http.work` and stops when the client leaves. Errors
 anywhere before the first byte become the dialect's error response through
-:mod:`transports.http.errors`, the only place that maps them. A streaming client that
+:mod:`transports.http.errors`, the only place that maps them; refusals (over capacity, a
+queue wait over ``max_queue_wait_s``, a model loading or restarting) are logged as one
+summary line per burst, other 5xx one ERROR line each. A streaming client that
 disconnects cancels its request (Starlette cancels the body iterator; its ``finally`` cancels
 every choice's handle, and the engine frees the slots at its next step); a non-streaming one
 is watched for ``http.disconnect`` the same way. A client whose body never fully arrives (it
@@ -54,7 +59,7 @@ from starlette.routing import Route
 from pipeline.engine import ENGINE_DOWN
 from pipeline.errors import (
     EngineClosed, InvalidValueError, LimitExceededError, ModelNotFoundError,
-    PayloadTooLargeError, PipelineError,
+    PayloadTooLargeError, PipelineError, QueueTimeoutError,
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.pipe import Pipeline
@@ -63,6 +68,9 @@ from pipeline.types import Completion, Delta
 from transports.http import (
     anthropic_api, completions_api, embeddings_api, generation, openai_api, responses_api,
     responses_output,
+)
+from transports.http.admission import (
+    Refusals, check_media_type, peek_models, queue_timed_out, refusal_reason,
 )
 from transports.http.choices import merged
 from transports.http.common import (
@@ -88,15 +96,20 @@ KEEP_ALIVE = encode_comment("keep-alive")
 
 def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
     info = classify(exc)
-    if info.status >= 500:  # every 5xx is logged: the body tells the client nothing useful
+    # every 5xx but a refusal is logged (the body tells the client nothing useful); refusals
+    # are counted into one line per burst (admission.Refusals)
+    if info.status >= 500 and refusal_reason(exc) is None:
         log.error("%d: %s", info.status, exc, exc_info=not isinstance(exc, PipelineError))
     return JSONResponse(error_body(info, dialect), status_for(info, dialect))
 
 
-def _failed(completion: Completion) -> Exception:
-    """What a failed completion is raised as: a 503 the client may retry when the engine as a
+def _failed(completion: Completion, served: ServedModel, wait_s: float | None) -> Exception:
+    """What a failed completion is raised as: the overload error when it waited in the queue
+    over ``wait_s`` (the server's bound), a 503 the client may retry when the engine as a
     whole went down under it, else a 500."""
     error = completion.error
+    if queue_timed_out(error):
+        return QueueTimeoutError(served.name, wait_s or completion.timings.queued_s)
     if error is not None and error.startswith(ENGINE_DOWN):  # no detail leaks: the log has it
         why = "its step stalled" if error.startswith(f"{ENGINE_DOWN}: stalled") else "it failed"
         return EngineClosed(f"generation failed: the model's engine stopped ({why}); a fresh "
@@ -115,6 +128,15 @@ class Server:
         self.limits = c.limits
         self.work = Workers(c.work_threads, c.work_queue)
         self.conversations = responses_output.Conversations()
+        self.refusals = Refusals()
+
+    def refused(self, exc: BaseException) -> None:
+        """Count ``exc`` into the refusals' summary when it is a refusal (event loop only);
+        the burst it opens is written :data:`~transports.http.admission.REFUSAL_WINDOW_S`
+        later."""
+        reason = refusal_reason(exc)
+        if reason is not None and self.refusals.count(reason):
+            asyncio.get_running_loop().call_later(self.refusals.window_s, self.refusals.flush)
 
     # --- the shared front of every authenticated endpoint ----------------------------------
 
@@ -132,6 +154,7 @@ class Server:
                 # nobody is left to answer, and it is no fault of ours: no 500, no traceback
                 response = Response(status_code=CLIENT_CLOSED)
             except Exception as exc:
+                self.refused(exc)
                 response = _error(exc, dialect)
             self.gateway.metrics.request(getattr(http.state, "model", ""), name,
                                          response.status_code)
@@ -140,7 +163,9 @@ class Server:
         return handler
 
     async def _read(self, http: HTTPRequest) -> bytes:
-        """The body, refused with a 413 as soon as it is known to exceed the limit."""
+        """The body, refused with a 415 unless it is declared JSON (or not declared at all)
+        and with a 413 as soon as it is known to exceed the limit."""
+        check_media_type(http.headers.get("content-type"))
         limit = self.limits.max_body_bytes
         declared = http.headers.get("content-length")
         if declared is not None:
@@ -166,6 +191,21 @@ class Server:
         raw = await self._read(http)
         return await self.work.run(http, lambda _: parse(self._door(raw)))
 
+    async def _admissible(self, http: HTTPRequest) -> bytes:
+        """A generation request's body, refused before it is parsed when every model it may
+        name is at capacity (:meth:`~transports.http.gateway.Gateway.precheck`)."""
+        raw = await self._read(http)
+        names = peek_models(raw)
+        served = [name for name in names if name in self.gateway.models]
+        if len(served) == 1:  # metrics count the refusal under the model's served name
+            http.state.model = served[0]
+        self.gateway.precheck(names)
+        return raw
+
+    async def _generation(self, http: HTTPRequest, parse: Callable[[Any], Parsed]) -> Parsed:
+        raw = await self._admissible(http)
+        return await self.work.run(http, lambda _: parse(self._door(raw)))
+
     def _served(self, http: HTTPRequest, parsed: Parsed) -> ServedModel:
         http.state.model = parsed.model
         return self.gateway.model(parsed.model)
@@ -174,25 +214,25 @@ class Server:
 
     async def chat(self, http: HTTPRequest) -> Response:
         """``POST /v1/chat/completions``."""
-        parsed = await self._parsed(
+        parsed = await self._generation(
             http, lambda body: openai_api.parse_chat(body, self.defaults))
         return await self._generate(http, parsed, Dialect.OPENAI, "chat.completions")
 
     async def messages(self, http: HTTPRequest) -> Response:
         """``POST /v1/messages``."""
-        parsed = await self._parsed(
+        parsed = await self._generation(
             http, lambda body: anthropic_api.parse_messages(body, self.defaults))
         return await self._generate(http, parsed, Dialect.ANTHROPIC, "messages")
 
     async def completions(self, http: HTTPRequest) -> Response:
         """``POST /v1/completions``."""
-        parsed = await self._parsed(
+        parsed = await self._generation(
             http, lambda body: completions_api.parse_completions(body, self.defaults))
         return await self._generate(http, parsed, Dialect.OPENAI, "completions")
 
     async def responses(self, http: HTTPRequest) -> Response:
         """``POST /v1/responses``: translated to the chat flow, answered in its own form."""
-        raw, keys = await self._read(http), http.state.keys
+        raw, keys = await self._admissible(http), http.state.keys
         asked = await self.work.run(http, lambda _: responses_api.parse_responses(
             self._door(raw), self.defaults, self.limits, self.conversations, keys))
         return await self._generate(http, asked.parsed, Dialect.OPENAI, "responses",
@@ -252,7 +292,7 @@ class Server:
         completions = await self._wait(http, started)
         failed = next((c for c in completions if c.error is not None), None)
         if failed is not None:
-            raise _failed(failed)
+            raise _failed(failed, served, self.gateway.config.max_queue_wait_s)
         body = (form.answer(served, parsed, started, completions) if form is not None
                 else generation.answer(served, parsed, dialect, started, completions))
         return JSONResponse(body, headers=request_id)
@@ -290,8 +330,9 @@ class Server:
         completions = await asyncio.gather(*(f.done for f in started.flights))
         failed = next((c for c in completions if c.error is not None), None)
         if failed is not None:
-            yield (own.fail(_failed(failed)) if own is not None
-                   else self._stream_error(_failed(failed), dialect))
+            exc = _failed(failed, served, self.gateway.config.max_queue_wait_s)
+            self.refused(exc)
+            yield own.fail(exc) if own is not None else self._stream_error(exc, dialect)
             return
         yield encoder.end(completions)
 

@@ -104,6 +104,9 @@ class ServerConfig:
     (:mod:`transports.http.usage`: a record the database will not take is kept and retried).
     ``request_deadline_s`` (None: none) ends a request that has run that long since it was
     accepted, queueing included, with what it wrote so far (``finish_reason`` ``length``).
+    ``max_queue_wait_s`` (None: no bound) fails a request that waited that long in its
+    model's queue without getting a slot: the client gets its dialect's overload error
+    (OpenAI 503, Anthropic 529; a stream's error event), as if it had been refused at once.
     ``usage_database`` (a ``postgresql://`` URL; None: SQLite in ``data_dir``) is where usage
     records go, a database that replicas share (:mod:`transports.http.usage_postgres`).
     ``engine_process`` runs each model's engine (model and scheduler) in a child process the
@@ -149,6 +152,8 @@ class ServerConfig:
     usage_wait_s: float = attrs.field(default=5.0)
     request_deadline_s: float | None = attrs.field(default=None,
                                                    validator=_seconds_or_none("no deadline"))
+    max_queue_wait_s: float | None = attrs.field(default=60.0,
+                                                 validator=_seconds_or_none("no bound"))
     release_idle_memory: bool = True
     engine_process: bool = False
     usage_database: str | None = attrs.field(default=None, repr=False)  # may hold a password

@@ -22,8 +22,11 @@ ModelNotFoundError             404     invalid_request_error       not_found_err
 TraceNotFoundError             404     invalid_request_error       not_found_error
 ResponseNotFoundError          404     invalid_request_error       not_found_error
 OverloadedError                429/529 rate_limit_exceeded (429)   overloaded_error (529)
+ QueueTimeoutError             503/529 service_unavailable (503)   overloaded_error (529)
+ (admitted, it waited in the queue over ``max_queue_wait_s``: code ``queue_timeout``)
 ModelLoadingError, EngineClosed 503    service_unavailable         api_error
 PayloadTooLargeError           413     invalid_request_error       request_too_large
+UnsupportedMediaTypeError      415     invalid_request_error       invalid_request_error
 ClientGone                     499     client_closed_request       client_closed_request
 anything else                  500     server_error                api_error
 =============================  ======  ==========================  ==========================
@@ -46,8 +49,9 @@ import attrs
 from pipeline.errors import (
     AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
     LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
-    PayloadTooLargeError, ResponseNotFoundError, TemplateError, TraceNotFoundError,
-    UnknownFieldError, UnknownNameError, ValidationError,
+    PayloadTooLargeError, QueueTimeoutError, ResponseNotFoundError, TemplateError,
+    TraceNotFoundError, UnknownFieldError, UnknownNameError, UnsupportedMediaTypeError,
+    ValidationError,
 )
 
 
@@ -111,9 +115,15 @@ def classify(exc: BaseException) -> ErrorInfo:
     if isinstance(exc, ResponseNotFoundError):
         return ErrorInfo(404, "invalid_request_error", "not_found_error", str(exc),
                          "response_id", "response_not_found")
+    if isinstance(exc, QueueTimeoutError):  # admitted, then never started: OpenAI's overload
+        return ErrorInfo(503, "service_unavailable", "overloaded_error", str(exc),
+                         code="queue_timeout", extras={"waited_s": exc.waited_s})
     if isinstance(exc, OverloadedError):
         return ErrorInfo(429, "rate_limit_exceeded", "overloaded_error", str(exc),
                          code="overloaded")
+    if isinstance(exc, UnsupportedMediaTypeError):
+        return ErrorInfo(415, "invalid_request_error", "invalid_request_error", str(exc),
+                         code="unsupported_media_type")
     if isinstance(exc, PayloadTooLargeError):
         return ErrorInfo(413, "invalid_request_error", "request_too_large", str(exc),
                          code="request_too_large", extras={"limit": exc.limit})

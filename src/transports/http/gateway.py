@@ -38,7 +38,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -57,6 +57,7 @@ from pipeline.sampling_defaults import sampling_summary
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion, Request
 from transports.http import logs
+from transports.http.admission import queue_timed_out
 from transports.http.choices import Choices, total_usage
 from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
@@ -480,7 +481,8 @@ class Gateway:
         limits = request.runtime_limits
         prepared = prepared.with_request(attrs.evolve(request, runtime_limits=attrs.evolve(
             limits, max_context_tokens=window,
-            deadline_s=limits.deadline_s or self.config.request_deadline_s)))
+            deadline_s=limits.deadline_s or self.config.request_deadline_s,
+            queue_timeout_s=limits.queue_timeout_s or self.config.max_queue_wait_s)))
         if request.prompt_ids is not None:  # counted already: its length
             return self._fit_count(prepared, len(request.prompt_ids), window, False,
                                    max_tokens_given, budget_field)
@@ -538,6 +540,29 @@ class Gateway:
 
     # --- admission and the end of a request ------------------------------------------------
 
+    @property
+    def capacity(self) -> int:
+        """Requests one model may hold, running or queued: ``num_slots + max_queue``."""
+        return self.config.num_slots + self.config.max_queue
+
+    def precheck(self, names: Collection[str]) -> None:
+        """Refuse a generation request before its body is parsed and its prompt rendered,
+        when every name in ``names`` (what its raw body may give as ``model``:
+        :func:`~transports.http.admission.peek_models`) is a served model holding
+        :attr:`capacity` requests. Cheap (no lock: a count read a moment early only refuses
+        what :meth:`submit` would refuse a moment later); :meth:`submit` still decides
+        exactly. An empty ``names``, or one naming a model with room or no served model,
+        passes. (A model loading or restarting is refused after parsing, as before: that
+        costs no render.)"""
+        full = [self.models[name] for name in names if name in self.models
+                and self.models[name].inflight >= self.capacity]
+        if full and len(full) == len(names):
+            raise self._full(full[0])
+
+    def _full(self, served: ServedModel) -> OverloadedError:
+        return OverloadedError(f"model {served.name!r} is at capacity ({self.capacity} "
+                               "requests running or queued); retry later")
+
     def submit(self, served: ServedModel, requests: Sequence[Prepared], endpoint: str,
                loop: asyncio.AbstractEventLoop, *, record_id: str, n: int = 1,
                owners: frozenset[str] = frozenset()) -> list[Flight]:
@@ -548,11 +573,10 @@ class Gateway:
         kept together under it, readable with the keys whose fingerprints are ``owners``
         (:meth:`~transports.http.traces.TraceStore.add_choices`); every flight's ``done``
         resolves once the record is durable and the traces are kept."""
-        count, limit = len(requests), self.config.num_slots + self.config.max_queue
+        count = len(requests)
         with served.lock:
-            if served.inflight + count > limit:
-                raise OverloadedError(f"model {served.name!r} is at capacity ({limit} requests "
-                                      "running or queued); retry later")
+            if served.inflight + count > self.capacity:
+                raise self._full(served)
             served.inflight += count
         flights: list[Flight] = []
         choices = Choices(count, lambda done: self._record(served, endpoint, record_id, n,
@@ -613,7 +637,9 @@ class Gateway:
 
         record = UsageRecord.of_choices(record_id, completions, total_usage(completions, n),
                                         served.name, endpoint, owners)
-        if record.error is not None:  # the client is told "internal error"; the log says what
+        # the client is told "internal error"; the log says what (a queue timeout is a
+        # refusal the client is told of, which the app's summary of refusals counts)
+        if record.error is not None and not queue_timed_out(record.error):
             log.error("request %s to model %r failed: %s", record_id, served.name,
                       record.error)
         with contextlib.suppress(RuntimeError):
