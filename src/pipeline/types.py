@@ -10,6 +10,7 @@ bodies, SSE) live in the transports, not here.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import uuid
@@ -475,7 +476,50 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
         return ()
     if not isinstance(value, (list, tuple)):
         raise InvalidValueError("tool_catalog", value, "must be a list of tools")
-    return tuple(t if isinstance(t, ToolSpec) else ToolSpec.from_dict(t) for t in value)
+    tools = tuple(t if isinstance(t, ToolSpec) else ToolSpec.from_dict(t) for t in value)
+    for tool in tools:
+        check_tool_parameters(tool)
+    return tools
+
+
+def object_schema(schema: Any) -> bool:
+    """Whether ``schema`` admits only JSON objects (type ``object``, or no type at all: the
+    arguments object is what a call writes)."""
+    if schema is True or schema == {}:
+        return True
+    if not isinstance(schema, Mapping):
+        return False
+    kind = schema.get("type", "object")
+    return bool(kind == "object" or kind == ["object"])
+
+
+def check_tool_parameters(tool: ToolSpec) -> None:
+    """A tool's ``parameters`` are a valid JSON schema (Draft 2020-12) of an object, or
+    :class:`InvalidValueError` naming the tool: checked for every request that carries the
+    tool, whatever its tool choice, so a schema the model could never be held to is refused
+    at the door rather than only when a call is forced."""
+    text = json.dumps(thaw(tool.parameters), sort_keys=True)
+    problem = _schema_problem(text)
+    if problem is not None:
+        raise InvalidValueError(f"tools[{tool.name}].parameters", "(schema)", problem)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(text: str) -> str | None:
+    """Why the schema ``text`` cannot be a tool's parameters (None: it can). Cached: a
+    server sees the same few tool schemas on request after request."""
+    import jsonschema  # here, not at import: only requests with tools need it
+
+    schema = json.loads(text)
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.absolute_path)
+        return f"not a valid JSON schema: {exc.message}" + (f" (at /{where})" if where else "")
+    if not object_schema(schema):
+        return ("must be an object schema (\"type\": \"object\"): a call's arguments are "
+                "a JSON object")
+    return None
 
 
 TOOL_CHOICES = ("auto", "none", "required", "tool")

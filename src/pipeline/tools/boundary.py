@@ -48,7 +48,7 @@ from pipeline.tools.executor import (
     Decision, KeyedExecutor, OutcomeLookup, ToolExecutor, ToolPolicy, Verdict,
 )
 from pipeline.tools.ledger import OUTCOMES, Entry, Ledger, Resolution, resolve
-from pipeline.types import ToolCall, thaw
+from pipeline.types import ToolCall, check_tool_parameters, thaw
 
 Ask = Callable[[ToolCall, Verdict], bool]
 """Answers a policy's question about a call: True allows it."""
@@ -102,13 +102,9 @@ class ToolBoundary:
 
         self._validators: dict[str, Any] = {}
         for name, tool in self.tools.items():
-            schema = dict(thaw(tool.spec.parameters))
-            try:
-                jsonschema.Draft202012Validator.check_schema(schema)
-            except jsonschema.SchemaError as exc:
-                raise InvalidValueError(f"tool {name}", exc.message,
-                                        "its parameters are not a valid JSON schema") from exc
-            self._validators[name] = jsonschema.Draft202012Validator(schema)
+            check_tool_parameters(tool.spec)
+            self._validators[name] = jsonschema.Draft202012Validator(
+                dict(thaw(tool.spec.parameters)))
 
     def process(self, call: ToolCall, tracer: Tracer, key: str) -> CallOutcome:
         """Take a parsed ``call`` through validation, authorization, commit and execution

@@ -19,7 +19,7 @@ asks for distinct calls (:attr:`~pipeline.grammar.Grammar.distinct_calls`): a ca
 repeats an earlier one byte for byte ends the output, and the reader drops it
 (:mod:`stages.toolcalls.reader`), so a turn never holds the same call twice. In both,
 ``name`` is one of the allowed tools' names and the arguments validate against that tool's
-``parameters``, which must be an object schema (else :class:`InvalidValueError` naming the
+``parameters``, which must be a valid object schema (else :class:`InvalidValueError` naming the
 tool), rewritten as a response format's schema is (:mod:`pipeline.schema_compat`; a tool's
 ``uniqueItems`` is not enforced inside a call). A marker that is one special token of the model's vocabulary (``[TOOL_CALLS]`` in
 Mistral's) is matched as that token (``<[id]>``), never as text, which a special token's id
@@ -36,7 +36,7 @@ from typing import Any
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import JSON_LAYOUT, ForcedCall, Grammar, Marker, text_marker
 from pipeline.schema_compat import ANY, ANY_NAME, without_unique
-from pipeline.types import ToolSpec
+from pipeline.types import ToolSpec, check_tool_parameters
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -49,25 +49,11 @@ def is_token(expression: str) -> bool:
 def call_schema(tool: ToolSpec, arguments: str = "arguments") -> dict[str, Any]:
     """The JSON schema of one call to ``tool``: its name, and its arguments under
     ``arguments`` (``parameters`` in Llama 3's format)."""
+    check_tool_parameters(tool)
     parameters = tool.to_template()["function"]["parameters"]
-    if not _object_schema(parameters):
-        raise InvalidValueError(f"tools[{tool.name}].parameters", "(schema)",
-                                "must be an object schema (\"type\": \"object\"): a call's "
-                                "arguments are a JSON object")
     return {"type": "object", "properties": {"name": {"const": tool.name},
                                              arguments: parameters},
             "required": ["name", arguments], "additionalProperties": False}
-
-
-def _object_schema(schema: Any) -> bool:
-    """Whether ``schema`` admits only JSON objects (type ``object``, or no type at all: the
-    arguments object is what the call writes)."""
-    if schema is True or schema == {}:
-        return True
-    if not isinstance(schema, dict):
-        return False
-    kind = schema.get("type", "object")
-    return bool(kind == "object" or kind == ["object"])
 
 
 def _any_call(tools: Sequence[ToolSpec], arguments: str) -> dict[str, Any]:
