@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from starlette.responses import JSONResponse
 
 from pipeline.errors import ClientGone, EngineClosed, PayloadTooLargeError
 from transports.http.config import ServerConfig
@@ -97,6 +98,7 @@ class Asked:
 
     method: str
     path: str
+    root_path: str
     raw_path: bytes
     query_string: bytes
     headers: tuple[tuple[bytes, bytes], ...]
@@ -107,7 +109,7 @@ class Asked:
         """The ASGI scope the replica's app gets (spec 2.3: it listens for the disconnect)."""
         return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
                 "http_version": "1.1", "method": self.method, "scheme": "http",
-                "path": self.path, "raw_path": self.raw_path, "root_path": "",
+                "path": self.path, "raw_path": self.raw_path, "root_path": self.root_path,
                 "query_string": self.query_string, "headers": [list(h) for h in self.headers],
                 "client": self.client, "server": None}
 
@@ -186,7 +188,8 @@ async def served(app: Callable[[Message, Receive, Send], Awaitable[None]], asked
 
 
 def dialect_of(path: str) -> Dialect:
-    """The dialect a route answers in: Anthropic's under ``/v1/messages``, else OpenAI's."""
+    """The dialect a route (``path`` below the route prefix) answers in: Anthropic's under
+    ``/v1/messages``, else OpenAI's."""
     return Dialect.ANTHROPIC if path.rstrip("/").startswith("/v1/messages") else Dialect.OPENAI
 
 
@@ -220,7 +223,8 @@ class Front:
             await self._http(scope, receive, send)
 
     async def _http(self, scope: Message, receive: Receive, send: Send) -> None:
-        dialect = dialect_of(scope["path"])
+        root, path = scope.get("root_path", ""), scope["path"]
+        dialect = dialect_of(path[len(root):] if path.startswith(root) else path)
         try:
             body = await self._body(receive)
         except ClientGone:
@@ -228,10 +232,10 @@ class Front:
         except PayloadTooLargeError as exc:
             await _refuse(send, exc, dialect)
             return
-        asked = Asked(scope["method"], scope["path"],
-                      scope.get("raw_path") or scope["path"].encode(), scope["query_string"],
-                      tuple((k, v) for k, v in scope["headers"]), body,
-                      tuple(scope["client"]) if scope.get("client") else None)
+        headers = tuple((k, v) for k, v in scope["headers"])
+        client = tuple(scope["client"]) if scope.get("client") else None
+        asked = Asked(scope["method"], path, root, scope.get("raw_path") or path.encode(),
+                      scope["query_string"], headers, body, client)
         if not await self._forward(asked, send, dialect, last=False):
             log.warning("%s %s: a replica died before answering; sent to another",
                         asked.method, asked.path)
@@ -301,12 +305,12 @@ def _stream_error(exc: BaseException, dialect: Dialect) -> bytes:
 
 
 async def _refuse(send: Send, exc: BaseException, dialect: Dialect) -> None:
-    """The dialect's error response for ``exc``, whole."""
+    """The dialect's error response for ``exc``, whole, as the gateway's app writes it."""
     info = classify(exc)
-    await send({"type": "http.response.start", "status": status_for(info, dialect),
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body",
-                "body": json.dumps(error_body(info, dialect)).encode()})
+    response = JSONResponse(error_body(info, dialect), status_for(info, dialect))
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
