@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from pipeline.builder import build
-from pipeline.engine.process import EngineRecipe, ProcessEngine
+from pipeline.engine.process import DEADLINE_GRACE_S, EngineRecipe, ProcessEngine, Unresponsive
 from pipeline.errors import BackendError, EngineClosed, RequestFailed
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.options import BackendOptions
@@ -197,8 +198,157 @@ def test_a_killed_child_fails_its_requests_and_a_fresh_one_serves() -> None:
 def test_a_child_that_cannot_load_is_an_error_naming_why(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"]}))
     (tmp_path / "model.safetensors").write_bytes(b"")
+    before = open_descriptors()
     with pytest.raises(BackendError, match="could not load its model.*NoSuchModel"):
         ProcessEngine.start(EngineRecipe(tmp_path))
+    assert not engine_descriptors(open_descriptors() - before)  # closed with the failure
+
+
+# --- descriptors and liveness ------------------------------------------------------------------
+
+def open_descriptors() -> set[str]:
+    """This process's open descriptors as the kernel lists them (``/proc/self/fd``): each as
+    ``number -> what``, a socket or file named by its inode, so a number reused by another
+    file is another entry."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            found.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+    return found
+
+
+def engine_descriptors(descriptors: set[str]) -> set[str]:
+    """The sockets and unlinked temporary files among ``descriptors``."""
+    return {d for d in descriptors if "socket:" in d or "(deleted)" in d}
+
+
+def test_a_dead_childs_descriptors_are_closed_when_it_dies() -> None:
+    gc.disable()  # what closes them is the engine, never the collector
+    try:
+        before = open_descriptors()
+        started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=1)))
+        stopped: list[str] = []
+        started.on_stop = stopped.append
+        opened = open_descriptors() - before
+        # the socket, the figures file and its map (the child's standard streams are ours)
+        assert len(engine_descriptors(opened)) == 3, opened
+        os.kill(started.pid, signal.SIGKILL)
+        wait_for(lambda: bool(stopped))  # on_stop runs once the descriptors are closed
+        assert not opened & open_descriptors()
+        assert started.steps == 0 and started.stall() is None  # its last figures, kept
+        again = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=1)))
+        opened = open_descriptors() - before
+        assert len(engine_descriptors(opened)) == 3, opened
+        again.close()
+        assert not opened & open_descriptors()
+    finally:
+        gc.enable()
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of process ``pid`` (``T``: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def test_a_frozen_idle_child_is_unresponsive_by_the_engines_clock() -> None:
+    from pipeline.types import RuntimeLimits
+
+    now = [0]
+    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2)),
+                                  clock=lambda: now[0])
+    pipe = started.pipeline()
+    try:
+        assert started.stall() is None
+        now[0] = 60 * 10**9  # a minute on the engine's clock: a child that beats is heard
+        wait_for(lambda: started.stall() is None, timeout=10)
+        os.kill(started.pid, signal.SIGSTOP)  # idle, no step begun: a cgroup freeze
+        wait_for(lambda: process_state(started.pid) == "T")
+        started.stall()  # the last heartbeat it wrote is seen now
+        now[0] += 3 * 10**9
+        stall = started.stall()
+        assert isinstance(stall, Unresponsive) and stall.running_s == 3.0
+        assert stall.describe() == ("the engine process has given no sign of life for 3.0 s "
+                                    "(0 requests)")
+        # a deadline the child cannot keep is kept here, as the in-process engine keeps one
+        # for a request that got no token (the oracle: one queued behind a full backend)
+        with build(TINY_MODEL_DIR, options=BackendOptions(num_slots=1)) as local:
+            blocker = local.submit("Story", max_tokens=4000, ignore_eos=True)
+            want = local.submit("Hello", max_tokens=4000, ignore_eos=True,
+                                limits=RuntimeLimits(deadline_s=0.05))
+            want.result(timeout=60)
+            blocker.cancel()
+        handle = pipe.submit("Hello", max_tokens=4000, ignore_eos=True,
+                             limits=RuntimeLimits(deadline_s=0.05))
+        got = handle.result(timeout=0.05 + DEADLINE_GRACE_S + 30)
+        expected = want.result()
+        assert (got.finish_reason, got.stop_reason, got.error) == (
+            expected.finish_reason, expected.stop_reason, expected.error)
+        assert handle.state is want.state and got.usage.prompt_tokens == \
+            expected.usage.prompt_tokens
+        assert [d.finish_reason for d in handle.pushed()][-1] is \
+            want.pushed()[-1].finish_reason
+        end = [e.payload for e in got.trace if e.event_type == "generation.finished"]
+        oracle = [e.payload for e in expected.trace if e.event_type == "generation.finished"]
+        assert [(p["reason"], p["detail"], p["state"]) for p in end] == \
+            [(p["reason"], p["detail"], p["state"]) for p in oracle]
+        # still the child's until it answers: the stall names it, for the log only
+        now[0] += 10**9
+        stall = started.stall()
+        assert stall is not None and stall.running_s == 4.0
+        assert stall.request_ids == (handle.request_id,)
+        assert handle.request_id not in stall.describe()
+        assert handle.request_id in stall.describe_for_log()
+        other = pipe.submit("Hi", max_tokens=2)
+        started.abandon(f"stalled: {stall.describe()}")
+        with pytest.raises(RequestFailed, match="the engine stopped: stalled: the engine "
+                                                "process has given no sign of life"):
+            other.result(timeout=60)
+        pipe.restart_engine()  # SIGKILL ends a stopped process: the old one is gone
+        assert not Path(f"/proc/{started.pid}").exists()
+        assert pipe.engine is not started and pipe.engine is not None
+        assert len(pipe.generate("Hi", max_tokens=3, temperature=0).token_ids) == 3
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(started.pid, signal.SIGKILL)
+        pipe.close()
+
+
+def wedge_on_usr1() -> None:
+    """In the child (a recipe's setup): SIGUSR1 wedges its main thread, the one that takes up
+    this process's messages, while its engine and publisher threads go on."""
+    signal.signal(signal.SIGUSR1, _wedge)
+
+
+def _wedge(signum: int, frame: object) -> None:
+    time.sleep(3600)
+
+
+def test_a_child_that_takes_up_no_work_is_unresponsive_though_it_beats() -> None:
+    now = [0]
+    started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2),
+                                               setup=(wedge_on_usr1,)), clock=lambda: now[0])
+    pipe = started.pipeline()
+    try:
+        assert len(pipe.generate("Hi", max_tokens=2).token_ids) == 2
+        os.kill(started.pid, signal.SIGUSR1)  # its receiver wedges, at the latest on this:
+        handle = pipe.submit("Hi", max_tokens=2)
+        now[0] = 5 * 10**9
+
+        def heard() -> bool:  # its heartbeat goes on: only the work untaken is reported
+            stall = started.stall()
+            return stall is not None and stall.phase == "has not taken up the work sent to it"
+
+        wait_for(heard, timeout=30)
+        stall = started.stall()
+        assert stall is not None and stall.running_s == 5.0
+        assert stall.describe() == ("the engine process has not taken up the work sent to it "
+                                    "for 5.0 s (1 requests)")
+        started.abandon(f"stalled: {stall.describe()}")
+        with pytest.raises(RequestFailed, match="has not taken up the work sent to it"):
+            handle.result(timeout=60)
+    finally:
+        pipe.close()
 
 
 # --- over HTTP, under load ---------------------------------------------------------------------

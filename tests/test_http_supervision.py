@@ -9,12 +9,15 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +25,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.builder import build
+from pipeline.engine.process import ProcessEngine
 from pipeline.errors import EngineClosed, InvalidValueError, RequestFailed, StepStillRunning
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
@@ -377,3 +381,146 @@ def test_a_server_deadline_ends_a_request_with_what_it_wrote(tmp_path: Path) -> 
         assert choice["message"]["content"] == "a" * answer["usage"]["completion_tokens"]
     with pytest.raises(InvalidValueError, match="request_deadline_s"):
         ServerConfig(models={"d": None}, request_deadline_s=0)
+
+
+# --- a frozen engine process -------------------------------------------------------------------
+
+Ask = Callable[[], object]
+
+
+def asks(url: str) -> dict[str, Ask]:
+    """One request in each dialect, streamed and not, by the official SDKs (no retries), by
+    name: each returns what the client got (a streamed reply's last chunk, or final
+    message), or raises what the SDK raises."""
+    import anthropic
+    import openai
+
+    chat = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    args: dict[str, Any] = {"model": "default", "max_tokens": 2000,
+                            "messages": [{"role": "user", "content": "Tell me a story."}]}
+
+    def openai_stream() -> object:
+        return list(chat.chat.completions.create(**args, stream=True))[-1]
+
+    def anthropic_stream() -> object:
+        with claude.messages.stream(**args) as stream:
+            return stream.get_final_message()
+
+    return {"openai": lambda: chat.chat.completions.create(**args),
+            "openai stream": openai_stream,
+            "anthropic": lambda: claude.messages.create(**args),
+            "anthropic stream": anthropic_stream}
+
+
+def answer_all(gateway: Gateway, url: str) -> dict[str, tuple[float, object]]:
+    """Send every one of :func:`asks` at once; once all four are in flight, switch the stall
+    watchdog on (``stall_timeout_s`` 1.5 s): what each got (or raised), and how long after
+    the switch."""
+    import attrs
+
+    requests = asks(url)  # the SDKs load before the clock starts
+
+    def answered(ask: Ask) -> tuple[float, object]:
+        try:
+            got = ask()
+        except Exception as exc:  # what the client sees is the verdict
+            got = exc
+        return time.monotonic(), got
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        futures = {name: pool.submit(answered, ask) for name, ask in requests.items()}
+        wait_for(lambda: len(gateway.flights) == len(requests) or any(
+            f.done() for f in futures.values()))
+        gateway.config = attrs.evolve(gateway.config, stall_timeout_s=1.5)
+        switched = time.monotonic()
+        return {name: (f.result(timeout=120)[0] - switched, f.result()[1])
+                for name, f in futures.items()}
+
+
+def frozen(engine: object) -> ProcessEngine:
+    """``engine``, a child process, stopped by SIGSTOP (a cgroup freeze, a swap storm)
+    while idle: no step has begun."""
+    assert isinstance(engine, ProcessEngine)
+    os.kill(engine.pid, signal.SIGSTOP)
+    return engine
+
+
+def replaced(gateway: Gateway, url: str, old: ProcessEngine) -> None:
+    """The watchdog killed ``old`` and a fresh child serves."""
+    import openai
+
+    served = gateway.models["default"]
+    wait_for(lambda: served.restarts == 1, timeout=120)
+    assert httpx.get(f"{url}/health").status_code == 200
+    new = served.pipeline.engine  # type: ignore[union-attr]
+    assert isinstance(new, ProcessEngine) and new.pid != old.pid and new.alive
+    assert not Path(f"/proc/{old.pid}").exists()  # SIGKILL ends a stopped process
+    chat = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+    reply = chat.chat.completions.create(model="default", max_tokens=3, messages=[
+        {"role": "user", "content": "hi"}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_requests_to_a_frozen_idle_engine_process_fail_retryably_and_a_fresh_one_serves(
+        tmp_path: Path) -> None:
+    import anthropic
+    import openai
+
+    gateway = Gateway(config(tmp_path, engine_process=True, restart_delay_s=0.0))
+    try:
+        with running(gateway) as url:
+            old = frozen(gateway.models["default"].pipeline.engine)  # type: ignore[union-attr]
+            answers = answer_all(gateway, url)
+            for name, (after, got) in answers.items():
+                assert after < 1.5 + 10, (name, after)  # the stall timeout, and a margin
+                # a 503 the SDKs retry; a stream (its 200 sent) ends in its error event
+                if name == "openai":
+                    assert isinstance(got, openai.InternalServerError), got
+                    assert got.status_code == 503
+                elif name == "anthropic":
+                    assert isinstance(got, anthropic.ServiceUnavailableError), got
+                    assert got.status_code == 503
+                else:
+                    assert isinstance(got, (openai.APIError, anthropic.APIStatusError)), got
+                body: Any = got.body
+                if name.startswith("openai"):
+                    assert body["type"] == "service_unavailable"
+                else:
+                    assert body["type"] == "error" and body["error"]["type"] == "api_error"
+                assert "retry the request" in str(got) and "stalled" in str(got)
+            rows = read_records(tmp_path / "usage.sqlite3")
+            assert len(rows) == 4 and all(
+                r.finish_reason == "error" and "stalled: the engine process has" in (r.error or
+                "") and "(4 requests)" in (r.error or "") for r in rows), rows
+            replaced(gateway, url, old)
+    finally:
+        gateway.close()
+
+
+def test_a_deadline_before_the_stall_timeout_ends_requests_to_a_frozen_engine_process(
+        tmp_path: Path) -> None:
+    from anthropic.types import Message
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from pipeline.engine.process import DEADLINE_GRACE_S
+
+    gateway = Gateway(config(tmp_path, engine_process=True, restart_delay_s=0.0,
+                             request_deadline_s=0.3))
+    try:
+        with running(gateway) as url:
+            old = frozen(gateway.models["default"].pipeline.engine)  # type: ignore[union-attr]
+            answers = answer_all(gateway, url)
+            for name, (after, got) in answers.items():
+                assert after < 0.3 + DEADLINE_GRACE_S + 10, (name, after)
+                # as the child would have ended them: cut off, with nothing written
+                if name.startswith("anthropic"):
+                    assert isinstance(got, Message), got
+                    assert got.stop_reason == "max_tokens" and got.usage.output_tokens == 0
+                else:
+                    assert isinstance(got, (ChatCompletion, ChatCompletionChunk)), got
+                    assert got.choices[0].finish_reason == "length"
+                    assert got.usage is None or got.usage.completion_tokens == 0
+            replaced(gateway, url, old)  # the watchdog, switched on since, replaced it
+    finally:
+        gateway.close()

@@ -1,12 +1,12 @@
 """The engine in a child process, started and watched by this one.
 
-Owns :class:`ProcessEngine`, :class:`RemoteBackend` and the child's side. A
-:class:`~pipeline.engine.loop.Engine` on a thread cannot outlive what kills its process: a
-native crash in a kernel, the out-of-memory killer, a wedged device call that no thread can
-interrupt. A ``ProcessEngine`` runs the model and the scheduler — a whole pipeline built from
-an :class:`EngineRecipe` — in a child process (a fresh interpreter: :class:`_Child`), while this
-process keeps the request side (render, tokenize, validate: a pipeline over a
-:class:`RemoteBackend` that only answers the model's figures). It provides
+Owns :class:`ProcessEngine`, :class:`RemoteBackend`, :class:`Unresponsive` and the child's
+side. A :class:`~pipeline.engine.loop.Engine` on a thread cannot outlive what kills its
+process: a native crash in a kernel, the out-of-memory killer, a wedged device call that no
+thread can interrupt. A ``ProcessEngine`` runs the model and the scheduler — a whole
+pipeline built from an :class:`EngineRecipe` — in a child process (a fresh interpreter:
+:class:`_Child`), while this process keeps the request side (render, tokenize, validate: a
+pipeline over a :class:`RemoteBackend` that only answers the model's figures). It provides
 :class:`~pipeline.engine.api.EngineAPI`, so a :class:`~pipeline.pipe.Pipeline` and the HTTP
 gateway's supervision use it as they use the thread engine.
 
@@ -24,10 +24,21 @@ back whole (:class:`~pipeline.errors.PipelineError` pickles; others become a
 :class:`~pipeline.errors.BackendError` naming them). Messages to the child are pickled on the
 caller's thread (what cannot cross is an :class:`~pipeline.errors.InvalidValueError` there)
 and written by a writer thread, so no caller — an event loop cancelling a request, ``close`` —
-ever blocks on a frozen child. Liveness figures sit in a small file both processes map: the
+ever blocks on a frozen child.
+
+**Liveness.** Figures sit in a small file both processes map, read without a round trip: the
 child's engine thread writes a step's number and start as it begins and ends
-(``Engine.on_step``), and a publisher thread the requests active and queued, so the stall
-watchdog reads them without a round trip and sees a step wedged from its first instant.
+(``Engine.on_step``); a publisher thread, every :data:`PUBLISH_S`, a heartbeat and the
+requests active and queued; the receiving thread how many messages it has taken up.
+:meth:`ProcessEngine.stall` turns them into a verdict for the stall watchdog: a step in
+progress and how long it has run (a step wedged from its first instant is seen), or, between
+steps, an :class:`Unresponsive` child — one whose heartbeat has not moved (stopped by
+SIGSTOP or a cgroup freeze, lost in a swap storm) or that has not taken up a message sent to
+it (wedged outside a step) for longer than :data:`QUIET_S`, idle or not. The watchdog then
+abandons it as it does a stalled step. Request deadlines are kept here as well as in the
+child: a request the child has not ended :data:`DEADLINE_GRACE_S` after its deadline ends here
+as the child would end it (``finish_reason`` deadline, with what reached this process), and
+the child is told to cancel it.
 
 **Death.** When the pipe ends without a ``close`` (the child was killed — SIGKILL, the
 out-of-memory killer — or crashed, or its engine loop died, e.g. on a
@@ -38,10 +49,12 @@ tokens that had reached this process and a ``generation.finished`` event closing
 Waiting calls fail with :class:`~pipeline.errors.EngineClosed`; new work is refused with it;
 ``on_stop`` is called (the gateway then has ``/health`` say ``restarting`` and starts a
 :meth:`ProcessEngine.fresh` one). :meth:`ProcessEngine.abandon` (a stalled step) does all of
-that at once and kills the child, which a thread engine cannot do; ``fresh`` raises
-:class:`~pipeline.errors.StepStillRunning` until the old child has exited. The child ends
-when this process does (its end of the pipe closes; the child's descriptors are not inherited
-by anything it starts).
+that at once and kills the child with SIGKILL (which acts on a stopped process too), which a
+thread engine cannot do; ``fresh`` raises :class:`~pipeline.errors.StepStillRunning` until the
+old child has exited. A dead child's descriptors here — the socket and the figures file and
+its map — are closed as the reader thread sees it die, not when the collector finds the
+engine. The child ends when this process does (its end of the pipe closes; the child's
+descriptors are not inherited by anything it starts).
 
 Example::
 
@@ -55,6 +68,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import heapq
 import itertools
 import logging
 import mmap
@@ -70,7 +84,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import torch
@@ -80,10 +94,11 @@ from pipeline.engine.loop import ENGINE_DOWN, MAX_CALLS, Engine, Stall
 from pipeline.errors import (
     BackendError, CapacityError, EngineClosed, InvalidValueError, StepStillRunning,
 )
-from pipeline.events import Event, Tracer
+from pipeline.events import Event, Tracer, digest_ids, digest_text
 from pipeline.options import BackendOptions
+from pipeline.output_parts import joined
 from pipeline.protocols import ModelCall, ModelInfo
-from pipeline.types import Completion, Delta, FinishReason, Timings, Usage
+from pipeline.types import Completion, Delta, FinishReason, Part, Timings, Usage
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -96,10 +111,37 @@ T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")
 
 PUBLISH_S = 0.01
-"""How often the child rewrites its counts of requests active and queued."""
+"""How often the child beats and rewrites its counts of requests active and queued."""
 START_TIMEOUT_S = 600.0
 """How long :meth:`ProcessEngine.start` waits for the child to load its model."""
-_STEPS, _STARTED, _ACTIVE, _QUEUED = range(4)
+QUIET_S = 0.5
+"""How long the child may go unheard — no heartbeat, or work sent and not taken up — before
+:meth:`ProcessEngine.stall` reports it (its publisher beats every :data:`PUBLISH_S`)."""
+DEADLINE_GRACE_S = 1.0
+"""How long past a request's deadline this process waits for the child to end it before
+ending it here (a child that answers ends it itself, at its next step, with all it wrote)."""
+_DEADLINE_LOOK_S = 0.1
+"""The longest the reader thread waits for a message before it looks at the deadlines."""
+_STEPS, _STARTED, _ACTIVE, _QUEUED, _BEAT, _TAKEN = range(6)
+_FIGURES_SIZE = 8 * 6
+
+
+@attrs.frozen
+class Unresponsive(Stall):
+    """A child unheard between steps (:meth:`ProcessEngine.stall`): ``running_s`` is how long,
+    ``phase`` what it has not done. The watchdog abandons it as it does a stalled step."""
+
+    def describe(self) -> str:
+        """One line for ``/health`` and other clients' errors: how long and how many
+        requests, never which."""
+        return (f"the engine process {self.phase} for {self.running_s:.1f} s "
+                f"({len(self.request_ids)} requests)")
+
+    def describe_for_log(self) -> str:
+        """:meth:`describe` with the first four request ids, for the operator's log."""
+        ids = ", ".join(self.request_ids[:4]) + (" ..." if len(self.request_ids) > 4 else "")
+        return (f"the engine process {self.phase} for {self.running_s:.1f} s "
+                f"({len(self.request_ids)} requests: {ids})")
 
 
 @attrs.frozen
@@ -191,6 +233,8 @@ class _Flight:
 
     job: Job
     cancel_sent: bool = False
+    ended: bool = False
+    """Ended here at its deadline; the child holds it until it says ``done``."""
 
 
 class ProcessEngine:
@@ -203,7 +247,7 @@ class ProcessEngine:
     of their own, so a frozen child never holds an event loop or a cancelling caller."""
 
     def __init__(self, recipe: EngineRecipe, process: _Child, conn: Connection, shared: Any,
-                 facts: _Facts) -> None:
+                 facts: _Facts, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.recipe = recipe
         self.pid = facts.pid
         """The child process's id."""
@@ -217,7 +261,13 @@ class ProcessEngine:
         self._flights: dict[int, _Flight] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._keys = itertools.count()
+        self._deadlines: list[tuple[int, int]] = []  # a heap of (when this process ends it, key)
         self._closing = False
+        self._clock = clock
+        now = clock()
+        self._beat = (int(shared[_BEAT]), now)      # the child's heartbeat, and when it changed
+        self._sent, self._waiting_since = 0, now    # messages sent; when the oldest untaken was
+        self._taken = (int(shared[_TAKEN]), now)    # messages the child took, and when that moved
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="pipeline-engine-writer",
                                         daemon=True)
@@ -229,8 +279,10 @@ class ProcessEngine:
     # --- starting ------------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, recipe: EngineRecipe, timeout: float = START_TIMEOUT_S) -> ProcessEngine:
-        """Start a child that builds ``recipe`` and wait until it is ready."""
+    def start(cls, recipe: EngineRecipe, timeout: float = START_TIMEOUT_S,
+              clock: Callable[[], int] = time.monotonic_ns) -> ProcessEngine:
+        """Start a child that builds ``recipe`` and wait until it is ready. ``clock``
+        (nanoseconds) times how long the child has gone unheard (:meth:`stall`)."""
         child = _Child.spawn()
         try:
             child.conn.send_bytes(_dumps(recipe))
@@ -241,16 +293,19 @@ class ProcessEngine:
         except (EOFError, OSError) as exc:
             child.kill()
             child.join(5)
+            child.release()
             raise BackendError("the engine process ended while loading its model "
                                f"({_exit(child.exitcode)})") from exc
         except BackendError:
             child.kill()
             child.join(5)
+            child.release()
             raise
         if message[0] != "ready":
             child.join(5)
+            child.release()
             raise BackendError(f"the engine process could not load its model: {message[1]}")
-        return cls(recipe, child, child.conn, child.shared, message[1])
+        return cls(recipe, child, child.conn, child.shared, message[1], clock)
 
     def pipeline(self) -> Pipeline:
         """The request side over this engine: ``build(model, backend=<this engine's
@@ -281,11 +336,15 @@ class ProcessEngine:
         except Exception as exc:
             raise InvalidValueError("request", job.request.request_id, "cannot be sent to the "
                                     f"engine process: {exc}") from exc
+        limit = job.request.runtime_limits.deadline_s
         with self._lock:
             self._check_open()
             key = next(self._keys)
             self._flights[key] = _Flight(job)
             self._send(("submit", key, payload))
+            if limit is not None:  # kept here too: a frozen child enforces nothing
+                due = job.spec.accepted_ns + int((limit + DEADLINE_GRACE_S) * 1e9)
+                heapq.heappush(self._deadlines, (due, key))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the child's engine thread between two steps
@@ -335,48 +394,69 @@ class ProcessEngine:
     @property
     def steps(self) -> int:
         """Steps the child's engine has begun."""
-        return int(self._shared[_STEPS])
+        return self._figure(_STEPS)
 
     @property
     def active_slots(self) -> int:
         """Requests holding a slot in the child (0 once it stopped)."""
-        return int(self._shared[_ACTIVE]) if self.alive else 0
+        return self._figure(_ACTIVE) if self.alive else 0
 
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot in the child (0 once it stopped)."""
-        return int(self._shared[_QUEUED]) if self.alive else 0
+        return self._figure(_QUEUED) if self.alive else 0
 
     def stall(self) -> Stall | None:
-        """The child's step in progress, timed by this process's clock (the same monotonic
-        clock on one machine; the child's engine thread writes a step's start itself, so a
-        step wedged from its first instant is seen). None between steps and once stopped."""
-        started = int(self._shared[_STARTED])
-        if not started or not self.alive:
+        """What holds the child up, if anything; None while it answers, and once stopped.
+
+        A step in progress is timed from its start, which the child's engine thread writes
+        itself on the monotonic clock both processes share, so a step wedged from its first
+        instant is seen. Between steps the child is :class:`Unresponsive` once it has gone
+        unheard longer than :data:`QUIET_S`, timed by this engine's ``clock``: its heartbeat
+        has not moved (a frozen or stopped process), or a message sent to it has not been
+        taken up (a receiver wedged outside a step) — whether or not it holds requests. Each
+        look notes when the child's figures last moved, so the watchdog's looks (a few per
+        stall timeout) are what time it."""
+        if not self.alive:
             return None
+        now = self._clock()
         with self._lock:
+            steps, started = int(self._shared[_STEPS]), int(self._shared[_STARTED])
+            beat, taken = int(self._shared[_BEAT]), int(self._shared[_TAKEN])
+            if beat != self._beat[0]:
+                self._beat = (beat, now)
+            if taken != self._taken[0]:
+                self._taken = (taken, now)
             ids = tuple(f.job.request.request_id for f in self._flights.values())
-        return Stall(int(self._shared[_STEPS]), (time.monotonic_ns() - started) / 1e9,
-                     "the engine process", ids)
+            silent = now - self._beat[1]
+            untaken = now - max(self._waiting_since, self._taken[1]) if taken < self._sent else 0
+        if started:
+            return Stall(steps, (time.monotonic_ns() - started) / 1e9, "the engine process", ids)
+        if max(silent, untaken) <= QUIET_S * 1e9:
+            return None
+        if silent >= untaken:
+            return Unresponsive(steps, silent / 1e9, "has given no sign of life", ids)
+        return Unresponsive(steps, untaken / 1e9, "has not taken up the work sent to it", ids)
 
     def abandon(self, why: str) -> None:
-        """Give up on the child (a stalled step): its requests and calls fail with ``why`` at
-        once, new work is refused, ``on_stop`` runs, and the child is killed."""
+        """Give up on the child (a stalled step, an unresponsive child): its requests and
+        calls fail with ``why`` at once, new work is refused, ``on_stop`` runs, and the child
+        is killed (SIGKILL: a stopped process ends too)."""
         if not self._stop(why):
             return
         log.error("killing the engine process %d: %s", self.pid, why)
         self._process.kill()
 
     def fresh(self) -> ProcessEngine:
-        """A new child from the same recipe, with this engine's strategies and ``on_stop``.
-        Raises :class:`~pipeline.errors.StepStillRunning` while the old child has not exited
-        (a process in an uninterruptible device call may hold its memory a while)."""
+        """A new child from the same recipe, with this engine's strategies, ``on_stop`` and
+        clock. Raises :class:`~pipeline.errors.StepStillRunning` while the old child has not
+        exited (a process in an uninterruptible device call may hold its memory a while)."""
         self._process.kill()
         self._process.join(5)
         if self._process.is_alive():
             raise StepStillRunning(f"the engine process {self.pid} has not exited yet; a "
                                    "fresh one would compete for its memory")
-        engine = ProcessEngine.start(self.recipe)
+        engine = ProcessEngine.start(self.recipe, clock=self._clock)
         engine._strategies, engine.on_stop = self._strategies, self.on_stop
         return engine
 
@@ -403,8 +483,20 @@ class ProcessEngine:
             raise EngineClosed("the engine is closed")
 
     def _send(self, message: tuple[str, int, bytes]) -> None:
-        """Queue ``message`` for the writer thread (the caller holds ``_lock``)."""
+        """Queue ``message`` for the writer thread (the caller holds ``_lock``). The child
+        counts what it takes up: a message sent when it had taken all starts the wait
+        :meth:`stall` times."""
+        taken, now = int(self._shared[_TAKEN]), self._clock()
+        if taken != self._taken[0]:
+            self._taken = (taken, now)
+        if taken >= self._sent:
+            self._waiting_since = now
+        self._sent += 1
         self._outbox.put(_dumps(message))
+
+    def _figure(self, index: int) -> int:
+        with self._lock:  # never a figure of a file already let go: see _release
+            return int(self._shared[index])
 
     def _uncall(self, key: int) -> None:
         with self._lock:
@@ -421,15 +513,19 @@ class ProcessEngine:
                 return
 
     def _read(self) -> None:
-        """The reader thread: the child's messages, until the pipe ends."""
+        """The reader thread: the child's messages, until the pipe ends; between them, the
+        deadlines the child has let pass (:meth:`_expire`)."""
         why: str | None = None
         try:
             while True:
-                kind, key, extra, payload = _loads(self._conn.recv_bytes())
-                if kind == "stopped":
-                    why = extra
-                else:
-                    self._dispatch(kind, key, extra, payload)
+                if self._conn.poll(_DEADLINE_LOOK_S):
+                    kind, key, extra, payload = _loads(self._conn.recv_bytes())
+                    if kind == "stopped":
+                        why = extra
+                    else:
+                        self._dispatch(kind, key, extra, payload)
+                if self._deadlines:
+                    self._expire(time.monotonic_ns())
         except (EOFError, OSError):
             pass
         except Exception as exc:  # the framing itself broke: the child cannot be trusted
@@ -454,7 +550,7 @@ class ProcessEngine:
         elif kind == "done":
             with self._lock:
                 flight = self._flights.pop(key, None)
-            if flight is None:
+            if flight is None or flight.ended:
                 return
             try:
                 completion: Completion = _loads(payload)
@@ -482,6 +578,28 @@ class ProcessEngine:
                 future.set_result(value)
             else:
                 future.set_exception(value)
+
+    def _expire(self, now: int) -> None:
+        """End here each request whose deadline passed :data:`DEADLINE_GRACE_S` ago without
+        the child ending it, as the child would (:func:`_ended_by_deadline`), and tell the
+        child to cancel it; the child holds it (and :meth:`stall` counts it) until it says
+        ``done``."""
+        ended = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, key = heapq.heappop(self._deadlines)
+                flight = self._flights.get(key)
+                if flight is None or flight.ended:
+                    continue
+                flight.ended = True
+                if not flight.cancel_sent and self.failure is None:
+                    flight.cancel_sent = True
+                    self._send(("cancel", key, b""))
+                ended.append(flight)
+        for flight in ended:
+            log.warning("request %s passed its deadline and the engine process %d did not "
+                        "end it; ended here", flight.job.request.request_id, self.pid)
+            _ended_by_deadline(flight)
 
     def _fail_one(self, key: int, error: str) -> None:
         with self._lock:
@@ -513,9 +631,11 @@ class ProcessEngine:
         return True
 
     def _died(self, why: str | None) -> None:
-        """The pipe ended: the child is gone (or killed just now)."""
+        """The pipe ended: the child is gone (or killed just now). Its descriptors here are
+        closed (:meth:`_release`) before anything is failed."""
         self._process.join(5)
         self._outbox.put(None)
+        self._release()
         if self._closing:  # close(): what the child did not answer ends as closed
             with self._lock:
                 flights, self._flights = list(self._flights.values()), {}
@@ -530,9 +650,25 @@ class ProcessEngine:
         if self._stop(why):
             log.error("the engine process %d stopped: %s", self.pid, why)
 
+    def _release(self) -> None:
+        """Close this side's socket and figures file once the writer has let go (never a
+        descriptor another thread may still write to: its number could be reused). The
+        figures read afterwards are the last the child wrote."""
+        self._writer.join(5)
+        if self._writer.is_alive():
+            log.warning("the engine process %d's writer thread did not end; its socket stays "
+                        "open", self.pid)
+            return
+        with self._lock:
+            self._shared = tuple(int(v) for v in self._shared)
+        self._process.release()
+
 
 def _fail(flight: _Flight, error: str) -> None:
-    """End a request the dead child held: what reached this process, and the error."""
+    """End a request the dead child held: what reached this process, and the error (not
+    one already ended here at its deadline)."""
+    if flight.ended:
+        return
     job = flight.job
     pushed = job.handle.pushed()
     ids = tuple(t for d in pushed for t in d.token_ids)
@@ -551,6 +687,41 @@ def _fail(flight: _Flight, error: str) -> None:
         trace=tracer.events, timings=Timings(elapsed, None, elapsed), stop_reason=None,
         error=error)
     job.handle._abort(completion)
+
+
+def _ended_by_deadline(flight: _Flight) -> None:
+    """End a request at its deadline in this process, as the engine ends one
+    (:meth:`~pipeline.engine.loop.Engine._settle`): a final delta and a completion with
+    ``finish_reason`` deadline and ``stop_reason`` ``"deadline"``, no error, state finished,
+    with the text and tokens that reached this process."""
+    job = flight.job
+    handle = job.handle
+    pushed = handle.pushed()
+    ids = tuple(t for d in pushed for t in d.token_ids)
+    text = "".join(d.text for d in pushed)
+    tracer = job.tracer
+    try:
+        tracer.emit("engine", "generation.finished", {
+            "reason": FinishReason.DEADLINE.value, "detail": "deadline",
+            "completion_tokens": len(ids), "output_digest": digest_ids(ids),
+            "text_digest": digest_text(text), "state": RequestState.FINISHED.value},
+            job.spec.last_event)
+    except Exception:  # a sink's failure must not keep the caller waiting
+        log.exception("tracing a request ended at its deadline raised")
+    parts: list[Part] = []
+    joined(parts, [p for d in pushed for p in d.parts])
+    logprobs = tuple(lp for d in pushed for lp in d.logprobs)
+    elapsed = (time.monotonic_ns() - job.spec.accepted_ns) / 1e9
+    completion = Completion(
+        request_id=job.request.request_id, text=text, token_ids=ids,
+        finish_reason=FinishReason.DEADLINE, usage=Usage(len(job.spec.prompt.input_ids), len(ids)),
+        trace=tracer.events, timings=Timings(elapsed, None, elapsed), stop_reason="deadline",
+        logprobs=logprobs if job.request.generation_config.logprobs else None,
+        parts=tuple(parts))
+    if not (pushed and pushed[-1].final):
+        handle._push(Delta(handle.request_id, len(pushed), "",
+                           finish_reason=FinishReason.DEADLINE))
+    handle._complete(completion, RequestState.FINISHED)
 
 
 def _dumps(message: Any) -> bytes:
@@ -579,9 +750,10 @@ class _Child:
     import path, one end of a socket pair as its :class:`Connection`, and a small shared
     file mapped by both for the liveness figures."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], conn: Connection, shared: Any,
-                 keep: Any) -> None:
-        self.popen, self.conn, self.shared, self._keep = popen, conn, shared, keep
+    def __init__(self, popen: subprocess.Popen[bytes], conn: Connection,
+                 figures: IO[bytes], mapped: mmap.mmap) -> None:
+        self.popen, self.conn, self._figures, self._mapped = popen, conn, figures, mapped
+        self.shared = memoryview(mapped).cast("q")
         self.pid = popen.pid
 
     @classmethod
@@ -590,16 +762,29 @@ class _Child:
 
         here, there = socket.socketpair()
         figures = tempfile.TemporaryFile()
-        figures.truncate(8 * 4)
-        boot = (f"import sys; sys.path[:0] = {sys.path!r}; "
-                "from pipeline.engine.process import _child_entry; "
-                f"_child_entry({there.fileno()}, {figures.fileno()})")
-        popen = subprocess.Popen([sys.executable, "-c", boot],
-                                 pass_fds=(there.fileno(), figures.fileno()))
-        there.close()
-        mapped = mmap.mmap(figures.fileno(), 8 * 4)
-        conn = Connection(here.detach())
-        return cls(popen, conn, memoryview(mapped).cast("q"), (figures, mapped))
+        try:
+            figures.truncate(_FIGURES_SIZE)
+            boot = (f"import sys; sys.path[:0] = {sys.path!r}; "
+                    "from pipeline.engine.process import _child_entry; "
+                    f"_child_entry({there.fileno()}, {figures.fileno()})")
+            popen = subprocess.Popen([sys.executable, "-c", boot],
+                                     pass_fds=(there.fileno(), figures.fileno()))
+        except BaseException:
+            here.close()
+            figures.close()
+            raise
+        finally:
+            there.close()
+        mapped = mmap.mmap(figures.fileno(), _FIGURES_SIZE)
+        return cls(popen, Connection(here.detach()), figures, mapped)
+
+    def release(self) -> None:
+        """Close this side's descriptors: the socket, the figures' view, map and file (the
+        Popen holds none: the child's standard streams are this process's own)."""
+        self.conn.close()
+        self.shared.release()
+        self._mapped.close()
+        self._figures.close()
 
     @property
     def exitcode(self) -> int | None:
@@ -650,7 +835,7 @@ def _child_entry(conn_fd: int, figures_fd: int) -> None:
     for fd in (conn_fd, figures_fd):
         os.set_inheritable(fd, False)
     conn = Connection(conn_fd)
-    shared = memoryview(mmap.mmap(figures_fd, 8 * 4)).cast("q")
+    shared = memoryview(mmap.mmap(figures_fd, _FIGURES_SIZE)).cast("q")
     try:
         recipe = _loads(conn.recv_bytes())
     except (EOFError, OSError):
@@ -708,6 +893,7 @@ def _child_main(conn: Connection, recipe: EngineRecipe, shared: Any) -> None:
                 served.handle(kind, key, payload)
             except Exception:  # contained: the parent hears of it through that request
                 log.exception("the engine process could not handle a %r message", kind)
+            shared[_TAKEN] += 1  # taken up: the parent times what is not (stall)
     finally:
         done.set()
         engine.close()
@@ -794,9 +980,11 @@ class _Served:
 
 
 def _publish(engine: Engine, shared: Any, done: threading.Event) -> None:
-    """Rewrite the request counts every :data:`PUBLISH_S` until ``done`` (the step figures
-    are the engine thread's own: ``Engine.on_step``)."""
+    """Every :data:`PUBLISH_S` until ``done``: a heartbeat (a count the parent watches move)
+    and the request counts (the step figures are the engine thread's own:
+    ``Engine.on_step``)."""
     while not done.wait(PUBLISH_S):
+        shared[_BEAT] += 1
         with contextlib.suppress(Exception):
             shared[_ACTIVE] = engine.active_slots
             shared[_QUEUED] = engine.queue_depth

@@ -12,11 +12,13 @@ one's error logged with its id, streamed or not, since the client only hears "in
 error"), and supervision:
 when a model's engine loop stops after an internal error, the model answers 503 (its queued
 requests already failed) and a fresh engine replaces it ``restart_delay_s`` later. A
-watchdog thread checks every engine's step in progress: one that has run longer than
-``stall_timeout_s`` is abandoned (:meth:`~pipeline.engine.Engine.abandon`: its requests fail
-with a 503, the model is ``restarting``), and the fresh engine starts once the stuck step has
-returned. :meth:`Gateway.problems` names every worker that is down (an abandoned or dead
-engine, a usage store that cannot write) for ``/health``.
+watchdog thread checks every engine's ``stall()``: a step in progress, or an engine process
+unheard between steps (:class:`~pipeline.engine.process.Unresponsive`: frozen, or not taking
+up its work), that has lasted longer than ``stall_timeout_s`` is abandoned
+(:meth:`~pipeline.engine.Engine.abandon`: its requests fail with a 503, the model is
+``restarting``), and the fresh engine starts once the stuck step has returned (an engine
+process is killed instead). :meth:`Gateway.problems` names every worker that is down (an
+abandoned or dead engine, a usage store that cannot write) for ``/health``.
 
 Keys: ``Authorization: Bearer KEY`` and ``x-api-key: KEY`` are both accepted. When a request
 sends both (or repeats one), every value must be a valid key: a wrong one is a 401 naming the
@@ -352,8 +354,9 @@ class Gateway:
         return moved
 
     def check_stalls(self) -> list[str]:
-        """Abandon every engine whose step in progress has run past ``stall_timeout_s``;
-        returns the served names abandoned (the watchdog calls this; so may a test)."""
+        """Abandon every engine whose stall (a step in progress, an engine process gone
+        quiet) has lasted past ``stall_timeout_s``; returns the served names abandoned (the
+        watchdog calls this; so may a test)."""
         limit, abandoned = self.config.stall_timeout_s, []
         for served in self.models.values():
             engine = served.pipeline.engine if served.pipeline is not None else None
@@ -361,7 +364,7 @@ class Gateway:
             if engine is None or stall is None or limit is None or stall.running_s <= limit:
                 continue
             log.error("model %r: the engine stalled: %s (limit %.1f s); its requests fail and "
-                      "a fresh engine starts once the step returns", served.name,
+                      "a fresh engine starts once the old one lets go", served.name,
                       stall.describe_for_log(), limit)
             engine.abandon(f"stalled: {stall.describe()}")
             abandoned.append(served.name)
