@@ -416,7 +416,9 @@ def test_killing_the_engine_process_under_load(tmp_path: Path) -> None:
             health = httpx.get(f"{url}/health")
             assert health.status_code == 503
             assert health.json()["models"]["default"] == "restarting"
-            assert "SIGKILL" in health.json()["problems"]["engine:default"]
+            assert health.json()["reasons"] == {"engine:default": "engine_stopped"}
+            assert "SIGKILL" in httpx.get(f"{url}/health/details").json()["problems"][
+                "engine:default"]
             path = tmp_path / "usage.sqlite3"
             wait_for(lambda: len(read_records(path)) == len(dialects))
             rows = read_records(path)

@@ -475,8 +475,11 @@ def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) 
         assert "vanished" not in failed.text  # no detail leaks
         health = client.get("/health")
         assert health.status_code == 503
-        assert health.json()["status"] == "engine_stopped"
-        assert "Fatal" in health.json()["engine_failures"]["default"]
+        assert health.json() == {"status": "engine_stopped", "models": {"default": "restarting"},
+                                 "reasons": {"engine:default": "engine_stopped"}}
+        details = client.get("/health/details")  # the operator's: why, in words
+        assert details.status_code == 503
+        assert "Fatal" in details.json()["engine_failures"]["default"]
         started = time.monotonic()
         refused = client.post("/v1/chat/completions", json=chat())
         assert refused.status_code == 503 and time.monotonic() - started < 1.0
@@ -485,7 +488,7 @@ def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) 
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "no fresh engine"
             time.sleep(0.05)
-        assert client.get("/health").json()["restarts"] == {"default": 1}
+        assert client.get("/health/details").json()["restarts"] == {"default": 1}
         again = client.post("/v1/chat/completions", json=chat(max_tokens=3))
         assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"] == "aaa"
         assert backend.busy_slots == 0 and pipe.engine.active_slots == 0

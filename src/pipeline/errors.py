@@ -394,7 +394,9 @@ class QueueTimeoutError(OverloadedError):
 
 class ModelLoadingError(ServingError):
     """The model exists but is still loading (or failed to load: ``failed`` is then set; or
-    its engine stopped and is being restarted: ``restarting`` is then the reason)."""
+    its engine stopped and is being restarted: ``restarting`` is then the reason). The
+    message names only the reason's class (:func:`failure_class`): it goes to every client
+    refused meanwhile, and the reason itself may describe another client's request."""
 
     def __init__(self, model: str, failed: str | None = None,
                  restarting: str | None = None) -> None:
@@ -402,9 +404,22 @@ class ModelLoadingError(ServingError):
         self.failed = failed
         self.restarting = restarting
         state = (f"failed to load: {failed}" if failed else
-                 f"has an engine that stopped ({restarting}); a fresh one is starting"
-                 if restarting else "is still loading")
+                 f"has an engine that stopped ({failure_class(restarting)}); a fresh one is "
+                 "starting" if restarting else "is still loading")
         super().__init__(f"model {model!r} {state}")
+
+
+def failure_class(why: str) -> str:
+    """The class of an engine's failure ``why``: what a client other than the one it hit,
+    or a stranger asking ``/health``, may be told of it — ``stalled``, ``unresponsive``,
+    ``rank_lost`` or ``engine_stopped``."""
+    if why.startswith("stalled: the engine process"):  # alive, but not taking up its work
+        return "unresponsive"
+    if why.startswith("stalled"):
+        return "stalled"
+    if "parallel group" in why or why.startswith("rank "):
+        return "rank_lost"
+    return "engine_stopped"
 
 
 class UnsupportedMediaTypeError(ServingError):

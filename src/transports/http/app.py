@@ -59,7 +59,7 @@ from starlette.routing import Route
 from pipeline.engine import ENGINE_DOWN
 from pipeline.errors import (
     EngineClosed, InvalidValueError, LimitExceededError, ModelNotFoundError,
-    PayloadTooLargeError, PipelineError, QueueTimeoutError,
+    PayloadTooLargeError, PipelineError, QueueTimeoutError, failure_class,
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.pipe import Pipeline
@@ -78,7 +78,8 @@ from transports.http.common import (
 )
 from transports.http.errors import Dialect, classify, error_body, route_error, status_for
 from transports.http.fields import Obj, check, parse_json
-from transports.http.gateway import Gateway, ModelState, ServedModel
+from transports.http.gateway import UNMENDABLE, Gateway, ModelState, ServedModel
+from transports.http.health import operator_health, public_health
 from transports.http.generation import Started
 from transports.http.logs import CLIENT_CLOSED, AccessLog, record_generation
 from transports.http.metrics import CONTENT_TYPE
@@ -103,6 +104,11 @@ def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
     return JSONResponse(error_body(info, dialect), status_for(info, dialect))
 
 
+ENGINE_DOWN_CLASSES = {"stalled": "its step stalled", "unresponsive": "it stopped responding",
+                       "rank_lost": "it lost a rank of its parallel group"}
+"""What a client whose request the engine's stop ended is told of why, by failure class."""
+
+
 def _failed(completion: Completion, served: ServedModel, wait_s: float | None) -> Exception:
     """What a failed completion is raised as: the overload error when it waited in the queue
     over ``wait_s`` (the server's bound), a 503 the client may retry when the engine as a
@@ -111,9 +117,9 @@ def _failed(completion: Completion, served: ServedModel, wait_s: float | None) -
     if queue_timed_out(error):
         return QueueTimeoutError(served.name, wait_s or completion.timings.queued_s)
     if error is not None and error.startswith(ENGINE_DOWN):  # no detail leaks: the log has it
-        why = "its step stalled" if error.startswith(f"{ENGINE_DOWN}: stalled") else "it failed"
-        return EngineClosed(f"generation failed: the model's engine stopped ({why}); a fresh "
-                            "one is starting: retry the request")
+        why = ENGINE_DOWN_CLASSES.get(failure_class(error[len(ENGINE_DOWN) + 2:]), "it failed")
+        then = ("a fresh one is starting: retry the request" if served.mendable else UNMENDABLE)
+        return EngineClosed(f"generation failed: the model's engine stopped ({why}); {then}")
     return RuntimeError(f"generation failed: {completion.error}")
 
 
@@ -462,37 +468,16 @@ class Server:
                 "description": info.summary() if info is not None else None}
 
     async def health(self, http: HTTPRequest) -> Response:
-        """``GET /health``: 200 when every model is loaded and its engine runs, else 503 with
-        each model's state (``restarting`` while a stopped engine waits for a fresh one),
-        ``engine_failures`` naming why an engine stopped, and ``restarts`` counting fresh
-        engines per model once there were any; ``model_failures`` says why a model failed (to
-        load, or to get a fresh engine: status ``failed``). ``problems`` names every worker that
-        is down
-        (an engine that stopped or stalled, a usage store that cannot write) with why; a usage
-        store alone down is ``degraded``: answers still flow, their records wait in memory."""
-        states, failures = {}, {}
-        for name, m in self.gateway.models.items():
-            failure = m.engine_failure if m.state is ModelState.READY else None
-            states[name] = "restarting" if failure is not None else m.state.value
-            if failure is not None:
-                failures[name] = failure
-        ok = self.gateway.ready
-        problems = self.gateway.problems()
-        failed = self.gateway.failed
-        loading = any(m.state is ModelState.LOADING for m in self.gateway.models.values())
-        status = ("ok" if ok else "failed" if failed else "engine_stopped" if failures
-                  else "loading" if loading else "degraded")
-        body: dict[str, Any] = {"status": status, "models": states}
-        if failed:
-            body["model_failures"] = failed
-        restarts = {n: m.restarts for n, m in self.gateway.models.items() if m.restarts}
-        if restarts:
-            body["restarts"] = restarts
-        if failures:
-            body["engine_failures"] = failures
-        if problems:
-            body["problems"] = problems
-        return JSONResponse(body, 200 if ok else 503)
+        """``GET /health`` (no key needed): each model's state and, for what is down, a class
+        of reason only (:func:`~transports.http.health.public_health`)."""
+        body, code = public_health(self.gateway)
+        return JSONResponse(body, code)
+
+    async def health_details(self, http: HTTPRequest) -> Response:
+        """``GET /health/details`` (behind the keys): the same with why each worker is down,
+        and restart counts (:func:`~transports.http.health.operator_health`)."""
+        body, code = operator_health(self.gateway)
+        return JSONResponse(body, code)
 
     async def metrics(self, http: HTTPRequest) -> Response:
         """``GET /metrics`` in the Prometheus text format."""
@@ -557,6 +542,7 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", s.endpoint("models", oa, s.models), methods=["GET"]),
         Route("/v1/models/{model}", s.endpoint("models", oa, s.model), methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
+        Route("/health/details", s.endpoint("health", oa, s.health_details), methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/openapi.json", s.openapi, methods=["GET"]),
         Route("/traces/{request_id}", s.endpoint("traces", oa, s.trace), methods=["GET"]),

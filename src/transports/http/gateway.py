@@ -49,7 +49,7 @@ from backends.torch.native_memory import bound_native_caches, release_free_memor
 from pipeline.builder import build
 from pipeline.errors import (
     AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
-    ModelNotFoundError, OverloadedError, PipelineError, StepStillRunning,
+    ModelNotFoundError, OverloadedError, PipelineError, StepStillRunning, failure_class,
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.engine.process import EngineRecipe, ProcessEngine
@@ -70,6 +70,10 @@ from transports.http.usage import UsageRecord, UsageStore
 
 Builder = Callable[[Path | None, ServerConfig], Pipeline]
 log = logging.getLogger("pipeline.serve")
+UNMENDABLE = ("no fresh engine can replace it: start the server again (pipeline serve --ranks N "
+              "supervises a group that restarts itself)")
+"""What a model whose engine cannot be replaced (a ``torchrun`` group that lost a rank) tells
+the log, ``/health/details`` and its clients."""
 
 
 def default_builder(folder: Path | None, config: ServerConfig,
@@ -125,6 +129,9 @@ class ServedModel:
         self.state = ModelState.LOADING
         self.pipeline: Pipeline | None = None
         self.error: str | None = None
+        self.error_class = "load_failed"
+        """What ``/health`` tells a stranger of ``error`` (:func:`~pipeline.errors.failure_class`
+        when a stopped engine could not be replaced)."""
         self.inflight = 0
         self.lock = threading.Lock()
         self.restarts = 0
@@ -144,6 +151,13 @@ class ServedModel:
         pipe = self.pipeline
         engine = pipe.engine if pipe is not None else None
         return engine.failure if engine is not None and not engine.alive else None
+
+    @property
+    def mendable(self) -> bool:
+        """Whether a fresh engine can replace a stopped one: not over a backend that knows it
+        cannot be used again (a parallel group under ``torchrun`` that lost a rank)."""
+        engine = self.pipeline.engine if self.pipeline is not None else None
+        return getattr(getattr(engine, "backend", None), "broken", None) is None
 
     @property
     def pipe(self) -> Pipeline:
@@ -310,7 +324,14 @@ class Gateway:
             engine.on_stop = lambda why: self._engine_stopped(served, why)
 
     def _engine_stopped(self, served: ServedModel, why: str) -> None:
-        """On the dying engine thread: schedule a fresh engine (503 until it runs)."""
+        """On the dying engine thread: schedule a fresh engine (503 until it runs), or, when
+        none can replace it (:attr:`ServedModel.mendable`), mark the model failed at once."""
+        if not served.mendable:
+            served.error, served.error_class = f"{why}; {UNMENDABLE}", failure_class(why)
+            served.state = ModelState.FAILED
+            log.error("model %r: the engine loop stopped (%s); %s", served.name, why,
+                      UNMENDABLE)
+            return
         log.error("model %r: the engine loop stopped (%s); a fresh engine starts in %.1f s",
                   served.name, why, self.config.restart_delay_s)
         if self._closed.is_set():

@@ -243,7 +243,10 @@ def _other_responses() -> dict[str, Schema]:
                                    "enum": ["ok", "loading", "failed", "engine_stopped",
                                             "degraded"]},
                         "models": {"type": "object", "additionalProperties": state}},
-                       {"engine_failures": {"type": "object",
+                       {"reasons": {"type": "object", "additionalProperties": {
+                           "enum": ["stalled", "unresponsive", "engine_stopped", "rank_lost",
+                                    "load_failed", "usage_store_down"]}},
+                        "engine_failures": {"type": "object",
                                             "additionalProperties": STRING},
                         "model_failures": {"type": "object", "additionalProperties": STRING},
                         "problems": {"type": "object", "additionalProperties": STRING},
@@ -406,6 +409,11 @@ def _paths() -> Schema:
         "/health": _open_get("readiness", {
             "200": _json(ref("Health"), "every model is loaded"),
             "503": _json(ref("Health"), "some model is loading or failed")}),
+        "/health/details": {"get": {
+            "summary": "readiness for the operator: why each worker is down, restart counts",
+            "responses": {"200": _json(ref("Health"), "every model is loaded"),
+                          "503": _json(ref("Health"), "some model is loading or failed"),
+                          **_errors(OPENAI, LISTING)}}},
         "/metrics": _open_get("Prometheus metrics", {"200": text}),
         "/openapi.json": _open_get("this document", {
             "200": _json({"type": "object", "required": ["openapi", "info", "paths"]},
