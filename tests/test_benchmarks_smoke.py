@@ -159,6 +159,20 @@ def _http_load(r: Report, out: Path, log: str) -> None:
     assert 0 <= d["cancelled_records"] <= 2
 
 
+def _overload(r: Report, out: Path, log: str) -> None:
+    assert r["model"] == "tiny" and r["smoke"] and r["config"]["clients"] == 8
+    limit, over = r["rows"]
+    assert (limit["phase"], limit["clients"]) == ("limit", 4)  # 2 slots + 2 queue places
+    assert (over["phase"], over["clients"]) == ("overload", 8)
+    for row in (limit, over):
+        assert row["errors"] == 0, row["error_examples"]
+        _positive(row["completed_per_s"], row["median_s"])
+    assert limit["refused"] == 0 and over["refused"] > 0  # 8 clients, 4 places
+    assert r["server_log"]["error_lines"] == 0
+    _positive(r["summary"]["rate_ratio"], r["summary"]["median_ratio"],
+              r["summary"]["app_cpu_ms_per_refusal"])
+
+
 def _iterative(r: Report, out: Path, log: str) -> None:
     assert [x["label"] for x in r["rows"]] == ["AR greedy", "llada L8 S4", "ddim L16 S20",
                                                "flow heun L16 S8"]
@@ -355,6 +369,7 @@ CHECKS: dict[str, Check] = {
     "expert_tiers": _expert_tiers, "fairness": _fairness, "gguf_model": _gguf_model,
     "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
+    "overload": _overload,
     "llama_cpp": _llama_cpp, "loops": _loops, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
     "kv_int8": _kv_int8, "paged_kv": _paged_kv, "parallel": _parallel,
     "penalty_history": _penalty_history,
