@@ -234,3 +234,79 @@ def test_a_lost_rank_fails_the_stream_and_health_says_why(tmp_path: Path) -> Non
             json.dumps(body)
     finally:
         _stop(ranks)
+
+
+# --- a group the server supervises (pipeline serve --ranks N) --------------------------------
+
+def _followers(gateway: Any) -> list[int]:
+    engine = gateway.models["default"].pipeline.engine
+    return list(engine._process.followers.pids)
+
+
+def test_a_supervised_group_answers_loses_a_rank_and_serves_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.builder import build
+    from tests.http_support import config, running
+    from transports.http import Gateway
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks inherit it
+    gateway = Gateway(config(tmp_path, ranks=2, dtype="float32", restart_delay_s=0.5))
+    chat = {**CHAT, "model": "default"}
+    with build(TINY_MODEL_DIR, options={"dtype": "float32"}) as one:  # the oracle
+        want = one.generate(CHAT["messages"], max_tokens=12, temperature=0).text
+    try:
+        with running(gateway) as url, httpx.Client(base_url=url, timeout=120) as client:
+            answer = client.post("/v1/chat/completions", json=chat).json()
+            assert answer["choices"][0]["message"]["content"] == want  # split as one process
+            old = _followers(gateway)
+            assert len(old) == 1
+            # a rank lost mid-stream: the stream ends with a retryable error that says so
+            body = {**chat, "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+            lines: list[str] = []
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 3:
+                        os.kill(old[0], signal.SIGKILL)  # a process this test's server started
+            assert "service_unavailable" in lines[-1] and "lost a rank" in lines[-1]
+            assert "a fresh one is starting" in lines[-1]
+            deadline = time.monotonic() + 10
+            while (health := client.get("/health")).status_code == 200:
+                assert time.monotonic() < deadline, "the loss never showed in /health"
+                time.sleep(0.02)
+            assert health.json()["reasons"] == {"engine:default": "rank_lost"}
+            deadline = time.monotonic() + 180
+            while client.get("/health").status_code != 200:  # a whole fresh group
+                assert time.monotonic() < deadline, "no fresh group"
+                time.sleep(0.1)
+            again = client.post("/v1/chat/completions", json=chat).json()
+            assert again["choices"][0]["message"]["content"] == want
+            fresh = _followers(gateway)
+            assert fresh != old and gateway.models["default"].restarts == 1
+            # a rank lost while the group is idle is seen too (no collective would notice)
+            os.kill(fresh[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while (health := client.get("/health")).status_code == 200:
+                assert time.monotonic() < deadline, "an idle group's loss never showed"
+                time.sleep(0.02)
+            assert health.json()["reasons"] == {"engine:default": "rank_lost"}
+            deadline = time.monotonic() + 180
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline, "no fresh group after an idle loss"
+                time.sleep(0.1)
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    finally:
+        gateway.close()
+    with pytest.raises(ProcessLookupError):  # nothing of the groups is left behind
+        os.kill(_followers(gateway)[0], 0)
+
+
+def test_ranks_need_one_folder_of_safetensors(tmp_path: Path) -> None:
+    from pipeline.errors import InvalidValueError
+    from tests.http_support import config
+
+    with pytest.raises(InvalidValueError, match="one model"):
+        config(tmp_path, ranks=2, models={"a": TINY_MODEL_DIR, "b": TINY_MODEL_DIR})
+    with pytest.raises(InvalidValueError, match="GGUF"):
+        config(tmp_path, ranks=2, models={"default": None})

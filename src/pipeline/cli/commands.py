@@ -186,7 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
             answer_reserve_tokens=args.answer_reserve, limits=limits,
             work_threads=args.work_threads, work_queue=args.work_queue,
             restart_delay_s=args.restart_delay, keep_traces=args.keep_traces,
-            engine_process=args.engine_process, usage_database=args.usage_db,
+            engine_process=args.engine_process, ranks=args.ranks,
+            usage_database=args.usage_db,
             stall_timeout_s=args.stall_timeout or None, usage_wait_s=args.usage_wait,
             request_deadline_s=args.request_deadline,
             max_queue_wait_s=args.max_queue_wait or None,
@@ -203,9 +204,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     place = launched_world()
     if place is not None:  # torchrun: one model split over the ranks; rank 0 serves it
-        if len(models) != 1 or args.engine_process:
+        if len(models) != 1 or args.engine_process or args.ranks > 1:
             print("pipeline serve: under torchrun the ranks hold one model together: serve "
-                  "one --model, without --engine-process", file=sys.stderr)
+                  "one --model, without --engine-process or --ranks (--ranks N starts and "
+                  "supervises a group itself, without torchrun)", file=sys.stderr)
             return 2
         if place[0] > 0:  # this rank's part of the model, no HTTP: it ends with rank 0
             from transports.http.gateway import default_builder
@@ -287,6 +289,11 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
                        help="run each model's engine in a child process the server watches: "
                             "a crash, an out-of-memory kill or a stall ends that process "
                             "(its requests fail, a fresh one starts), not the server")
+    serve.add_argument("--ranks", type=int, default=1, metavar="N",
+                       help="split the model over N processes that the server starts and "
+                            "supervises as one group (gloo on CPUs, one GPU a rank with "
+                            "--device cuda): a lost rank fails its requests retryably and a "
+                            "whole fresh group replaces it; implies --engine-process")
     serve.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="an engine step running longer is a stall: its requests fail "
                             "with a 503 and the engine is replaced (0: never checked)")

@@ -104,6 +104,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from pipeline.engine.job import Job
+    from pipeline.engine.ranks import Followers
     from pipeline.pipe import Pipeline
     from pipeline.protocols import Backend, Strategy
 
@@ -155,6 +156,15 @@ class EngineRecipe:
     setup: tuple[Callable[[], Any], ...] = ()
     """Run in the child before it builds (module-level functions: the server's caps on native
     memory caches, say, which are per process)."""
+    ranks: int = attrs.field(default=1)
+    """More than 1: the child is rank 0 of a parallel group of that many processes, the
+    others started and watched beside it (:mod:`pipeline.engine.ranks`)."""
+
+    @ranks.validator
+    def _ranks(self, _: attrs.Attribute[int], value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidValueError("ranks", value, "must be a whole number of processes, 1 "
+                                    "or more")
 
 
 @attrs.frozen
@@ -283,12 +293,10 @@ class ProcessEngine:
               clock: Callable[[], int] = time.monotonic_ns) -> ProcessEngine:
         """Start a child that builds ``recipe`` and wait until it is ready. ``clock``
         (nanoseconds) times how long the child has gone unheard (:meth:`stall`)."""
-        child = _Child.spawn()
+        child = _Child.spawn(recipe)
         try:
             child.conn.send_bytes(_dumps(recipe))
-            if not child.conn.poll(timeout):
-                raise BackendError(f"the engine process did not load its model in "
-                                   f"{timeout:.0f} s")
+            child.wait_loaded(timeout)
             message = _loads(child.conn.recv_bytes())
         except (EOFError, OSError) as exc:
             child.kill()
@@ -305,7 +313,11 @@ class ProcessEngine:
             child.join(5)
             child.release()
             raise BackendError(f"the engine process could not load its model: {message[1]}")
-        return cls(recipe, child, child.conn, child.shared, message[1], clock)
+        engine = cls(recipe, child, child.conn, child.shared, message[1], clock)
+        if child.followers is not None:  # a lost rank, even while idle, is the engine's loss
+            child.followers.watch(lambda rank, code: engine.abandon(
+                f"rank {rank} of the parallel group {_exit(code)}"))
+        return engine
 
     def pipeline(self) -> Pipeline:
         """The request side over this engine: ``build(model, backend=<this engine's
@@ -751,15 +763,27 @@ class _Child:
     file mapped by both for the liveness figures."""
 
     def __init__(self, popen: subprocess.Popen[bytes], conn: Connection,
-                 figures: IO[bytes], mapped: mmap.mmap) -> None:
+                 figures: IO[bytes], mapped: mmap.mmap, followers: Followers | None = None
+                 ) -> None:
         self.popen, self.conn, self._figures, self._mapped = popen, conn, figures, mapped
+        self.followers = followers
+        """Ranks 1 … N−1 when the child is rank 0 of a parallel group, else None."""
         self.shared = memoryview(mapped).cast("q")
         self.pid = popen.pid
 
     @classmethod
-    def spawn(cls) -> _Child:
+    def spawn(cls, recipe: EngineRecipe | None = None) -> _Child:
+        """The child; for a recipe of several ranks, rank 0 of a fresh group (a new port),
+        its followers started first."""
         from multiprocessing.connection import Connection
 
+        from pipeline.engine.ranks import Followers, free_port, group_env
+
+        followers, env = None, None
+        if recipe is not None and recipe.ranks > 1:
+            port = free_port()
+            followers = Followers.spawn(_dumps(recipe), recipe.ranks, port)
+            env = group_env(0, recipe.ranks, port)
         here, there = socket.socketpair()
         figures = tempfile.TemporaryFile()
         try:
@@ -767,16 +791,32 @@ class _Child:
             boot = (f"import sys; sys.path[:0] = {sys.path!r}; "
                     "from pipeline.engine.process import _child_entry; "
                     f"_child_entry({there.fileno()}, {figures.fileno()})")
-            popen = subprocess.Popen([sys.executable, "-c", boot],
+            popen = subprocess.Popen([sys.executable, "-c", boot], env=env,
                                      pass_fds=(there.fileno(), figures.fileno()))
         except BaseException:
             here.close()
             figures.close()
+            if followers is not None:
+                followers.stop()
             raise
         finally:
             there.close()
         mapped = mmap.mmap(figures.fileno(), _FIGURES_SIZE)
-        return cls(popen, Connection(here.detach()), figures, mapped)
+        return cls(popen, Connection(here.detach()), figures, mapped, followers)
+
+    def wait_loaded(self, timeout: float) -> None:
+        """Wait for the child's first answer (ready or failed); a
+        :class:`~pipeline.errors.BackendError` when none comes in ``timeout`` or a follower
+        rank ends first (its error is in this process's standard error)."""
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(min(0.5, max(0.0, deadline - time.monotonic()))):
+            lost = self.followers.exited() if self.followers is not None else None
+            if lost is not None:
+                raise BackendError(f"rank {lost[0]} of the parallel group {_exit(lost[1])} "
+                                   "while loading its part of the model")
+            if time.monotonic() >= deadline:
+                raise BackendError(f"the engine process did not load its model in "
+                                   f"{timeout:.0f} s")
 
     def release(self) -> None:
         """Close this side's descriptors: the socket, the figures' view, map and file (the
@@ -794,12 +834,19 @@ class _Child:
         return self.popen.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL the child (a stopped process ends too), and its followers with it."""
         with contextlib.suppress(OSError):
             self.popen.kill()
+        if self.followers is not None:
+            self.followers.stop()
 
     def join(self, timeout: float) -> None:
+        """Wait ``timeout`` at most for the child to end; its followers end with it (their
+        call channel closes), or are killed."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
+        if self.followers is not None and self.popen.poll() is not None:
+            self.followers.stop(timeout)
 
 
 def _exit(code: int | None) -> str:

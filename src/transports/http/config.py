@@ -114,8 +114,13 @@ class ServerConfig:
     out-of-memory killer or a stalled step then ends that process, not the server; its requests
     fail at once with an error event and a ``failed`` usage record, ``/health`` says
     ``restarting``, and a fresh process takes over ``restart_delay_s`` later (a stalled
-    step's process is killed). ``release_idle_memory`` hands malloc's free pages back to the system when the engines
-    fall idle after work (:func:`~backends.torch.native_memory.release_free_memory`).
+    step's process is killed). ``ranks`` above 1 (one model served; implies
+    ``engine_process``) makes that process rank 0 of a parallel group of ``ranks``
+    processes splitting the model (:mod:`pipeline.engine.ranks`): a lost rank ends the
+    group, its requests fail with a retryable error, ``/health`` says ``restarting``, and a
+    whole fresh group takes over. ``release_idle_memory`` hands malloc's free pages back to
+    the system when the engines fall idle after work
+    (:func:`~backends.torch.native_memory.release_free_memory`).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
@@ -156,10 +161,21 @@ class ServerConfig:
                                                  validator=_seconds_or_none("no bound"))
     release_idle_memory: bool = True
     engine_process: bool = False
+    ranks: int = attrs.field(default=1, validator=_positive)
     usage_database: str | None = attrs.field(default=None, repr=False)  # may hold a password
 
     def __attrs_post_init__(self) -> None:
         self.backend_options()  # every backend field valid together, before any model loads
+        if self.ranks > 1:
+            if len(self.models) != 1:
+                raise InvalidValueError("ranks", self.ranks, "a parallel group holds one "
+                                        f"model: serve one (given: {', '.join(self.models)})")
+            folder = next(iter(self.models.values()))
+            if folder is None or not Path(folder).is_dir():
+                raise InvalidValueError("ranks", self.ranks, "a parallel group splits a "
+                                        "Hugging Face folder of safetensors weights; the "
+                                        f"model {folder or 'default (a GGUF file)'} runs in "
+                                        "one process")
         unknown = sorted(set(self.strategies) - set(self.models))
         if unknown:
             raise InvalidValueError("strategies", unknown, "no served model has that name "

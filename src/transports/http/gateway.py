@@ -80,11 +80,12 @@ def default_builder(folder: Path | None, config: ServerConfig,
                     strategy: StrategyChoice | None = None) -> Pipeline:
     """``build()`` for a model (None: the default model) with the server's backend options
     and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
-    and its scheduler run in a child process (:class:`~pipeline.engine.process.ProcessEngine`)."""
+    and its scheduler run in a child process (:class:`~pipeline.engine.process.ProcessEngine`),
+    with ``config.ranks`` above 1 rank 0 of a group of that many."""
     args = strategy.build_args() if strategy is not None else {}
-    if config.engine_process:  # the child caps its native caches as this process does
+    if config.engine_process or config.ranks > 1:  # the child caps its native caches
         recipe = EngineRecipe(folder, config.backend_options(), args,
-                              setup=(bound_native_caches,))
+                              setup=(bound_native_caches,), ranks=config.ranks)
         return ProcessEngine.start(recipe).pipeline()
     return build(folder, options=config.backend_options(), **args)
 
