@@ -131,3 +131,27 @@ def polite_model() -> Pipeline:
 
     backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0))
     return build(TINY_MODEL_DIR, backend=backend)
+
+
+class Fatal(BaseException):
+    """Ends the engine thread (nothing in the loop catches a BaseException)."""
+
+
+def fragile_model(message: str) -> tuple[Pipeline, ScriptedBackend, threading.Event]:
+    """A scripted model over the embedded tokenizer that writes "a" (2 slots, 10 ms a step);
+    returns the pipeline, its backend and an event. Once the event is set, the next step
+    raises :class:`Fatal` with ``message``, which ends its engine thread (once: the event
+    clears)."""
+    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
+    a = tok.encode_text("a")[0]
+    armed = threading.Event()
+
+    def choose(ids: Sequence[int]) -> int:
+        if armed.is_set():
+            armed.clear()
+            raise Fatal(message)
+        return a
+
+    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0),
+                              num_slots=2, delay_s=0.01)
+    return build(TINY_MODEL_DIR, backend=backend), backend, armed

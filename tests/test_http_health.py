@@ -9,43 +9,21 @@ byte served.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from pipeline.builder import build
 from pipeline.errors import failure_class
-from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.testing import ScriptedBackend, peaked
-from stages.tokenize import HFTokenizer
-from tests.http_support import config, running
+from tests.http_support import config, fragile_model, running
 from transports.http import Gateway
 
 SECRET = "req-0123456789abcdef"
 KEY = "sk-operator-key"
 
 
-class Fatal(BaseException):
-    """Ends the engine thread (nothing in the loop catches a BaseException)."""
-
-
 def test_a_stranger_gets_a_reason_class_and_the_operator_gets_why(tmp_path: Path) -> None:
-    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
-    a = tok.encode_text("a")[0]
-    armed = threading.Event()
-
-    def choose(ids: Sequence[int]) -> int:
-        if armed.is_set():
-            armed.clear()
-            raise Fatal(f"the step of {SECRET} met a fault")
-        return a
-
-    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0),
-                              num_slots=2, delay_s=0.01)
-    pipe = build(TINY_MODEL_DIR, backend=backend)
+    pipe, _, armed = fragile_model(f"the step of {SECRET} met a fault")
     gateway = Gateway(config(tmp_path, restart_delay_s=30.0, api_keys=[KEY]),
                       lambda f, c: pipe)
     auth = {"authorization": f"Bearer {KEY}"}

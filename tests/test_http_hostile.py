@@ -30,7 +30,7 @@ from pipeline.protocols import Renderer
 from pipeline.testing import ScriptedBackend, peaked
 from pipeline.types import Rendered, ToolSpec
 from stages.tokenize import HFTokenizer
-from tests.http_support import config, endless_model, running
+from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway
 from transports.http.limits import Limits
 
@@ -449,24 +449,8 @@ def test_a_full_preparation_pool_is_an_overload_not_a_queue(tmp_path: Path) -> N
 
 # --- an engine that stops -------------------------------------------------------------------
 
-class Fatal(BaseException):
-    """Ends the engine thread (nothing in the loop catches a BaseException)."""
-
-
 def test_an_engine_that_stops_is_reported_refused_and_restarted(tmp_path: Path) -> None:
-    tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
-    a = tok.encode_text("a")[0]
-    armed = threading.Event()
-
-    def choose(ids: Sequence[int]) -> int:
-        if armed.is_set():
-            armed.clear()
-            raise Fatal("the model process vanished")
-        return a
-
-    backend = ScriptedBackend(tok.vocab_size, peaked(tok.vocab_size, choose, 30.0),
-                              num_slots=2, delay_s=0.01)
-    pipe = build(TINY_MODEL_DIR, backend=backend)
+    pipe, backend, armed = fragile_model("the model process vanished")
     gateway = Gateway(config(tmp_path, restart_delay_s=2.0), lambda f, c: pipe)
     with running(gateway) as url, httpx.Client(base_url=url, timeout=10) as client:
         armed.set()
