@@ -68,7 +68,6 @@ Example (local Ray, two replicas)::
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -79,8 +78,7 @@ from starlette.responses import JSONResponse
 
 from pipeline.errors import ClientGone, EngineClosed, PayloadTooLargeError
 from transports.http.config import ServerConfig
-from transports.http.errors import Dialect, classify, error_body, status_for
-from transports.sse import SSEEvent, encode
+from transports.http.errors import Dialect, classify, error_body, status_for, stream_error
 
 log = logging.getLogger("pipeline.serve")
 
@@ -278,7 +276,7 @@ class Front:
                         await _refuse(send, fault, dialect)
                     elif stream:
                         await send({"type": "http.response.body",
-                                    "body": _stream_error(fault, dialect)})
+                                    "body": stream_error(fault, dialect)})
                     return True
                 if message["type"] == "http.response.start":
                     head, stream = message, _is_stream(message)
@@ -296,12 +294,6 @@ class Front:
 def _is_stream(head: Message) -> bool:
     return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                for k, v in head.get("headers", []))
-
-
-def _stream_error(exc: BaseException, dialect: Dialect) -> bytes:
-    """The event that ends a stream failed by ``exc``, as the gateway's app writes it."""
-    body = error_body(classify(exc), dialect)
-    return encode(SSEEvent(json.dumps(body), "error" if dialect is Dialect.ANTHROPIC else None))
 
 
 async def _refuse(send: Send, exc: BaseException, dialect: Dialect) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -76,7 +75,9 @@ from transports.http.choices import merged
 from transports.http.common import (
     Parsed, ServerDefaults, StreamEncoder, traceparent, with_model_defaults,
 )
-from transports.http.errors import Dialect, classify, error_body, route_error, status_for
+from transports.http.errors import (
+    Dialect, classify, error_body, route_error, status_for, stream_error,
+)
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import UNMENDABLE, Gateway, ModelState, ServedModel
 from transports.http.health import operator_health, public_health
@@ -88,7 +89,7 @@ from transports.http.inspector import RECORDING_HEADER, TraceViews, with_recordi
 from transports.http.page import MEDIA_TYPE as HTML, ChatPage, asset_handler
 from transports.http.traces import MEDIA_TYPE as JSONL
 from transports.http.work import Checkpoint, Workers, disconnected
-from transports.sse import SSEEvent, encode, encode_comment
+from transports.sse import encode_comment
 
 log = logging.getLogger("pipeline.serve")
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
@@ -338,7 +339,7 @@ class Server:
         if failed is not None:
             exc = _failed(failed, served, self.gateway.config.max_queue_wait_s)
             self.refused(exc)
-            yield own.fail(exc) if own is not None else self._stream_error(exc, dialect)
+            yield own.fail(exc) if own is not None else stream_error(exc, dialect)
             return
         yield encoder.end(completions)
 
@@ -363,12 +364,6 @@ class Server:
             chunk = encoder.delta(index, parts, delta)
             if chunk:
                 yield chunk
-
-    @staticmethod
-    def _stream_error(exc: BaseException, dialect: Dialect) -> bytes:
-        body = error_body(classify(exc), dialect)
-        return encode(SSEEvent(json.dumps(body), "error" if dialect is Dialect.ANTHROPIC
-                               else None))
 
     # --- counting and tokens -----------------------------------------------------------------
 

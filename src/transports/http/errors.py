@@ -1,8 +1,8 @@
 """The one place where the exception tree becomes HTTP statuses and dialect error bodies.
 
 Owns :func:`classify` (exception → :class:`ErrorInfo`: status, the Anthropic and OpenAI error
-types, message, the field it names, structured extras) and :func:`error_body`, which writes
-that in the dialect's shape::
+types, message, the field it names, structured extras), :func:`error_body`, which writes
+that in the dialect's shape, and :func:`stream_error`, the same as a stream's last event::
 
     OpenAI     {"error": {"message", "type", "param", "code", ...extras}}
     Anthropic  {"type": "error", "error": {"type", "message", ...extras}}
@@ -42,10 +42,12 @@ its ``\\uXXXX`` escape), so echoing hostile input can never make the error itsel
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 import attrs
 
+from transports.sse import SSEEvent, encode
 from pipeline.errors import (
     AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
     LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
@@ -176,6 +178,13 @@ def _safe(value: Any) -> Any:
 def error_body(info: ErrorInfo, dialect: Dialect) -> dict[str, Any]:
     """The JSON error body in ``dialect``'s shape (every string valid Unicode)."""
     return _safe(_body(info, dialect))  # type: ignore[no-any-return]
+
+
+def stream_error(exc: BaseException, dialect: Dialect) -> bytes:
+    """The SSE event that ends a stream failed by ``exc``: the error body of
+    :func:`error_body`, as OpenAI's bare ``data:`` line or Anthropic's ``event: error``."""
+    body = error_body(classify(exc), dialect)
+    return encode(SSEEvent(json.dumps(body), "error" if dialect is Dialect.ANTHROPIC else None))
 
 
 def _body(info: ErrorInfo, dialect: Dialect) -> dict[str, Any]:
