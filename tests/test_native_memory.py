@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import json, os
 from backends.torch.native_memory import bound_native_caches, release_free_memory
@@ -37,3 +39,68 @@ def test_the_caps_reach_the_environment_and_glibc_takes_the_thresholds() -> None
 def test_an_operators_own_capacity_is_kept() -> None:
     got = run(ONEDNN_PRIMITIVE_CACHE_CAPACITY="512", LRU_CACHE_CAPACITY="8")
     assert (got["onednn"], got["ideep"], got["cache"]) == ("512", "8", 512)
+
+
+SHAPES = """
+import random
+from backends.torch.backend import TorchBackend
+from backends.torch.native_memory import bound_native_caches
+from pipeline.model_paths import TINY_MODEL_DIR
+from pipeline.protocols import PrefillChunk
+bound_native_caches()
+backend = TorchBackend.from_dir(TINY_MODEL_DIR, num_slots=8, max_context=512, dtype="float32",
+                                batch_invariant=False)
+rng = random.Random(1)
+for wave in range(8):  # varied batches of varied prompts, then two decode steps
+    slots = [backend.allocate() for _ in range(rng.randint(1, 8))]
+    backend.prefill([PrefillChunk(s, tuple(rng.randrange(3, 6000)
+                                           for _ in range(rng.randint(1, 300))), 0, True)
+                     for s in slots])
+    for _ in range(2):
+        backend.decode(slots, [rng.randrange(3, 6000) for _ in slots])
+    for s in slots:
+        backend.release(s)
+"""
+
+
+def compiled_products() -> set[tuple[str, str]]:
+    """The matrix products oneDNN compiled a kernel for (its own verbose report: one
+    ``create:cache_miss`` line per primitive made), over varied traffic without batch
+    invariance on the tiny model in float32 (oneDNN-packed weights)."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1"}
+    for key in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        env.pop(key, None)
+    done = subprocess.run([sys.executable, "-c", SHAPES], env=env, capture_output=True,
+                          text=True, check=True, timeout=600)
+    made = set()
+    for line in done.stdout.splitlines():
+        fields = line.split(",")
+        if len(fields) > 11 and fields[3] == "create:cache_miss" and fields[5] in (
+                "inner_product", "matmul"):
+            made.add((fields[5], fields[11]))  # the kind and its problem, e.g. mb64ic192oc512
+    return made
+
+
+def rows_of(problem: str) -> int:
+    """The row count of a oneDNN problem: ``mb64ic192oc512`` (inner product) or
+    ``64x192:192x512`` (matmul)."""
+    return int(problem[2:].split("ic")[0]) if problem.startswith("mb") else int(
+        problem.split("x")[0])
+
+
+def test_varied_traffic_without_invariance_compiles_a_bounded_set_of_kernels() -> None:
+    # Each kernel oneDNN compiles stays in its cache (about 0.5-0.8 MB); one per row count
+    # met made the caches churn and the heap grow with traffic's variety (issue: +318 MB over
+    # 3,000 varied requests). Before the bound these 8 waves compiled 644 kernels.
+    import torch
+    from backends.torch.packed import ROW_TILE, packing_available, row_bucket
+
+    if not packing_available(torch.zeros(1)):
+        pytest.skip("this torch has no oneDNN packing")
+    made = compiled_products()
+    sizes = {row_bucket(n) for n in range(1, ROW_TILE + 1)}
+    rows = {rows_of(problem) for _, problem in made}
+    assert made and rows <= sizes, sorted(rows - sizes)
+    weights = {problem.split("ic", 1)[-1] if problem.startswith("mb") else problem.split(":")[1]
+               for _, problem in made}
+    assert len(made) <= len(sizes) * len(weights)

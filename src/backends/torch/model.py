@@ -126,9 +126,9 @@ class Transformer:
                 if isinstance(layer.mlp, MoeWeights):
                     self.linears.register_experts(layer.mlp.gate_up, _fetch(experts, i, GATE_UP))
                     self.linears.register_experts(layer.mlp.down, _fetch(experts, i, DOWN))
-        self.moe = (self._packed_moe if default_moe and (len(self.linears) or batch_invariant
-                                                         or self.linears.tiered)
-                    else moe)
+        # the default experts' products go through the linears too: packed copies, tiles of
+        # rows (invariant) or a bounded set of row counts (:func:`~backends.torch.packed.bounded_rows`)
+        self.moe = self._packed_moe if default_moe else moe
         inv_freq, self.rope_scale = rope_frequencies(spec.rope, spec.head_dim)
         if weights.rope_factors is not None:  # llama.cpp's per-frequency divisors
             inv_freq = inv_freq / weights.rope_factors.float().cpu()

@@ -15,7 +15,12 @@ AVX-NE-CONVERT. The packed copies take as much memory again as the weights they 
 
 With ``invariant`` set (a batch-invariant model), every product runs on tiles of a fixed
 number of rows (:mod:`backends.torch.invariant`), so a row's result does not depend on how
-many rows came with it.
+many rows came with it. Without it, every product still runs on one of a few row counts
+(:func:`bounded_rows`): oneDNN compiles a kernel for each shape it meets and keeps it in a
+cache (about 0.5-0.8 MB each, bfloat16 and packed float32 alike), and a serving engine's row
+counts (decode batches, prompt chunks, each expert's share of them) take hundreds of values,
+so without the bound the caches fill with one-off shapes and their churn grows the heap
+(``docs/performance.md``, resident memory).
 
 Example::
 
@@ -34,6 +39,10 @@ import torch.nn.functional as F
 from backends.torch.invariant import NARROW_TILE, WIDE_TILE, RowTiles, tiled_rows
 from backends.torch.weights import MlpWeights, ModelWeights, MoeWeights
 
+ROW_TILE = 256
+"""Rows per product at most without batch invariance: more are cut into tiles of this many
+(a tile this tall already keeps the matrix units busy), the rest padded to :func:`row_bucket`."""
+
 LinearFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``fn(x [T, in], bias) -> [T, out]``: a weight's own matrix product (e.g. one that keeps
 the weight quantized and dequantizes it chunk by chunk)."""
@@ -43,6 +52,36 @@ products run in, for the rows of prompt chunks (:class:`PromptRows`)."""
 ExpertFetch = Callable[[int], "tuple[torch.Tensor, bool]"]
 """``fetch(e) -> (matrix, packed)``: expert ``e``'s matrix of a tiered stack, and whether it
 is a oneDNN-packed copy (:class:`~backends.torch.experts.ExpertCache`)."""
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a product of ``rows`` (1..:data:`ROW_TILE`) rows runs at: the next power
+    of two up to 32 (decode batches: a few rows more cost nothing beside streaming the
+    weight), then the next multiple of 32 (at most 31 padding rows). Thirteen sizes in all."""
+    if rows <= 32:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 32) * 32
+
+
+def bounded_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor:
+    """``product(x)`` for ``x [T, in]``, computed on row counts of a fixed, small set: tiles of
+    :data:`ROW_TILE` rows and one last part padded with zero rows to :func:`row_bucket` (its
+    padding's results dropped). Returns ``[T, out]``. The set is what bounds oneDNN's kernel
+    caches (module doc); unlike :func:`~backends.torch.invariant.tiled_rows` a row's bits may
+    still depend on the rows that came with it. Off the CPU it is ``product(x)``."""
+    rows = x.shape[0]
+    if rows == 0 or x.device.type != "cpu":  # oneDNN is the CPU's library
+        return product(x)
+    whole = rows - rows % ROW_TILE
+    parts = [product(tile) for tile in torch.split(x[:whole], ROW_TILE)] if whole else []
+    if whole < rows:
+        rest = x[whole:]
+        pad = row_bucket(rows - whole) - rest.shape[0]
+        if pad:
+            rest = torch.cat([rest, rest.new_zeros((pad, *rest.shape[1:]))])
+        parts.append(product(rest)[:rows - whole])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class PromptRows:
@@ -187,19 +226,22 @@ class Linears:
         returned in ``x``'s."""
         xs = x.to(w.dtype)
         out = (tiled_rows(xs, lambda rows: F.linear(rows, w), WIDE_TILE) if self.invariant
-               else F.linear(xs, w)).to(x.dtype)
+               else bounded_rows(xs, lambda rows: F.linear(rows, w))).to(x.dtype)
         return out + bias if bias is not None else out
 
     def _call(self, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        if self.invariant and id(weight) not in self._row_wise:
-            def product(rows: torch.Tensor) -> torch.Tensor:
-                return self._product(rows, weight, bias)
-            plan = self.plan
-            if plan is not None and plan.rows == x.shape[0]:
-                return plan.apply(x, product)
-            return tiled_rows(x, product, NARROW_TILE)
-        return self._product(x, weight, bias)
+        if id(weight) in self._row_wise:  # each row on its own: nothing to tile or bound
+            return self._product(x, weight, bias)
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            return self._product(rows, weight, bias)
+        if not self.invariant:
+            return bounded_rows(x, product)
+        plan = self.plan
+        if plan is not None and plan.rows == x.shape[0]:
+            return plan.apply(x, product)
+        return tiled_rows(x, product, NARROW_TILE)
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
@@ -221,10 +263,10 @@ class Linears:
             matrix, is_packed = fetch(e)
             if self.invariant:
                 return tiled_rows(x, lambda rows: _tiered(rows, matrix, is_packed), NARROW_TILE)
-            return _tiered(x, matrix, is_packed)
+            return bounded_rows(x, lambda rows: _tiered(rows, matrix, is_packed))
         if self.invariant:
             return tiled_rows(x, lambda rows: self._expert(rows, stack, e), NARROW_TILE)
-        return self._expert(x, stack, e)
+        return bounded_rows(x, lambda rows: self._expert(rows, stack, e))
 
     def _expert(self, x: torch.Tensor, stack: torch.Tensor, e: int) -> torch.Tensor:
         packed = self._packed.get((id(stack), e))
