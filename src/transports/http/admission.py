@@ -14,7 +14,12 @@ Owns the three cheap steps a request meets at the door:
   each, the CPU the admitted requests need under overload);
 * :class:`Refusals`: refused requests (over capacity, a queue wait over its bound, a model
   loading or restarting) are counted, and the log gets one WARNING line per burst of them,
-  ``refused N requests in the last S s: ...``, instead of one line each.
+  ``refused N requests in the last S s: ...``, instead of one line each;
+* when a refused client should come back (the ``Retry-After`` of
+  :func:`~transports.http.errors.retry_headers`): :class:`Pace` measures the places a model
+  gives back per second, :func:`place_wait_s` turns that and the queue ahead into a wait,
+  :func:`restart_wait_s` estimates a restarting engine's return, and :func:`bounded_wait_s`
+  keeps every figure within ``[RETRY_MIN_S, RETRY_MAX_S]``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,18 @@ QUEUE_TIMEOUT = "queue timeout"
 (``RuntimeLimits.queue_timeout_s``, the server's ``max_queue_wait_s``) without a slot."""
 REFUSAL_WINDOW_S = 10.0
 """How long a burst of refusals is counted before its log line is written."""
+RETRY_MIN_S = 1.0
+"""The shortest wait a refusal asks for: ``Retry-After`` counts whole seconds, and the OpenAI
+SDK ignores a wait of 0 (it falls back to its own backoff)."""
+RETRY_MAX_S = 10.0
+"""The longest wait a refusal asks for. The OpenAI SDK honours a server's wait up to 120 s and
+does not retry at all past that; the Anthropic SDK honours any positive wait. A client told
+at most 10 s comes back soon enough to be told a fresher figure."""
+LOADING_WAIT_S = 5.0
+"""The wait asked of a client refused while a model loads for the first time: nothing about
+this model's load time is measured yet, so a fixed figure."""
+PACE_WINDOW = 64
+"""Finished requests :class:`Pace` remembers."""
 
 
 def check_media_type(content_type: str | None) -> None:
@@ -87,6 +104,62 @@ def refusal_reason(exc: BaseException) -> str | None:
         return ("model failed to load" if exc.failed else "engine restarting"
                 if exc.restarting else "model loading")
     return None
+
+
+def bounded_wait_s(seconds: float) -> float:
+    """``seconds`` within ``[RETRY_MIN_S, RETRY_MAX_S]``."""
+    return min(max(seconds, RETRY_MIN_S), RETRY_MAX_S)
+
+
+def place_wait_s(ahead: int, rate_per_s: float | None) -> float:
+    """The wait asked of a client refused because its model is full: the time the requests
+    waiting now, and the client's own, take to get a slot at the rate places are given back
+    (``ahead / rate_per_s``): what a request admitted now would have waited in the queue
+    anyway, so coming back then costs the client no latency, and the server's CPU is spent
+    on the admitted instead of on refusing the same client again and again. With no rate
+    measured yet, the shortest wait (by then there is one). Bounded by
+    :func:`bounded_wait_s`."""
+    if rate_per_s is None or rate_per_s <= 0:
+        return RETRY_MIN_S
+    return bounded_wait_s(ahead / rate_per_s)
+
+
+def restart_wait_s(delay_s: float, stopped_s_ago: float, start_s: float | None) -> float:
+    """The wait asked while a stopped engine is replaced: what is left of the restart delay
+    (``delay_s``, the engine stopped ``stopped_s_ago``) plus ``start_s``, how long starting
+    an engine took last time it was measured (None: not measured). Bounded by
+    :func:`bounded_wait_s`."""
+    return bounded_wait_s(max(delay_s - stopped_s_ago, 0.0) + (start_s or 0.0))
+
+
+class Pace:
+    """The rate at which a model gives admission places back, over its last
+    :data:`PACE_WINDOW` finished requests (any end: done, cancelled, failed).
+
+    :meth:`tick` is called on the engine thread as each request ends, :meth:`rate` on the
+    event loop; both are a few operations on a bounded deque, whose single appends and reads
+    are atomic, so no lock is taken (a rate read a tick early is as good an estimate).
+    ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, window: int = PACE_WINDOW,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._ends: collections.deque[float] = collections.deque(maxlen=window)
+
+    def tick(self) -> None:
+        """One request ended now."""
+        self._ends.append(self._clock())
+
+    def rate(self) -> float | None:
+        """Requests ended per second, from the oldest remembered end until now (a model that
+        stopped finishing anything shows a falling rate); None before two have ended."""
+        ends = self._ends
+        count = len(ends)
+        if count < 2:
+            return None
+        span = self._clock() - ends[0]
+        return (count - 1) / span if span > 0 else None
 
 
 class Refusals:

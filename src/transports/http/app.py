@@ -13,7 +13,9 @@ the bounded pool of :mod:`transports.http.work` and stops when the client leaves
 anywhere before the first byte become the dialect's error response through
 :mod:`transports.http.errors`, the only place that maps them; refusals (over capacity, a
 queue wait over ``max_queue_wait_s``, a model loading or restarting) are logged as one
-summary line per burst, other 5xx one ERROR line each. A streaming client that
+summary line per burst, other 5xx one ERROR line each; a refusal the client may retry says
+when, in ``Retry-After`` and ``retry-after-ms``
+(:meth:`~transports.http.gateway.Gateway.retry_after`). A streaming client that
 disconnects cancels its request (Starlette cancels the body iterator; its ``finally`` cancels
 every choice's handle, and the engine frees the slots at its next step); a non-streaming one
 is watched for ``http.disconnect`` the same way. A client whose body never fully arrives (it
@@ -76,7 +78,7 @@ from transports.http.common import (
     Parsed, ServerDefaults, StreamEncoder, traceparent, with_model_defaults,
 )
 from transports.http.errors import (
-    Dialect, classify, error_body, route_error, status_for, stream_error,
+    Dialect, classify, error_body, retry_headers, route_error, status_for, stream_error,
 )
 from transports.http.fields import Obj, check, parse_json
 from transports.http.gateway import UNMENDABLE, Gateway, ModelState, ServedModel
@@ -96,13 +98,17 @@ Handler = Callable[[HTTPRequest], Awaitable[Response]]
 KEEP_ALIVE = encode_comment("keep-alive")
 
 
-def _error(exc: BaseException, dialect: Dialect) -> JSONResponse:
+def _error(exc: BaseException, dialect: Dialect,
+           retry_after_s: float | None = None) -> JSONResponse:
+    """``exc`` as the dialect's error response; ``retry_after_s``: when the client may send
+    again (the ``Retry-After`` headers), None for no such headers."""
     info = classify(exc)
     # every 5xx but a refusal is logged (the body tells the client nothing useful); refusals
     # are counted into one line per burst (admission.Refusals)
     if info.status >= 500 and refusal_reason(exc) is None:
         log.error("%d: %s", info.status, exc, exc_info=not isinstance(exc, PipelineError))
-    return JSONResponse(error_body(info, dialect), status_for(info, dialect))
+    return JSONResponse(error_body(info, dialect), status_for(info, dialect),
+                        headers=retry_headers(retry_after_s))
 
 
 ENGINE_DOWN_CLASSES = {"stalled": "its step stalled", "unresponsive": "it stopped responding",
@@ -162,7 +168,8 @@ class Server:
                 response = Response(status_code=CLIENT_CLOSED)
             except Exception as exc:
                 self.refused(exc)
-                response = _error(exc, dialect)
+                retry_s = self.gateway.retry_after(exc, getattr(http.state, "model", None))
+                response = _error(exc, dialect, retry_s)
             self.gateway.metrics.request(getattr(http.state, "model", ""), name,
                                          response.status_code)
             return response

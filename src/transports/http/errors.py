@@ -31,6 +31,11 @@ ClientGone                     499     client_closed_request       client_closed
 anything else                  500     server_error                api_error
 =============================  ======  ==========================  ==========================
 
+A refusal a client may retry (over capacity, a queue timeout, a model loading or its engine
+restarting) also says when to come back: :func:`retry_headers`, ``Retry-After`` in whole
+seconds (HTTP's form) and ``retry-after-ms`` (which the OpenAI and Anthropic SDKs read first);
+the app asks the gateway for the figure (:meth:`~transports.http.gateway.Gateway.retry_after`).
+
 Two refusals happen below the app, before a request exists to raise anything: a request head
 over ``max_header_bytes`` or ``max_headers`` (:func:`head_too_large`, 431, written by
 :mod:`transports.http.wire`) and a read deadline (408, :mod:`transports.http.timeouts`).
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from typing import Any
 
 import attrs
@@ -155,6 +161,15 @@ def head_too_large(limit: str, value: int, maximum: int, what: str) -> ErrorInfo
                      f"request header fields too large: {value} {what} exceeds the limit of "
                      f"{maximum} (server setting {limit})", code="header_fields_too_large",
                      extras={"limit": limit, "value": value, "maximum": maximum})
+
+
+def retry_headers(seconds: float | None) -> dict[str, str]:
+    """The headers that tell a refused client to retry after ``seconds`` (none for None):
+    ``Retry-After`` rounded up to whole seconds, as HTTP requires, and ``retry-after-ms``,
+    the figure to the millisecond, which the OpenAI and Anthropic SDKs prefer."""
+    if seconds is None:
+        return {}
+    return {"retry-after": str(math.ceil(seconds)), "retry-after-ms": str(round(seconds * 1e3))}
 
 
 def status_for(info: ErrorInfo, dialect: Dialect) -> int:

@@ -5,7 +5,8 @@ state (503 while loading; each load and each failure logged as it happens), rout
 (404 listing the served names), window arithmetic (a fast upper bound first, the exact count
 only near the limit; clamp or refuse ``max_tokens``),
 admission control (at most ``num_slots`` running and ``max_queue`` waiting per model, then
-:class:`~pipeline.errors.OverloadedError`), the end of every request (its usage record
+:class:`~pipeline.errors.OverloadedError`; :meth:`Gateway.retry_after`, when a refused client
+should come back, from the model's pace and queue, or its engine's restart), the end of every request (its usage record
 committed durably, or spilled for a retry after ``usage_wait_s`` at most; its admission place
 given back, its metrics counted, its choices' traces kept for the keys that made it; a failed
 one's error logged with its id, streamed or not, since the client only hears "internal server
@@ -48,8 +49,9 @@ import attrs
 from backends.torch.native_memory import bound_native_caches, release_free_memory
 from pipeline.builder import build
 from pipeline.errors import (
-    AuthenticationError, ContextWindowError, InvalidValueError, ModelLoadingError,
-    ModelNotFoundError, OverloadedError, PipelineError, StepStillRunning, failure_class,
+    AuthenticationError, ContextWindowError, EngineClosed, InvalidValueError,
+    ModelLoadingError, ModelNotFoundError, OverloadedError, PipelineError, StepStillRunning,
+    failure_class,
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.engine.process import EngineRecipe, ProcessEngine
@@ -59,7 +61,9 @@ from pipeline.sampling_defaults import sampling_summary
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion, Request
 from transports.http import logs
-from transports.http.admission import queue_timed_out
+from transports.http.admission import (
+    LOADING_WAIT_S, RETRY_MIN_S, Pace, place_wait_s, queue_timed_out, restart_wait_s,
+)
 from transports.http.choices import Choices, total_usage
 from transports.http.config import ServerConfig
 from transports.http.work import Checkpoint
@@ -135,6 +139,12 @@ class ServedModel:
         when a stopped engine could not be replaced)."""
         self.inflight = 0
         self.lock = threading.Lock()
+        self.pace = Pace()
+        """How fast its requests end: the admission places it gives back per second."""
+        self.start_s: float | None = None
+        """How long its engine took to start last time (its load, then each restart)."""
+        self.stopped_at: float | None = None
+        """When (``time.monotonic``) its engine last stopped."""
         self.restarts = 0
         """Fresh engines started after the engine loop stopped."""
         self._token_chars: int | None = None
@@ -296,6 +306,7 @@ class Gateway:
                 else default_builder(served.folder, self.config,
                                      self.config.strategy(served.name)))
             self._supervise(served)
+            served.start_s = time.perf_counter() - start
             served.token_chars  # the prompt-size bound needs it; compute it before serving
             served.state = ModelState.READY
         except Exception as exc:  # reported as a 503 naming the failure
@@ -327,6 +338,7 @@ class Gateway:
     def _engine_stopped(self, served: ServedModel, why: str) -> None:
         """On the dying engine thread: schedule a fresh engine (503 until it runs), or, when
         none can replace it (:attr:`ServedModel.mendable`), mark the model failed at once."""
+        served.stopped_at = time.monotonic()
         if not served.mendable:
             served.error, served.error_class = f"{why}; {UNMENDABLE}", failure_class(why)
             served.state = ModelState.FAILED
@@ -407,7 +419,9 @@ class Gateway:
             if self._closed.is_set() or served.pipeline is None:
                 return
             try:
+                start = time.perf_counter()
                 served.pipeline.restart_engine()
+                served.start_s = time.perf_counter() - start
             except StepStillRunning as exc:  # a stalled step holds the backend: wait for it
                 log.warning("model %r: %s; trying again in %.1f s", served.name, exc,
                             max(self.config.restart_delay_s, 1.0))
@@ -588,6 +602,41 @@ class Gateway:
         return OverloadedError(f"model {served.name!r} is at capacity ({self.capacity} "
                                "requests running or queued); retry later")
 
+    def retry_after(self, exc: BaseException, model: str | None) -> float | None:
+        """Seconds a client refused with ``exc`` should wait before it sends again, or None
+        when waiting would not help (a model that failed, an engine nothing can replace, no
+        refusal at all); ``model`` is the served name the request gave, if known. Cheap: a
+        few reads, no lock.
+
+        * over capacity, or a queue wait over its bound:
+          :func:`~transports.http.admission.place_wait_s` from the model's pace and the
+          requests waiting ahead (a model not known here: the shortest wait);
+        * a model loading for the first time:
+          :data:`~transports.http.admission.LOADING_WAIT_S`;
+        * an engine restarting (refused, or a request its stop ended):
+          :func:`~transports.http.admission.restart_wait_s`, what is left of
+          ``restart_delay_s`` plus how long starting its engine took last time.
+        """
+        if isinstance(exc, ModelLoadingError):
+            model = exc.model
+        served = self.models.get(model) if model is not None else None
+        if isinstance(exc, OverloadedError):
+            if served is None:
+                return RETRY_MIN_S
+            ahead = max(served.inflight - self.config.num_slots, 0) + 1
+            return place_wait_s(ahead, served.pace.rate())
+        if isinstance(exc, ModelLoadingError) and exc.failed:
+            return None
+        if isinstance(exc, ModelLoadingError) and not exc.restarting:
+            return LOADING_WAIT_S
+        if isinstance(exc, (ModelLoadingError, EngineClosed)):
+            if served is None or not served.mendable or served.state is ModelState.FAILED:
+                return None
+            since = (time.monotonic() - served.stopped_at if served.stopped_at is not None
+                     else 0.0)
+            return restart_wait_s(self.config.restart_delay_s, since, served.start_s)
+        return None
+
     def submit(self, served: ServedModel, requests: Sequence[Prepared], endpoint: str,
                loop: asyncio.AbstractEventLoop, *, record_id: str, n: int = 1,
                owners: frozenset[str] = frozenset()) -> list[Flight]:
@@ -637,6 +686,7 @@ class Gateway:
             served.leave(flight)
         else:  # not registered: submit failed half-way and gave the places back itself
             self._leave(served)
+        served.pace.tick()
         self.metrics.finished(served.name, completion.usage, completion.timings.first_token_s)
         choices.add(index, completion)
 
