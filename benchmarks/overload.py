@@ -4,15 +4,19 @@ A server (``pipeline serve`` in a subprocess, its default limits: 8 slots and 64
 per model unless ``--slots``/``--max-queue`` say otherwise) serves ``--model``. Closed-loop
 clients (a minimal asyncio HTTP/1.1 client, one connection per request, so the load generator
 spends little CPU) each send a non-streamed chat request of ``--max-tokens`` tokens, wait for
-its answer, and send the next; a refused request (429, 503, 529) is sent again after
-``--backoff`` seconds (0.5 s by default, the first retry delay of the OpenAI and Anthropic
-SDKs). Two phases per round, each ``--seconds`` long after ``--warmup`` seconds:
+its answer, and send the next; a refused request (429, 503, 529) is sent again after the
+wait its ``retry-after-ms`` or ``Retry-After`` header asks for, read as the OpenAI and
+Anthropic SDKs read them (milliseconds first; a wait in (0, 120] s is honoured), else after
+``--backoff`` seconds (0.5 s by default, the SDKs' first retry delay); with
+``--ignore-retry-after`` always after ``--backoff``, as a client that reads no header (and as
+every client did before the server sent one). Two phases per round, each ``--seconds`` long after ``--warmup`` seconds:
 
 * ``limit``: as many clients as the server admits (slots + queue places): none is refused;
 * ``overload``: ``--clients`` clients (200): the rest are refused, again and again.
 
 For each phase: completed requests per second, the median and p90 latency of the requests
-answered 200 (sent to answered, queueing included), refusals per second, and the CPU seconds
+answered 200 (sent to answered, queueing included), refusals per second, the median wait the
+refusals asked for, and the CPU seconds
 per second of the server (from ``/proc``) and of the clients, which share its cores. The
 ratios overload / limit of the rate and of the median are what the server must keep near 1
 (goal: rate >= 0.8x, median <= 2x). The server's log is
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,8 @@ import httpx
 
 RESULTS = Path(__file__).parent / "results" / "overload.json"
 REFUSED = {429, 503, 529}
+SDK_MAX_RETRY_AFTER_S = 120.0
+"""The longest server-asked wait the OpenAI SDK honours (it does not retry past it)."""
 
 
 def loadavg() -> list[str]:
@@ -72,6 +79,7 @@ class Phase:
         self.start, self.end = start, end
         self.latencies: list[float] = []
         self.refused = 0
+        self.asked: list[float] = []  # the waits the refusals asked for
         self.errors: list[str] = []
 
     def inside(self, t: float) -> bool:
@@ -87,28 +95,49 @@ class Phase:
                 "median_s": round(statistics.median(ordered), 3) if ordered else None,
                 "p90_s": round(p90, 3), "refused": self.refused,
                 "refused_per_s": round(self.refused / seconds, 1),
+                "asked_wait_s": (round(statistics.median(self.asked), 3) if self.asked
+                                 else None),
                 "server_cpu_per_s": round(server_cpu_s / seconds, 2),
                 "client_cpu_per_s": round(client_cpu_s / seconds, 2),
                 "errors": len(self.errors), "error_examples": self.errors[:3]}
 
 
-async def ask(port: int, payload: bytes) -> int:
-    """One request; its status once the whole answer arrived."""
+async def ask(port: int, payload: bytes) -> tuple[int, float | None]:
+    """One request; its status once the whole answer arrived, and the wait its headers ask
+    for (:func:`asked_wait`)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nConnection: close\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        status = int((await reader.readline()).split()[1])
-        await reader.read()  # Connection: close: the answer ends with the connection
-        return status
+        answer = await reader.read()  # Connection: close: the answer ends with the connection
     finally:
         writer.close()
+    head = answer.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    headers = {}
+    for line in head[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(head[0].split()[1]), asked_wait(headers)
+
+
+def asked_wait(headers: dict[str, str]) -> float | None:
+    """The wait a response asks for, read as the OpenAI SDK reads it: ``retry-after-ms``
+    first, then ``Retry-After`` in seconds; None when neither parses or the wait is outside
+    (0, 120] s, where the SDK falls back to its own backoff (or, past 120 s, gives up)."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            wait = float(headers[name]) * scale
+        except (KeyError, ValueError):
+            continue
+        return wait if 0 < wait <= SDK_MAX_RETRY_AFTER_S else None
+    return None
 
 
 async def client(i: int, port: int, model: str, max_tokens: int, backoff: float,
-                 phase: Phase) -> None:
-    """Send requests one after the other until cancelled; count those inside the window."""
+                 honour: bool, phase: Phase) -> None:
+    """Send requests one after the other until cancelled; count those inside the window. A
+    refused one is sent again after the wait it asked for (``honour``), else ``backoff``."""
     n = 0
     while True:
         n += 1
@@ -117,7 +146,7 @@ async def client(i: int, port: int, model: str, max_tokens: int, backoff: float,
                                                          "is a Python generator?"}]}
         sent = time.monotonic()
         try:
-            status = await ask(port, json.dumps(body).encode())
+            status, asked = await ask(port, json.dumps(body).encode())
         except (OSError, ValueError, IndexError) as exc:
             if phase.inside(time.monotonic()):
                 phase.errors.append(repr(exc))
@@ -130,7 +159,9 @@ async def client(i: int, port: int, model: str, max_tokens: int, backoff: float,
         elif status in REFUSED:
             if phase.inside(now):
                 phase.refused += 1
-            await asyncio.sleep(backoff)
+                if asked is not None:
+                    phase.asked.append(asked)
+            await asyncio.sleep(asked if honour and asked is not None else backoff)
         elif phase.inside(now):
             phase.errors.append(f"status {status}")
 
@@ -141,7 +172,9 @@ async def run_phase(port: int, pid: int, model: str, clients: int,
     clients' CPU seconds inside the measured window (they share the machine)."""
     start = time.monotonic() + args.warmup
     phase = Phase(start, start + args.seconds)
-    tasks = [asyncio.create_task(client(i, port, model, args.max_tokens, args.backoff, phase))
+    honour = not args.ignore_retry_after
+    tasks = [asyncio.create_task(client(i, port, model, args.max_tokens, args.backoff, honour,
+                                        phase))
              for i in range(clients)]
     await asyncio.sleep(args.warmup)
     cpu_before, mine_before = cpu_seconds(pid), time.process_time()
@@ -180,7 +213,7 @@ def app_refusal_ms(n: int) -> float:
             await asyncio.sleep(3600)  # no disconnect while the app answers
             raise AssertionError
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 statuses.append(message["status"])
 
@@ -261,7 +294,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=200, help="clients of the overload phase")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--backoff", type=float, default=0.5,
-                        help="seconds a refused client waits before it sends again")
+                        help="seconds a refused client waits before it sends again, when the "
+                             "refusal asks for no wait (or --ignore-retry-after)")
+    parser.add_argument("--ignore-retry-after", action="store_true",
+                        help="refused clients wait --backoff whatever the refusal asks for")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured per phase")
     parser.add_argument("--warmup", type=float, default=10.0, help="unmeasured, per phase")
     parser.add_argument("--rounds", type=int, default=2,
@@ -305,19 +341,20 @@ def main() -> None:
     summary_app = app_refusal_ms(args.app_refusals)
     logged = log_counts(log_path.read_text(errors="replace"))
     print(f"{'round':>5} {'phase':<9} {'clients':>7} {'done/s':>7} {'median s':>9} "
-          f"{'p90 s':>7} {'refused/s':>9} {'server CPU/s':>12} {'client CPU/s':>12} "
-          f"{'errors':>6}")
+          f"{'p90 s':>7} {'refused/s':>9} {'asked s':>7} {'server CPU/s':>12} "
+          f"{'client CPU/s':>12} {'errors':>6}")
     for x in rows:
         print(f"{x['round']:>5} {x['phase']:<9} {x['clients']:>7} {x['completed_per_s']:>7} "
               f"{x['median_s']!s:>9} {x['p90_s']:>7} {x['refused_per_s']:>9} "
-              f"{x['server_cpu_per_s']:>12} {x['client_cpu_per_s']:>12} {x['errors']:>6}")
+              f"{x['asked_wait_s']!s:>7} {x['server_cpu_per_s']:>12} "
+              f"{x['client_cpu_per_s']:>12} {x['errors']:>6}")
     summary: dict[str, Any] = {}
     for name in ("limit", "overload"):
-        mine = [x for x in rows if x["phase"] == name]
-        summary[name] = {k: statistics.median(x[k] for x in mine if x[k] is not None)
-                         if any(x[k] is not None for x in mine) else None
+        same = [x for x in rows if x["phase"] == name]
+        summary[name] = {k: statistics.median(x[k] for x in same if x[k] is not None)
+                         if any(x[k] is not None for x in same) else None
                          for k in ("completed_per_s", "median_s", "refused_per_s",
-                                   "server_cpu_per_s")}
+                                   "asked_wait_s", "server_cpu_per_s")}
     lim, over = summary["limit"], summary["overload"]
     summary["rate_ratio"] = (round(over["completed_per_s"] / lim["completed_per_s"], 3)
                              if lim["completed_per_s"] else None)
@@ -330,7 +367,9 @@ def main() -> None:
     summary["server_cpu_ms_per_refusal"] = (
         round(1e3 * (over["server_cpu_per_s"] - over["completed_per_s"] * per_done)
               / over["refused_per_s"], 2) if over["refused_per_s"] else None)
-    print(f"overload / limit: completed rate x{summary['rate_ratio']} (goal >= 0.8), median "
+    retry = ("ignored Retry-After (waited --backoff)" if args.ignore_retry_after
+             else "honoured Retry-After")
+    print(f"refused clients {retry}; overload / limit: completed rate x{summary['rate_ratio']} (goal >= 0.8), median "
           f"latency x{summary['median_ratio']} (goal <= 2); a refusal: {summary_app} ms of CPU "
           f"in the app, about {summary['server_cpu_ms_per_refusal']} ms in the server; "
           f"server log: {logged}; load "
