@@ -188,14 +188,15 @@ async def _in_flight(url: str, i: int, kill: Kill, tokens: int = LONG) -> tuple[
                 final = await events.get_final_message()
             return kind, _done(final.stop_reason)
     except openai.APIStatusError as exc:  # an answer that is an error body: the 503 one
-        ok = exc.status_code == 503 and exc.type == "service_unavailable"
+        ok = exc.status_code == 503 and exc.type == "service_unavailable" and \
+            exc.response.headers.get("retry-after-ms") == "1000"  # told when to come back
         return kind, "503" if ok else f"failure: {exc!r}"
     except openai.APIError as exc:  # an error chunk ended the stream
         ok = stream and exc.type == "service_unavailable"
         return kind, "error event" if ok else f"failure: {exc!r}"
     except anthropic.APIStatusError as exc:  # the 503 body, or the stream's error event
         ok = isinstance(exc.body, dict) and exc.body["error"]["type"] == "api_error"
-        if ok and exc.status_code == 503:
+        if ok and exc.status_code == 503 and exc.response.headers.get("retry-after") == "1":
             return kind, "503"
         return kind, "error event" if ok and stream else f"failure: {exc!r}"
     except Exception as exc:  # a bare 500, a cut connection: what must not happen

@@ -78,7 +78,9 @@ from starlette.responses import JSONResponse
 
 from pipeline.errors import ClientGone, EngineClosed, PayloadTooLargeError
 from transports.http.config import ServerConfig
-from transports.http.errors import Dialect, classify, error_body, status_for, stream_error
+from transports.http.errors import (
+    Dialect, classify, error_body, retry_headers, status_for, stream_error,
+)
 
 log = logging.getLogger("pipeline.serve")
 
@@ -203,6 +205,9 @@ def _gone(exc: BaseException) -> bool:
 
 REPLICA_GONE = ("the replica serving this request stopped before it was answered; retry "
                 "the request")
+RETRY_AFTER_S = 1.0
+"""The wait a client refused because its replica (and the one tried after it) died is told
+to take before it sends again (``Retry-After``): the router then sends it to a live one."""
 
 
 class Front:
@@ -297,9 +302,12 @@ def _is_stream(head: Message) -> bool:
 
 
 async def _refuse(send: Send, exc: BaseException, dialect: Dialect) -> None:
-    """The dialect's error response for ``exc``, whole, as the gateway's app writes it."""
+    """The dialect's error response for ``exc``, whole, as the gateway's app writes it; a
+    replica gone says when to retry (:data:`RETRY_AFTER_S`: another replica may serve it)."""
     info = classify(exc)
-    response = JSONResponse(error_body(info, dialect), status_for(info, dialect))
+    retry = RETRY_AFTER_S if isinstance(exc, EngineClosed) else None
+    response = JSONResponse(error_body(info, dialect), status_for(info, dialect),
+                            headers=retry_headers(retry))
     await send({"type": "http.response.start", "status": response.status_code,
                 "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
