@@ -291,15 +291,59 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
         out = sdpa(q.view(1, hkv, hq // hkv, d), keys, values)
         return out.view(1, hq, d)
     qh = q.transpose(0, 1)[None]                                               # [1, Hq, n, D]
+    if q.device.type == "cpu" and q.dtype != torch.float32:  # torch's fused kernel
+        return _bounded_fused(qh, keys, values, start, window, block)
     if start == 0 and not windowed and not block:
         out = sdpa(qh, keys, values, is_causal=True, enable_gqa=True)
     elif block and not windowed:  # everything written so far: no mask at all
         out = sdpa(qh, keys, values, enable_gqa=True)
     else:
-        q_pos = torch.arange(start, start + n, device=q.device)[:, None]       # [n, 1]
-        k_pos = torch.arange(lk, device=q.device)[None, :]                     # [1, Lk]
-        mask = k_pos <= (torch.full_like(q_pos, start + n - 1) if block else q_pos)  # [n, Lk]
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        out = sdpa(qh, keys, values, attn_mask=mask, enable_gqa=True)
+        out = sdpa(qh, keys, values, attn_mask=_mask(n, lk, start, window, block, q.device),
+                   enable_gqa=True)
     return out[0].transpose(0, 1)                                              # [n, Hq, D]
+
+
+def _mask(n: int, lk: int, start: int, window: int | None, block: bool,
+          device: torch.device) -> torch.Tensor:
+    """Which of ``lk`` keys each of ``n`` queries at ``start..start+n-1`` sees: ``[n, Lk]``."""
+    q_pos = torch.arange(start, start + n, device=device)[:, None]             # [n, 1]
+    k_pos = torch.arange(lk, device=device)[None, :]                           # [1, Lk]
+    mask = k_pos <= (torch.full_like(q_pos, start + n - 1) if block else q_pos)  # [n, Lk]
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _attention_length(n: int) -> int:
+    """The length a prompt's queries or keys are padded to for the fused kernel: as it is up
+    to 32 (a few shapes, and short prompts keep the kernel's exact bits), else the next
+    multiple of 32."""
+    return n if n <= 32 else -(-n // 32) * 32
+
+
+def _bounded_fused(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   window: int | None, block: bool) -> torch.Tensor:
+    """:func:`attend`'s several queries ``qh [1, Hq, n, D]`` by torch's fused CPU kernel
+    (bfloat16, float16) on padded lengths: ``[n, Hq, D]``.
+
+    That kernel keeps a compiled oneDNN micro-kernel, and its buffers, for every shape of
+    block it has met, in a cache with no bound (torch's ``CPUBlas`` kernel cache), so
+    prompts of every length grew memory with traffic's variety (hundreds of MB over 3,000
+    varied requests). Queries and keys are padded with zeros to :func:`_attention_length`
+    lengths, so the blocks take a few shapes; the
+    padded keys are hidden (causally, for a prompt from position 0, else by the mask), the
+    padded queries' rows are dropped."""
+    _, hq, n, d = qh.shape
+    hkv, lk = keys.shape[1], keys.shape[2]
+    m, lk_pad = _attention_length(n), _attention_length(lk)
+    qp = torch.cat([qh, qh.new_zeros((1, hq, m - n, d))], dim=2)               # [1, Hq, m, D]
+    pad = keys.new_zeros((1, hkv, lk_pad - lk, d))
+    kp, vp = torch.cat([keys, pad], dim=2), torch.cat([values, pad], dim=2)    # [1, Hkv, Lk', D]
+    if start == 0 and lk == n and not block and (window is None or lk <= window):
+        out = sdpa(qp, kp, vp, is_causal=True, enable_gqa=True)                # [1, Hq, m, D]
+    else:
+        mask = torch.zeros(m, lk_pad, dtype=torch.bool, device=qh.device)      # [m, Lk']
+        mask[:n, :lk] = _mask(n, lk, start, window, block, qh.device)
+        mask[n:, 0] = True  # a padded query sees one key: no empty softmax
+        out = sdpa(qp, kp, vp, attn_mask=mask, enable_gqa=True)               # [1, Hq, m, D]
+    return out[0, :, :n].transpose(0, 1)                                       # [n, Hq, D]

@@ -20,6 +20,14 @@ serve_memory.py``; ``docs/performance.md``):
    pages a fragmented heap seldom returns. A fixed threshold (``mmap_threshold`` bytes)
    keeps large tensors in their own mappings, returned to the system when freed.
 
+A third cache has no capacity to set: torch's fused CPU attention (bfloat16, float16) keeps a
+compiled micro-kernel with its buffers for every block shape it meets, for good. Capacities
+cannot bound what the model does not repeat, so the model bounds the shapes instead, in
+every mode: its matrix products run on a fixed set of row counts
+(:func:`~backends.torch.packed.bounded_rows`, or the batch-invariant tiles) and its prompt
+attention on padded lengths (:func:`~backends.torch.model.attend`), so both kinds of cache
+hold the same few entries however varied the traffic.
+
 Elsewhere than glibc the second is skipped; both are process-wide, which is why the server
 (a process of its own) applies them and :func:`~pipeline.builder.build` does not.
 

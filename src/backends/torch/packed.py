@@ -55,9 +55,9 @@ is a oneDNN-packed copy (:class:`~backends.torch.experts.ExpertCache`)."""
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a product of ``rows`` (1..:data:`ROW_TILE`) rows runs at: the next power
-    of two up to 32 (decode batches: a few rows more cost nothing beside streaming the
-    weight), then the next multiple of 32 (at most 31 padding rows). Thirteen sizes in all."""
+    """The row count a product of ``rows`` rows runs at: the next power of two up to 32
+    (decode batches: a few rows more cost nothing beside streaming the weight), then the next
+    multiple of 32 (at most 31 padding rows); thirteen sizes up to :data:`ROW_TILE`."""
     if rows <= 32:
         return 1 << (rows - 1).bit_length()
     return -(-rows // 32) * 32
