@@ -6,9 +6,14 @@ drawn at random), each with a prompt of 1–``--max-prompt`` words (about as man
 new tokens, so the engine sees many distinct batch sizes and prefill chunk lengths. The
 server's resident set (``VmRSS`` of ``/proc/PID/status``) is read after the warm-up and at each
 checkpoint; the figure that matters is the growth after warm-up, and whether it levels off.
+Answers are counted by status (0: the connection failed, counted rather than ending the run).
 ``--env KEY=VALUE`` (repeatable) sets the server's environment, to compare settings in one
 sitting. Loopback only, bounded in count. Prints a table and writes
-``benchmarks/results/serve_memory-<model>.json`` (``--out``).
+``benchmarks/results/serve_memory-<model>[-invariant=<mode>].json`` (``--out``), rewritten
+with the rows so far at each checkpoint.
+
+``--batch-invariant on|off`` is passed to the server (``auto``, the default: its own choice, on
+for a CPU); the two modes meet different row counts in their matrix products.
 
 Run: ``.venv/bin/python benchmarks/serve_memory.py --model tiny [--requests 3000]``;
 ``--smoke``: the same code in seconds on the tiny model (2 warm-up requests, then 6 in
@@ -51,11 +56,11 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def start(model: str, port: int, data: str, max_context: int,
+def start(model: str, port: int, data: str, max_context: int, invariant: str,
           env: dict[str, str]) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
             str(port), "--data-dir", data, "--slots", "16", "--max-queue", "64",
-            "--max-context", str(max_context)]
+            "--max-context", str(max_context), "--batch-invariant", invariant]
     if model != "default":
         args += ["--model", model]
     return subprocess.Popen(args, env={**os.environ, "PIPELINE_API_KEYS": "", **env},
@@ -79,7 +84,10 @@ def one(client: httpx.Client, url: str, rng: random.Random, max_prompt: int) -> 
     body = {"model": client.headers["x-served-model"], "temperature": 0, "max_tokens": rng.randint(1, 8),
             "messages": [{"role": "user",
                           "content": " ".join(rng.choice(WORDS) for _ in range(words))}]}
-    return client.post(f"{url}/v1/chat/completions", json=body, timeout=300).status_code
+    try:
+        return client.post(f"{url}/v1/chat/completions", json=body, timeout=300).status_code
+    except httpx.TransportError:  # counted (as status 0) rather than ending the run
+        return 0
 
 
 def send(url: str, n: int, rng: random.Random, max_prompt: int,
@@ -105,6 +113,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", default="500,1000,2000,3000")
     parser.add_argument("--max-prompt", type=int, default=380)
     parser.add_argument("--max-context", type=int, default=1024)
+    parser.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
+                        help="the server's --batch-invariant (auto: on, on a CPU)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None,
@@ -122,8 +132,14 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
+    tag = "-".join(f"{k}={v}" for k, v in sorted(env.items()))
+    mode = "" if args.batch_invariant == "auto" else f"-invariant={args.batch_invariant}"
+    name = f"serve_memory-{Path(args.model).name}{mode}{'-' + tag if tag else ''}"
+    out = args.out or (Path(tempfile.gettempdir()) / f"{name}-smoke.json" if args.smoke
+                       else RESULTS / f"{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as data:
-        server = start(args.model, port, data, args.max_context, env)
+        server = start(args.model, port, data, args.max_context, args.batch_invariant, env)
         try:
             wait_ready(url, server)
             loaded = rss_mb(server.pid)
@@ -145,25 +161,21 @@ def main() -> None:
                                  "growth_mb": round(now - base, 1)})
                     print(f"{done:>6} requests  RSS {now:8.1f} MB  growth {now - base:7.1f} MB",
                           flush=True)
+                    out.write_text(json.dumps({"partial": True, "rows": rows}, indent=2))
                 wall = time.perf_counter() - started
         finally:
             server.terminate()
             server.wait(30)
-    result = {"model": args.model, "env": env, "max_context": args.max_context,
+    result = {"model": args.model, "batch_invariant": args.batch_invariant, "env": env, "max_context": args.max_context,
               "max_prompt_words": args.max_prompt, "warmup": args.warmup,
               "rss_loaded_mb": round(loaded, 1), "rows": rows, "statuses": statuses,
               "wall_s": round(wall, 1), "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
-    print(f"\nmodel {args.model}, env {env or '(none)'}; loaded {loaded:.1f} MB, "
+    print(f"\nmodel {args.model}, --batch-invariant {args.batch_invariant}, env {env or '(none)'}; loaded {loaded:.1f} MB, "
           f"after {args.warmup} warm-up requests {rows[0]['rss_mb']} MB; statuses {statuses}; "
           f"{wall:.0f} s; load {' '.join(result['loadavg'])}")
     print(f"{'requests':>8} {'RSS MB':>9} {'growth MB':>10}")
     for row in rows:
         print(f"{row['requests']:>8} {row['rss_mb']:>9} {row['growth_mb']:>10}")
-    tag = "-".join(f"{k}={v}" for k, v in sorted(env.items()))
-    name = f"serve_memory-{Path(args.model).name}{'-' + tag if tag else ''}"
-    out = args.out or (Path(tempfile.gettempdir()) / f"{name}-smoke.json" if args.smoke
-                       else RESULTS / f"{name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
