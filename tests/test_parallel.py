@@ -243,6 +243,20 @@ def _followers(gateway: Any) -> list[int]:
     return list(engine._process.followers.pids)
 
 
+def lost_then_mended(client: httpx.Client, when: str) -> None:
+    """``/health`` turns 503 with reason ``rank_lost`` within 10 s of a rank's loss, then
+    200 again once a whole fresh group serves (within 180 s)."""
+    deadline = time.monotonic() + 10
+    while (health := client.get("/health")).status_code == 200:
+        assert time.monotonic() < deadline, f"a rank lost {when} never showed in /health"
+        time.sleep(0.02)
+    assert health.json()["reasons"] == {"engine:default": "rank_lost"}
+    deadline = time.monotonic() + 180
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, f"no fresh group after a rank lost {when}"
+        time.sleep(0.1)
+
+
 def test_a_supervised_group_answers_loses_a_rank_and_serves_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pipeline.builder import build
@@ -271,30 +285,14 @@ def test_a_supervised_group_answers_loses_a_rank_and_serves_again(
                         os.kill(old[0], signal.SIGKILL)  # a process this test's server started
             assert "service_unavailable" in lines[-1] and "lost a rank" in lines[-1]
             assert "a fresh one is starting" in lines[-1]
-            deadline = time.monotonic() + 10
-            while (health := client.get("/health")).status_code == 200:
-                assert time.monotonic() < deadline, "the loss never showed in /health"
-                time.sleep(0.02)
-            assert health.json()["reasons"] == {"engine:default": "rank_lost"}
-            deadline = time.monotonic() + 180
-            while client.get("/health").status_code != 200:  # a whole fresh group
-                assert time.monotonic() < deadline, "no fresh group"
-                time.sleep(0.1)
+            lost_then_mended(client, "mid-stream")
             again = client.post("/v1/chat/completions", json=chat).json()
             assert again["choices"][0]["message"]["content"] == want
             fresh = _followers(gateway)
             assert fresh != old and gateway.models["default"].restarts == 1
             # a rank lost while the group is idle is seen too (no collective would notice)
             os.kill(fresh[0], signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while (health := client.get("/health")).status_code == 200:
-                assert time.monotonic() < deadline, "an idle group's loss never showed"
-                time.sleep(0.02)
-            assert health.json()["reasons"] == {"engine:default": "rank_lost"}
-            deadline = time.monotonic() + 180
-            while client.get("/health").status_code != 200:
-                assert time.monotonic() < deadline, "no fresh group after an idle loss"
-                time.sleep(0.1)
+            lost_then_mended(client, "while idle")
             assert client.post("/v1/chat/completions", json=chat).status_code == 200
     finally:
         gateway.close()
