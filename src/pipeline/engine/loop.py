@@ -144,14 +144,16 @@ class Stall:
         """One line for ``/health``, the failed requests' errors and their usage rows: the
         step, how long, doing what, and how many requests — never which: a request id is its
         own client's, and these lines reach every client (``/health`` needs no key)."""
-        return (f"step {self.step} has run {self.running_s:.1f} s in {self.phase} "
-                f"({len(self.request_ids)} requests)")
+        return f"{self.what()} ({len(self.request_ids)} requests)"
 
     def describe_for_log(self) -> str:
         """:meth:`describe` with the first four request ids, for the operator's log."""
         ids = ", ".join(self.request_ids[:4]) + (" ..." if len(self.request_ids) > 4 else "")
-        return (f"step {self.step} has run {self.running_s:.1f} s in {self.phase} "
-                f"({len(self.request_ids)} requests: {ids})")
+        return f"{self.what()} ({len(self.request_ids)} requests: {ids})"
+
+    def what(self) -> str:
+        """What is stuck and for how long, without the requests."""
+        return f"step {self.step} has run {self.running_s:.1f} s in {self.phase}"
 
 
 @attrs.frozen

@@ -132,17 +132,8 @@ class Unresponsive(Stall):
     """A child unheard between steps (:meth:`ProcessEngine.stall`): ``running_s`` is how long,
     ``phase`` what it has not done. The watchdog abandons it as it does a stalled step."""
 
-    def describe(self) -> str:
-        """One line for ``/health`` and other clients' errors: how long and how many
-        requests, never which."""
-        return (f"the engine process {self.phase} for {self.running_s:.1f} s "
-                f"({len(self.request_ids)} requests)")
-
-    def describe_for_log(self) -> str:
-        """:meth:`describe` with the first four request ids, for the operator's log."""
-        ids = ", ".join(self.request_ids[:4]) + (" ..." if len(self.request_ids) > 4 else "")
-        return (f"the engine process {self.phase} for {self.running_s:.1f} s "
-                f"({len(self.request_ids)} requests: {ids})")
+    def what(self) -> str:
+        return f"the engine process {self.phase} for {self.running_s:.1f} s"
 
 
 @attrs.frozen
