@@ -45,7 +45,8 @@ from pipeline.engine.forcing import Forcing
 from pipeline.protocols import Batch, Row
 from pipeline.types import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
-from stages.select import AutoregressiveStrategy, SamplingSelector
+from stages.select import SamplingSelector
+from stages.strategies import AutoregressiveStrategy
 
 VOCAB = 151_936
 SMOKE_VOCAB = 4096

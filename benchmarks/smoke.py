@@ -49,6 +49,7 @@ FOLDER_OUT = ("moe_tune",)
 PRELOAD = ("torch", "numpy", "pipeline", "pipeline.builder", "pipeline.pipe", "pipeline.engine",
            "pipeline.trace", "pipeline.testing", "backends.torch.backend", "backends.gguf.file",
            "backends.gguf.load", "stages.structured", "stages.process", "stages.select",
+           "stages.strategies",
            "transports.sse", "transports.http.app", "httpx", "jsonschema", "transformers",
            "transformers.generation.logits_process")
 """What the forking parent imports once (whichever are installed). Nothing that imports

@@ -42,7 +42,8 @@ MODULES = (
     "pipeline", "pipeline.types", "pipeline.errors", "pipeline.protocols", "pipeline.events",
     "pipeline.registry", "pipeline.hookspecs", "pipeline.model_paths", "pipeline.testing",
     "pipeline.trace",
-    "stages.render", "stages.tokenize", "stages.process", "stages.select", "stages.detokenize",
+    "stages.render", "stages.tokenize", "stages.process", "stages.select", "stages.strategies",
+    "stages.detokenize",
     "stages.stop", "backends.torch", "transports", "transports.http",
 )
 """Modules the reference covers; a package with ``__all__`` shows exactly those names."""

@@ -22,18 +22,18 @@ from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
 from stages import detokenize, process, render, select, stop, tokenize
 from stages.structured import GrammarProcessor
 from backends.torch.backend import TorchBackend
-from stages.select.draft import DraftModelProposer
-from stages.select.proposers import NgramProposer, Proposer
-from stages.select.continuous.integrators import (
+from stages.strategies.draft import DraftModelProposer
+from stages.strategies.proposers import NgramProposer, Proposer
+from stages.strategies.continuous.integrators import (
     DiffusionIntegrator, FlowIntegrator, Integrator,
 )
-from stages.select.continuous.schedules import NoiseSchedule
-from stages.select.continuous.strategy import ContinuousStrategy
-from stages.select.continuous.updates import uniform_grid
-from stages.select.diffusion import (
+from stages.strategies.continuous.schedules import NoiseSchedule
+from stages.strategies.continuous.strategy import ContinuousStrategy
+from stages.strategies.continuous.updates import uniform_grid
+from stages.strategies.diffusion import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
 )
-from stages.select.speculative import SpeculativeStrategy
+from stages.strategies.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
 

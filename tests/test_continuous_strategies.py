@@ -25,9 +25,9 @@ from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
 from pipeline.trace import check, diff
 from pipeline.types import Completion, Recording
-from stages.select.continuous.noise import gaussian
-from stages.select.continuous.schedules import NoiseSchedule
-from stages.select.continuous.updates import ddim_step, ddpm_step, uniform_grid
+from stages.strategies.continuous.noise import gaussian
+from stages.strategies.continuous.schedules import NoiseSchedule
+from stages.strategies.continuous.updates import ddim_step, ddpm_step, uniform_grid
 from test_continuous_backend import training_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")

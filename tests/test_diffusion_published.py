@@ -40,7 +40,7 @@ from pipeline.trace import check, diff
 from pipeline.types import GenerationConfig
 from stages.process import make_processor
 from tests.trace_runs import edit
-from stages.select.diffusion import (
+from stages.strategies.diffusion import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
     MaskedDiffusionStrategy, uniforms,
 )

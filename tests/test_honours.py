@@ -24,7 +24,7 @@ from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.registry import Component
 from pipeline.types import GenerationConfig
-from stages.select.strategy import AutoregressiveStrategy
+from stages.strategies.autoregressive import AutoregressiveStrategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,9 +16,10 @@ from pipeline.protocols import Batch, Plan, Row, Scores, Selector, Strategy
 from pipeline.types import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import (
-    SELECTORS, AutoregressiveStrategy, GreedySelector, SamplingSelector, uniform,
+    SELECTORS, GreedySelector, SamplingSelector, uniform,
 )
 from stages.select.rng import BELOW_ONE
+from stages.strategies import AutoregressiveStrategy
 
 
 def row(config: dict[str, Any], seed: int = 0, step: int = 1, stream: int = 0) -> Row:

@@ -34,8 +34,9 @@ from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, has
 from pipeline.trace import check, diff, load
 from pipeline.types import Completion, GenerationConfig
 from stages.process import ProcessorChain
-from stages.select import SamplingSelector, SpeculativeStrategy
-from stages.select.proposers import NgramProposer
+from stages.select import SamplingSelector
+from stages.strategies import SpeculativeStrategy
+from stages.strategies.proposers import NgramProposer
 from trace_runs import edit, is_
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -27,9 +27,9 @@ from pipeline.testing import ScriptedBackend
 from pipeline.types import GenerationConfig
 from stages.process import ProcessorChain
 from stages.select import SamplingSelector
-from stages.select.draft import DraftModelProposer
-from stages.select.proposers import NgramProposer, Proposer
-from stages.select.speculative import SpeculativeStrategy
+from stages.strategies.draft import DraftModelProposer
+from stages.strategies.proposers import NgramProposer, Proposer
+from stages.strategies.speculative import SpeculativeStrategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -38,7 +38,7 @@ from pipeline.registry import Component
 from pipeline.testing import ScriptedBackend, peaked
 from pipeline.types import FinishReason
 from stages.detokenize.incremental import IncrementalDetokenizer
-from stages.select import AutoregressiveStrategy
+from stages.strategies import AutoregressiveStrategy
 from stages.tokenize import HFTokenizer
 from tests.http_support import config
 from transports.http import Gateway, create_app

@@ -232,7 +232,7 @@ def build(
         request_checks=tuple(p for p in procs if isinstance(p, RequestCheck)),
     )
     model_backend = _backend(registry, context, backend)
-    context = attrs.evolve(context, backend=model_backend)
+    context = attrs.evolve(context, backend=model_backend, load_model=load_backend)
     make_strategy = (_as_maker(given) if given is not None
                      else cast(StrategyMaker, registry.create("strategy", name, context)))
     eng = None

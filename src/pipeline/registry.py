@@ -38,8 +38,9 @@ class BuildContext:
     its own settings from ``options.extra``), ``shared``, a memo the factories of one build
     may share (e.g. a model file opened once for its tokenizer, template and weights), the
     model backend once built (strategies are made after it: a speculative strategy sizes its
-    draft model by it), and the strategy's own options (``build(..., strategy_options=...)``,
-    checked by the strategy's factory)."""
+    draft model by it), the strategy's own options (``build(..., strategy_options=...)``,
+    checked by the strategy's factory), and ``load_model``, the builder's
+    ``load_backend(model, options=...)`` for a factory that loads a second model (a draft)."""
 
     model_dir: Path | None = None
     tokenizer: Tokenizer | None = None
@@ -48,6 +49,8 @@ class BuildContext:
     shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
     backend: Backend | None = attrs.field(default=None, eq=False)
     strategy_options: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
+    load_model: Callable[..., tuple[Backend, Tokenizer]] | None = attrs.field(default=None,
+                                                                               eq=False)
 
 
 MODEL_METADATA = "model_metadata"

@@ -103,7 +103,7 @@ def _sample(ctx: BuildContext) -> Any:
 
 
 def _autoregressive(ctx: BuildContext) -> Any:
-    from stages.select import AutoregressiveStrategy
+    from stages.strategies import AutoregressiveStrategy
 
     if ctx.strategy_options:
         raise InvalidValueError("strategy_options", dict(ctx.strategy_options),
@@ -114,7 +114,7 @@ def _autoregressive(ctx: BuildContext) -> Any:
 
 def _diffusion(name: str) -> Any:
     def factory(ctx: BuildContext) -> Any:
-        from stages.select.diffusion import diffusion_maker
+        from stages.strategies.diffusion import diffusion_maker
 
         return diffusion_maker(name)(ctx)
 
@@ -122,7 +122,7 @@ def _diffusion(name: str) -> Any:
 
 
 def _speculative(ctx: BuildContext) -> Any:
-    from stages.select.spec_options import speculative_maker
+    from stages.strategies.spec_options import speculative_maker
 
     return speculative_maker(ctx)
 
@@ -145,7 +145,7 @@ def _tool_parser(name: str) -> Any:
 
 def _continuous(name: str) -> Any:
     def factory(ctx: BuildContext) -> Any:
-        from stages.select.continuous.options import continuous_maker
+        from stages.strategies.continuous.options import continuous_maker
 
         return continuous_maker(name)(ctx)
 

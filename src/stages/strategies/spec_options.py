@@ -33,9 +33,9 @@ from pipeline.protocols import Backend, LogitProcessor, Selector
 from pipeline.registry import BuildContext
 from pipeline.types import from_mapping
 from stages.process.chain import ProcessorChain
-from stages.select.draft import DraftModelProposer, vocabulary_mismatch
-from stages.select.proposers import NgramProposer, Proposer
-from stages.select.speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpeculativeStrategy
+from stages.strategies.draft import DraftModelProposer, vocabulary_mismatch
+from stages.strategies.proposers import NgramProposer, Proposer
+from stages.strategies.speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpeculativeStrategy
 
 PROPOSERS = ("ngram", "draft")
 DRAFT_OPTIONS = ("num_slots", "max_context", "dtype", "device", "pack", "quantized",
@@ -139,13 +139,14 @@ def _draft_backend(config: SpeculativeConfig, ctx: BuildContext) -> Backend:
             raise InvalidValueError("speculative.draft_model", model,
                                     "must be a model folder, GGUF file or name, or a Backend")
         return model
-    from pipeline.builder import load_backend
-
+    if ctx.load_model is None:
+        raise InvalidValueError("speculative.draft_model", str(model),
+                                "this build cannot load a second model")
     options: dict[str, Any] = {k: getattr(ctx.options, k) for k in INHERITED}
     if ctx.backend is not None:
         options["num_slots"] = ctx.backend.num_slots
     options.update(config.draft_options)
-    backend, tokenizer = load_backend(model, options=options)
+    backend, tokenizer = ctx.load_model(model, options=options)
     if ctx.tokenizer is not None:
         why = vocabulary_mismatch(ctx.tokenizer, tokenizer)
         if why is not None:

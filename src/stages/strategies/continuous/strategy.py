@@ -28,7 +28,7 @@ index, the call number), so seeded runs are identical alone and batched. Samplin
 parameters of a request (temperature, top-k/p, penalties) do not shape anything: the
 randomness is the noise; but temperature 0 without a seed means deterministic, as for every
 strategy: the noise is then drawn from the fixed seed
-(:func:`~stages.select.diffusion.noise.noise_seed`). ``logprobs`` are those of the
+(:func:`~stages.strategies.diffusion.noise.noise_seed`). ``logprobs`` are those of the
 committed tokens under the last call's x0 distribution. The trace gets a
 ``step.configured`` event at the first update (the strategy's settings and its ``noise``,
 the run's reproducibility: ``seeded``, ``fixed`` or ``request``), one ``step.iteration``
@@ -53,9 +53,9 @@ from pipeline.protocols import (
 )
 from pipeline.recording import row_digests
 from pipeline.types import TokenLogprob
-from stages.select.continuous.integrators import BlockState, Integrator
-from stages.select.continuous.noise import gaussian
-from stages.select.diffusion.noise import noise_kind, noise_seed
+from stages.strategies.continuous.integrators import BlockState, Integrator
+from stages.strategies.continuous.noise import gaussian
+from stages.strategies.diffusion.noise import noise_kind, noise_seed
 
 ROUNDINGS = ("logits", "nearest")
 PLACEHOLDER = 0

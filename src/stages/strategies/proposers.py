@@ -1,8 +1,8 @@
 """Draft proposers for speculative decoding, and the model-free one: n-gram prompt lookup.
 
-Owns the :class:`Proposer` Protocol (what :class:`~stages.select.speculative.
+Owns the :class:`Proposer` Protocol (what :class:`~stages.strategies.speculative.
 SpeculativeStrategy` asks for its drafts), the :class:`Proposal` value and
-:class:`NgramProposer`. A draft model proposer lives in :mod:`stages.select.draft`.
+:class:`NgramProposer`. A draft model proposer lives in :mod:`stages.strategies.draft`.
 
 Prompt lookup (as in transformers' ``prompt_lookup_num_tokens`` and vLLM's n-gram
 speculator): take the last n tokens of prompt + output, for n from ``max_n`` down to

@@ -8,9 +8,9 @@ block loop they share is in ``strategy.py``, their update rules in ``rules.py``,
 counter-based noise in ``noise.py``, and how ``build()`` configures them in ``options.py``.
 """
 
-from stages.select.diffusion.noise import uniforms
-from stages.select.diffusion.options import OPTIONS, diffusion_maker
-from stages.select.diffusion.strategy import (
+from stages.strategies.diffusion.noise import uniforms
+from stages.strategies.diffusion.options import OPTIONS, diffusion_maker
+from stages.strategies.diffusion.strategy import (
     BlockState, DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
     MaskedDiffusionStrategy,
 )

@@ -4,7 +4,7 @@ Owns :func:`diffusion_maker` (the registered factories of ``llada``, ``fast_dllm
 ``dfm``) and :data:`OPTIONS`. A strategy's settings come, each key from the first that has
 it, from ``build(strategy_options=...)`` (where ``build``'s ``steps`` and ``block_length``
 land too), then the model's ``pipeline_generation`` marker in ``config.json``, then
-:class:`~stages.select.diffusion.strategy.DiffusionSettings`' defaults. A model that is not
+:class:`~stages.strategies.diffusion.strategy.DiffusionSettings`' defaults. A model that is not
 a masked-diffusion model is refused, as is an option the sampler does not take (with the
 closest known name). A backend given as an instance has no marker: ``mask_token_id`` must
 then be among the options. Options of LLaDA's ``generate`` that are not implemented here
@@ -22,7 +22,7 @@ from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.model_paths import GENERATION_KEY, generation_marker
 from pipeline.protocols import LogitProcessor, Selector
 from pipeline.registry import BuildContext
-from stages.select.diffusion.strategy import (
+from stages.strategies.diffusion.strategy import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
     MaskedDiffusionStrategy,
 )

@@ -9,7 +9,7 @@ position of every sequence of the batch at once:
 1. the processor chain runs on each position with that position's own :class:`Row`
    (committed tokens + the drafts before it, ``step`` advanced), so penalties and
    ``min_tokens`` see the history they would see in plain decoding;
-2. the selector picks at every position; :func:`~stages.select.verify.verify` accepts a
+2. the selector picks at every position; :func:`~stages.strategies.verify.verify` accepts a
    draft where the selector's pick equals it (greedy rows) or by the rejection rule
    (sampled rows), and puts a corrected token at the first rejected position; the last
    position, past every draft, takes the selector's pick (the bonus token);
@@ -19,7 +19,7 @@ position of every sequence of the batch at once:
 
 The engine commits the tokens one by one through the text stages, so a stop (EOS, a stop
 string, ``max_tokens``) inside a block ends the request there and nothing after it is
-emitted. Drafts come from a :class:`~stages.select.proposers.Proposer` (n-gram lookup or a
+emitted. Drafts come from a :class:`~stages.strategies.proposers.Proposer` (n-gram lookup or a
 draft model), or from the forced prefix while one remains. The trace gets ``spec.drafted``
 (``step`` of the first draft, ``proposed``, the draft ``ids``) before the verifying forward's
 ``decode.completed``, and ``spec.verified`` (``accepted``, ``rejected``) before the block's
@@ -43,14 +43,14 @@ from pipeline.protocols import (
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.select.logprobs import selection_logprobs
-from stages.select.proposers import Proposal, Proposer
-from stages.select.verify import Block, Position, verify
+from stages.strategies.proposers import Proposal, Proposer
+from stages.strategies.verify import Block, Position, verify
 
 MAX_DRAFT_TOKENS = 64
 """The most drafts one step may verify."""
 DEFAULT_DRAFT_TOKENS = 8
 """k, the most drafts one step verifies, when nothing says otherwise (the one default of
-``num_draft_tokens``, which :class:`~stages.select.spec_options.SpecOptions` uses too)."""
+``num_draft_tokens``, which :class:`~stages.strategies.spec_options.SpecOptions` uses too)."""
 
 
 @attrs.define

@@ -32,10 +32,10 @@ import attrs
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownFieldError
 from pipeline.protocols import EmbeddingInputs, LogitProcessor, Selector
 from pipeline.registry import BuildContext
-from stages.select.continuous.integrators import DiffusionIntegrator, FlowIntegrator, Integrator
-from stages.select.continuous.schedules import SPACINGS, NoiseSchedule
-from stages.select.continuous.strategy import ROUNDINGS, ContinuousStrategy
-from stages.select.continuous.updates import SOLVERS, uniform_grid
+from stages.strategies.continuous.integrators import DiffusionIntegrator, FlowIntegrator, Integrator
+from stages.strategies.continuous.schedules import SPACINGS, NoiseSchedule
+from stages.strategies.continuous.strategy import ROUNDINGS, ContinuousStrategy
+from stages.strategies.continuous.updates import SOLVERS, uniform_grid
 
 FAMILIES = {"ddpm": "continuous_diffusion", "ddim": "continuous_diffusion", "flow": "flow"}
 """The model family each strategy needs (``pipeline_generation.family``)."""

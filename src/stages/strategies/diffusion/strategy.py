@@ -27,9 +27,9 @@ The loop, per request (the engine has prefilled the prompt; the cache holds m po
 4. the update after that write opens the next block.
 
 Randomness is counter-based: iteration k of a request draws from
-:func:`~stages.select.diffusion.noise.uniforms` at (seed, stream, 4k + purpose), so a run is
+:func:`~stages.strategies.diffusion.noise.uniforms` at (seed, stream, 4k + purpose), so a run is
 the same alone and in any batch; at temperature 0 without a seed the seed is
-:data:`~stages.select.diffusion.noise.FIXED_SEED`, so a greedy run is deterministic even
+:data:`~stages.strategies.diffusion.noise.FIXED_SEED`, so a greedy run is deterministic even
 where the sampler draws (random remasking, ``dfm``). The request's processors (temperature,
 top-k, penalties, ...) shape each position's distribution, from which the prediction is
 drawn (argmax at temperature 0); the confidence that decides which positions a pass commits
@@ -53,8 +53,8 @@ from pipeline.protocols import (
 )
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
-from stages.select.diffusion import rules
-from stages.select.diffusion.noise import noise_kind, noise_seed, uniforms
+from stages.strategies.diffusion import rules
+from stages.strategies.diffusion.noise import noise_kind, noise_seed, uniforms
 from stages.select.logprobs import selection_logprobs
 
 GREEDY_BELOW = 1e-5

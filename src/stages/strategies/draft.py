@@ -1,6 +1,6 @@
 """``draft``: a smaller model with the target's tokenizer proposes the drafts.
 
-Owns :class:`DraftModelProposer` (a :class:`~stages.select.proposers.Proposer`) and its
+Owns :class:`DraftModelProposer` (a :class:`~stages.strategies.proposers.Proposer`) and its
 per-sequence :class:`DraftState`. The proposer owns a second
 :class:`~pipeline.protocols.Backend`, shared by every sequence: each sequence gets a slot of
 its own when it starts and gives it back when its request ends. Each step, for all the
@@ -13,7 +13,7 @@ sequences that want drafts at once:
 
 Each call is one batched ``forward`` over every sequence still drafting. A draft is the
 argmax of the draft model's processed logits for greedy rows, and otherwise a sample from
-its processed distribution q with the ``DRAFT`` RNG stream (:mod:`stages.select.verify`),
+its processed distribution q with the ``DRAFT`` RNG stream (:mod:`stages.strategies.verify`),
 q kept for the rejection rule. Processors see each draft position's own row, as in the
 verification. A draft call that fails ends drafting for the sequences it concerns (their
 requests go on without drafts; the next ``spec.drafted`` event says why).
@@ -30,9 +30,9 @@ from pipeline.errors import CapacityError, SlotError
 from pipeline.protocols import Backend, Batch, ModelCall, Row, Scores, Tokenizer
 from stages.process.chain import ProcessorChain
 from stages.select.greedy import argmax_columns
-from stages.select.proposers import Proposal
-from stages.select.speculative import advanced
-from stages.select.verify import DRAFT, draw_from, stream_uniforms
+from stages.strategies.proposers import Proposal
+from stages.strategies.speculative import advanced
+from stages.strategies.verify import DRAFT, draw_from, stream_uniforms
 
 
 @attrs.define

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.protocols import Row
-from stages.select.rng import _GOLDEN, _MASK64, _mix64
+from stages.select.rng import GOLDEN, MASK64, mix64
 
 _M32 = 0xFFFFFFFF
 _FMIX1 = 0x85EBCA6B
@@ -73,10 +73,10 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 def stream_key(seed: int, stream: int, step: int) -> tuple[int, int, int, int]:
     """Four 32-bit words of the key for (``seed``, ``stream``, ``step``)."""
-    h1 = _mix64((seed + _GOLDEN) & _MASK64)
-    h1 = _mix64(((h1 ^ (stream & _MASK64)) + _GOLDEN) & _MASK64)
-    h1 = _mix64(((h1 ^ (step & _MASK64)) + _GOLDEN) & _MASK64)
-    h2 = _mix64((h1 + _GOLDEN) & _MASK64)
+    h1 = mix64((seed + GOLDEN) & MASK64)
+    h1 = mix64(((h1 ^ (stream & MASK64)) + GOLDEN) & MASK64)
+    h1 = mix64(((h1 ^ (step & MASK64)) + GOLDEN) & MASK64)
+    h2 = mix64((h1 + GOLDEN) & MASK64)
     return h1 & _M32, h1 >> 32, h2 & _M32, h2 >> 32
 
 
