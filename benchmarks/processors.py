@@ -41,7 +41,7 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import Batch, Row
 from pipeline.types import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor

@@ -19,7 +19,7 @@ from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
 )
 from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
-from stages import detokenize, process, render, select, stop, tokenize
+from stages import detokenize, process, render, select, stop, strategies, tokenize
 from stages.structured import GrammarProcessor
 from backends.torch.backend import TorchBackend
 from stages.strategies.draft import DraftModelProposer
@@ -57,8 +57,8 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
         testing.BanTokenProcessor(3), GrammarProcessor(tok)]
     selectors: list[Selector] = [select.GreedySelector(), select.SamplingSelector(),
                                  testing.ScriptedSelector(lambda row: 0)]
-    strategy: Strategy = select.AutoregressiveStrategy(process.ProcessorChain(processors),
-                                                       selectors[0])
+    strategy: Strategy = strategies.AutoregressiveStrategy(process.ProcessorChain(processors),
+                                                           selectors[0])
     stoppers: list[Stopper[Any]] = [stop.make_stopper(n) for n in stop.DEFAULT_STOPPERS]
     stoppers.append(testing.TokenCountStopper(3))
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))

@@ -31,7 +31,7 @@ import torch
 from pipeline import build
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownFieldError
 from pipeline.events import Event
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.model_paths import TINY_MASKED_MODEL_DIR, generation_marker
 from pipeline.protocols import Attention, Row
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_denoiser, \

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import Attention, Row
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_denoiser, \
     hashed_logits

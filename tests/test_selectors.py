@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import Batch, Plan, Row, Scores, Selector, Strategy
 from pipeline.types import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor

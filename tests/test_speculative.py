@@ -27,7 +27,7 @@ from pipeline import RuntimeLimits, build
 from pipeline.engine import EngineConfig
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.protocols import Row
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits

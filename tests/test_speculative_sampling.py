@@ -21,7 +21,7 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import Row
 from pipeline.testing import ScriptedBackend
 from pipeline.types import GenerationConfig

@@ -128,7 +128,7 @@ def test_the_types_the_exported_protocols_name_are_exported() -> None:
 
     def namespace(home: str) -> dict[str, Any]:
         # the module's names, and those its TYPE_CHECKING block imports from the library
-        import pipeline.engine.forcing  # noqa: F401
+        import pipeline.contracts.forcing  # noqa: F401
         import torch
 
         names: dict[str, Any] = {"torch": torch}

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         UnknownFieldError, UnknownKeywordError, UnknownNameError, ValidationError,
     )
     from pipeline.events import EventSink
-    from pipeline.engine.forcing import Forcing
+    from pipeline.contracts.forcing import Forcing
     from pipeline.protocols import (
         Attention, Backend, Batch, Detokenizer, Honours, LogitProcessor, ModelCall, Plan,
         PrefillChunk, Renderer, Row, Scores, Selection, Selector, StopContext, Stopper, StopVerdict,
@@ -65,7 +65,7 @@ _HOMES = {
     "RequestState": "pipeline.engine.handle",
     "BackendOptions": "pipeline.options", "Pipeline": "pipeline.pipe",
     "BuildContext": "pipeline.registry", "Component": "pipeline.registry",
-    "EventSink": "pipeline.events", "Forcing": "pipeline.engine.forcing",
+    "EventSink": "pipeline.events", "Forcing": "pipeline.contracts.forcing",
     "RequestOptions": "pipeline.request_options", "StrategyChoice": "pipeline.strategy_choice",
     **{name: "pipeline.errors" for name in ERRORS},
     **{name: "pipeline.protocols" for name in (

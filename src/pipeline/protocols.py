@@ -31,7 +31,7 @@ from pipeline.types import (
 
 if TYPE_CHECKING:
     from pipeline.engine import RequestHandle
-    from pipeline.engine.forcing import Forcing
+    from pipeline.contracts.forcing import Forcing
 
 S = TypeVar("S")
 Out_co = TypeVar("Out_co", covariant=True)
@@ -842,7 +842,7 @@ class Taken:
 
     ``draw`` is the uniform number the selector consumed (None for argmax); ``forced`` is the
     event a forced-token source recorded when it overrode the selection
-    (``(event_type, payload)``, see :class:`pipeline.engine.forcing.Forcing`).
+    (``(event_type, payload)``, see :class:`pipeline.contracts.forcing.Forcing`).
     """
 
     token_id: int
@@ -878,7 +878,7 @@ class Honours:
     ``grammar`` (every committed token allowed by the request's grammar: a strategy that
     commits a block it predicted at once cannot), ``forced_prefix`` and
     ``reasoning_budget`` (a forced-token source overrides committed tokens,
-    :class:`~pipeline.engine.forcing.Forcing`), and ``logprobs`` (each committed token's
+    :class:`~pipeline.contracts.forcing.Forcing`), and ``logprobs`` (each committed token's
     log-probability). The pipeline checks a request against its strategy's ``honours`` once,
     when it is submitted, and refuses what the strategy would not keep with an
     :class:`~pipeline.errors.InvalidValueError` naming the field; nothing is dropped silently.

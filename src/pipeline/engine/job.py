@@ -27,7 +27,7 @@ from typing import Any
 
 from pipeline.events import Tracer
 from pipeline.engine.delivery import Delivery
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
 from pipeline.engine.recorder import Recorder

@@ -22,7 +22,7 @@ Owns the scheduler and the step loop. Each step it
    decode token and at a prompt's last chunk's last token; the block table with each),
 5. for every request with fresh logits z_t (:class:`~pipeline.engine.commit.Committer`): its
    strategy's processor chain → selector (overridden by a ``forced_prefix`` or a spent
-   reasoning budget: :mod:`pipeline.engine.forcing`) → stoppers → detokenizer → delta; a request
+   reasoning budget: :mod:`pipeline.contracts.forcing`) → stoppers → detokenizer → delta; a request
    that goes on keeps y_t as its pending token, which the
    next step's forward writes into the cache (cache length m + t) — the docs/design.md §4 order;
    the blocks that filled up are then published to the prefix cache.

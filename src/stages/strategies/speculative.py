@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from pipeline.errors import InvalidValueError
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import (
     Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken,
     Update, with_tokens,

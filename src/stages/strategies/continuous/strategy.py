@@ -47,7 +47,7 @@ import attrs
 import torch
 
 from pipeline.errors import InvalidValueError
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import (
     Attention, EmbeddingInputs, Honours, Plan, Row, StrategyEvent, Taken, Update,
 )

@@ -47,7 +47,7 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.events import digest_ids
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import (
     Attention, Batch, Honours, LogitProcessor, Plan, Row, Scores, StrategyEvent, Update,
 )
