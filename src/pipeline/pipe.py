@@ -29,6 +29,7 @@ from pipeline.engine.handle import RequestHandle
 from pipeline.engine.job import Job
 from pipeline.engine.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
+from pipeline.room import window
 from pipeline.request_options import RequestOptions
 from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
 from pipeline.protocols import (
@@ -482,7 +483,7 @@ class Pipeline:
     def _check_window(self, prompt: TokenizedPrompt, request_limit: int | None) -> None:
         if self.engine is None:
             return
-        limit = min(self.engine.backend.max_context, request_limit or self.engine.backend.max_context)
+        limit = window(self.engine.backend.max_context, request_limit)
         if len(prompt) >= limit:
             raise InvalidValueError("prompt", len(prompt),
                                     f"prompt is too long: {len(prompt)} tokens >= {limit} "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import attrs
 
 from pipeline.protocols import StopContext, StopVerdict
+from pipeline.room import room
 from pipeline.types import FinishReason, Request
 
 
@@ -83,7 +84,7 @@ class MaxTokensStopper:
 
     def check_token(self, state: int, token_id: int, generated: int) -> StopVerdict | None:
         """LENGTH once ``generated >= max_tokens``."""
-        if generated >= state:
+        if room(state, generated) <= 0:
             return StopVerdict(FinishReason.LENGTH, state, keep_token_text=True)
         return None
 

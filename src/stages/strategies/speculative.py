@@ -40,6 +40,7 @@ from pipeline.protocols import (
     Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken,
     Update, with_tokens,
 )
+from pipeline.room import room
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.select.logprobs import selection_logprobs
@@ -212,12 +213,12 @@ class SpeculativeStrategy:
 
     def _limit(self, row: Row) -> int:
         """Drafts the next block may hold: it commits at most ``k + 1`` tokens, within
-        ``max_tokens``, and feeds ``k + 1`` positions, within the window."""
-        limit = min(self.num_draft_tokens, row.config.max_tokens - len(row.output_ids) - 1)
-        if self.max_context is not None:  # the cache holds prompt + outputs but the pending
-            held = len(row.prompt_ids) + len(row.output_ids) - 1
-            limit = min(limit, self.max_context - held - 1)
-        return max(limit, 0)
+        ``max_tokens``, and feeds ``k + 1`` positions, within the window (the cache holds the
+        prompt and the outputs but the pending one)."""
+        generated = len(row.output_ids)
+        return max(room(row.config.max_tokens, generated, window=self.max_context,
+                        held=len(row.prompt_ids) + generated - 1,
+                        block=self.num_draft_tokens + 1) - 1, 0)
 
     @staticmethod
     def _stage(state: SpecState, pending: int, proposal: Proposal, step: int,

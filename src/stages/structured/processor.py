@@ -63,6 +63,7 @@ import torch
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar, after_thinking
 from pipeline.protocols import Batch, Row, Scores, Tokenizer
+from pipeline.room import room
 from pipeline.types import GenerationConfig
 from stages.structured.bitmask import allowed_mask, apply_bitmask, bitmask_words
 from stages.structured.closing import Closer
@@ -326,7 +327,7 @@ class GrammarProcessor:
         choose among values of different lengths), only if it is among the :data:`CHECKED`
         likeliest and the path after it still fits."""
         done = len(row.output_ids)
-        budget = row.config.max_tokens - done            # tokens left, this one included
+        budget = room(row.config.max_tokens, done)       # tokens left, this one included
         before = track.distance
         near = before is not None and budget <= before + WINDOW + 2 * track.jump
         retry = before is None and 0 < track.misses <= RETRIES   # a search that failed
@@ -420,7 +421,7 @@ class GrammarProcessor:
             scan.feed(b"".join(table[i] if i < len(table) else b"" for i in prefix))
         path = self._closing().shortest(m, scan,
                                         self._json_guard() if scan is not None else None)
-        if path is not None and len(prefix) + len(path) + 1 > config.max_tokens:
+        if path is not None and room(config.max_tokens, len(prefix)) < len(path) + 1:
             raise InvalidValueError(
                 "max_tokens", config.max_tokens,
                 f"cannot hold any output {grammar.field} allows: the shortest this server "

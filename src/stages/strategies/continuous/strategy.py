@@ -52,6 +52,7 @@ from pipeline.protocols import (
     Attention, EmbeddingInputs, Honours, Plan, Row, StrategyEvent, Taken, Update,
 )
 from pipeline.recording import row_digests
+from pipeline.room import room
 from pipeline.types import TokenLogprob
 from stages.strategies.continuous.integrators import BlockState, Integrator
 from stages.strategies.continuous.noise import gaussian
@@ -254,10 +255,8 @@ class ContinuousStrategy:
         """A block of noise at the token index ``step`` (its first); None when
         ``max_tokens`` or the window leaves no room (the request is ending)."""
         generated = step - 1
-        room = [self.block_length, row.config.max_tokens - generated]
-        if self.max_context is not None:
-            room.append(self.max_context - state.prompt_len - generated)
-        length = min(room)
+        length = room(row.config.max_tokens, generated, window=self.max_context,
+                      held=state.prompt_len + generated, block=self.block_length)
         if length < 1:
             return None
         x = gaussian(state.seed, state.stream, step, 0, (length, self.backend.embedding_dim),

@@ -51,6 +51,7 @@ from pipeline.contracts.forcing import Forcing
 from pipeline.protocols import (
     Attention, Batch, Honours, LogitProcessor, Plan, Row, Scores, StrategyEvent, Update,
 )
+from pipeline.room import room
 from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.strategies.diffusion import rules
@@ -248,10 +249,8 @@ class MaskedDiffusionStrategy:
     def _block_room(self, row: Row, start: int) -> int:
         """Positions the next block may have: ``block_length``, within what ``max_tokens``
         leaves and what the context window holds after the cached prefix."""
-        room = min(self.settings.block_length, row.config.max_tokens - start)
-        if self.settings.max_context is not None:
-            room = min(room, self.settings.max_context - len(row.prompt_ids) - start)
-        return max(room, 1)
+        return max(room(row.config.max_tokens, start, window=self.settings.max_context,
+                        held=len(row.prompt_ids) + start, block=self.settings.block_length), 1)
 
     def _denoise(self, states: Sequence[BlockState], rows: Sequence[Row],
                  logits: Sequence[torch.Tensor]) -> list[Update[BlockState]]:
