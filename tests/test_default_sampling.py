@@ -106,7 +106,7 @@ def test_the_servers_defaults_line_names_what_still_acts_when_greedy() -> None:
     """At temperature 0 the truncation fields skip the row (argmax-invariant processors) but
     the loop guard and the penalties do not (the chain's own ``order_for`` is the oracle)."""
     from pipeline.sampling_defaults import sampling_summary
-    from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
+    from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
     from pipeline.protocols import Row
 
     config = GenerationConfig(temperature=0, top_p=0.9, dry_multiplier=0.8,

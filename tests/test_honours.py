@@ -128,7 +128,7 @@ def test_a_strategy_that_declares_nothing_is_named() -> None:
 
 
 def test_build_takes_a_strategy_instance() -> None:
-    from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
+    from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
     from stages.select.greedy import GreedySelector
 
     chain = ProcessorChain([make_processor(n) for n in DEFAULT_ORDER])

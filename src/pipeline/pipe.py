@@ -37,7 +37,7 @@ from pipeline.protocols import (
     ToolCallParser, Transport,
 )
 from pipeline.engine.text_state import TextState
-from pipeline.output_parts import opens_thinking
+from pipeline.output_parts import THINK_CLOSE, THINK_OPEN, opens_thinking
 from pipeline.prepared import Prepared
 from pipeline.tool_choice import constrain_calls
 from pipeline.registry import Registry
@@ -350,7 +350,7 @@ class Pipeline:
         """Ids of ``<think>`` and ``</think>`` when the tokenizer has each as one token."""
         if self._think is None:
             tok = self._tokenizer
-            ids = [tok.encode_text(m, special=True) for m in ("<think>", "</think>")]
+            ids = [tok.encode_text(m, special=True) for m in (THINK_OPEN, THINK_CLOSE)]
             self._think = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else ()
         return self._think or None
 

@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
          "stopper", "transport", "strategy", "tool_parser", "tool", "tool_policy")
 ENTRY_POINT_GROUP = "pipeline"
+DEFAULT_ORDER: tuple[str, ...] = (
+    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "dry", "temperature", "top_k", "top_p", "min_p",
+    "typical_p",
+)
+"""The built-in processors (:mod:`stages.process`) in the order the default chain applies
+them; the builder's default chain puts ``grammar`` first."""
+DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
+"""The built-in stoppers (:mod:`stages.stop`), in order; ``build(stoppers=[...])`` adds after
+them."""
 
 
 @attrs.frozen

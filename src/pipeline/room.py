@@ -1,10 +1,10 @@
 """The length rule's one home: how many more tokens a request may have.
 
-Owns :func:`room` and :func:`window`. A request ends with ``length`` when its outputs reach ``max_tokens`` or its
-prompt and outputs fill the context window; whatever plans ahead of that end asks :func:`room`
-how far it leaves it: each strategy sizing its next block or its drafts, the grammar keeping a
-constrained output closable, the ``max_tokens`` stopper, and the server's window fit, thinking
-guard and document cut.
+Owns :func:`room` and :func:`window`. A request ends with ``length`` when its outputs reach
+``max_tokens`` or its prompt and outputs fill the context window; whatever plans ahead of that
+end asks :func:`room` how far it leaves it: each strategy sizing its next block or its drafts,
+the grammar keeping a constrained output closable, the ``max_tokens`` stopper, and the
+server's window fit, thinking guard and document cut.
 
 Example::
 

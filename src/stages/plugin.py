@@ -90,16 +90,13 @@ def _detokenizer(ctx: BuildContext) -> Any:
     return IncrementalDetokenizer(ctx.tokenizer)
 
 
-def _greedy(ctx: BuildContext) -> Any:
-    from stages.select import GreedySelector
+def _selector(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.select import SELECTORS
 
-    return GreedySelector()
+        return SELECTORS[name]()
 
-
-def _sample(ctx: BuildContext) -> Any:
-    from stages.select import SamplingSelector
-
-    return SamplingSelector()
+    return factory
 
 
 def _autoregressive(ctx: BuildContext) -> Any:
@@ -112,11 +109,14 @@ def _autoregressive(ctx: BuildContext) -> Any:
     return AutoregressiveStrategy
 
 
-def _diffusion(name: str) -> Any:
+def _iterative(name: str) -> Any:
+    """The factory of a masked-diffusion or a continuous strategy."""
     def factory(ctx: BuildContext) -> Any:
-        from stages.strategies.diffusion import diffusion_maker
-
-        return diffusion_maker(name)(ctx)
+        if name in CONTINUOUS_SUMMARIES:
+            from stages.strategies.continuous.options import continuous_maker as maker
+        else:
+            from stages.strategies.diffusion.options import diffusion_maker as maker
+        return maker(name)(ctx)
 
     return factory
 
@@ -143,15 +143,6 @@ def _tool_parser(name: str) -> Any:
     return factory
 
 
-def _continuous(name: str) -> Any:
-    def factory(ctx: BuildContext) -> Any:
-        from stages.strategies.continuous.options import continuous_maker
-
-        return continuous_maker(name)(ctx)
-
-    return factory
-
-
 CONTINUOUS_SUMMARIES = {
     "ddpm": "continuous diffusion over embeddings, DDPM ancestral sampling, in blocks",
     "ddim": "continuous diffusion over embeddings, DDIM sampling (eta), in blocks",
@@ -170,18 +161,18 @@ def pipeline_components() -> list[Component]:
         Component("tokenizer", "hf", _hf_tokenizer, "tokenizers (tokenizer.json)"),
         Component("detokenizer", "incremental", _detokenizer,
                   "incremental, never a broken UTF-8 tail"),
-        Component("selector", "greedy", _greedy, "argmax (ties to the lowest id)"),
-        Component("selector", "sample", _sample,
+        Component("selector", "greedy", _selector("greedy"), "argmax (ties to the lowest id)"),
+        Component("selector", "sample", _selector("sample"),
                   "inverse-CDF sampling, uniform = f(seed, stream, step); greedy at T=0"),
         Component("strategy", "autoregressive", _autoregressive, "one token per step"),
         Component("strategy", "speculative", _speculative,
                   "k drafts (n-gram lookup or a draft model) verified in one forward"),
-        Component("strategy", "llada", _diffusion("llada"),
+        Component("strategy", "llada", _iterative("llada"),
                   "masked diffusion: semi-autoregressive blocks, low-confidence or random "
                   "remasking"),
-        Component("strategy", "fast_dllm", _diffusion("fast_dllm"),
+        Component("strategy", "fast_dllm", _iterative("fast_dllm"),
                   "masked diffusion: commit every position above a confidence threshold"),
-        Component("strategy", "dfm", _diffusion("dfm"),
+        Component("strategy", "dfm", _iterative("dfm"),
                   "discrete flow matching on tokens: mixture path, discrete Euler solver"),
     ]
     comps.append(Component("processor", "grammar", _grammar,
@@ -190,6 +181,6 @@ def pipeline_components() -> list[Component]:
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
     comps += [Component("tool_parser", n, _tool_parser(n), s)
               for n, s in TOOL_PARSER_SUMMARIES.items()]
-    comps += [Component("strategy", n, _continuous(n), s)
+    comps += [Component("strategy", n, _iterative(n), s)
               for n, s in CONTINUOUS_SUMMARIES.items()]
     return comps

@@ -1,7 +1,8 @@
 """The stopper registry and :class:`StopperChain`, which runs several stoppers as one.
 
-It owns ``DEFAULT_STOPPERS`` (the names and order ``build`` uses), ``STOPPERS`` (a read-only
-map from name to class, each with a zero-argument constructor) and :func:`make_stopper`.
+It owns ``STOPPERS`` (a read-only map from name to class, each with a zero-argument
+constructor) and :func:`make_stopper`; the names and order ``build`` uses are
+:data:`pipeline.registry.DEFAULT_STOPPERS`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from typing import Any
 
 from pipeline.errors import UnknownNameError
 from pipeline.protocols import StopContext, Stopper, StopVerdict
+from pipeline.registry import DEFAULT_STOPPERS
 from pipeline.types import Request
 from stages.stop.strings import StopStringStopper
 from stages.stop.tokens import DeadlineStopper, EosStopper, MaxTokensStopper
-
-DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
-"""The stoppers a pipeline gets unless it names others, in chain order."""
 
 STOPPERS: Mapping[str, Callable[[], Stopper[Any]]] = MappingProxyType({
     "eos": EosStopper,

@@ -3,8 +3,8 @@
 Owns :class:`AutoregressiveStrategy` and its per-request loop state :class:`ARState`. Its
 plan is "the pending token, logits at its position"; its update rule is
 ``selector(chain(logits))`` over the whole batch's ``[B, V]`` logits at once, then the
-request's forced-token source (:class:`~pipeline.contracts.forcing.Forcing`) may override the choice;
-it commits one token per sequence per step. The request's processor states (the penalties'
+request's forced-token source (:class:`~pipeline.contracts.forcing.Forcing`) may override the
+choice; it commits one token per sequence per step. The request's processor states (the penalties'
 counts) ride in its loop state and advance with each committed token.
 """
 

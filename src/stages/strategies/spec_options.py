@@ -35,7 +35,9 @@ from pipeline.types import from_mapping
 from stages.process.chain import ProcessorChain
 from stages.strategies.draft import DraftModelProposer, vocabulary_mismatch
 from stages.strategies.proposers import NgramProposer, Proposer
-from stages.strategies.speculative import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpeculativeStrategy
+from stages.strategies.speculative import (
+    DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS, SpeculativeStrategy,
+)
 
 PROPOSERS = ("ngram", "draft")
 DRAFT_OPTIONS = ("num_slots", "max_context", "dtype", "device", "pack", "quantized",

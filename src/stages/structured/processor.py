@@ -62,6 +62,7 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar, after_thinking
+from pipeline.output_parts import THINK_CLOSE, THINK_OPEN
 from pipeline.protocols import Batch, Row, Scores, Tokenizer
 from pipeline.room import room
 from pipeline.types import GenerationConfig
@@ -596,8 +597,8 @@ class GrammarProcessor:
         """The ``<think>`` id and the closing marker's text, when ``<think>`` is one token."""
         if self._tok is None:
             return None
-        ids = self._tok.encode_text("<think>", special=True)
-        return (ids[0], "</think>") if len(ids) == 1 else None
+        ids = self._tok.encode_text(THINK_OPEN, special=True)
+        return (ids[0], THINK_CLOSE) if len(ids) == 1 else None
 
     def _ll_tokenizer(self, vocab: int) -> Any:
         if self._tok is None:

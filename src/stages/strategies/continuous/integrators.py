@@ -32,7 +32,9 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from stages.strategies.continuous.schedules import NoiseSchedule
-from stages.strategies.continuous.updates import SOLVERS, ddim_step, ddpm_step, euler_step, heun_step
+from stages.strategies.continuous.updates import (
+    SOLVERS, ddim_step, ddpm_step, euler_step, heun_step,
+)
 
 SAMPLERS = ("ddpm", "ddim")
 

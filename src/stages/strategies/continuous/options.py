@@ -22,14 +22,13 @@ errors that name the option:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownFieldError
+from pipeline.model_paths import GENERATION_KEY, generation_marker
 from pipeline.protocols import EmbeddingInputs, LogitProcessor, Selector
 from pipeline.registry import BuildContext
 from stages.strategies.continuous.integrators import DiffusionIntegrator, FlowIntegrator, Integrator
@@ -42,7 +41,6 @@ FAMILIES = {"ddpm": "continuous_diffusion", "ddim": "continuous_diffusion", "flo
 COMMON = ("steps", "block_length", "self_condition", "rounding")
 KEYS = {"ddpm": (*COMMON, "spacing"), "ddim": (*COMMON, "spacing", "eta"),
         "flow": (*COMMON, "solver")}
-MARKER = "pipeline_generation"
 
 
 def _int(name: str, key: str, value: Any, hi: int) -> int:
@@ -104,8 +102,9 @@ class ContinuousOptions:
             return FlowIntegrator(uniform_grid(self.steps), self.solver)
         schedule = marker.get("noise_schedule")
         if not isinstance(schedule, Mapping):
-            raise ArtifactError(f"the model's {MARKER} has no noise_schedule: a diffusion "
-                                "strategy must use the schedule the model was trained with")
+            raise ArtifactError(f"the model's {GENERATION_KEY} has no noise_schedule: a "
+                                "diffusion strategy must use the schedule the model was "
+                                "trained with")
         made = NoiseSchedule.make(str(schedule.get("beta_schedule", "squaredcos_cap_v2")),
                                   int(schedule.get("num_train_timesteps", 1000)))
         if self.steps > made.num_train_timesteps:
@@ -115,24 +114,12 @@ class ContinuousOptions:
         return DiffusionIntegrator(made, self.steps, self.name, self.spacing, self.eta)
 
 
-def generation_marker(model_dir: Path | None) -> Mapping[str, Any]:
-    """The model's ``pipeline_generation`` marker (empty when it has none)."""
-    if model_dir is None or not (model_dir / "config.json").is_file():
-        return {}
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{model_dir / 'config.json'}: unreadable: {exc}") from exc
-    marker = config.get(MARKER) if isinstance(config, dict) else None
-    return marker if isinstance(marker, Mapping) else {}
-
-
 def continuous_maker(name: str) -> Callable[[BuildContext], Any]:
     """The registered factory of strategy ``name`` (``ddpm``, ``ddim`` or ``flow``): checks
     the model and the options at build time; makes the strategy per processor order."""
     def factory(ctx: BuildContext) -> Callable[[Sequence[LogitProcessor], Selector],
                                                ContinuousStrategy]:
-        marker = generation_marker(ctx.model_dir)
+        marker = generation_marker(ctx.model_dir) or {}
         family = marker.get("family")
         backend = ctx.backend
         if backend is None:
@@ -142,8 +129,8 @@ def continuous_maker(name: str) -> Callable[[BuildContext], Any]:
             return refuse
         if family != FAMILIES[name]:
             raise InvalidValueError("strategy", name, f"needs a model trained for it "
-                                    f"({MARKER}.family {FAMILIES[name]!r} in config.json); "
-                                    f"this model's is {family!r}")
+                                    f"({GENERATION_KEY}.family {FAMILIES[name]!r} in "
+                                    f"config.json); this model's is {family!r}")
         if not isinstance(backend, EmbeddingInputs):
             raise InvalidValueError("strategy", name, "the backend takes no embedding inputs")
         options = ContinuousOptions.settle(name, ctx.strategy_options, marker,

@@ -105,7 +105,11 @@ def diffusion_settings(name: str, allowed: Sequence[str], ctx: BuildContext
     if "mask_token_id" not in merged:
         raise InvalidValueError("strategy_options", dict(options), f"{name!r} needs "
                                 "mask_token_id (a model folder's marker supplies it)")
-    _check_mask(merged["mask_token_id"], ctx)
+    mask = merged["mask_token_id"]  # a token of the backend's vocabulary
+    vocab = ctx.backend.vocab_size if ctx.backend is not None else None
+    if mask < 0 or (vocab is not None and mask >= vocab):
+        raise InvalidValueError("mask_token_id", mask, f"must be a token id below the "
+                                f"model's vocabulary of {vocab}")
     given = {k for k, v in options.items() if v is not None}
     if "block_length" in given and "steps" not in given:  # the marker's steps, if they fit
         merged["steps"] = min(merged.get("steps", merged["block_length"]),
@@ -116,11 +120,3 @@ def diffusion_settings(name: str, allowed: Sequence[str], ctx: BuildContext
         merged["steps"] = merged["block_length"]  # one token per pass
     max_context = ctx.backend.max_context if ctx.backend is not None else None
     return DiffusionSettings(max_context=max_context, **merged)
-
-
-def _check_mask(mask: int, ctx: BuildContext) -> None:
-    """The mask id must be a token of the backend's vocabulary."""
-    vocab = ctx.backend.vocab_size if ctx.backend is not None else None
-    if mask < 0 or (vocab is not None and mask >= vocab):
-        raise InvalidValueError("mask_token_id", mask, f"must be a token id below the "
-                                f"model's vocabulary of {vocab}")

@@ -58,8 +58,6 @@ from stages.strategies.diffusion import rules
 from stages.strategies.diffusion.noise import noise_kind, noise_seed, uniforms
 from stages.select.logprobs import selection_logprobs
 
-GREEDY_BELOW = 1e-5
-"""A temperature below this is greedy (as the temperature processor treats it)."""
 REMASKING = ("low_confidence", "random")
 _GUMBEL, _REMASK, _JUMP = 0, 1, 2  # the purposes of an iteration's draws
 
@@ -305,7 +303,7 @@ class MaskedDiffusionStrategy:
         block = torch.tensor(state.block, device=raw.device)
         masked = block == mask                                                # [L]
         noise = None
-        if row.config.temperature >= GREEDY_BELOW:
+        if not row.config.greedy:
             noise = self.draws(state, row, _GUMBEL, tuple(processed.shape), raw.device)
         predicted = rules.gumbel_argmax(processed, noise)                     # [L]
         chosen = self.choose(state, row, raw, predicted, masked) & masked
