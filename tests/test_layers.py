@@ -43,6 +43,25 @@ RULES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 
+MOVING: frozenset[str] = frozenset({
+    "pipeline.engine.process imports pipeline.builder",
+    "pipeline.engine.ranks imports pipeline.builder",
+    "stages.select.continuous.strategy imports pipeline.engine.forcing",
+    "stages.select.diffusion.strategy imports pipeline.engine.forcing",
+    "stages.select.spec_options imports pipeline.builder",
+    "stages.select.speculative imports pipeline.engine.forcing",
+    "stages.select.strategy imports pipeline.engine.forcing",
+    "backends.gguf.factories imports stages.render",
+    "backends.gguf.tokenizer imports stages.render",
+    "backends.gguf.tokenizer imports stages.tokenize",
+    "backends.torch.backend imports pipeline.engine.blocks",
+    "backends.torch.parallel imports pipeline.engine.loop",
+    "stages.structured.guard imports pipeline.grammar ['_resolve']",
+})
+"""Wrong-way imports the redesign in progress removes, step by step: each must still occur
+(a removed one is struck from here), and no other may appear."""
+
+
 def _module(path: Path) -> str:
     return ".".join(path.relative_to(SRC).with_suffix("").parts)
 
@@ -95,7 +114,16 @@ def test_no_import_points_the_wrong_way(importer: str, forbidden: tuple[str, ...
             inside = name.split(".")[0] == module.split(".")[0] == "pipeline"
             if any(_within(name, f) for f in forbidden) and not (typing_only and inside):
                 wrong.append(f"{module} imports {name}")
-    assert not wrong, "\n".join(wrong)
+    _judge(wrong, [m for m in MOVING if _within(m.split()[0], importer)
+                   and not any(_within(m.split()[0], x) for x in left_out)
+                   and any(_within(m.split()[2], f) for f in forbidden)])
+
+
+def _judge(wrong: list[str], moving: list[str]) -> None:
+    new = sorted(set(wrong) - MOVING)
+    gone = sorted(set(moving) - set(wrong))
+    assert not new, "\n".join(new)
+    assert not gone, "no longer imported, strike from MOVING: " + "\n".join(gone)
 
 
 def test_no_module_reaches_into_another_packages_private_parts() -> None:
@@ -112,7 +140,7 @@ def test_no_module_reaches_into_another_packages_private_parts() -> None:
             private_names = [t for t in taken if t.startswith("_") and not t.startswith("__")]
             if private_module or private_names:
                 wrong.append(f"{module} imports {name} {private_names or ''}".rstrip())
-    assert not wrong, "\n".join(wrong)
+    _judge(wrong, [m for m in MOVING if "['_" in m])
 
 
 def test_the_rules_see_every_kind_of_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
