@@ -1,13 +1,13 @@
-"""The GGUF components: a GGUF file's tokenizer, chat template and weights, each built from one
-opening of the file per build.
+"""The GGUF backend: a GGUF file's weights on the torch backend, from the build's one opening
+of the file (:func:`pipeline.gguf_file.opened`, shared with the ``gguf`` tokenizer and chat
+template of :mod:`stages.plugin`).
 
-Owns the factories that :mod:`backends.plugin` registers as ``tokenizer``, ``renderer`` and
-``backend`` named ``"gguf"``, which :func:`pipeline.build` picks for a model that is a GGUF
-file. It reads the build's :class:`~pipeline.options.BackendOptions`: ``dtype`` is the
-compute dtype (default float32), ``quantized`` keeps quantized matrices in their GGML
-encoding and multiplies chunk by chunk (less memory, slower; default False: dequantize at
-load), and ``kv_blocks``, ``kv_cache_bytes`` and ``block_size`` size the KV pool as for the
-torch backend.
+Owns the factory that :mod:`backends.plugin` registers as the ``backend`` named ``"gguf"``,
+which :func:`pipeline.build` picks for a model that is a GGUF file. It reads the build's
+:class:`~pipeline.options.BackendOptions`: ``dtype`` is the compute dtype (default float32),
+``quantized`` keeps quantized matrices in their GGML encoding and multiplies chunk by chunk
+(less memory, slower; default False: dequantize at load), and ``kv_blocks``,
+``kv_cache_bytes`` and ``block_size`` size the KV pool as for the torch backend.
 
 The torch backend's KV pool holds, by default, a whole window for every slot, so without a
 ``max_context`` the window is cut to what ``kv_cache_bytes`` (default 1 GiB) holds for
@@ -22,48 +22,14 @@ from typing import Any
 
 import torch
 
-from backends.gguf.file import GGUFFile, hf_config
+from backends.gguf.config import hf_config
 from backends.torch.config import ModelSpec
-from pipeline.errors import ArtifactError, InvalidValueError
-from pipeline.registry import MODEL_METADATA, BuildContext
+from pipeline.errors import InvalidValueError
+from pipeline.gguf_file import opened
+from pipeline.registry import BuildContext
 
-_OPENED = "gguf.file"
 KV_CACHE_BYTES = 1 << 30
 """The key/value cache a GGUF model gets when ``max_context`` is not given."""
-
-
-def opened(ctx: BuildContext) -> GGUFFile:
-    """The build's GGUF file, opened on first use and shared by the three factories."""
-    if ctx.model_file is None:
-        raise ArtifactError("the gguf components need a model file (a .gguf path)")
-    if _OPENED not in ctx.shared:
-        ctx.shared[_OPENED] = GGUFFile.open(ctx.model_file)
-        ctx.shared[MODEL_METADATA] = ctx.shared[_OPENED].metadata
-    f: GGUFFile = ctx.shared[_OPENED]
-    return f
-
-
-def gguf_tokenizer(ctx: BuildContext) -> Any:
-    """The file's tokenizer as an :class:`~stages.tokenize.hf.HFTokenizer`."""
-    from backends.gguf.tokenizer import gguf_tokenizer as make
-
-    f = opened(ctx)
-    return make(f.metadata, str(f.path))
-
-
-def gguf_renderer(ctx: BuildContext) -> Any:
-    """The file's chat template (``tokenizer.chat_template``); a file without one (a base
-    model, as llama.cpp's converter writes it from a folder with no template) gets the plain
-    renderer, as a Hugging Face folder without a template does."""
-    from backends.gguf.tokenizer import CHAT_TEMPLATE
-    from backends.gguf.tokenizer import gguf_renderer as make
-
-    f = opened(ctx)
-    if CHAT_TEMPLATE not in f.metadata:
-        from stages.render import PlainRenderer
-
-        return PlainRenderer()
-    return make(f.metadata, str(f.path))
 
 
 def gguf_backend(ctx: BuildContext) -> Any:
