@@ -103,7 +103,7 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
     lap("import pipeline")
     import torch
 
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.plugin import moe_function
     from backends.torch.backend import TorchBackend, fitting_context
@@ -112,8 +112,7 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
     from pipeline.gguf_file import GGUFFile
     from pipeline.model_paths import resolve_model
     from pipeline.options import BackendOptions
-    from stages.render.gguf import gguf_renderer
-    from stages.tokenize.gguf import gguf_tokenizer
+    from stages.gguf import gguf_renderer, gguf_tokenizer
 
     lap("import the GGUF and torch backends")
     path = resolve_model(gguf).file

@@ -244,7 +244,7 @@ def test_the_cli_reads_sizes_and_refuses_nonsense() -> None:
 
 def test_a_gguf_files_quantized_expert_stacks_are_read_per_expert(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import GGUFExperts, load_weights
     from backends.torch.model import Transformer
     from pipeline.gguf_file import GGUFFile

@@ -184,7 +184,7 @@ def test_a_truncated_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_an_unknown_architecture_names_the_field_and_the_supported_ones(tmp_path: Path) -> None:
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from pipeline.gguf_file import GGUFFile
 
     f = GGUFFile.open(_write(tmp_path / "gpt.gguf", arch="gptneox"))
@@ -317,7 +317,7 @@ def _logits(spec: Any, weights: Any, ids: list[int], products: Any = ()) -> torc
 
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_a_qwen3_moe_gguf_loads_as_the_same_model(tmp_path: Path, qtype: str | None) -> None:
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.config import ModelSpec
     from backends.torch.loader import load_checkpoint
@@ -352,7 +352,7 @@ def attrs_equal(a: Any, b: Any) -> bool:
 def test_model_info_counts_quantized_matrices_at_their_encoded_size(tmp_path: Path) -> None:
     """Kept quantized, the Q8_0 attention matrices count their parameters as before and their
     bytes as GGML encodes them (blocks of 32 values: a float16 scale and 32 int8s)."""
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
@@ -384,7 +384,7 @@ def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:
     # tiles), other rows on the int4 kernel (backends/torch/packed.py PromptRows): a prompt's
     # logits are the same bits whole, in uneven chunks, and beside a decoding sequence, and
     # agree with the dequantized float32 model to bfloat16's precision.
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import bfloat16_fast, load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
@@ -457,7 +457,7 @@ def _mapped_kib(path: Path) -> int | None:
 
 def test_a_tensor_the_library_cannot_use_is_refused_naming_it_and_the_architecture(
         tmp_path: Path) -> None:
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.config import ModelSpec
     from pipeline.gguf_file import GGUFFile
@@ -477,7 +477,7 @@ def test_kept_quantized_rows_of_a_multi_token_call_do_not_depend_on_a_prompt_bes
     # multi-token call that is not a prompt (draft verification, a diffusion block) take wide
     # tiles alone, and must take the same tiles when a prompt chunk shares the forward and its
     # rows go to the decoded matrix instead.
-    from backends.gguf.config import hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec

@@ -32,12 +32,12 @@ from hypothesis import strategies as st
 from pipeline.errors import TemplateError, TokenizerError
 from pipeline.contracts.text import Renderer, Tokenizer
 from pipeline.contracts.request import Message
-from stages.render import HFChatTemplateRenderer
-from stages.render.gguf import gguf_renderer
-from stages.tokenize import HFTokenizer
-from stages.tokenize.gguf import (
-    PRE_TOKENIZERS, SUPPORTED_MODELS, gguf_tokenizer, tokenizer_config, tokenizer_json,
+from stages.gguf import (
+    PRE_TOKENIZERS, SUPPORTED_MODELS, gguf_renderer, gguf_tokenizer, tokenizer_config,
+    tokenizer_json,
 )
+from stages.render import HFChatTemplateRenderer
+from stages.tokenize import HFTokenizer
 
 gguf = pytest.importorskip("gguf")
 regex = pytest.importorskip("regex")

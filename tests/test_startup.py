@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.gguf.config import hf_config
+from backends.gguf.backend import hf_config
 from backends.gguf.load import load_weights
 from backends.gguf.quants import dequantize
 from backends.torch.config import ModelSpec

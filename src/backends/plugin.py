@@ -103,7 +103,7 @@ def moe_function(choice: Any, folders: Sequence[Path]) -> Any:
 
 
 def _gguf_backend(ctx: BuildContext) -> Any:
-    from backends.gguf.factories import gguf_backend
+    from backends.gguf.backend import gguf_backend
 
     return gguf_backend(ctx)
 

@@ -3,10 +3,10 @@
 Owns :class:`GGUFFile` (a memory-mapped file: key-value metadata as Python values, tensors by
 name as :class:`GGUFTensor` views of the mapped bytes, a content ``snapshot``), the header
 reader behind it (:func:`read_gguf`), and :func:`opened`, a build's one opening of its model
-file. The format is read here, below the stages and the backends, as :mod:`pipeline.model_paths`
-finds the artifacts: the tokenizer and the chat template (:mod:`stages.tokenize.gguf`,
-:mod:`stages.render.gguf`) read the metadata, the weights (:mod:`backends.gguf`) the tensors
-and the model's shape (:func:`backends.gguf.config.hf_config`), all from the one opening.
+file. The format is read here, below the stages and the backends, as
+:mod:`pipeline.model_paths` finds the artifacts: the tokenizer and the chat template
+(:mod:`stages.gguf`) read the metadata, the weights (:mod:`backends.gguf`) the tensors and the
+model's shape (:func:`backends.gguf.backend.hf_config`), all from the one opening.
 
 The header is read here rather than by ``gguf.GGUFReader``, which makes numpy views of every
 element of the vocabulary arrays (seconds for a 49,152-token vocabulary); here a numeric array

@@ -84,7 +84,7 @@ def _hf_tokenizer(ctx: BuildContext) -> Any:
 
 def _gguf_tokenizer(ctx: BuildContext) -> Any:
     from pipeline.gguf_file import opened
-    from stages.tokenize.gguf import gguf_tokenizer
+    from stages.gguf import gguf_tokenizer
 
     f = opened(ctx)
     return gguf_tokenizer(f.metadata, str(f.path))
@@ -95,9 +95,8 @@ def _gguf_renderer(ctx: BuildContext) -> Any:
     model, as llama.cpp's converter writes it from a folder with no template) gets the plain
     renderer, as a Hugging Face folder without a template does."""
     from pipeline.gguf_file import opened
+    from stages.gguf import CHAT_TEMPLATE, gguf_renderer
     from stages.render import PlainRenderer
-    from stages.render.gguf import gguf_renderer
-    from stages.tokenize.gguf import CHAT_TEMPLATE
 
     f = opened(ctx)
     if CHAT_TEMPLATE not in f.metadata:
@@ -184,8 +183,8 @@ CONTINUOUS_SUMMARIES = {
 
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """Renderers, tokenizers (a folder's, a GGUF file's), processors, selectors, detokenizer, stoppers, strategies, tool
-    parsers."""
+    """Renderers and tokenizers (a folder's, a GGUF file's), processors, selectors,
+    detokenizer, stoppers, strategies, tool parsers."""
     comps = [
         Component("renderer", "hf_chat_template", _hf_renderer,
                   "Hugging Face chat template (jinja2, sandboxed)"),

@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer, as the Hugging Face files the stages read.
+"""A GGUF file's tokenizer and chat template, as the Hugging Face files the stages read.
 
 A GGUF file has no ``tokenizer.json``: llama.cpp stores the vocabulary, merges, token types and
 special ids as key-value metadata (``tokenizer.ggml.*``) and the chat template as
@@ -9,13 +9,12 @@ module builds
 - :func:`tokenizer_json`: the bytes of an equivalent ``tokenizer.json``;
 - :func:`tokenizer_config`: the tokenizer_config keys the stages read (named special tokens,
   ``add_bos_token``, ``chat_template``) and ``eos_token_ids``;
-- :func:`gguf_tokenizer`: an :class:`~stages.tokenize.HFTokenizer` over them;
-- :func:`chat_template` and :func:`special_token_strings`: what
-  :func:`stages.render.gguf.gguf_renderer` gives an
-  :class:`~stages.render.HFChatTemplateRenderer`,
+- :func:`gguf_tokenizer` and :func:`gguf_renderer`: an :class:`~stages.tokenize.HFTokenizer`
+  and an :class:`~stages.render.HFChatTemplateRenderer` over them,
 
 so everything downstream is the same stage stack as for a Hugging Face folder. The file is
-read by :mod:`pipeline.gguf_file`; this module reads its metadata only.
+read by :mod:`pipeline.gguf_file`; :mod:`stages.plugin` registers the two as the ``gguf``
+tokenizer and renderer.
 
 Tokenizer models (``tokenizer.ggml.model``):
 
@@ -63,11 +62,11 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
 from pipeline.errors import TemplateError, TokenizerError
-from stages.tokenize.hf import HFTokenizer
+from stages.render import HFChatTemplateRenderer
+from stages.tokenize import HFTokenizer
 
-__all__ = ["CHAT_TEMPLATE", "PRE_TOKENIZERS", "SUPPORTED_MODELS", "PreTokenizer",
-           "chat_template", "gguf_tokenizer", "special_token_strings", "tokenizer_config",
-           "tokenizer_json"]
+__all__ = ["PRE_TOKENIZERS", "SUPPORTED_MODELS", "PreTokenizer", "gguf_renderer",
+           "gguf_tokenizer", "tokenizer_config", "tokenizer_json"]
 
 MODEL = "tokenizer.ggml.model"
 PRE = "tokenizer.ggml.pre"
@@ -431,32 +430,19 @@ def tokenizer_config(metadata: Mapping[str, Any], source: str = "GGUF metadata"
         if (token := _token_id(metadata, field, source, count)) is not None:
             config[name] = vocab.key(token)
     config["add_bos_token"], config["add_eos_token"] = _adds(metadata, vocab.model, source)
-    if (template := chat_template(metadata, source)) is not None:
+    if (template := _template(metadata, CHAT_TEMPLATE, source)) is not None:
         config["chat_template"] = template
     eos = {_token_id(metadata, field, source, count) for field in EOS_FIELDS}
     config["eos_token_ids"] = sorted(t for t in eos if t is not None)
     return config
 
 
-def chat_template(metadata: Mapping[str, Any], source: str, name: str | None = None
-                  ) -> str | None:
-    """The chat template text (``tokenizer.chat_template``, or ``tokenizer.chat_template.<name>``
-    for a ``name``), None where the file has none; TemplateError naming ``source`` and the
-    field for a value that is not text."""
-    key = CHAT_TEMPLATE if name is None else f"{CHAT_TEMPLATE}.{name}"
+def _template(metadata: Mapping[str, Any], key: str, source: str) -> str | None:
     value = metadata.get(key)
     if value is not None and not isinstance(value, str):
         raise TemplateError(f"{source}: GGUF field {key} must hold the chat template text, "
                             f"not {type(value).__name__}")
     return value
-
-
-def special_token_strings(metadata: Mapping[str, Any], source: str) -> list[str]:
-    """The text of every special token (types UNKNOWN and CONTROL), as the vocabulary spells
-    it: the strings a renderer protects in caller text. Raises TokenizerError for a malformed
-    vocabulary."""
-    vocab = _Vocab.read(metadata, source)
-    return [vocab.tokens[i] for i in range(len(vocab.tokens)) if vocab.special(i)]
 
 
 def gguf_tokenizer(metadata: Mapping[str, Any], source: str) -> HFTokenizer:
@@ -465,3 +451,26 @@ def gguf_tokenizer(metadata: Mapping[str, Any], source: str) -> HFTokenizer:
     config = tokenizer_config(metadata, source)
     return HFTokenizer(tokenizer_json(metadata, source), config=config,
                        eos_token_ids=config["eos_token_ids"], source=source)
+
+
+def gguf_renderer(metadata: Mapping[str, Any], source: str, *,
+                  template_name: str | None = None) -> HFChatTemplateRenderer:
+    """An :class:`HFChatTemplateRenderer` over the file's chat template, with its named special
+    tokens as template variables and every special token's text protected in caller text.
+
+    ``template_name`` picks ``tokenizer.chat_template.<name>`` instead of the default
+    ``tokenizer.chat_template``. A file without that template raises TemplateError naming
+    ``source`` and the field (a model without a template wants the plain renderer instead);
+    a malformed vocabulary raises TokenizerError.
+    """
+    key = CHAT_TEMPLATE if template_name is None else f"{CHAT_TEMPLATE}.{template_name}"
+    template = _template(metadata, key, source)
+    if template is None:
+        raise TemplateError(f"{source}: no chat template: GGUF field {key} is missing")
+    vocab = _Vocab.read(metadata, source)
+    config = tokenizer_config(metadata, source)
+    named = {k: v for k, v in config.items() if k in NAMED_TOKEN_FIELDS}
+    strings = [vocab.tokens[i] for i in range(len(vocab.tokens)) if vocab.special(i)]
+    return HFChatTemplateRenderer(
+        template, special_tokens=named, special_token_strings=[*strings, *named.values()],
+        name="gguf_chat_template" + (f":{template_name}" if template_name else ""))
