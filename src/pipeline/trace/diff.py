@@ -48,7 +48,7 @@ from pipeline.trace.products import (
     raw_logits_at, shown,
 )
 from pipeline.trace.tokens import FirstToken, TokenText, first_token
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 
 INSTANCE_SKIP = frozenset({"request_id", "traceparent", "traceparent_ignored"})
 

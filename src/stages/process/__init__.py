@@ -3,8 +3,8 @@
 Owns the built-in processors (masks and biases, penalties, temperature, truncation), the
 :class:`ProcessorChain` that applies them in an explicit order, and the name table the plugin
 registry exposes; ``DEFAULT_ORDER`` (from :mod:`pipeline.registry`) names the default chain.
-Every processor satisfies :class:`pipeline.protocols.LogitProcessor`: built with no arguments,
-stateless, per-row parameters read from ``row.config``.
+Every processor satisfies :class:`pipeline.contracts.decode.LogitProcessor`: built with no
+arguments, stateless, per-row parameters read from ``row.config``.
 """
 
 from pipeline.registry import DEFAULT_ORDER

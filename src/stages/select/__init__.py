@@ -1,7 +1,7 @@
 """Selectors: from processed scores to one token per row.
 
 Owns the ``greedy`` and ``sample`` selectors (both satisfy
-:class:`pipeline.protocols.Selector`), their log-probabilities (``logprobs.py``) and the
+:class:`pipeline.contracts.decode.Selector`), their log-probabilities (``logprobs.py``) and the
 counter-based :func:`uniform` draw (``rng.py``). :data:`SELECTORS` maps names to classes. The
 strategies that call a selector live in :mod:`stages.strategies`.
 """
@@ -9,7 +9,7 @@ strategies that call a selector live in :mod:`stages.strategies`.
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from pipeline.protocols import Selector
+from pipeline.contracts.decode import Selector
 from stages.select.greedy import GreedySelector, argmax_columns
 from stages.select.rng import uniform
 from stages.select.sample import SamplingSelector, inverse_cdf

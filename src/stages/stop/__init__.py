@@ -7,7 +7,7 @@
 - :class:`StopperChain` runs several as one; :func:`make_stopper` builds one by name;
   ``DEFAULT_STOPPERS`` (from :mod:`pipeline.registry`) names the default chain.
 
-All satisfy :class:`pipeline.protocols.Stopper`.
+All satisfy :class:`pipeline.contracts.text.Stopper`.
 """
 
 from pipeline.registry import DEFAULT_STOPPERS

@@ -14,9 +14,10 @@ from typing import Generic, TypeVar
 
 import attrs
 
-from pipeline.protocols import StopContext, StopVerdict
+from pipeline.contracts.text import StopContext, StopVerdict
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
 from pipeline.room import room
-from pipeline.types import FinishReason, Request
 
 S = TypeVar("S")
 

@@ -1,4 +1,4 @@
-"""Decoding strategies (:class:`pipeline.protocols.Strategy`): the update rule between calls.
+"""Decoding strategies (:class:`pipeline.contracts.strategy.Strategy`): the rule between calls.
 
 Owns :class:`AutoregressiveStrategy` and :class:`SpeculativeStrategy` (its rejection rule in
 ``verify.py``, its proposers in ``proposers.py`` and ``draft.py``, its options in

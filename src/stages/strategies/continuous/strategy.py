@@ -48,12 +48,12 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.contracts.forcing import Forcing
-from pipeline.protocols import (
-    Attention, EmbeddingInputs, Honours, Plan, Row, StrategyEvent, Taken, Update,
-)
+from pipeline.contracts.decode import Row
+from pipeline.contracts.model import Attention, EmbeddingInputs
+from pipeline.contracts.strategy import Honours, Plan, StrategyEvent, Taken, Update
 from pipeline.recording import row_digests
 from pipeline.room import room
-from pipeline.types import TokenLogprob
+from pipeline.contracts.output import TokenLogprob
 from stages.strategies.continuous.integrators import BlockState, Integrator
 from stages.strategies.continuous.noise import gaussian
 from stages.strategies.diffusion.noise import noise_kind, noise_seed

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 from stages.select.rng import GOLDEN, MASK64, mix64
 
 _M32 = 0xFFFFFFFF

@@ -48,11 +48,11 @@ import torch
 from pipeline.errors import InvalidValueError
 from pipeline.events import digest_ids
 from pipeline.contracts.forcing import Forcing
-from pipeline.protocols import (
-    Attention, Batch, Honours, LogitProcessor, Plan, Row, Scores, StrategyEvent, Update,
-)
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores
+from pipeline.contracts.model import Attention
+from pipeline.contracts.strategy import Honours, Plan, StrategyEvent, Update
+from pipeline.contracts.output import TokenLogprob
 from pipeline.room import room
-from pipeline.types import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.strategies.diffusion import rules
 from stages.strategies.diffusion.noise import noise_kind, noise_seed, uniforms
