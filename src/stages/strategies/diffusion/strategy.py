@@ -221,7 +221,9 @@ class MaskedDiffusionStrategy:
             state.start += len(state.final or ())
             state.blocks += 1
         state.final = None
-        length = self._block_room(row, state.start)
+        start = state.start  # the next block's room: block_length, max_tokens, the window
+        length = max(room(row.config.max_tokens, start, window=self.settings.max_context,
+                          held=len(row.prompt_ids) + start, block=self.settings.block_length), 1)
         mask = self.settings.mask_token_id
         prefix = state.forcing.prefix
         state.block = [prefix[state.start + j] if state.start + j < len(prefix) else mask
@@ -243,12 +245,6 @@ class MaskedDiffusionStrategy:
             if noise_seed(row) != row.seed:
                 payload["noise_seed"] = noise_seed(row)
         return payload
-
-    def _block_room(self, row: Row, start: int) -> int:
-        """Positions the next block may have: ``block_length``, within what ``max_tokens``
-        leaves and what the context window holds after the cached prefix."""
-        return max(room(row.config.max_tokens, start, window=self.settings.max_context,
-                        held=len(row.prompt_ids) + start, block=self.settings.block_length), 1)
 
     def _denoise(self, states: Sequence[BlockState], rows: Sequence[Row],
                  logits: Sequence[torch.Tensor]) -> list[Update[BlockState]]:
