@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from pipeline.engine.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
+from pipeline.tools.formats import HermesParser
+from pipeline.tools.scan import judge
 from pipeline.types import Delta, FinishReason, ToolCallEnd
-from stages.toolcalls import HermesParser, judge
 from transports.http.inbox import batches
 from pipeline.output_parts import OutputSplitter, Part, TextPart
 

@@ -38,7 +38,7 @@ from pipeline.protocols import (
 from pipeline.engine.text_state import TextState
 from pipeline.output_parts import opens_thinking
 from pipeline.prepared import Prepared
-from pipeline.tool_choice import constrain_calls
+from pipeline.tools.choice import constrain_calls
 from pipeline.registry import Registry
 if TYPE_CHECKING:
     from pipeline.tools.loop import ToolRun

@@ -136,7 +136,7 @@ TOOL_PARSER_SUMMARIES = {
 
 def _tool_parser(name: str) -> Any:
     def factory(ctx: BuildContext) -> Any:
-        from stages.toolcalls import PARSERS
+        from pipeline.tools.formats import PARSERS
 
         return PARSERS[name]()
 
