@@ -92,6 +92,7 @@ class HermesParser:
     """Hermes / Qwen tool calls (the format of Qwen2.5, Qwen3, Hermes and the tiny model)."""
 
     name = "hermes"
+    summary = "Hermes / Qwen <tool_call>{json}</tool_call> calls"
     calls = HermesCalls()
     """The format's grammars (forced and optional calls)."""
 
@@ -183,6 +184,7 @@ class Llama3Parser:
     """Llama 3.x JSON tool calls (the built-in ``<|python_tag|>`` prefix is accepted)."""
 
     name = "llama3_json"
+    summary = "Llama 3.x JSON calls ({name, parameters}; <|python_tag|>)"
     calls = Llama3Calls()
     """The format's grammars (forced and optional calls)."""
 
@@ -249,6 +251,7 @@ class MistralParser:
     """Mistral tool calls: ``[TOOL_CALLS]`` and a JSON array of calls."""
 
     name = "mistral"
+    summary = "Mistral [TOOL_CALLS][{...}] calls"
     calls = MistralCalls()
     """The format's grammars (forced and optional calls)."""
 
@@ -261,8 +264,8 @@ class MistralParser:
         return MistralReader(request_id)
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3Parser, "mistral": MistralParser}
-"""The built-in parsers by registered name."""
+PARSERS = {p.name: p for p in (HermesParser, Llama3Parser, MistralParser)}
+"""The built-in parsers by registered name, in the order ``choose_parser`` asks them."""
 
 
 def choose_parser(registry: Registry, context: BuildContext,
