@@ -1,7 +1,7 @@
 """Tool calls, in one place: reading them out of the model's text, then carrying them out.
 
-A tool call has two halves, and the boundary between them is the parsed :class:`~pipeline.types.ToolCall`
-(docs/design.md §11):
+A tool call has two halves, and the boundary between them is the parsed
+:class:`~pipeline.contracts.request.ToolCall` (docs/design.md §11):
 
 **The stage: calls read out of generated text** (in the engine, per request, as text is
 released; :mod:`pipeline.output_parts` feeds the reader). Nothing here has an effect.

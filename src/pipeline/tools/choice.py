@@ -4,7 +4,7 @@ Owns :func:`constrain_calls`, which the pipeline applies to every request with t
 it is queued (in process and over HTTP alike), through the
 :class:`~pipeline.tools.grammars.CallGrammars` a tool-call parser offers (the built-in
 parsers' ``calls``: the grammars of :mod:`pipeline.tools.grammars`, one per format), and
-:func:`special_marker`. Under :class:`~pipeline.types.ToolChoice`:
+:func:`special_marker`. Under :class:`~pipeline.contracts.request.ToolChoice`:
 
 - ``required`` / a named tool: the output starts with the format's opening (forced tokens:
   ``<tool_call>``, ``[TOOL_CALLS]``, the named call's head) and follows the format's call
@@ -14,7 +14,7 @@ parsers' ``calls``: the grammars of :mod:`pipeline.tools.grammars`, one per form
 - ``auto`` with a JSON response format, ``strict`` tools, or ``parallel`` False: the model
   may answer, but a call it makes is valid (at most one when not ``parallel``);
 - ``auto`` otherwise, and ``none``: nothing forced (``none`` also hides the tools, which is
-  :meth:`~pipeline.types.Request.tools_shown`'s part); a grammar of the caller's own that is
+  :meth:`~pipeline.contracts.request.Request.tools_shown`'s part); a grammar of the caller's own that is
   not a JSON format stands as it is.
 
 A parser without :class:`CallGrammars` cannot have a call forced: the request is refused
@@ -27,11 +27,11 @@ import json
 
 import attrs
 
+from pipeline.contracts.request import Request
+from pipeline.contracts.text import Tokenizer, ToolCallParser
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import Marker
-from pipeline.protocols import Tokenizer, ToolCallParser
 from pipeline.tools.grammars import CallGrammars
-from pipeline.types import Request
 
 
 def constrain_calls(request: Request, parser: ToolCallParser | None,

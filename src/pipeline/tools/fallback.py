@@ -26,8 +26,8 @@ import json
 from collections.abc import Callable, Sequence
 
 from pipeline.errors import PipelineError
-from pipeline.protocols import Renderer
-from pipeline.types import Message, Rendered, ToolCall, ToolSpec
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
+from pipeline.contracts.text import Rendered, Renderer
 
 PROBE_TOOL = ToolSpec("get_weather", "The weather in a city.", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})

@@ -23,7 +23,7 @@ import re
 from typing import cast
 
 from pipeline.output_parts import THINK_CLOSE, THINK_OPEN, held_suffix
-from pipeline.protocols import Renderer, ToolCallParser
+from pipeline.contracts.text import Renderer, ToolCallParser
 from pipeline.registry import BuildContext, Registry
 from pipeline.tools.fallback import probe_rendering
 from pipeline.tools.grammars import (
