@@ -85,6 +85,28 @@ def _hf_tokenizer(ctx: BuildContext) -> Any:
     return HFTokenizer.from_dir(_model_dir(ctx, "tokenizer"))
 
 
+def _gguf_tokenizer(ctx: BuildContext) -> Any:
+    from pipeline.gguf_file import opened
+    from stages.gguf import gguf_tokenizer
+
+    f = opened(ctx)
+    return gguf_tokenizer(f.metadata, str(f.path))
+
+
+def _gguf_renderer(ctx: BuildContext) -> Any:
+    """The file's chat template (``tokenizer.chat_template``); a file without one (a base
+    model, as llama.cpp's converter writes it from a folder with no template) gets the plain
+    renderer, as a Hugging Face folder without a template does."""
+    from pipeline.gguf_file import opened
+    from stages.gguf import CHAT_TEMPLATE, gguf_renderer
+    from stages.render import PlainRenderer
+
+    f = opened(ctx)
+    if CHAT_TEMPLATE not in f.metadata:
+        return PlainRenderer()
+    return gguf_renderer(f.metadata, str(f.path))
+
+
 def _detokenizer(ctx: BuildContext) -> Any:
     from stages.detokenize import IncrementalDetokenizer
 
@@ -152,13 +174,17 @@ CONTINUOUS_SUMMARIES = {
 
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategies, tool
-    parsers."""
+    """Renderers and tokenizers (a folder's, a GGUF file's), processors, selectors,
+    detokenizer, stoppers, strategies, tool parsers."""
     comps = [
         Component("renderer", "hf_chat_template", _hf_renderer,
                   "Hugging Face chat template (jinja2, sandboxed)"),
         Component("renderer", "plain", _plain_renderer, "role-labelled plain text"),
         Component("tokenizer", "hf", _hf_tokenizer, "tokenizers (tokenizer.json)"),
+        Component("tokenizer", "gguf", _gguf_tokenizer,
+                  "a GGUF file's tokenizer (tokenizer.ggml.*) as a tokenizers BPE"),
+        Component("renderer", "gguf", _gguf_renderer,
+                  "a GGUF file's chat template (tokenizer.chat_template)"),
         Component("detokenizer", "incremental", _detokenizer,
                   "incremental, never a broken UTF-8 tail"),
         Component("selector", "greedy", _greedy, "argmax (ties to the lowest id)"),
