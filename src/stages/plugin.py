@@ -1,6 +1,8 @@
 """Registers the built-in text-side stages through the ``pipeline_components`` hook.
 
-Factories import their modules lazily, so listing the registry stays cheap.
+Factories import their modules lazily, so listing the registry stays cheap (the tool-call
+parsers, plain Python beside the tool loop in :mod:`pipeline.tools`, are listed from
+:data:`~pipeline.tools.formats.PARSERS`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.hookspecs import hookimpl
 from pipeline.registry import BuildContext, Component
+from pipeline.tools.formats import PARSERS
 
 PROCESSOR_SUMMARIES = {
     "allowed_tokens": "remove every token outside allowed_token_ids",
@@ -149,20 +152,8 @@ def _speculative(ctx: BuildContext) -> Any:
     return speculative_maker(ctx)
 
 
-TOOL_PARSER_SUMMARIES = {
-    "hermes": "Hermes / Qwen <tool_call>{json}</tool_call> calls",
-    "llama3_json": "Llama 3.x JSON calls ({name, parameters}; <|python_tag|>)",
-    "mistral": "Mistral [TOOL_CALLS][{...}] calls",
-}
-
-
-def _tool_parser(name: str) -> Any:
-    def factory(ctx: BuildContext) -> Any:
-        from stages.toolcalls import PARSERS
-
-        return PARSERS[name]()
-
-    return factory
+def _made(cls: Any) -> Any:
+    return lambda ctx: cls()
 
 
 CONTINUOUS_SUMMARIES = {
@@ -205,8 +196,7 @@ def pipeline_components() -> list[Component]:
                            "remove tokens the request's grammar (JSON schema) forbids next"))
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
-    comps += [Component("tool_parser", n, _tool_parser(n), s)
-              for n, s in TOOL_PARSER_SUMMARIES.items()]
+    comps += [Component("tool_parser", n, _made(cls), cls.summary) for n, cls in PARSERS.items()]
     comps += [Component("strategy", n, _iterative(n), s)
               for n, s in CONTINUOUS_SUMMARIES.items()]
     return comps

@@ -11,7 +11,7 @@ tokens, then the caller's template kwargs, then ``messages`` (``Message.to_templ
 :class:`~pipeline.errors.TemplateError`. Control/content spans are recovered as
 :mod:`stages.render.spans` describes: caller text is CONTENT, a caller's special-token string
 (``<|im_end|>``) included. A template that renders no tools gets them through the Hermes
-fallback of :mod:`stages.render.tool_fallback`.
+fallback of :mod:`pipeline.tools.fallback`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from pipeline.errors import InvalidValueError, TemplateError
 from pipeline.events import digest_text
 from pipeline.contracts.request import Message, ToolSpec
 from pipeline.contracts.text import Rendered
+from pipeline.tools.fallback import SUFFIX, hermes_messages, renders_tools
 from stages.render.sandbox import compile_template
 from stages.render.spans import (assemble, caller_strings, free_chars, map_caller, marked_spans,
                                  searched_spans, subtract, wrap)
-from stages.render.tool_fallback import SUFFIX, hermes_messages, renders_tools
 from stages.tokenize.hf import NAMED_SPECIAL_TOKENS, token_text
 
 __all__ = ["RESERVED_VARIABLES", "HFChatTemplateRenderer", "compile_template", "find_template",
@@ -194,7 +194,7 @@ class HFChatTemplateRenderer:
         """Render ``messages`` and ``tools``; ``template_kwargs`` reach the template.
 
         A template that renders no tools gets them through the Hermes fallback
-        (:mod:`stages.render.tool_fallback`): the tool block in the system message, calls and
+        (:mod:`pipeline.tools.fallback`): the tool block in the system message, calls and
         results as text; the rendering's name then ends in ``+hermes_tools``.
 
         Raises TemplateError when the template fails, InvalidValueError for a kwarg named
