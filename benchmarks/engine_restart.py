@@ -36,7 +36,7 @@ import uvicorn
 from pipeline.engine.process import EngineRecipe, ProcessEngine
 from pipeline.pipe import Pipeline
 from transports.http import Gateway, ServerConfig, create_app
-from transports.http.timeouts import uvicorn_config
+from transports.http.server.timeouts import uvicorn_config
 
 NO_EOS = {"stoppers": ["max_tokens", "stop_strings", "deadline"], "replace_stoppers": True}
 

@@ -49,7 +49,7 @@ FOLDER_OUT = ("moe_tune",)
 PRELOAD = ("torch", "numpy", "pipeline", "pipeline.builder", "pipeline.pipe", "pipeline.engine",
            "pipeline.trace", "pipeline.testing", "backends.torch.backend", "backends.gguf.file",
            "backends.gguf.load", "stages.structured", "stages.process", "stages.select",
-           "transports.sse", "transports.http.app", "httpx", "jsonschema", "transformers",
+           "transports.sse", "transports.http.server.app", "httpx", "jsonschema", "transformers",
            "transformers.generation.logits_process")
 """What the forking parent imports once (whichever are installed). Nothing that imports
 triton: the MoE scripts must set ``TRITON_INTERPRET`` before it loads."""

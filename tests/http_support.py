@@ -18,7 +18,7 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
 from transports.http import Gateway, ServerConfig, Timeouts, create_app
-from transports.http.timeouts import HTTPImpl, uvicorn_config
+from transports.http.server.timeouts import HTTPImpl, uvicorn_config
 
 IM_START, IM_END, TOOL_RESPONSE = 1, 2, 6140
 TOOL_CALL_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

@@ -199,7 +199,7 @@ def test_batch_invariance_is_on_for_cpu_unless_said_otherwise() -> None:
     import argparse
 
     from pipeline.cli.run import backend_options
-    from transports.http.config import ServerConfig
+    from transports.http.server.config import ServerConfig
 
     assert BackendOptions().invariant is True
     assert BackendOptions(device="cuda:0").invariant is False  # parsing needs no GPU

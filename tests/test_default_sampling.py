@@ -22,8 +22,8 @@ from pipeline.pipe import Pipeline
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
 from pipeline.testing import ScriptedBackend, build_scripted
 from pipeline.types import DEFAULT_MAX_TOKENS, FinishReason, GenerationConfig
-from transports.http.common import ServerDefaults
-from transports.http.config import ServerConfig
+from transports.http.dialects.common import ServerDefaults
+from transports.http.server.config import ServerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from answer_quality import faults  # noqa: E402

@@ -34,7 +34,7 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from tests.http_support import config, running
 from transports.http import Gateway, ServerConfig
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 NO_EOS = {"stoppers": ["max_tokens", "stop_strings", "deadline"], "replace_stoppers": True}
 """Stoppers without the end-of-sequence one: a request runs to its max_tokens, so it is
@@ -82,7 +82,7 @@ def test_cancelling_in_the_parent_stops_the_request_in_the_child(engine: Pipelin
 
 
 def test_an_engine_call_runs_on_the_childs_backend(engine: Pipeline) -> None:
-    from transports.http.embeddings_api import pooled
+    from transports.http.dialects.embeddings import pooled
 
     local = build(TINY_MODEL_DIR, options=BackendOptions(num_slots=1))
     try:
@@ -110,7 +110,7 @@ def test_what_cannot_cross_is_refused_at_the_door_and_the_engine_goes_on(engine:
     import datetime
 
     from pipeline.errors import InvalidValueError
-    from transports.http.embeddings_api import pooled
+    from transports.http.dialects.embeddings import pooled
 
     process = engine.engine
     assert isinstance(process, ProcessEngine)

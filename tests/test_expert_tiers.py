@@ -304,7 +304,8 @@ def test_the_command_line_and_the_server_take_the_expert_cap(
     import transports.http
     from pipeline import cli
     from pipeline.cli.run import add_backend, backend_options
-    from transports.http import ServerConfig, logs
+    from transports.http import ServerConfig
+    from transports.http.accounting import logs
 
     parser = argparse.ArgumentParser()
     add_backend(parser)

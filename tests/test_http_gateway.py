@@ -28,8 +28,8 @@ from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig, load_api_keys
-from transports.http.gateway import token_upper_bound
-from transports.http.usage import read_records
+from transports.http.gateway.gateway import token_upper_bound
+from transports.http.accounting.usage import read_records
 
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 _TOKENIZER = HFTokenizer.from_dir(TINY_MODEL_DIR)

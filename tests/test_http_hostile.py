@@ -32,7 +32,7 @@ from pipeline.types import Rendered, ToolSpec
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway
-from transports.http.limits import Limits
+from transports.http.server.limits import Limits
 
 KEY = "sk-hostile"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -29,11 +29,11 @@ from pipeline.pipe import Pipeline
 from pipeline.types import Request
 from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway, ServerConfig
-from transports.http.admission import (
+from transports.http.gateway.door import (
     LOADING_WAIT_S, RETRY_MAX_S, RETRY_MIN_S, Pace, Refusals, check_media_type, peek_models,
     place_wait_s, restart_wait_s,
 )
-from transports.http.errors import Dialect
+from transports.http.server.errors import Dialect
 
 CHAT = {"model": "default", "max_tokens": 8,
         "messages": [{"role": "user", "content": "hi"}]}

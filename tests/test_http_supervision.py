@@ -34,7 +34,7 @@ from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running
 from transports.http import Gateway, ServerConfig
-from transports.http.usage import SPILL_FILE, UsageRecord, UsageStore, read_records
+from transports.http.accounting.usage import SPILL_FILE, UsageRecord, UsageStore, read_records
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:

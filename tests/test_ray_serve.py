@@ -28,7 +28,7 @@ from pipeline.model_paths import TINY_MODEL_DIR
 from tests.http_support import free_port
 from tests.test_usage_postgres import Server, server  # noqa: F401  (the PostgreSQL fixture)
 from transports.http import ServerConfig
-from transports.http.usage_postgres import read_records
+from transports.http.accounting.usage_postgres import read_records
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

@@ -42,7 +42,7 @@ from stages.select import AutoregressiveStrategy
 from stages.tokenize import HFTokenizer
 from tests.http_support import config
 from transports.http import Gateway, create_app
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 TOKENIZER = HFTokenizer.from_dir(TINY_MODEL_DIR)
 AT = TOKENIZER.encode_text("@")[0]

@@ -52,7 +52,7 @@ replica's data directory is named after its id, so a replaced replica's spill fi
 the old directory.
 
 **Usage.** The replicas share one usage store when ``config.usage_database`` is a PostgreSQL
-URL (:mod:`transports.http.usage_postgres`); each keeps its spill file in a data directory of
+URL (:mod:`transports.http.accounting.usage_postgres`); each keeps its spill file in a data directory of
 its own (``<data_dir>/<replica id>``).
 
 Example (local Ray, two replicas)::
@@ -77,8 +77,8 @@ import attrs
 from starlette.responses import JSONResponse
 
 from pipeline.errors import ClientGone, EngineClosed, PayloadTooLargeError
-from transports.http.config import ServerConfig
-from transports.http.errors import (
+from transports.http.server.config import ServerConfig
+from transports.http.server.errors import (
     Dialect, classify, error_body, retry_headers, status_for, stream_error,
 )
 
