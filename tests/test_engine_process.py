@@ -452,7 +452,7 @@ def test_the_servers_engine_process_option_serves_from_a_child(tmp_path: Path) -
                            json={"model": "default", "input": "hello"})
             assert e.status_code == 200 and len(e.json()["data"][0]["embedding"]) == 192
             gateway._release_in_children()  # what the watchdog does when traffic stops
-            from backends.torch.native_memory import release_free_memory
+            from pipeline.process_memory import release_free_memory
             assert engine.call(release_free_memory).result(60) is True
             assert engine.alive
     finally:

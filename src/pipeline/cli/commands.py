@@ -164,7 +164,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
-    from backends.torch.native_memory import bound_native_caches
+    from pipeline.process_memory import bound_native_caches
     from pipeline.cli.strategy import check_strategies, registered_strategies, served_choices
     from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, parse_models, serve

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import attrs
 
-from backends.torch.native_memory import bound_native_caches, release_free_memory
+from pipeline.process_memory import bound_native_caches, release_free_memory
 from pipeline.builder import build
 from pipeline.errors import (
     AuthenticationError, ContextWindowError, EngineClosed, InvalidValueError,

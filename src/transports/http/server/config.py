@@ -120,7 +120,7 @@ class ServerConfig:
     group, its requests fail with a retryable error, ``/health`` says ``restarting``, and a
     whole fresh group takes over. ``release_idle_memory`` hands malloc's free pages back to
     the system when the engines fall idle after work
-    (:func:`~backends.torch.native_memory.release_free_memory`).
+    (:func:`~pipeline.process_memory.release_free_memory`).
     """
 
     models: Mapping[str, Path | None] = attrs.field(converter=_models, eq=False)
