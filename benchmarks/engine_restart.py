@@ -112,7 +112,7 @@ def main() -> None:
                               data_dir=Path(tmp), num_slots=max(4, args.streams),
                               restart_delay_s=0.0)
         gateway = Gateway(config, builder)
-        gateway.load(wait=True)
+        gateway.loader.load(wait=True)
         server = uvicorn.Server(uvicorn_config(create_app(gateway), "127.0.0.1", 0, "error",
                                                config.timeouts, "httptools"))
         thread = threading.Thread(target=server.run, daemon=True)

@@ -451,7 +451,7 @@ def test_the_servers_engine_process_option_serves_from_a_child(tmp_path: Path) -
             e = httpx.post(f"{url}/v1/embeddings", timeout=60,
                            json={"model": "default", "input": "hello"})
             assert e.status_code == 200 and len(e.json()["data"][0]["embedding"]) == 192
-            gateway._release_in_children()  # what the watchdog does when traffic stops
+            gateway.supervisor.release_in_children()  # what the watchdog does when traffic stops
             from pipeline.process_memory import release_free_memory
             assert engine.call(release_free_memory).result(60) is True
             assert engine.alive

@@ -286,7 +286,7 @@ def replica_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     gateway = Gateway(ServerConfig(models={"default": TINY_MODEL_DIR},
                                    data_dir=tmp_path_factory.mktemp("front")))
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     try:
         yield create_app(gateway)
     finally:

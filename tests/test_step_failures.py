@@ -269,7 +269,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     order = iter(made.values())
     gateway = Gateway(config(data, api_keys={KEY}, models={name: TINY_MODEL_DIR for name in made}),
                       lambda folder, cfg: next(order))
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     with TestClient(create_app(gateway), raise_server_exceptions=False) as c:
         c.gateway = gateway  # type: ignore[attr-defined]
         yield c

@@ -124,7 +124,7 @@ def replica_app(config: ServerConfig) -> Any:
     replica = serve.get_replica_context().replica_id.unique_id
     own = attrs.evolve(config, data_dir=Path(config.data_dir) / f"replica-{replica}")
     gateway = Gateway(own)
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     if gateway.failed:  # Ray starts another replica rather than route traffic to this one
         gateway.close()
         raise RuntimeError(f"this replica's models failed to load: {gateway.failed}")

@@ -211,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
                   "supervises a group itself, without torchrun)", file=sys.stderr)
             return 2
         if place[0] > 0:  # this rank's part of the model, no HTTP: it ends with rank 0
-            from transports.http.gateway.gateway import default_builder
+            from transports.http.gateway.loading import default_builder
 
             name, folder = next(iter(models.items()))
             default_builder(folder, config, config.strategy(name))

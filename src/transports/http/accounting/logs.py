@@ -33,7 +33,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import attrs
 from starlette.requests import Request as HTTPRequest
@@ -43,10 +43,8 @@ from pipeline.errors import PipelineError
 from pipeline.protocols import ModelInfo, human_bytes, human_count
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.types import Completion
+from transports.http.gateway.models import Flight
 from transports.http.server.choices import total_usage
-
-if TYPE_CHECKING:
-    from transports.http.gateway.gateway import Flight
 
 log = logging.getLogger("pipeline.serve")
 access_log = logging.getLogger("pipeline.serve.access")

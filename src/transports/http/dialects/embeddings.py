@@ -58,7 +58,8 @@ from pipeline.protocols import Embedder
 from transports.http.dialects.completions import prompt_ids
 from transports.http.dialects.documented import one_of, unsupported
 from transports.http.dialects.fields import Obj, check
-from transports.http.gateway.gateway import Gateway, ServedModel
+from transports.http.gateway.gateway import Gateway
+from transports.http.gateway.models import ServedModel
 from transports.http.server.limits import Limits
 from transports.http.server.work import Checkpoint, disconnected
 
@@ -159,11 +160,11 @@ def token_inputs(gateway: Gateway, served: ServedModel, ask: EmbeddingsAsk,
                           f"shorten them: leave 'dimensions' out or send {size}")
     tokenizer = served.pipe.stages.tokenizer
     assert tokenizer is not None, "a served pipeline has a tokenizer"
-    window, total, out = gateway.window(served), 0, []
+    window, total, out = gateway.window_fit.window(served), 0, []
     for i, item in enumerate(ask.inputs):
         path = "input" if len(ask.inputs) == 1 else f"input[{i}]"
         if isinstance(item, str):
-            gateway.refuse_longer(served, item, path)
+            gateway.window_fit.refuse_longer(served, item, path)
         ids = prompt_ids(tokenizer, item, path)
         if len(ids) > min(window, MAX_INPUT_TOKENS):
             raise ContextWindowError(path, len(ids), min(window, MAX_INPUT_TOKENS))

@@ -35,7 +35,7 @@ from transports.http.server import generation
 from transports.http.server.choices import total_usage
 from transports.http.dialects.common import Parsed
 from transports.http.server.errors import classify
-from transports.http.gateway.gateway import ServedModel
+from transports.http.gateway.models import ServedModel
 from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 

@@ -9,7 +9,7 @@ Owns the three cheap steps a request meets at the door:
   ``curl -d`` sends unless told ``-H 'Content-Type: application/json'`` (or ``--json``);
 * :func:`peek_models`: the names a raw generation body may give as its ``model``, found
   without parsing it, for the gateway's pre-check
-  (:meth:`~transports.http.gateway.gateway.Gateway.precheck`: a model at capacity refuses the
+  (:meth:`~transports.http.gateway.admission.Admission.precheck`: a model at capacity refuses the
   request before its JSON is parsed and its prompt rendered, which cost milliseconds of CPU
   each, the CPU the admitted requests need under overload);
 * :class:`Refusals`: refused requests (over capacity, a queue wait over its bound, a model

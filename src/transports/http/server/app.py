@@ -15,7 +15,7 @@ anywhere before the first byte become the dialect's error response through
 queue wait over ``max_queue_wait_s``, a model loading or restarting) are logged as one
 summary line per burst, other 5xx one ERROR line each; a refusal the client may retry says
 when, in ``Retry-After`` and ``retry-after-ms``
-(:meth:`~transports.http.gateway.gateway.Gateway.retry_after`). A streaming client that
+(:meth:`~transports.http.gateway.admission.Admission.retry_after`). A streaming client that
 disconnects cancels its request (Starlette cancels the body iterator; its ``finally`` cancels
 every choice's handle, and the engine frees the slots at its next step); a non-streaming one
 is watched for ``http.disconnect`` the same way. A client whose body never fully arrives (it
@@ -82,7 +82,8 @@ from transports.http.server.errors import (
     Dialect, classify, error_body, retry_headers, route_error, status_for, stream_error,
 )
 from transports.http.dialects.fields import Obj, check, parse_json
-from transports.http.gateway.gateway import UNMENDABLE, Gateway, ModelState, ServedModel
+from transports.http.gateway.gateway import Gateway
+from transports.http.gateway.models import UNMENDABLE, ModelState, ServedModel
 from transports.http.server.health import operator_health, public_health
 from transports.http.server.generation import Started
 from transports.http.accounting.logs import CLIENT_CLOSED, AccessLog, record_generation
@@ -161,7 +162,7 @@ class Server:
 
         async def handler(http: HTTPRequest) -> Response:
             try:
-                http.state.keys = self.gateway.authenticate(
+                http.state.keys = self.gateway.keys.authenticate(
                     http.headers.getlist("authorization"), http.headers.getlist("x-api-key"))
                 response = await body(http)
             except ClientDisconnect:
@@ -169,7 +170,7 @@ class Server:
                 response = Response(status_code=CLIENT_CLOSED)
             except Exception as exc:
                 self.refused(exc)
-                retry_s = self.gateway.retry_after(exc, getattr(http.state, "model", None))
+                retry_s = self.gateway.admission.retry_after(exc, getattr(http.state, "model", None))
                 response = _error(exc, dialect, retry_s)
             self.gateway.metrics.request(getattr(http.state, "model", ""), name,
                                          response.status_code)
@@ -208,13 +209,13 @@ class Server:
 
     async def _admissible(self, http: HTTPRequest) -> bytes:
         """A generation request's body, refused before it is parsed when every model it may
-        name is at capacity (:meth:`~transports.http.gateway.gateway.Gateway.precheck`)."""
+        name is at capacity (:meth:`~transports.http.gateway.admission.Admission.precheck`)."""
         raw = await self._read(http)
         names = peek_models(raw)
         served = [name for name in names if name in self.gateway.models]
         if len(served) == 1:  # metrics count the refusal under the model's served name
             http.state.model = served[0]
-        self.gateway.precheck(names)
+        self.gateway.admission.precheck(names)
         return raw
 
     async def _generation(self, http: HTTPRequest, parse: Callable[[Any], Parsed]) -> Parsed:
@@ -412,7 +413,7 @@ class Server:
             assert tokenizer is not None
             ids = tuple(tokenizer.encode_text(prompt))
         return {"tokens": list(ids), "count": len(ids),
-                "max_model_len": self.gateway.window(served)}
+                "max_model_len": self.gateway.window_fit.window(served)}
 
     async def detokenize(self, http: HTTPRequest) -> Response:
         """``POST /detokenize``: ``{model, tokens}`` → text."""
@@ -424,7 +425,7 @@ class Server:
         served = self._served_name(http, body.need("model", "string"))
         tokenizer = served.pipe.stages.tokenizer
         assert tokenizer is not None
-        vocab, window = tokenizer.vocab_size, self.gateway.window(served)
+        vocab, window = tokenizer.vocab_size, self.gateway.window_fit.window(served)
         tokens = body.need("tokens", "array")
         if len(tokens) > window:  # the answer grows with each id's text: bound it
             raise LimitExceededError("tokens", "max_model_len", len(tokens), window,

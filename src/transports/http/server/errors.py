@@ -34,7 +34,7 @@ anything else                  500     server_error                api_error
 A refusal a client may retry (over capacity, a queue timeout, a model loading or its engine
 restarting) also says when to come back: :func:`retry_headers`, ``Retry-After`` in whole
 seconds (HTTP's form) and ``retry-after-ms`` (which the OpenAI and Anthropic SDKs read first);
-the app asks the gateway for the figure (:meth:`~transports.http.gateway.gateway.Gateway.retry_after`).
+the app asks the gateway for the figure (:meth:`~transports.http.gateway.admission.Admission.retry_after`).
 
 Two refusals happen below the app, before a request exists to raise anything: a request head
 over ``max_header_bytes`` or ``max_headers`` (:func:`head_too_large`, 431, written by

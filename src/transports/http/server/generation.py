@@ -4,9 +4,9 @@ the dialect's body or stream encoder for what they produce.
 Owns :class:`Started` (the choices submitted for one HTTP request, with what its answer needs)
 and :func:`start`, the request-side work of every generation endpoint, run on the work pool:
 each prompt to the model's input (a completions prompt to ids; a chat request's tool choice
-is the pipeline's to apply, :mod:`pipeline.tool_choice`), the window fit (:meth:`~transports.http.gateway.gateway.Gateway.fit`), the choices'
+is the pipeline's to apply, :mod:`pipeline.tool_choice`), the window fit (:meth:`~transports.http.gateway.fit.WindowFit.fit`), the choices'
 requests (:func:`~transports.http.server.choices.choice_requests`) and their admission together
-(:meth:`~transports.http.gateway.gateway.Gateway.submit`). :func:`answer` builds the non-stream body
+(:meth:`~transports.http.gateway.admission.Admission.submit`). :func:`answer` builds the non-stream body
 and :func:`encoder` the stream's encoder, in the dialect the request came in; an endpoint
 with an answer of its own over the same flow (``/v1/responses``) brings a :class:`Form`.
 """
@@ -27,7 +27,8 @@ from transports.http.server.choices import choice_requests, total_usage
 from transports.http.dialects.common import Parsed, StreamEncoder
 from transports.http.dialects.documents import fit_documents
 from transports.http.server.errors import Dialect
-from transports.http.gateway.gateway import Flight, Gateway, ServedModel
+from transports.http.gateway.gateway import Gateway
+from transports.http.gateway.models import Flight, ServedModel
 from pipeline.types import Part
 from transports.http.server.work import Checkpoint
 
@@ -75,7 +76,7 @@ def _inputs(gateway: Gateway, served: ServedModel, parsed: Parsed,
     for p, prompt in enumerate(prompts):
         path = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
         if isinstance(prompt, str):
-            gateway.refuse_longer(served, prompt, path)
+            gateway.window_fit.refuse_longer(served, prompt, path)
         ids = completions_api.prompt_ids(tokenizer, prompt, path)
         out.append(attrs.evolve(parsed.request, prompt=None, prompt_ids=ids))
         checkpoint()
@@ -92,8 +93,8 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
         ready: Request | Prepared = request
         if parsed.documents:  # documents cut to the room the window leaves, when it is short
             ready = fit_documents(served.pipe, request, parsed.documents,
-                                  gateway.window(served), "messages")
-        fitted.append(gateway.fit(served, ready, max_tokens_given=parsed.max_tokens_given,
+                                  gateway.window_fit.window(served), "messages")
+        fitted.append(gateway.window_fit.fit(served, ready, max_tokens_given=parsed.max_tokens_given,
                                   checkpoint=checkpoint, budget_field=parsed.budget_field))
         checkpoint()
     # message_start reports the prompt's size before any token exists
@@ -110,7 +111,7 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
         prompts = tuple(r.prompt_ids or () for r in requests)
         echoes = tuple(completions_api.prompt_text(tokenizer, prompt)
                        for prompt in parsed.raw.prompts for _ in range(parsed.n))
-    flights = gateway.submit(served, chosen, endpoint, loop, record_id=base_id, n=parsed.n,
+    flights = gateway.admission.submit(served, chosen, endpoint, loop, record_id=base_id, n=parsed.n,
                              owners=owners)
     return Started(flights, prompt_tokens, fitted[0].thinking, prompts, echoes)
 

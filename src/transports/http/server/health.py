@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def _states(gateway: Gateway) -> tuple[dict[str, str], dict[str, str], str, bool]:
     """Each model's state, each stopped engine's failure, the overall status, and ok."""
-    from transports.http.gateway.gateway import ModelState
+    from transports.http.gateway.models import ModelState
 
     states, failures = {}, {}
     for name, m in gateway.models.items():

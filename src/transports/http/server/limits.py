@@ -38,7 +38,7 @@ is a :class:`~pipeline.errors.LimitExceededError` (or
 :class:`~pipeline.errors.PayloadTooLargeError`) naming the field, the value, the limit and the
 setting. A prompt within ``max_prompt_chars`` can still be too long for the model's window:
 the gateway refuses it, still before tokenizing, when its characters cannot fit even at the
-longest token's length (:meth:`transports.http.gateway.gateway.Gateway.fit`).
+longest token's length (:meth:`transports.http.gateway.fit.WindowFit.fit`).
 """
 
 from __future__ import annotations

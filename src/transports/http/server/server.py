@@ -99,7 +99,7 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
         if not gateway.pipelines():
             server.should_exit = True
 
-    gateway.load(then=loaded)
+    gateway.loader.load(then=loaded)
     # what uvicorn.run does around Server.run (it cannot take a prepared Config): Ctrl-C is the
     # ordinary way to stop, and a server that never started exits with uvicorn's status
     with contextlib.suppress(KeyboardInterrupt):
