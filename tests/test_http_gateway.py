@@ -21,7 +21,8 @@ from transformers import AutoTokenizer
 
 from pipeline.builder import build
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.errors import AuthenticationError, ContextWindowError
+from pipeline.errors import ContextWindowError
+from transports.http.serving_errors import AuthenticationError
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt

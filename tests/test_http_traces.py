@@ -18,7 +18,8 @@ import pytest
 
 from pipeline import cli
 from pipeline.builder import build
-from pipeline.errors import InvalidValueError, TraceNotFoundError
+from pipeline.errors import InvalidValueError
+from transports.http.serving_errors import TraceNotFoundError
 from pipeline.events import MINIMAL_TIMELINE, Event, JsonlSink, digest_text, read_jsonl
 from pipeline.pipe import Pipeline
 from pipeline.trace import Trace, check, load_all

@@ -57,7 +57,7 @@ ERRORS = (
 )
 """The library's exception tree (:mod:`pipeline.errors`), rooted at :class:`PipelineError`:
 what a caller of :func:`build` and :class:`Pipeline` may catch. The HTTP server's own errors
-stay in :mod:`pipeline.errors`."""
+extend it on the serving side (:mod:`transports.http.serving_errors`)."""
 
 _HOMES = {
     "build": "pipeline.builder", "EngineConfig": "pipeline.engine", "Event": "pipeline.events",

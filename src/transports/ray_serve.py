@@ -76,7 +76,8 @@ from typing import Any
 import attrs
 from starlette.responses import JSONResponse
 
-from pipeline.errors import ClientGone, EngineClosed, PayloadTooLargeError
+from pipeline.errors import EngineClosed
+from transports.http.serving_errors import ClientGone, PayloadTooLargeError
 from transports.http.server.config import ServerConfig
 from transports.http.server.errors import (
     Dialect, classify, error_body, retry_headers, status_for, stream_error,

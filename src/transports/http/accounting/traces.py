@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from pipeline.errors import TraceNotFoundError
+from transports.http.serving_errors import TraceNotFoundError
 from pipeline.events import Event, event_line
 
 log = logging.getLogger("pipeline.serve")

@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from starlette.requests import Request as HTTPRequest
 
 from pipeline.errors import (
-    CapacityError, ClientGone, ContextWindowError, InvalidValueError, LimitExceededError,
-    OverloadedError,
+    CapacityError, ContextWindowError, InvalidValueError, LimitExceededError,
 )
+from transports.http.serving_errors import ClientGone, OverloadedError
 from pipeline.protocols import Embedder
 from transports.http.dialects.completions import prompt_ids
 from transports.http.dialects.documented import one_of, unsupported

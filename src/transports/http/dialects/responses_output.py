@@ -27,7 +27,8 @@ from typing import Any
 
 import attrs
 
-from pipeline.errors import InvalidValueError, ResponseNotFoundError
+from pipeline.errors import InvalidValueError
+from transports.http.serving_errors import ResponseNotFoundError
 from pipeline.types import (
     Completion, Delta, FinishReason, Message, ToolCall, ToolCallDelta, ToolCallEnd,
 )
@@ -100,7 +101,7 @@ class Conversations:
 
     def response(self, response_id: str, keys: frozenset[str]) -> dict[str, Any]:
         """``response_id``'s stored ``response`` object for a caller presenting ``keys``;
-        :class:`~pipeline.errors.ResponseNotFoundError` (a 404) when none is kept for it."""
+        :class:`~transports.http.serving_errors.ResponseNotFoundError` (a 404) when none is kept for it."""
         kept = self._find(response_id, keys)
         if kept is None:
             raise ResponseNotFoundError(response_id, self.capacity)
@@ -108,7 +109,7 @@ class Conversations:
 
     def delete(self, response_id: str, keys: frozenset[str]) -> None:
         """Forget ``response_id`` (its object and its conversation) for a caller presenting
-        ``keys``; :class:`~pipeline.errors.ResponseNotFoundError` when none is kept for it."""
+        ``keys``; :class:`~transports.http.serving_errors.ResponseNotFoundError` when none is kept for it."""
         with self._lock:
             kept = self._kept.get(response_id)
             if kept is None or (kept.owners and not kept.owners & keys):

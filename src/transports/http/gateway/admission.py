@@ -2,7 +2,7 @@
 every request.
 
 Owns :class:`Admission`: at most ``num_slots`` running and ``max_queue`` waiting per model,
-then :class:`~pipeline.errors.OverloadedError` (a request's choices admitted together, all or
+then :class:`~transports.http.serving_errors.OverloadedError` (a request's choices admitted together, all or
 none; a cheap pre-check on the raw body's model names before parsing);
 :meth:`Admission.retry_after`, when a refused client should come back, from the model's pace
 and queue, or its engine's restart; and the end of every request: its usage record committed
@@ -21,7 +21,8 @@ import logging
 import time
 from collections.abc import Collection, Mapping, Sequence
 
-from pipeline.errors import EngineClosed, ModelLoadingError, OverloadedError
+from pipeline.errors import EngineClosed
+from transports.http.serving_errors import ModelLoadingError, OverloadedError
 from pipeline.prepared import Prepared
 from pipeline.types import Completion
 from transports.http.accounting.metrics import Metrics

@@ -30,7 +30,9 @@ import re
 import time
 from collections.abc import Callable
 
-from pipeline.errors import ModelLoadingError, OverloadedError, UnsupportedMediaTypeError
+from transports.http.serving_errors import (
+    ModelLoadingError, OverloadedError, UnsupportedMediaTypeError,
+)
 
 log = logging.getLogger("pipeline.serve")
 

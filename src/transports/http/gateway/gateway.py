@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipeline.errors import InvalidValueError, ModelNotFoundError
+from pipeline.errors import InvalidValueError
+from transports.http.serving_errors import ModelNotFoundError
 from pipeline.pipe import Pipeline
 from transports.http.accounting.metrics import Metrics
 from transports.http.accounting.traces import TraceStore

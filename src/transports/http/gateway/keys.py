@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Collection, Sequence
 
-from pipeline.errors import AuthenticationError
+from transports.http.serving_errors import AuthenticationError
 from transports.http.accounting.traces import key_fingerprint
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from pipeline.engine.handle import RequestHandle
-from pipeline.errors import ModelLoadingError
+from transports.http.serving_errors import ModelLoadingError
 from pipeline.pipe import Pipeline
 from pipeline.types import Completion, Request
 from transports.http.gateway.door import Pace
@@ -45,7 +45,7 @@ class ServedModel:
         self.pipeline: Pipeline | None = None
         self.error: str | None = None
         self.error_class = "load_failed"
-        """What ``/health`` tells a stranger of ``error`` (:func:`~pipeline.errors.failure_class`
+        """What ``/health`` tells a stranger of ``error`` (:func:`~transports.http.serving_errors.failure_class`
         when a stopped engine could not be replaced)."""
         self.inflight = 0
         self.lock = threading.Lock()

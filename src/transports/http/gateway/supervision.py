@@ -20,7 +20,8 @@ import time
 from collections.abc import Mapping
 
 from pipeline.engine.process import ProcessEngine
-from pipeline.errors import PipelineError, StepStillRunning, failure_class
+from pipeline.errors import PipelineError, StepStillRunning
+from transports.http.serving_errors import failure_class
 from pipeline.process_memory import release_free_memory
 from transports.http.gateway.models import UNMENDABLE, ModelState, ServedModel
 from transports.http.server.config import ServerConfig

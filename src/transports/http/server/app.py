@@ -58,9 +58,9 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from pipeline.engine import ENGINE_DOWN
-from pipeline.errors import (
-    EngineClosed, InvalidValueError, LimitExceededError, ModelNotFoundError,
-    PayloadTooLargeError, PipelineError, QueueTimeoutError, failure_class,
+from pipeline.errors import EngineClosed, InvalidValueError, LimitExceededError, PipelineError
+from transports.http.serving_errors import (
+    ModelNotFoundError, PayloadTooLargeError, QueueTimeoutError, failure_class,
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.pipe import Pipeline

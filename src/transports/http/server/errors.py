@@ -55,11 +55,13 @@ import attrs
 
 from transports.sse import SSEEvent, encode
 from pipeline.errors import (
-    AuthenticationError, ClientGone, ContextWindowError, EngineClosed, InvalidValueError,
-    LimitExceededError, ModelLoadingError, ModelNotFoundError, OverloadedError,
-    PayloadTooLargeError, QueueTimeoutError, ResponseNotFoundError, TemplateError,
-    TraceNotFoundError, UnknownFieldError, UnknownNameError, UnsupportedMediaTypeError,
-    ValidationError,
+    ContextWindowError, EngineClosed, InvalidValueError, LimitExceededError, TemplateError,
+    UnknownFieldError, UnknownNameError, ValidationError,
+)
+from transports.http.serving_errors import (
+    AuthenticationError, ClientGone, ModelLoadingError, ModelNotFoundError, OverloadedError,
+    PayloadTooLargeError, QueueTimeoutError, ResponseNotFoundError, TraceNotFoundError,
+    UnsupportedMediaTypeError,
 )
 
 

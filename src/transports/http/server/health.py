@@ -4,11 +4,11 @@ Owns :func:`public_health` (``GET /health``, no key needed: a load balancer's pr
 :func:`operator_health` (``GET /health/details``, behind the API keys like every other
 endpoint). Nothing about one client may reach another: the public answer carries each
 model's state and, for each worker that is down, only a *class* of reason
-(:func:`~pipeline.errors.failure_class`: ``stalled``, ``unresponsive``, ``engine_stopped``,
+(:func:`~transports.http.serving_errors.failure_class`: ``stalled``, ``unresponsive``, ``engine_stopped``,
 ``rank_lost``; or ``load_failed``, ``usage_store_down``), never the text of a failure, which
 may describe the requests of the moment; that text goes to the operator's endpoint and to
 the log. The 503 a client gets while an engine restarts names the class too
-(:class:`~pipeline.errors.ModelLoadingError`).
+(:class:`~transports.http.serving_errors.ModelLoadingError`).
 
 Both answers are 200 when every model is loaded and its engine runs, else 503, with
 ``status`` one of ``ok``, ``failed`` (a model failed to load, or to get a fresh engine),
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import failure_class
+from transports.http.serving_errors import failure_class
 
 if TYPE_CHECKING:
     from transports.http.gateway.gateway import Gateway

@@ -35,7 +35,7 @@ setting                     default      what it bounds (error)
 The two head limits are enforced below the app, in uvicorn's protocols, while the head
 arrives (:mod:`transports.http.server.wire`): the app never sees such a request. Every other refusal
 is a :class:`~pipeline.errors.LimitExceededError` (or
-:class:`~pipeline.errors.PayloadTooLargeError`) naming the field, the value, the limit and the
+:class:`~transports.http.serving_errors.PayloadTooLargeError`) naming the field, the value, the limit and the
 setting. A prompt within ``max_prompt_chars`` can still be too long for the model's window:
 the gateway refuses it, still before tokenizing, when its characters cannot fit even at the
 longest token's length (:meth:`transports.http.gateway.fit.WindowFit.fit`).

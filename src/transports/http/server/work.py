@@ -8,7 +8,7 @@ instead of queueing without bound. Cheap requests (``/health``, ``/metrics``, ``
 never enter the pool, so they cannot starve behind it.
 
 While a job runs, the handler watches its connection. When the client disconnects, the job's
-:class:`Checkpoint` starts raising :class:`~pipeline.errors.ClientGone`, so work between stages
+:class:`Checkpoint` starts raising :class:`~transports.http.serving_errors.ClientGone`, so work between stages
 (render → count → tokenize → submit) stops at the next checkpoint, a job still waiting never
 starts, and anything the job produced for nobody (a submitted request) is handed to
 ``orphan`` to be cancelled.
@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 from starlette.requests import Request as HTTPRequest
 
-from pipeline.errors import ClientGone, OverloadedError
+from transports.http.serving_errors import ClientGone, OverloadedError
 
 T = TypeVar("T")
 
