@@ -29,11 +29,10 @@ from pipeline.types import (
 from transports.http.dialects.common import (
     Parsed, ServerDefaults, config_from, sampling_given, text_content,
 )
-from transports.http.dialects.documented import (
-    _cache_control as cache_control, anthropic_fields, anthropic_tool, one_of, unsupported,
-)
+from transports.http.dialects.documented import anthropic_fields, anthropic_tool, cache_control
 from transports.http.dialects.documents import Document, decode_base64, media_type, read_document
 from transports.http.dialects.fields import Obj, check
+from transports.http.dialects.spec import ANTHROPIC_SAMPLING, one_of, read, unsupported
 from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 
@@ -170,12 +169,7 @@ def _tools(body: Obj) -> tuple[list[ToolSpec], ToolChoice]:
 def _config(body: Obj, defaults: ServerDefaults, *, counting: bool
             ) -> tuple[GenerationConfig, bool | None]:
     """The generation config, and ``thinking.type`` as a template's ``enable_thinking``."""
-    fields: dict[str, Any] = {}
-    for name, lo, hi, integer in (("temperature", 0.0, 1.0, False), ("top_p", 0.0, 1.0, False),
-                                  ("top_k", 0, 1 << 30, True)):
-        value = body.num(name, lo, hi, integer=integer)
-        if value is not None:
-            fields[name] = value
+    fields = read(body, ANTHROPIC_SAMPLING)
     seed = body.get("seed", "integer")  # an extension: the Messages API has no seed
     if seed is not None:
         fields["seed"] = seed % (1 << 63)

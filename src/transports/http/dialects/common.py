@@ -17,10 +17,10 @@ from typing import Any, Protocol
 
 import attrs
 
-from pipeline.errors import InvalidValueError
+from pipeline.errors import InvalidValueError, LimitExceededError
 from pipeline.sampling_defaults import DEFAULTED_FIELDS
 from pipeline.types import Completion, Delta, GenerationConfig, Request
-from transports.http.dialects.fields import Obj
+from transports.http.dialects.fields import Obj, check
 from transports.http.dialects.documents import Document
 from pipeline.types import DEFAULT_MAX_TOKENS, Part
 
@@ -37,6 +37,44 @@ class ServerDefaults:
 
 RawPrompt = str | tuple[int, ...]
 """A completions prompt: text (tokenized as a document of its own), or token ids."""
+
+
+def _ids(path: str, value: list[Any], noun: str) -> tuple[int, ...]:
+    if not value:
+        raise InvalidValueError(path, [], f"a token-id {noun} needs at least one id")
+    for i, token in enumerate(value):
+        check(f"{path}[{i}]", token, "integer")
+        if token < 0:
+            raise InvalidValueError(f"{path}[{i}]", token, "token ids are non-negative")
+    return tuple(value)
+
+
+def raw_prompts(body: Obj, field: str, most: int | None = None) -> tuple[RawPrompt, ...]:
+    """A prompt field of ``/v1/completions`` (``prompt``) or ``/v1/embeddings`` (``input``,
+    at most ``most`` items): a string, a list of ids, or a non-empty list of either."""
+    value = body.value.get(field)
+    body.has(field)
+    if value is None:
+        raise InvalidValueError(field, None, "is required")
+    if isinstance(value, str):
+        return (value,)
+    check(field, value, "array")
+    if not value:
+        raise InvalidValueError(field, [], f"at least one {field} is required")
+    if most is not None and len(value) > most:
+        raise LimitExceededError(field, f"max_{field}s", len(value), most, f"{field}s")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return (_ids(field, value, field),)
+    out: list[RawPrompt] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list):
+            out.append(_ids(f"{field}[{i}]", item, field))
+        else:
+            raise InvalidValueError(f"{field}[{i}]", item,
+                                    "must be a string or a list of token ids")
+    return tuple(out)
 
 
 @attrs.frozen

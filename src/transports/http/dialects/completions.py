@@ -30,53 +30,19 @@ from pipeline.protocols import Detokenizer, DocumentEncoder, Tokenizer
 from pipeline.types import Completion, Delta, FinishReason, Request, TokenLogprob, Usage
 from transports.http.server.choices import total_usage
 from transports.http.dialects.common import (
-    Parsed, RawPrompt, RawPrompts, ServerDefaults, config_from, sampling_given,
+    Parsed, RawPrompt, RawPrompts, ServerDefaults, config_from, raw_prompts, sampling_given,
 )
-from transports.http.dialects.documented import structured_outputs, unsupported
-from transports.http.dialects.fields import Obj, check
+from transports.http.dialects.documented import structured_outputs
+from transports.http.dialects.fields import Obj
+from transports.http.dialects.spec import SAMPLING, unsupported
 from transports.http.dialects.openai import (
-    TEXT_NUMBERS, choice_count, finish_word, sampling, stream_end, stream_options, token_of,
+    choice_count, finish_word, sampling, stream_end, stream_options, token_of,
     usage_body,
 )
 from transports.sse import SSEEvent, encode
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # OpenAI stops at 5; the engine gives up to 20 alternatives
-
-
-def _ids(path: str, value: list[Any]) -> tuple[int, ...]:
-    if not value:
-        raise InvalidValueError(path, [], "a token-id prompt needs at least one id")
-    for i, token in enumerate(value):
-        check(f"{path}[{i}]", token, "integer")
-        if token < 0:
-            raise InvalidValueError(f"{path}[{i}]", token, "token ids are non-negative")
-    return tuple(value)
-
-
-def _prompts(body: Obj) -> tuple[RawPrompt, ...]:
-    """``prompt``: a string, a list of ids, or a non-empty list of either."""
-    value = body.value.get("prompt")
-    body.has("prompt")
-    if value is None:
-        raise InvalidValueError("prompt", None, "is required")
-    if isinstance(value, str):
-        return (value,)
-    check("prompt", value, "array")
-    if not value:
-        raise InvalidValueError("prompt", [], "at least one prompt is required")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return (_ids("prompt", value),)
-    out: list[RawPrompt] = []
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            out.append(item)
-        elif isinstance(item, list):
-            out.append(_ids(f"prompt[{i}]", item))
-        else:
-            raise InvalidValueError(f"prompt[{i}]", item, "must be a string or a list of "
-                                                          "token ids")
-    return tuple(out)
 
 
 def _unsupported(body: Obj, n: int) -> None:
@@ -94,8 +60,8 @@ def parse_completions(raw: Any, defaults: ServerDefaults) -> Parsed:
     own at submission) and how to answer it."""
     body = Obj(raw, "body")
     model = body.need("model", "string")
-    prompts = _prompts(body)
-    fields = sampling(body, TEXT_NUMBERS)
+    prompts = raw_prompts(body, "prompt")
+    fields = sampling(body, SAMPLING)
     given = body.num("max_tokens", 1, 1 << 30, integer=True)
     logprobs = body.num("logprobs", 0, MAX_LOGPROBS, integer=True)
     echo = body.get("echo", "boolean", False)

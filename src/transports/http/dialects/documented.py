@@ -21,21 +21,9 @@ from typing import Any
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar
 from transports.http.dialects.fields import Obj, check
-
-_OPENAI_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
-
-
-def unsupported(field: str, value: Any, what: str) -> InvalidValueError:
-    """The 400 for a documented field asking for something this server does not do."""
-    return InvalidValueError(field, value, f"is not supported here: {what}")
-
-
-def one_of(body: Obj, name: str, choices: tuple[str, ...]) -> str | None:
-    """A string field that must be one of ``choices`` (or absent)."""
-    value = body.get(name, "string")
-    if value is not None and value not in choices:
-        raise InvalidValueError(body.at(name), value, f"must be one of {', '.join(choices)}")
-    return value  # type: ignore[no-any-return]
+from transports.http.dialects.spec import (
+    ANTHROPIC_REFUSED, CHAT_REFUSED, OPENAI_IGNORED, one_of, read, unsupported,
+)
 
 
 # --- OpenAI --------------------------------------------------------------------------------
@@ -46,17 +34,13 @@ def openai_ignored(body: Obj) -> None:
     ``service_tier``, ``store``, ``metadata`` (at most 16 string values),
     ``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options`` and
     ``safety_identifier``. (Chat-only ones are read by :func:`openai_chat_ignored`.)"""
-    one_of(body, "service_tier", _OPENAI_TIERS)
-    body.get("store", "boolean")
+    read(body, OPENAI_IGNORED)
     metadata = body.get("metadata", "object")
     if metadata is not None:
         if len(metadata) > 16:
             raise InvalidValueError("metadata", len(metadata), "at most 16 entries")
         for key, value in metadata.items():
             check(f"metadata.{key}", value, "string")
-    body.get("prompt_cache_key", "string")
-    body.get("safety_identifier", "string")
-    one_of(body, "prompt_cache_retention", ("in_memory", "24h"))
     options = body.obj("prompt_cache_options")
     if options is not None:
         one_of(options, "mode", ("implicit", "explicit"))
@@ -92,21 +76,11 @@ def openai_chat_ignored(body: Obj) -> str | None:
 def openai_chat_refused(body: Obj) -> None:
     """Chat fields asking for what this server does not do: a 400 each when given (a
     ``text`` ``response_format`` and ``modalities: ["text"]`` are what it does anyway)."""
-    if body.has("audio"):
-        raise unsupported("audio", body.value["audio"], "audio output")
+    read(body, CHAT_REFUSED)
     modalities = body.get("modalities", "array")
     for i, kind in enumerate(modalities or ()):
         if check(f"modalities[{i}]", kind, "string") != "text":
             raise unsupported(f"modalities[{i}]", kind, "only text comes out")
-    for name in ("functions", "function_call"):
-        if body.has(name):
-            raise unsupported(name, body.value[name],
-                              "it is deprecated; send 'tools' and 'tool_choice'")
-    if body.has("moderation"):
-        raise unsupported("moderation", body.value["moderation"], "no moderation model")
-    if body.has("web_search_options"):
-        raise unsupported("web_search_options", body.value["web_search_options"],
-                          "no web search")
 
 
 def response_format(body: Obj) -> Grammar | None:
@@ -196,12 +170,6 @@ def structured_outputs(body: Obj, fmt: Grammar | None) -> Grammar | None:
 
 # --- Anthropic -----------------------------------------------------------------------------
 
-_BETA_REFUSED = {
-    "mcp_servers": "no MCP connector",
-    "context_management": "no server-side context editing",
-    "compaction": "no server-side compaction",
-    "thread": "no server-held conversations",
-}
 # billing and model fallbacks (a substitute model when the requested one declines: ours
 # never does): their JSON types, checked, then ignored
 _BETA_IGNORED: dict[str, tuple[tuple[str, ...], str | None]] = {
@@ -216,7 +184,7 @@ def anthropic_fields(body: Obj) -> Grammar | None:
     (a count takes a Messages body without ``max_tokens``, ``stream`` and ``metadata``).
     Returns the grammar ``output_config.format`` asks for (``{"type": "json_schema",
     "schema": {...}}``), if any."""
-    _cache_control(body)
+    cache_control(body)
     output = body.obj("output_config")
     grammar = None
     if output is not None:
@@ -239,9 +207,7 @@ def anthropic_fields(body: Obj) -> Grammar | None:
         diagnostics.get("previous_message_id", "string")
         diagnostics.done()
     _container(body)
-    for name, why in _BETA_REFUSED.items():
-        if body.has(name):
-            raise unsupported(name, body.value[name], why)
+    read(body, ANTHROPIC_REFUSED)
     for name, (kinds, literal) in _BETA_IGNORED.items():
         _loosely(body, name, kinds, literal)
     return grammar
@@ -264,7 +230,7 @@ def _loosely(body: Obj, name: str, kinds: tuple[str, ...], literal: str | None) 
     raise InvalidValueError(name, value, f"must be {' or '.join(allowed)}")
 
 
-def _cache_control(body: Obj) -> None:
+def cache_control(body: Obj) -> None:
     """``cache_control``: a prompt-caching hint (``{"type": "ephemeral", "ttl"?}``)."""
     hint = body.obj("cache_control")
     if hint is not None:
@@ -296,7 +262,7 @@ def anthropic_tool(tool: Obj) -> None:
     kind = tool.get("type", "string", "custom")
     if kind != "custom":
         raise unsupported(tool.at("type"), kind, _SERVER_TOOLS)
-    _cache_control(tool)
+    cache_control(tool)
     for path, caller in tool.items("allowed_callers"):
         check(path, caller, "string")
     tool.get("defer_loading", "boolean")

@@ -50,14 +50,13 @@ import torch
 import torch.nn.functional as F
 from starlette.requests import Request as HTTPRequest
 
-from pipeline.errors import (
-    CapacityError, ContextWindowError, InvalidValueError, LimitExceededError,
-)
+from pipeline.errors import CapacityError, ContextWindowError, LimitExceededError
 from transports.http.serving_errors import ClientGone, OverloadedError
 from pipeline.protocols import Embedder
+from transports.http.dialects.common import RawPrompt, raw_prompts
 from transports.http.dialects.completions import prompt_ids
-from transports.http.dialects.documented import one_of, unsupported
-from transports.http.dialects.fields import Obj, check
+from transports.http.dialects.spec import one_of, unsupported
+from transports.http.dialects.fields import Obj
 from transports.http.gateway.gateway import Gateway
 from transports.http.gateway.models import ServedModel
 from transports.http.server.limits import Limits
@@ -71,61 +70,21 @@ engine's, which nothing else interrupts."""
 MAX_TOTAL_TOKENS = 300_000
 """Tokens of all inputs of one request together (OpenAI's own bound)."""
 
-EmbeddingInput = str | tuple[int, ...]
-
-
 @attrs.frozen
 class EmbeddingsAsk:
     """An embeddings body, checked: the model, the inputs, the encoding, the dimensions."""
 
     model: str
-    inputs: tuple[EmbeddingInput, ...]
+    inputs: tuple[RawPrompt, ...]
     base64: bool = False
     dimensions: int | None = None
-
-
-def _ids(path: str, value: list[Any]) -> tuple[int, ...]:
-    if not value:
-        raise InvalidValueError(path, [], "a token-id input needs at least one id")
-    for i, token in enumerate(value):
-        check(f"{path}[{i}]", token, "integer")
-        if token < 0:
-            raise InvalidValueError(f"{path}[{i}]", token, "token ids are non-negative")
-    return tuple(value)
-
-
-def _inputs(body: Obj) -> tuple[EmbeddingInput, ...]:
-    """``input``: a string, ids, or a non-empty list of strings or of id lists."""
-    value = body.value.get("input")
-    body.has("input")
-    if value is None:
-        raise InvalidValueError("input", None, "is required")
-    if isinstance(value, str):
-        return (value,)
-    check("input", value, "array")
-    if not value:
-        raise InvalidValueError("input", [], "at least one input is required")
-    if len(value) > MAX_INPUTS:
-        raise LimitExceededError("input", "max_inputs", len(value), MAX_INPUTS, "inputs")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return (_ids("input", value),)
-    out: list[EmbeddingInput] = []
-    for i, item in enumerate(value):
-        if isinstance(item, str):
-            out.append(item)
-        elif isinstance(item, list):
-            out.append(_ids(f"input[{i}]", item))
-        else:
-            raise InvalidValueError(f"input[{i}]", item,
-                                    "must be a string or a list of token ids")
-    return tuple(out)
 
 
 def parse_embeddings(raw: Any, limits: Limits) -> EmbeddingsAsk:
     """An embeddings body → what it asks; the text is bounded by ``max_prompt_chars``."""
     body = Obj(raw, "body")
     model = body.need("model", "string")
-    inputs = _inputs(body)
+    inputs = raw_prompts(body, "input", MAX_INPUTS)
     chars = sum(len(i) for i in inputs if isinstance(i, str))
     if chars > limits.max_prompt_chars:
         raise LimitExceededError("input", "max_prompt_chars", chars, limits.max_prompt_chars,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -32,38 +32,16 @@ from transports.http.dialects.common import (
 )
 from transports.http.dialects.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
-    structured_outputs, unsupported,
+    structured_outputs,
 )
 from transports.http.dialects.documents import Document, decode_base64, media_type, read_document
 from transports.http.dialects.fields import Obj, check
+from transports.http.dialects.spec import CHAT_SAMPLING, Spec, read, unsupported
 from pipeline.output_parts import calls_of
 from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI field → GenerationConfig field, with (lo, hi, integer) checks done here.
-_NUMBERS: dict[str, tuple[str, float, float, bool]] = {
-    "temperature": ("temperature", 0.0, 2.0, False),
-    "top_p": ("top_p", 0.0, 1.0, False),
-    "presence_penalty": ("presence_penalty", -2.0, 2.0, False),
-    "frequency_penalty": ("frequency_penalty", -2.0, 2.0, False),
-    "top_logprobs": ("top_logprobs", 0, 20, True),
-    # common server extensions (vLLM spellings)
-    "top_k": ("top_k", 0, 1 << 30, True),
-    "min_p": ("min_p", 0.0, 1.0, False),
-    "repetition_penalty": ("repetition_penalty", 0.01, 100.0, False),
-    # the DRY loop guard (llama.cpp's spellings)
-    "dry_multiplier": ("dry_multiplier", 0.0, 100.0, False),
-    "dry_base": ("dry_base", 1.0, 10.0, False),
-    "dry_allowed_length": ("dry_allowed_length", 1, 64, True),
-    "min_tokens": ("min_tokens", 0, 1 << 30, True),
-    "reasoning_budget_tokens": ("reasoning_budget_tokens", 0, 1 << 30, True),
-}
-
-
-TEXT_NUMBERS = {k: v for k, v in _NUMBERS.items()
-                if k not in ("top_logprobs", "reasoning_budget_tokens")}
-"""The numeric fields ``/v1/completions`` shares with chat (its logprobs are a count)."""
 
 
 def _tool_call(path: str, raw: Any) -> ToolCall:
@@ -165,15 +143,11 @@ def _tool_choice(body: Obj, tools: list[ToolSpec]) -> ToolChoice:
     return ToolChoice("tool", name, parallel=parallel, strict=strict)
 
 
-def sampling(body: Obj, numbers: dict[str, tuple[str, float, float, bool]] | None = None
-             ) -> dict[str, Any]:
+def sampling(body: Obj, numbers: Mapping[str, Spec] = CHAT_SAMPLING) -> dict[str, Any]:
     """The sampling fields both OpenAI endpoints share, as GenerationConfig fields: the
-    ``numbers`` (default: chat's), ``seed``, ``stop`` and ``logit_bias``."""
-    fields: dict[str, Any] = {}
-    for name, (target, lo, hi, integer) in (numbers or _NUMBERS).items():
-        value = body.num(name, lo, hi, integer=integer)
-        if value is not None:
-            fields[target] = value
+    ``numbers`` (a table of :mod:`~transports.http.dialects.spec`), ``seed``, ``stop`` and
+    ``logit_bias``."""
+    fields = read(body, numbers)
     seed = body.get("seed", "integer")
     if seed is not None:
         fields["seed"] = seed % (1 << 63)  # OpenAI allows negative seeds; map them in range

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from transports.http.dialects.openapi_requests import (
-    COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, request_schemas,
-    response_object as out,
+from transports.http.dialects.openapi_requests import request_schemas
+from transports.http.dialects.spec import (
+    COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, response_object as out,
 )
 from transports.http.dialects.responses_output import KEEP_RESPONSES
 

@@ -1,10 +1,11 @@
-"""The request bodies of the server's OpenAPI document, and the schema building blocks.
+"""The request bodies of the server's OpenAPI document.
 
-Owns :func:`request_schemas` (every request body :mod:`~transports.http.dialects.openapi` refers to, as
-the dialect parsers check them: :mod:`~transports.http.dialects.openai`,
-:mod:`~transports.http.dialects.completions`, :mod:`~transports.http.dialects.anthropic`,
-:mod:`~transports.http.dialects.documented` and the token endpoints) and the helpers both modules build
-schemas with. A request object refuses unknown keys (``additionalProperties: false``) and
+Owns :func:`request_schemas` (every request body :mod:`~transports.http.dialects.openapi`
+refers to, as the dialect parsers check them: the plain fields from the tables of
+:mod:`~transports.http.dialects.spec` the parsers read them with, the structured ones
+(messages, parts, tools) as :mod:`~transports.http.dialects.openai`,
+:mod:`~transports.http.dialects.completions`, :mod:`~transports.http.dialects.anthropic` and
+:mod:`~transports.http.dialects.documented` read them). A request object refuses unknown keys (``additionalProperties: false``) and
 takes ``null`` wherever a parser reads it as absent; a documented field this server refuses
 (:mod:`~transports.http.dialects.documented`) is in the document with only the values it accepts
 (usually ``null``) and a description saying why.
@@ -12,91 +13,11 @@ takes ``null`` wherever a parser reads it as absent; a documented field this ser
 
 from __future__ import annotations
 
-from typing import Any
-
-Schema = dict[str, Any]
-
-# The parsers' upper bound on every token count and top_k (Obj.num(..., 1 << 30)).
-MAX_COUNT = 1 << 30
-# GenerationConfig: at most 16 stop strings, none empty.
-MAX_STOPS = 16
-
-
-def ref(name: str) -> Schema:
-    """A reference to a component schema."""
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def nullable(schema: Schema) -> Schema:
-    """An optional field's schema: every parser reads ``null`` as "absent"."""
-    kind = schema.get("type")
-    if kind == "null":
-        return schema
-    if isinstance(kind, str) and "const" not in schema and "enum" not in schema:
-        return {**schema, "type": [kind, "null"]}
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def request_object(required: Schema, optional: Schema | None = None, *,
-                   description: str | None = None) -> Schema:
-    """A request object: ``required`` keys must be present and non-null, ``optional`` ones may
-    be null or absent, and any other key is a 400 (``Obj.done``)."""
-    properties = {**required, **{k: nullable(v) for k, v in (optional or {}).items()}}
-    schema: Schema = {"type": "object", "properties": properties,
-                      "additionalProperties": False}
-    if required:
-        schema["required"] = list(required)
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def response_object(required: Schema, optional: Schema | None = None) -> Schema:
-    """A response object: open to new keys, so clients must ignore the ones they do not know."""
-    return {"type": "object", "properties": {**required, **(optional or {})},
-            "required": list(required)}
-
-
-def integer(lo: int, hi: int = MAX_COUNT, description: str | None = None) -> Schema:
-    """An integer in ``[lo, hi]``."""
-    schema: Schema = {"type": "integer", "minimum": lo, "maximum": hi}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def number(lo: float, hi: float, *, lo_open: bool = False) -> Schema:
-    """A number in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``)."""
-    low = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
-    return {"type": "number", **low, "maximum": hi}
-
-
-def array(items: Schema, **limits: int) -> Schema:
-    """An array of ``items`` (``minItems`` / ``maxItems`` as keywords)."""
-    return {"type": "array", "items": items, **limits}
-
-
-def enum(*values: str, description: str | None = None) -> Schema:
-    """One of ``values``."""
-    schema: Schema = {"type": "string", "enum": list(values)}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def refused(why: str) -> Schema:
-    """A documented field this server refuses: only ``null`` (absent) is accepted."""
-    return {"type": "null", "description": f"not supported here: {why} (a 400 when given)"}
-
-
-STRING: Schema = {"type": "string"}
-BOOLEAN: Schema = {"type": "boolean"}
-OBJECT: Schema = {"type": "object"}
-COUNT: Schema = {"type": "integer", "minimum": 0}
-TOOL_NAME: Schema = {"type": "string", "minLength": 1}  # ToolSpec refuses an empty name
-STOP_STRINGS = array({"type": "string", "minLength": 1}, maxItems=MAX_STOPS)
-STOP = {"oneOf": [{"type": "string", "minLength": 1}, STOP_STRINGS]}
-EFFORT = ("low", "medium", "high", "xhigh", "max")
+from transports.http.dialects.spec import (
+    ANTHROPIC_REFUSED, ANTHROPIC_SAMPLING, BOOLEAN, CHAT_REFUSED, CHAT_SAMPLING, COUNT, EFFORT,
+    OBJECT, OPENAI_IGNORED, RESPONSES_SAMPLING, SAMPLING, STOP, STOP_STRINGS, STRING, TOOL_NAME,
+    Schema, Spec, array, enum, integer, ref, refused, request_object, schemas,
+)
 
 
 # --- the OpenAI dialect's requests -----------------------------------------------------------
@@ -152,21 +73,16 @@ def _openai_message() -> Schema:
     return {"oneOf": [plain, tool, assistant]}
 
 
-def _sampling_openai() -> Schema:
-    """The sampling fields both OpenAI endpoints take (``sampling`` in openai_api)."""
+def _sampling_openai(table: dict[str, Spec] = SAMPLING) -> Schema:
+    """The sampling fields both OpenAI endpoints take (``sampling`` in openai): ``table``'s
+    numbers, ``seed``, ``logit_bias`` and ``stop``."""
     return {
-        "temperature": number(0, 2), "top_p": number(0, 1, lo_open=True),
-        "presence_penalty": number(-2, 2), "frequency_penalty": number(-2, 2),
-        "top_k": integer(0, description="0: off (an extension)"),
-        "min_p": number(0, 1), "repetition_penalty": number(0, 100, lo_open=True),
-        "dry_multiplier": number(0, 100), "dry_base": number(1, 10),
-        "dry_allowed_length": integer(1, 64, description="the DRY loop guard (an extension; "
-                                                          "left out: the server's default)"),
-        "min_tokens": integer(0, description="at most the effective max_tokens (an extension)"),
+        **schemas(table),
         "seed": {"type": "integer", "description": "any integer; taken modulo 2**63; choice i "
                                                    "of a prompt uses seed + i"},
         "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                       "additionalProperties": number(-100, 100),
+                       "additionalProperties": {"type": "number", "minimum": -100,
+                                                "maximum": 100},
                        "description": "token id (below the vocabulary size) -> bias"},
         "stop": STOP,
     }
@@ -176,11 +92,8 @@ def _openai_ignored() -> Schema:
     """Fields both OpenAI endpoints' APIs document that change nothing here
     (``openai_ignored`` in documented)."""
     return {
-        "service_tier": enum("auto", "default", "flex", "scale", "priority", "fast"),
-        "store": BOOLEAN,
+        **schemas(OPENAI_IGNORED),
         "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": STRING},
-        "prompt_cache_key": STRING, "safety_identifier": STRING,
-        "prompt_cache_retention": enum("in_memory", "24h"),
         "prompt_cache_options": request_object({}, {"mode": enum("implicit", "explicit"),
                                                     "ttl": enum("30m")}),
     }
@@ -198,10 +111,7 @@ def _chat_request(max_n: int) -> Schema:
         STRING, array(request_object({"type": {"const": "text"}, "text": STRING}))]}})
     return request_object(
         {"model": ref("Model"), "messages": array(ref("OpenAIMessage"), minItems=1)},
-        {**_sampling_openai(), **_openai_ignored(),
-         "top_logprobs": integer(0, 20, "above 0 needs `logprobs: true`"),
-         "reasoning_budget_tokens": integer(0, description="caps a <think> block (an "
-                                                           "extension)"),
+        {**_sampling_openai(CHAT_SAMPLING), **_openai_ignored(),
          "logprobs": BOOLEAN, "max_tokens": limits, "max_completion_tokens": limits,
          "n": integer(1, max_n, "choices, generated together (the server's --max-n)"),
          "tools": array(ref("OpenAITool")), "tool_choice": ref("OpenAIToolChoice"),
@@ -223,11 +133,7 @@ def _chat_request(max_n: int) -> Schema:
                             "the grammar engine lacks is a 400"},
          **_constraints(),
          "modalities": {**array({"const": "text"}), "description": "only text comes out"},
-         "audio": refused("audio output"),
-         "functions": refused("deprecated; send `tools`"),
-         "function_call": refused("deprecated; send `tool_choice`"),
-         "moderation": refused("no moderation model"),
-         "web_search_options": refused("no web search")})
+         **schemas(CHAT_REFUSED)})
 
 
 def _completions_request(max_n: int) -> Schema:
@@ -330,14 +236,10 @@ def _responses_request() -> Schema:
         "description": "json_object / json_schema: the output is one JSON object (valid for "
                        "the schema) by construction; a schema feature the grammar engine "
                        "lacks is a 400"}
-    sampling = {k: v for k, v in _sampling_openai().items()
-                if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                         "dry_multiplier", "dry_base", "dry_allowed_length",
-                         "seed", "logit_bias", "stop")}
     return request_object(
         {"model": ref("Model"),
          "input": {"anyOf": [STRING, array(ref("ResponsesInputItem"), minItems=1)]}},
-        {**sampling, **_openai_ignored(),
+        {**_sampling_openai(RESPONSES_SAMPLING), **_openai_ignored(),
          "instructions": {**STRING, "description": "a system message first (not kept for "
                                                    "`previous_response_id`)"},
          "previous_response_id": {**STRING, "description": "a response kept here, made with "
@@ -459,18 +361,13 @@ def _count_fields() -> tuple[Schema, Schema]:
     required = {"model": ref("Model"), "messages": array(
         {"oneOf": [ref("AnthropicUserMessage"), ref("AnthropicAssistantMessage")]},
         minItems=1)}
-    beta = {"mcp_servers": refused("no MCP connector"),
-            "context_management": refused("no server-side context editing"),
-            "compaction": refused("no server-side compaction"),
-            "thread": refused("no server-held conversations"),
-            "billing_policy": OBJECT,
+    beta = {**schemas(ANTHROPIC_REFUSED), "billing_policy": OBJECT,
             "fallbacks": {"oneOf": [{"type": "array"}, {"const": "default"}]},
             "fallback_credit_token": {"type": ["string", "object"]}}
     optional = {
         "system": {"oneOf": [STRING, array(ref("AnthropicTextPart"))]},
         "tools": array(ref("AnthropicTool")), "tool_choice": ref("AnthropicToolChoice"),
-        "temperature": number(0, 1), "top_p": number(0, 1, lo_open=True),
-        "top_k": integer(0, description="0: off"),
+        **schemas(ANTHROPIC_SAMPLING),
         "seed": {"type": "integer", "description": "an extension; taken modulo 2**63"},
         "stop_sequences": STOP_STRINGS, "thinking": ref("AnthropicThinking"),
         "cache_control": _cache_control(),

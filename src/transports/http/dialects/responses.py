@@ -52,25 +52,14 @@ from pipeline.errors import InvalidValueError, LimitExceededError
 from pipeline.grammar import Grammar
 from pipeline.types import Message, Request, ToolCall, ToolChoice, ToolSpec
 from transports.http.dialects.common import Parsed, ServerDefaults, config_from, sampling_given
-from transports.http.dialects.documented import one_of, openai_ignored, unsupported
+from transports.http.dialects.documented import openai_ignored
 from transports.http.dialects.documents import Document, decode_base64, media_type, read_document
 from transports.http.dialects.fields import Obj, check
+from transports.http.dialects.spec import RESPONSES_SAMPLING, one_of, unsupported
 from transports.http.server.limits import Limits, text_chars
 from transports.http.dialects.openai import sampling
 from transports.http.dialects.responses_output import Conversations, Echo, ResponsesForm
 
-_NUMBERS: dict[str, tuple[str, float, float, bool]] = {
-    "temperature": ("temperature", 0.0, 2.0, False),
-    "top_p": ("top_p", 0.0, 1.0, False),
-    # the chat endpoint's server extensions (vLLM spellings)
-    "top_k": ("top_k", 0, 1 << 30, True),
-    "min_p": ("min_p", 0.0, 1.0, False),
-    "repetition_penalty": ("repetition_penalty", 0.01, 100.0, False),
-    # the DRY loop guard (llama.cpp's spellings)
-    "dry_multiplier": ("dry_multiplier", 0.0, 100.0, False),
-    "dry_base": ("dry_base", 1.0, 10.0, False),
-    "dry_allowed_length": ("dry_allowed_length", 1, 64, True),
-}
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -356,7 +345,7 @@ def parse_responses(raw: Any, defaults: ServerDefaults, limits: Limits,
                                  "messages with the previous response's")
     tools, tools_echo, strict = _tools(body)
     choice, choice_echo = _tool_choice(body, tools, strict)
-    fields = sampling(body, _NUMBERS)
+    fields = sampling(body, RESPONSES_SAMPLING)
     given = body.num("max_output_tokens", 1, 1 << 30, integer=True)
     stream = body.get("stream", "boolean", False)
     openai_ignored(body)  # service_tier, store, metadata, prompt_cache_*, safety_identifier
