@@ -134,7 +134,7 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
     window = fitting_context(spec, 1, model.dtype, 1 << 30)
     backend = TorchBackend(model, f.snapshot, num_slots=1, max_context=window)
     lap("backend (KV pool)")
-    from pipeline.protocols import PrefillChunk
+    from pipeline.contracts.model import PrefillChunk
 
     ids = tok.encode_text("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
                           special=True)

@@ -11,10 +11,10 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import (
-    CacheInspector, DocumentEncoder, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
-    ToolCallParser, ToolCallReader,
+from pipeline.contracts.model import (
+    CacheInspector, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
 )
+from pipeline.contracts.text import DocumentEncoder, ToolCallParser, ToolCallReader
 from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
 )

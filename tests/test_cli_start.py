@@ -34,8 +34,9 @@ import httpx
 import pytest
 
 from backends.gguf.file import GGUFFile
-from pipeline import GenerationConfig, build, cli
-from pipeline.cli.start import (
+from pipeline import GenerationConfig, build
+from transports import cli
+from transports.cli.start import (
     SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, sampling_line, summary_line,
 )
 from pipeline.errors import ArtifactError

@@ -26,7 +26,7 @@ from backends.torch.loader import read_config
 from pipeline.errors import InvalidValueError
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.options import BackendOptions
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -231,7 +231,7 @@ def test_a_fused_kernel_refuses_tiers() -> None:
 def test_the_cli_reads_sizes_and_refuses_nonsense() -> None:
     import argparse
 
-    from pipeline.cli.run import byte_size
+    from transports.cli.run import byte_size
 
     assert byte_size("512MiB") == 512 << 20
     assert byte_size("2GB") == 2 * 10**9
@@ -302,10 +302,10 @@ def test_the_command_line_and_the_server_take_the_expert_cap(
     import argparse
 
     import transports.http
-    from pipeline import cli
-    from pipeline.cli.run import add_backend, backend_options
+    from transports import cli
     from transports.http import ServerConfig
     from transports.http.accounting import logs
+    from transports.cli.run import add_backend, backend_options
 
     parser = argparse.ArgumentParser()
     add_backend(parser)

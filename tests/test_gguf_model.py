@@ -307,7 +307,7 @@ def _tiny_as_gguf(path: Path, qtype: Any = None,
 def _logits(spec: Any, weights: Any, ids: list[int], products: Any = ()) -> torch.Tensor:
     from backends.torch.backend import TorchBackend
     from backends.torch.model import Transformer
-    from pipeline.protocols import PrefillChunk
+    from pipeline.contracts.model import PrefillChunk
 
     backend = TorchBackend(Transformer(spec, weights, pack=False, own_products=products), "x",
                            num_slots=1, max_context=64)
@@ -386,7 +386,7 @@ def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
-    from pipeline.protocols import ModelCall
+    from pipeline.contracts.model import ModelCall
 
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q4_0))
     spec = ModelSpec.from_hf_config(hf_config(f))
@@ -477,7 +477,7 @@ def test_kept_quantized_rows_of_a_multi_token_call_do_not_depend_on_a_prompt_bes
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
-    from pipeline.protocols import ModelCall
+    from pipeline.contracts.model import ModelCall
 
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
     spec = ModelSpec.from_hf_config(hf_config(f))

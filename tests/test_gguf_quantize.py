@@ -23,7 +23,7 @@ import torch
 from backends.gguf.file import GGUFFile
 from backends.gguf.load import dequantize_tensor
 from pipeline import build
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 
 transformers = pytest.importorskip("transformers")
 

@@ -34,8 +34,8 @@ from backends.gguf.tokenizer import (
     tokenizer_json,
 )
 from pipeline.errors import TemplateError, TokenizerError
-from pipeline.protocols import Renderer, Tokenizer
-from pipeline.types import Message
+from pipeline.contracts.text import Renderer, Tokenizer
+from pipeline.contracts.request import Message
 from stages.render import HFChatTemplateRenderer
 from stages.tokenize import HFTokenizer
 

@@ -25,7 +25,9 @@ from pipeline.errors import ContextWindowError
 from transports.http.serving_errors import AuthenticationError
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
+from pipeline.contracts.text import Rendered, TokenizedPrompt
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig, load_api_keys

@@ -18,8 +18,8 @@ import torch
 
 from pipeline import Grammar, ToolSpec, build
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.structured import GrammarProcessor
 from stages.structured.bitmask import apply_bitmask, unpack_bits
 from stages.structured.tools import tool_call_grammar
@@ -210,7 +210,7 @@ def test_a_grammar_reads_back_from_the_recorded_config(tiny: Any) -> None:
 def test_a_prompt_that_opens_thinking_leaves_the_reasoning_free(tiny: Any) -> None:
     # the prompt ends in "<think>\n", as templates that start the reasoning write it; the
     # reasoning budget forces "</think>", after which the answer follows the schema
-    from pipeline.types import Request
+    from pipeline.contracts.request import Request
 
     tok = tiny.stages.tokenizer
     rendered = "<|im_start|>user\nDescribe a point.<|im_end|>\n<|im_start|>assistant\n<think>\n"

@@ -2,8 +2,8 @@
 
 Owns :class:`OutputSplitter`, an incremental splitter over the released text of one request,
 which the engine runs once per request as text is released, so every delta carries its
-:attr:`~pipeline.types.Delta.parts` and the completion its whole
-:attr:`~pipeline.types.Completion.parts` (the transports only encode them), and
+:attr:`~pipeline.contracts.output.Delta.parts` and the completion its whole
+:attr:`~pipeline.contracts.output.Completion.parts` (the transports only encode them), and
 :func:`opens_thinking`, the one test of whether a rendered prompt opened a think block. The
 chat templates mark reasoning with ``<think>…</think>``; the splitter finds these markers
 across delta boundaries (holding back a partial marker) and hands the answer text to the
@@ -22,8 +22,8 @@ from typing import Literal
 
 import attrs
 
-from pipeline.protocols import ToolCallReader
-from pipeline.types import Part, TextPart, TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.text import ToolCallReader
+from pipeline.contracts.output import Part, TextPart, TextPiece, ToolCallDelta, ToolCallEnd
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

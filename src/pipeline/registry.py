@@ -23,7 +23,8 @@ from pipeline.errors import InvalidValueError, PluginLoadError, UnknownNameError
 from pipeline.options import BackendOptions
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend, Tokenizer
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.text import Tokenizer
 
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
          "stopper", "transport", "strategy", "tool_parser", "tool", "tool_policy")

@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pipeline.errors import ArtifactError, PipelineError
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 
 if TYPE_CHECKING:  # the registry imports torch; reading a recommendation needs none
     from pipeline.registry import BuildContext
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-"""The :class:`~pipeline.types.GenerationConfig` fields a model may recommend."""
+"""The :class:`~pipeline.contracts.request.GenerationConfig` fields a model may recommend."""
 GUARD_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length")
 """The loop guard's fields (the DRY penalty, :mod:`stages.process.dry`): no model file
 recommends them, the pipeline default sets them."""

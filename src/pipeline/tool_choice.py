@@ -3,7 +3,7 @@
 Owns :func:`constrain_calls`, which the pipeline applies to every request with tools before
 it is queued (in process and over HTTP alike), and :class:`CallGrammars`, the capability a
 tool-call parser offers for it (the built-in parsers' ``calls``: the grammars of
-:mod:`stages.structured.tools`, one per format). Under :class:`~pipeline.types.ToolChoice`:
+:mod:`stages.structured.tools`, one per format). Under :class:`~pipeline.contracts.request.ToolChoice`:
 
 - ``required`` / a named tool: the output starts with the format's opening (forced tokens:
   ``<tool_call>``, ``[TOOL_CALLS]``, the named call's head) and follows the format's call
@@ -13,7 +13,7 @@ tool-call parser offers for it (the built-in parsers' ``calls``: the grammars of
 - ``auto`` with a JSON response format, ``strict`` tools, or ``parallel`` False: the model
   may answer, but a call it makes is valid (at most one when not ``parallel``);
 - ``auto`` otherwise, and ``none``: nothing forced (``none`` also hides the tools, which is
-  :meth:`~pipeline.types.Request.tools_shown`'s part); a grammar of the caller's own that is
+  :meth:`~pipeline.contracts.request.Request.tools_shown`'s part); a grammar of the caller's own that is
   not a JSON format stands as it is.
 
 A parser without :class:`CallGrammars` cannot have a call forced: the request is refused
@@ -30,8 +30,8 @@ import attrs
 
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import ForcedCall, Grammar, Marker, text_marker
-from pipeline.protocols import Tokenizer, ToolCallParser
-from pipeline.types import Request, ToolSpec
+from pipeline.contracts.text import Tokenizer, ToolCallParser
+from pipeline.contracts.request import Request, ToolSpec
 
 
 @runtime_checkable

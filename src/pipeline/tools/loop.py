@@ -30,10 +30,8 @@ from pipeline.registry import BuildContext
 from pipeline.tools.boundary import Ask, CallOutcome, ToolBoundary
 from pipeline.tools.executor import AllowAll, FunctionTool, ToolExecutor, ToolPolicy
 from pipeline.tools.ledger import JsonlLedger, Ledger, MemoryLedger
-from pipeline.types import (
-    Completion, FinishReason, GenerationConfig, Message, TextPiece, ToolCall, ToolChoice,
-    ToolSpec,
-)
+from pipeline.contracts.output import Completion, FinishReason, TextPiece
+from pipeline.contracts.request import GenerationConfig, Message, ToolCall, ToolChoice, ToolSpec
 
 if TYPE_CHECKING:
     from pipeline.pipe import Pipeline

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import cast
 
 from pipeline.errors import PipelineError
-from pipeline.protocols import Renderer, ToolCallParser
+from pipeline.contracts.text import Renderer, ToolCallParser
 from pipeline.registry import BuildContext, Registry
-from pipeline.types import Message, ToolCall, ToolSpec
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
 
 FALLBACK = "hermes"
 PROBE_TOOL = ToolSpec("get_weather", "The weather in a city.", {

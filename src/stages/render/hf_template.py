@@ -29,7 +29,8 @@ import jinja2
 
 from pipeline.errors import InvalidValueError, TemplateError
 from pipeline.events import digest_text
-from pipeline.types import Message, Rendered, ToolSpec
+from pipeline.contracts.request import Message, ToolSpec
+from pipeline.contracts.text import Rendered
 from stages.render.sandbox import compile_template
 from stages.render.spans import (assemble, caller_strings, free_chars, map_caller, marked_spans,
                                  searched_spans, subtract, wrap)
@@ -142,7 +143,7 @@ def special_token_strings_of(folder: Path, config: Mapping[str, Any]) -> list[st
 
 
 class HFChatTemplateRenderer:
-    """Renders messages with a Hugging Face chat template (a :class:`~pipeline.protocols.Renderer`).
+    """Renders messages with a Hugging Face chat template (a :class:`~pipeline.contracts.text.Renderer`).
 
     The text equals transformers' ``apply_chat_template(..., tokenize=False)`` for the same
     template, messages, tools and kwargs; ``spans`` mark the caller's text as CONTENT (see

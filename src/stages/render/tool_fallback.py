@@ -25,7 +25,8 @@ import json
 from collections.abc import Callable, Sequence
 
 from pipeline.errors import PipelineError
-from pipeline.types import Message, Rendered, ToolCall, ToolSpec
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
+from pipeline.contracts.text import Rendered
 
 PROBE_TOOL = ToolSpec("lookup_probe", "A tool that shows whether tools are rendered.", {
     "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]})

@@ -36,7 +36,7 @@ from typing import Any
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import JSON_LAYOUT, ForcedCall, Grammar, Marker, text_marker
 from pipeline.schema_compat import ANY, ANY_NAME, without_unique
-from pipeline.types import ToolSpec, check_tool_parameters
+from pipeline.contracts.request import ToolSpec, check_tool_parameters
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"

@@ -1,6 +1,6 @@
 """Hugging Face ``tokenizers`` tokenizers: files, encoding by span, decoding, token bytes.
 
-Owns :class:`HFTokenizer`, a :class:`~pipeline.protocols.Tokenizer` over ``tokenizer.json``
+Owns :class:`HFTokenizer`, a :class:`~pipeline.contracts.text.Tokenizer` over ``tokenizer.json``
 (with ``tokenizer_config.json``, ``generation_config.json`` and ``config.json`` for EOS ids).
 
 Encoding rule. transformers' ``apply_chat_template`` tokenizes the whole rendered string in
@@ -39,7 +39,7 @@ import tokenizers
 
 from pipeline.errors import InvalidValueError, TokenizerError
 from pipeline.events import digest_bytes, digest_text
-from pipeline.types import Rendered, SpanKind, TokenizedPrompt
+from pipeline.contracts.text import Rendered, SpanKind, TokenizedPrompt
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -239,7 +239,7 @@ class HFTokenizer:
         return self._encode(text, special=special, first=True)
 
     def encode_document(self, text: str) -> list[int]:
-        """Ids of ``text`` as a document (:class:`~pipeline.protocols.DocumentEncoder`): the
+        """Ids of ``text`` as a document (:class:`~pipeline.contracts.text.DocumentEncoder`): the
         ids tokenizer.json's post-processor puts before a sequence (its BOS, if any), then
         the text with special-token strings parsed. Its EOS, if it adds one, is left off."""
         return [*self.leading_ids, *self._encode(text, special=True, first=True)]

@@ -3,7 +3,7 @@
 Owns the parsers (:mod:`stages.toolcalls.formats`: Hermes/Qwen ``<tool_call>``, Llama 3.x JSON
 and ``<|python_tag|>``, Mistral ``[TOOL_CALLS]``), the reader they share
 (:mod:`stages.toolcalls.reader`) and the incremental call scanner (:mod:`stages.toolcalls.scan`).
-A parser implements :class:`~pipeline.protocols.ToolCallParser`; its readers are fed
+A parser implements :class:`~pipeline.contracts.text.ToolCallParser`; its readers are fed
 committed text and give answer text, tool-call deltas (the name first, then argument
 fragments as they are generated) and finished calls. The engine runs one per request that
 offers tools, so the in-process API and the HTTP dialects read calls the same way.

@@ -1,7 +1,7 @@
 """What every format's reader shares: answer text, one call's life, ids, held markers.
 
 Owns :class:`CallReader`, the base of the per-format readers (it satisfies
-:class:`~pipeline.protocols.ToolCallReader` once a subclass supplies ``_read``), and
+:class:`~pipeline.contracts.text.ToolCallReader` once a subclass supplies ``_read``), and
 :func:`held_suffix`. A call opens (:meth:`CallReader._open`), takes its object's text
 (:meth:`CallReader._call_text`: the name goes out as soon as it is known and the arguments
 have begun, then argument fragments as they arrive), and closes
@@ -23,7 +23,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from pipeline.types import OutputPiece, TextPiece, ToolCall, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.output import OutputPiece, TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.request import ToolCall
 from stages.toolcalls.scan import CallScanner, judge
 
 

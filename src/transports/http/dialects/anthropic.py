@@ -22,9 +22,11 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import (
-    Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolCallDelta,
-    ToolCallEnd, ToolChoice, ToolSpec, Usage,
+from pipeline.contracts.output import (
+    Completion, Delta, FinishReason, ToolCallDelta, ToolCallEnd, Usage,
+)
+from pipeline.contracts.request import (
+    GenerationConfig, Message, Request, ToolCall, ToolChoice, ToolSpec,
 )
 from transports.http.dialects.common import (
     Parsed, ServerDefaults, config_from, sampling_given, text_content,
@@ -33,7 +35,7 @@ from transports.http.dialects.documented import anthropic_fields, anthropic_tool
 from transports.http.dialects.documents import Document, decode_base64, media_type, read_document
 from transports.http.dialects.fields import Obj, check
 from transports.http.dialects.spec import ANTHROPIC_SAMPLING, one_of, read, unsupported
-from pipeline.types import Part, TextPart
+from pipeline.contracts.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 

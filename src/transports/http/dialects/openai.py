@@ -21,10 +21,12 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Tokenizer
-from pipeline.types import (
-    Completion, Delta, FinishReason, GenerationConfig, Message, Request, TokenLogprob, ToolCall,
-    ToolCallDelta, ToolCallEnd, ToolChoice, ToolSpec, Usage, token_text,
+from pipeline.contracts.text import Tokenizer
+from pipeline.contracts.output import (
+    Completion, Delta, FinishReason, TokenLogprob, ToolCallDelta, ToolCallEnd, Usage, token_text,
+)
+from pipeline.contracts.request import (
+    GenerationConfig, Message, Request, ToolCall, ToolChoice, ToolSpec,
 )
 from transports.http.server.choices import total_usage
 from transports.http.dialects.common import (
@@ -38,7 +40,7 @@ from transports.http.dialects.documents import Document, decode_base64, media_ty
 from transports.http.dialects.fields import Obj, check
 from transports.http.dialects.spec import CHAT_SAMPLING, Spec, read, unsupported
 from pipeline.output_parts import calls_of
-from pipeline.types import Part, TextPart
+from pipeline.contracts.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -29,15 +29,14 @@ import attrs
 
 from pipeline.errors import InvalidValueError
 from transports.http.serving_errors import ResponseNotFoundError
-from pipeline.types import (
-    Completion, Delta, FinishReason, Message, ToolCall, ToolCallDelta, ToolCallEnd,
-)
+from pipeline.contracts.output import Completion, Delta, FinishReason, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.request import Message, ToolCall
+from pipeline.contracts.output import Part, TextPart
 from transports.http.server import generation
 from transports.http.server.choices import total_usage
 from transports.http.dialects.common import Parsed
 from transports.http.server.errors import classify
 from transports.http.gateway.models import ServedModel
-from pipeline.types import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 KEEP_RESPONSES = 256

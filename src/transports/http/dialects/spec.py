@@ -117,7 +117,7 @@ class Spec(Protocol):
 @attrs.frozen
 class Number:
     """A number (an integer if ``integer``) in ``[lo, hi]``; with ``lo_open`` the library
-    refuses ``lo`` itself (:class:`~pipeline.types.GenerationConfig`), so the document says
+    refuses ``lo`` itself (:class:`~pipeline.contracts.request.GenerationConfig`), so the document says
     ``(lo, hi]``."""
 
     lo: float
@@ -231,7 +231,7 @@ SAMPLING: dict[str, Spec] = {
                          description="at most the effective max_tokens (an extension)"),
 }
 """The numeric sampling fields both OpenAI endpoints take (``/v1/completions`` all of them),
-each a :class:`~pipeline.types.GenerationConfig` field of the same name."""
+each a :class:`~pipeline.contracts.request.GenerationConfig` field of the same name."""
 
 CHAT_SAMPLING: dict[str, Spec] = {
     **SAMPLING,

@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pipeline.errors import EngineClosed
 from transports.http.serving_errors import ModelLoadingError, OverloadedError
 from pipeline.prepared import Prepared
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 from transports.http.accounting.metrics import Metrics
 from transports.http.accounting.traces import TraceStore
 from transports.http.accounting.usage import UsageRecord, UsageStore

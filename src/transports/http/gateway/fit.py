@@ -16,7 +16,7 @@ import attrs
 from pipeline.errors import ContextWindowError
 from pipeline.output_parts import opens_thinking
 from pipeline.prepared import Prepared
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 from transports.http.gateway.models import ServedModel
 from transports.http.server.config import ServerConfig
 from transports.http.server.work import Checkpoint

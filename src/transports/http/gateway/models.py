@@ -18,7 +18,8 @@ import attrs
 from pipeline.engine.handle import RequestHandle
 from transports.http.serving_errors import ModelLoadingError
 from pipeline.pipe import Pipeline
-from pipeline.types import Completion, Request
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Request
 from transports.http.gateway.door import Pace
 
 UNMENDABLE = ("no fresh engine can replace it: start the server again (pipeline serve --ranks N "

@@ -20,8 +20,10 @@ from typing import Any, Protocol
 import attrs
 
 from pipeline.prepared import Prepared
-from pipeline.protocols import Detokenizer, Tokenizer
-from pipeline.types import Completion, Request
+from pipeline.contracts.text import Detokenizer, Tokenizer
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Request
+from pipeline.contracts.output import Part
 from transports.http.dialects import anthropic as anthropic_api, completions as completions_api, openai as openai_api
 from transports.http.server.choices import choice_requests, total_usage
 from transports.http.dialects.common import Parsed, StreamEncoder
@@ -29,7 +31,6 @@ from transports.http.dialects.documents import fit_documents
 from transports.http.server.errors import Dialect
 from transports.http.gateway.gateway import Gateway
 from transports.http.gateway.models import Flight, ServedModel
-from pipeline.types import Part
 from transports.http.server.work import Checkpoint
 
 
@@ -118,7 +119,7 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
 
 def split(served: ServedModel, parsed: Parsed, completion: Completion) -> list[Part]:
     """A whole answer's parts (answer text, thinking, tool calls), as the engine typed them
-    (:attr:`~pipeline.types.Completion.parts`): the HTTP layer encodes, never re-parses."""
+    (:attr:`~pipeline.contracts.output.Completion.parts`): the HTTP layer encodes, never re-parses."""
     return list(completion.parts)
 
 
