@@ -53,7 +53,7 @@ def _openai_parts() -> dict[str, Schema]:
 
 
 def _openai_message() -> Schema:
-    """One chat message: the role decides what else it needs (``_message`` in openai_api)."""
+    """One chat message: the role decides what else it needs (``_message`` in openai)."""
     no_calls = {"type": "array", "maxItems": 0, "description": "only assistant messages call tools"}
     shared = {"name": STRING, "reasoning_content": STRING}
     plain = request_object({"role": enum("system", "developer", "user"),
@@ -188,7 +188,7 @@ def _constraints() -> dict[str, Schema]:
 
 
 def _responses_items() -> dict[str, Schema]:
-    """The input items of ``POST /v1/responses`` (``_input`` in responses_api)."""
+    """The input items of ``POST /v1/responses`` (``_input`` in responses)."""
     status = enum("in_progress", "completed", "incomplete")
     text = request_object({"type": enum("input_text", "output_text"), "text": STRING},
                           {"annotations": {"type": "array"}, "logprobs": {"type": "array"}})
@@ -289,7 +289,7 @@ def _cache_control() -> Schema:
 
 
 def _anthropic_blocks() -> dict[str, Schema]:
-    """Content blocks of ``POST /v1/messages`` by role (``_blocks`` in anthropic_api)."""
+    """Content blocks of ``POST /v1/messages`` by role (``_blocks`` in anthropic)."""
     cache = {"cache_control": OBJECT}
     text_part = request_object({"type": {"const": "text"}, "text": STRING}, cache)
     return {
