@@ -36,6 +36,7 @@ from pipeline.errors import ContextWindowError, InvalidValueError
 from pipeline.pipe import Pipeline
 from pipeline.prepared import Prepared
 from pipeline.contracts.request import Request
+from transports.http.dialects.fields import Obj
 
 PDF = "application/pdf"
 DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
@@ -127,6 +128,15 @@ def read_document(name: str, kind: str, data: bytes, path: str) -> str:
         raise InvalidValueError(path, name, f"gives {len(text)} characters of text, more than "
                                 f"{MAX_TEXT_CHARS}")
     return text.replace("\x00", "")
+
+
+def file_data(holder: Obj, name: str | None) -> Document:
+    """The document in ``holder``'s ``file_data`` (base64 or a data URL, whose media type
+    counts), named ``name``: an OpenAI ``file`` part's or a Responses ``input_file``'s."""
+    data, at = holder.need("file_data", "string"), holder.at("file_data")
+    given = data[5:data.index(";")] if data.startswith("data:") and ";" in data else None
+    text = read_document(name or "file", media_type(name, given, at), decode_base64(data, at), at)
+    return Document.of(name or "file", text)
 
 
 def _pdf(data: bytes, path: str) -> str:

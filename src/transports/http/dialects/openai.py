@@ -36,7 +36,7 @@ from transports.http.dialects.documented import (
     openai_chat_ignored, openai_chat_refused, openai_ignored, response_format,
     structured_outputs,
 )
-from transports.http.dialects.documents import Document, decode_base64, media_type, read_document
+from transports.http.dialects.documents import Document, file_data
 from transports.http.dialects.fields import Obj, check
 from transports.http.dialects.spec import CHAT_SAMPLING, Spec, read, unsupported
 from pipeline.output_parts import calls_of
@@ -72,13 +72,9 @@ def file_part(part: Obj) -> Document:
     if file.has("file_id"):
         raise unsupported(file.at("file_id"), file.value["file_id"], "uploaded files: send "
                           "the file's bytes as file_data")
-    data = file.need("file_data", "string")
-    given = data[5:data.index(";")] if data.startswith("data:") and ";" in data else None
-    kind = media_type(name, given, file.at("file_data"))
-    text = read_document(name or "file", kind, decode_base64(data, file.at("file_data")),
-                         file.at("file_data"))
+    document = file_data(file, name)
     file.done()
-    return Document.of(name or "file", text)
+    return document
 
 
 def _message(path: str, raw: Any, documents: list[Document]) -> Message:

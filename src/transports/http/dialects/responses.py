@@ -53,7 +53,7 @@ from pipeline.grammar import Grammar
 from pipeline.contracts.request import Message, Request, ToolCall, ToolChoice, ToolSpec
 from transports.http.dialects.common import Parsed, ServerDefaults, config_from, sampling_given
 from transports.http.dialects.documented import openai_ignored
-from transports.http.dialects.documents import Document, decode_base64, media_type, read_document
+from transports.http.dialects.documents import Document, file_data
 from transports.http.dialects.fields import Obj, check
 from transports.http.dialects.spec import RESPONSES_SAMPLING, one_of, unsupported
 from transports.http.server.limits import Limits, text_chars
@@ -75,13 +75,7 @@ def _file(part: Obj) -> Document:
         if part.has(field):
             raise unsupported(part.at(field), part.value[field], "files by id or URL: send the "
                               "file's bytes as file_data")
-    name = part.get("filename", "string")
-    data = part.need("file_data", "string")
-    given = data[5:data.index(";")] if data.startswith("data:") and ";" in data else None
-    kind = media_type(name, given, part.at("file_data"))
-    text = read_document(name or "file", kind, decode_base64(data, part.at("file_data")),
-                         part.at("file_data"))
-    return Document.of(name or "file", text)
+    return file_data(part, part.get("filename", "string"))
 
 
 def _text(path: str, value: Any, role: str, documents: list[Document] | None = None) -> str:
