@@ -66,9 +66,9 @@ def decode_step(pipe: Any, batch: int, tokens: int) -> float:
 
 def kinds(tok: Any) -> list[tuple[str, Grammar, str, tuple[int, ...]]]:
     """(name, grammar, a valid output, forced prefix ids) per constraint kind."""
-    from pipeline.tool_choice import special_marker
     from pipeline.contracts.request import ToolSpec
-    from stages.structured.tools import HermesCalls
+    from pipeline.tools.choice import special_marker
+    from pipeline.tools.grammars import HermesCalls
 
     words = [f"option number {i}" for i in range(24)]
     tool = ToolSpec("get_weather", "Weather", {"type": "object", "required": ["city", "unit"],

@@ -18,7 +18,7 @@ from pipeline.contracts.text import DocumentEncoder, ToolCallParser, ToolCallRea
 from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
 )
-from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
+from pipeline.tools.formats import HermesParser, Llama3Parser, MistralParser
 from stages import detokenize, process, render, select, stop, tokenize
 from stages.structured import GrammarProcessor
 from backends.torch.backend import TorchBackend

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.gguf.file import GGUFFile
+from pipeline.gguf_file import GGUFFile
 from pipeline import GenerationConfig, build
 from transports import cli
 from transports.cli.start import (

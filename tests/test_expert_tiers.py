@@ -244,9 +244,10 @@ def test_the_cli_reads_sizes_and_refuses_nonsense() -> None:
 
 def test_a_gguf_files_quantized_expert_stacks_are_read_per_expert(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import GGUFExperts, load_weights
     from backends.torch.model import Transformer
+    from pipeline.gguf_file import GGUFFile
     from tests.test_gguf_model import _tiny_as_gguf
 
     path = _tiny_as_gguf(tmp_path / "tiny.gguf", expert_qtype=gguf.GGMLQuantizationType.Q8_0)

@@ -28,8 +28,8 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from pipeline.contracts.output import TextPiece, ToolCallDelta, ToolCallEnd
 from pipeline.contracts.request import GenerationConfig, ToolSpec
+from pipeline.tools.formats import HermesParser, Llama3Parser, MistralParser
 from stages.tokenize import HFTokenizer
-from stages.toolcalls.formats import HermesParser, Llama3Parser, MistralParser
 from tests.http_support import IM_END, IM_START, TOOL_CALL_TEXT, config, running
 from transports.http import Gateway
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.gguf.file import GGUFFile
 from backends.gguf.load import dequantize_tensor
+from pipeline.gguf_file import GGUFFile
 from pipeline import build
 from pipeline.contracts.request import Request
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from pipeline.engine.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
 from pipeline.contracts.output import Delta, FinishReason, ToolCallEnd
-from stages.toolcalls import HermesParser, judge
+from pipeline.tools.formats import HermesParser
+from pipeline.tools.scan import judge
 from transports.http.server.inbox import batches
 from pipeline.output_parts import OutputSplitter, Part, TextPart
 

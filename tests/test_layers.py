@@ -51,9 +51,6 @@ MOVING: frozenset[str] = frozenset({
     "stages.select.spec_options imports pipeline.builder",
     "stages.select.speculative imports pipeline.engine.forcing",
     "stages.select.strategy imports pipeline.engine.forcing",
-    "backends.gguf.factories imports stages.render",
-    "backends.gguf.tokenizer imports stages.render",
-    "backends.gguf.tokenizer imports stages.tokenize",
     "backends.torch.backend imports pipeline.engine.blocks",
     "backends.torch.parallel imports pipeline.engine.loop",
 })

@@ -129,11 +129,18 @@ def test_the_types_the_public_signatures_name_are_exported() -> None:
         import pipeline.engine.forcing  # noqa: F401
         import torch
 
-        names: dict[str, Any] = {"torch": torch}
+        import threading
+        from pathlib import Path
+
+        import pipeline.tools.loop  # noqa: F401  (Pipeline.run's types)
+
+        names: dict[str, Any] = {"torch": torch, "threading": threading, "Path": Path}
         for module_name, module in list(sys.modules.items()):
             if module_name.startswith("pipeline.") and module is not None:
                 names.update({k: v for k, v in vars(module).items() if isinstance(v, type)
                               and getattr(v, "__module__", "") == module_name})
+                names.update({k: v for k, v in vars(module).items()  # aliases: Tool, Ask
+                              if typing.get_origin(v) is not None and k not in names})
         return {**names, **vars(sys.modules[home])}
 
     exported = {getattr(pipeline, name) for name in pipeline.__all__}

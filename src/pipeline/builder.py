@@ -30,9 +30,9 @@ from pipeline.contracts.transport import Transport
 from pipeline.registry import BuildContext, Registry
 from pipeline.sampling_defaults import for_build
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.tools.parsing import choose_parser
 from pipeline.contracts.output import Delta
 from pipeline.contracts.request import GenerationConfig
+from pipeline.tools.formats import choose_parser
 
 AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
 """The built-in strategies that need an autoregressive model (no ``pipeline_generation``)."""
@@ -159,7 +159,7 @@ def build(
 
     ``tool_parser`` names (or is) the reader of the model's tool calls (``"hermes"``,
     ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
-    (:func:`pipeline.tools.parsing.choose_parser`).
+    (:func:`pipeline.tools.formats.choose_parser`).
 
     ``async_transport`` names (or is) the bridge that delivers a request's deltas on an
     asyncio event loop: ``Pipeline.astream`` and the HTTP server's streams both go through it

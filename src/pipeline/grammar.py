@@ -2,7 +2,7 @@
 
 Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, its named
 constructors (a JSON schema, any JSON object, a grammar in llguidance's Lark dialect, as
-the tool-call grammars of :mod:`stages.structured.tools` are, or in EBNF, a regular expression,
+the tool-call grammars of :mod:`pipeline.tools.grammars` are, or in EBNF, a regular expression,
 a choice among strings), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
 schema feature the engine does not support (``if``/``then``, a dangling ``$ref``) is an
@@ -76,7 +76,7 @@ class Grammar:
     """The output is tool calls that must differ: once a call repeats an earlier one of the
     output byte for byte, the output takes its shortest way to an end (the model is
     looping; the tool-call reader drops the repeat). Set by the tool-call grammars of
-    :mod:`stages.structured.tools` when several calls are allowed; a call there is a JSON
+    :mod:`pipeline.tools.grammars` when several calls are allowed; a call there is a JSON
     object at the top level or an item of a top-level array."""
 
     def __attrs_post_init__(self) -> None:

@@ -38,10 +38,16 @@ from pipeline.contracts.transport import Transport
 from pipeline.engine.text_state import TextState
 from pipeline.output_parts import opens_thinking
 from pipeline.prepared import Prepared
-from pipeline.tool_choice import constrain_calls
+from pipeline.tools.choice import constrain_calls
 from pipeline.registry import Registry
 if TYPE_CHECKING:
-    from pipeline.tools.loop import ToolRun
+    import threading
+    from pathlib import Path
+
+    from pipeline.tools.boundary import Ask
+    from pipeline.tools.executor import ToolPolicy
+    from pipeline.tools.ledger import Ledger
+    from pipeline.tools.loop import RoundChoice, Tool, ToolRun
 from pipeline.contracts.output import Completion, Delta
 from pipeline.contracts.request import (
     GenerationConfig, Message, Recording, Request, RuntimeLimits, ToolChoice, ToolSpec,
@@ -287,9 +293,10 @@ class Pipeline:
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
 
     def run(self, messages: str | Sequence[Message | Mapping[str, Any]], *,
-            tools: Sequence[Any], max_rounds: int = 4, policy: Any = None, ask: Any = None,
-            ledger: Any = None, run_id: str | None = None, cancel: Any = None,
-            config: GenerationConfig | None = None, tool_choice: Any = None,
+            tools: Sequence[Tool], max_rounds: int = 4, policy: ToolPolicy | str | None = None,
+            ask: Ask | None = None, ledger: Ledger | str | Path | None = None,
+            run_id: str | None = None, cancel: threading.Event | None = None,
+            config: GenerationConfig | None = None, tool_choice: RoundChoice = None,
             **options: Any) -> ToolRun:
         """Let the model call ``tools`` and answer with their results (docs/design.md §11).
 

@@ -3,7 +3,7 @@
 Owns :func:`bound_native_caches`, which a serving process (``pipeline serve``, the CLI's chat and
 run, an engine's child process) calls once at start, before any model loads; it lives in the
 library, above no backend, because those callers and a backend's loader
-(:mod:`backends.gguf.factories` hands a load's scratch back) all use it.
+(:mod:`backends.gguf.backend` hands a load's scratch back) all use it.
 Two caches grow with the variety of traffic rather than its volume (``benchmarks/
 serve_memory.py``; ``docs/performance.md``):
 

@@ -51,12 +51,6 @@ class BuildContext:
     strategy_options: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
 
 
-MODEL_METADATA = "model_metadata"
-"""The key of ``BuildContext.shared`` under which a factory that read the model file's
-metadata (the GGUF factories) leaves it, a mapping of its keys, for the build's other readers
-(the sampling recommendation, :mod:`pipeline.sampling_defaults`)."""
-
-
 @attrs.frozen
 class Component:
     """A named factory of one kind of stage."""

@@ -43,7 +43,8 @@ from pipeline.contracts.text import Rendered, SpanKind, TokenizedPrompt
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
-"""tokenizer_config keys naming special tokens (strings or ``{"content": ...}``)."""
+"""tokenizer_config keys naming special tokens (strings or ``{"content": ...}``): the named
+special tokens a chat template gets, as transformers' ``special_tokens_map``."""
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback token, standing for one byte."""
@@ -85,7 +86,8 @@ def _read_json(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config spells it: a string or ``{"content": ...}``."""
     if isinstance(value, Mapping):
         value = value.get("content")
     return value if isinstance(value, str) else None
@@ -195,12 +197,12 @@ class HFTokenizer:
         return int(token)
 
     def _named_ids(self, config: Mapping[str, Any]) -> list[int]:
-        texts = [(k, _token_text(config.get(k))) for k in NAMED_SPECIAL_TOKENS]
+        texts = [(k, token_text(config.get(k))) for k in NAMED_SPECIAL_TOKENS]
         return [self._token_id(t, k) for k, t in texts if t is not None]
 
     def _eos_ids(self, config: Mapping[str, Any], extra: Iterable[int]) -> set[int]:
         ids = set(extra)
-        if (text := _token_text(config.get("eos_token"))) is not None:
+        if (text := token_text(config.get("eos_token"))) is not None:
             ids.add(self._token_id(text, "eos_token"))
         return ids
 

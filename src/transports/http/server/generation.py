@@ -4,7 +4,7 @@ the dialect's body or stream encoder for what they produce.
 Owns :class:`Started` (the choices submitted for one HTTP request, with what its answer needs)
 and :func:`start`, the request-side work of every generation endpoint, run on the work pool:
 each prompt to the model's input (a completions prompt to ids; a chat request's tool choice
-is the pipeline's to apply, :mod:`pipeline.tool_choice`), the window fit (:meth:`~transports.http.gateway.fit.WindowFit.fit`), the choices'
+is the pipeline's to apply, :mod:`pipeline.tools.choice`), the window fit (:meth:`~transports.http.gateway.fit.WindowFit.fit`), the choices'
 requests (:func:`~transports.http.server.choices.choice_requests`) and their admission together
 (:meth:`~transports.http.gateway.admission.Admission.submit`). :func:`answer` builds the non-stream body
 and :func:`encoder` the stream's encoder, in the dialect the request came in; an endpoint
