@@ -44,7 +44,7 @@ import torch
 
 from pipeline import build
 from pipeline.pipe import Pipeline
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 from transports.sse import SSEDecoder, SSEEvent
 
 RESULTS = Path(__file__).parent / "results" / "http_load.json"

@@ -226,7 +226,7 @@ def app_refusal_ms(n: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         gateway = Gateway(ServerConfig(models={"default": TINY_MODEL_DIR}, data_dir=Path(tmp),
                                        num_slots=1, max_queue=0))
-        gateway.load(wait=True)
+        gateway.loader.load(wait=True)
         app = create_app(gateway)
         served = gateway.models["default"]
         served.inflight = 1  # its one place taken: the app sees a full model

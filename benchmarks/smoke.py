@@ -50,7 +50,7 @@ PRELOAD = ("torch", "numpy", "pipeline", "pipeline.builder", "pipeline.pipe", "p
            "pipeline.trace", "pipeline.testing", "backends.torch.backend", "pipeline.gguf_file",
            "backends.gguf.load", "stages.structured", "stages.process", "stages.select",
            "stages.strategies",
-           "transports.sse", "transports.http.app", "httpx", "jsonschema", "transformers",
+           "transports.sse", "transports.http.server.app", "httpx", "jsonschema", "transformers",
            "transformers.generation.logits_process")
 """What the forking parent imports once (whichever are installed). Nothing that imports
 triton: the MoE scripts must set ``TRITON_INTERPRET`` before it loads."""

@@ -199,8 +199,8 @@ def test_pipeline_serve_refuses_them_before_serving(flags: list[str], says: str,
 def test_batch_invariance_is_on_for_cpu_unless_said_otherwise() -> None:
     import argparse
 
+    from transports.http.server.config import ServerConfig
     from transports.cli.run import backend_options
-    from transports.http.config import ServerConfig
 
     assert BackendOptions().invariant is True
     assert BackendOptions(device="cuda:0").invariant is False  # parsing needs no GPU

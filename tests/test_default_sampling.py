@@ -23,8 +23,8 @@ from pipeline.sampling_defaults import PIPELINE_DEFAULT
 from pipeline.testing import ScriptedBackend, build_scripted
 from pipeline.contracts.output import FinishReason
 from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig
-from transports.http.common import ServerDefaults
-from transports.http.config import ServerConfig
+from transports.http.dialects.common import ServerDefaults
+from transports.http.server.config import ServerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from answer_quality import faults  # noqa: E402

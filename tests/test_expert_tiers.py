@@ -304,8 +304,9 @@ def test_the_command_line_and_the_server_take_the_expert_cap(
 
     import transports.http
     from transports import cli
+    from transports.http import ServerConfig
+    from transports.http.accounting import logs
     from transports.cli.run import add_backend, backend_options
-    from transports.http import ServerConfig, logs
 
     parser = argparse.ArgumentParser()
     add_backend(parser)

@@ -166,7 +166,7 @@ def test_logit_bias_keys_must_be_ascii_token_ids(key: str) -> None:
 
 
 def test_server_limits_cannot_promise_more_stops_than_the_library_takes() -> None:
-    from transports.http.limits import Limits
+    from transports.http.server.limits import Limits
 
     assert Limits(max_stop=16).max_stop == 16
     with pytest.raises(InvalidValueError, match="library's own cap"):

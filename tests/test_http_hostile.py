@@ -33,7 +33,7 @@ from pipeline.contracts.text import Rendered
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway
-from transports.http.limits import Limits
+from transports.http.server.limits import Limits
 
 KEY = "sk-hostile"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -196,7 +196,7 @@ def test_the_template_refusing_a_conversation_is_a_400(server: Any) -> None:
 
 def test_detokenize_is_bounded_by_the_window(server: Any) -> None:
     client, gateway = server
-    window = gateway.window(gateway.model("default"))
+    window = gateway.window_fit.window(gateway.model("default"))
     r = send(client, "/detokenize", {"model": "default", "tokens": [100] * (window + 1)})
     assert r.status_code == 400 and error(r)["limit"] == "max_model_len"
     r = send(client, "/detokenize", {"model": "default", "tokens": [100] * window})
@@ -423,7 +423,7 @@ def test_work_for_clients_that_left_stops_and_cheap_requests_are_never_starved(
         started = time.monotonic()
         r = httpx.post(f"{url}/v1/messages/count_tokens", json=body, timeout=10)
         assert r.status_code == 200 and time.monotonic() - started < 5.0
-        assert gateway.flights == {} and pipe.engine is not None and pipe.engine.active_slots == 0
+        assert gateway.admission.flights == {} and pipe.engine is not None and pipe.engine.active_slots == 0
 
 
 def test_a_full_preparation_pool_is_an_overload_not_a_queue(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from uvicorn.server import ServerState
 from pipeline.errors import InvalidValueError
 from tests.http_support import config, running
 from transports.http import Gateway, Timeouts
-from transports.http.timeouts import HTTPImpl, protocol_class
+from transports.http.server.timeouts import HTTPImpl, protocol_class
 
 HEADER_S = BODY_S = 0.5
 MARGIN_S = 1.0  # scheduling slack on a busy machine; every close is also bounded by recv's timeout

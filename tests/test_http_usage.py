@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.http_support import free_port
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 
 def client_loop(url: str, worker: int, completed: list[str], stop: threading.Event) -> None:

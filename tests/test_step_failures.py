@@ -42,7 +42,7 @@ from stages.strategies import AutoregressiveStrategy
 from stages.tokenize import HFTokenizer
 from tests.http_support import config
 from transports.http import Gateway, create_app
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 TOKENIZER = HFTokenizer.from_dir(TINY_MODEL_DIR)
 AT = TOKENIZER.encode_text("@")[0]
@@ -269,7 +269,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     order = iter(made.values())
     gateway = Gateway(config(data, api_keys={KEY}, models={name: TINY_MODEL_DIR for name in made}),
                       lambda folder, cfg: next(order))
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     with TestClient(create_app(gateway), raise_server_exceptions=False) as c:
         c.gateway = gateway  # type: ignore[attr-defined]
         yield c

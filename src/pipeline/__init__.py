@@ -95,7 +95,7 @@ _HOMES = _table()
 ERRORS = tuple(sorted(name for name, home in _HOMES.items() if home == "pipeline.errors"))
 """The library's exception tree (:mod:`pipeline.errors`), rooted at :class:`PipelineError`:
 what a caller of :func:`build` and :class:`Pipeline` may catch. The HTTP server's own errors
-live with the server (:mod:`transports.http`)."""
+live with the server (:mod:`transports.http.serving_errors`)."""
 
 
 def __getattr__(name: str) -> Any:

@@ -57,7 +57,7 @@ def gguf_backend(ctx: BuildContext) -> Any:
     from backends.plugin import moe_function, refuse_extra
     from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.model import Transformer
-    from backends.torch.native_memory import release_free_memory
+    from pipeline.process_memory import release_free_memory
 
     f, opts = opened(ctx), ctx.options
     refuse_extra(opts, "gguf")

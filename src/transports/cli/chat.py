@@ -100,7 +100,7 @@ def _chat(args: argparse.Namespace) -> int:
     choice = strategy_choice(args)
     start = Loading(sys.stderr, args.model)
     with start.loading():  # the line shows now, before torch is imported
-        from backends.torch.native_memory import bound_native_caches
+        from pipeline.process_memory import bound_native_caches
         from pipeline.events import JsonlSink
 
         bound_native_caches()  # the process is ours: a load's scratch goes back to the system

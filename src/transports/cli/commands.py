@@ -164,12 +164,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
-    from backends.torch.native_memory import bound_native_caches
+    from pipeline.process_memory import bound_native_caches
     from transports.cli.strategy import check_strategies, registered_strategies, served_choices
     from pipeline.errors import PipelineError
-    from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
-    from transports.http.limits import Limits
-    from transports.http.timeouts import Timeouts
+    from transports.http import ServerConfig, load_api_keys, parse_models, serve
+    from transports.http.accounting import logs
+    from transports.http.server.limits import Limits
+    from transports.http.server.timeouts import Timeouts
 
     bound_native_caches()  # a long-running process: memory must not grow with traffic's variety
     try:
@@ -210,7 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
                   "supervises a group itself, without torchrun)", file=sys.stderr)
             return 2
         if place[0] > 0:  # this rank's part of the model, no HTTP: it ends with rank 0
-            from transports.http.gateway import default_builder
+            from transports.http.gateway.loading import default_builder
 
             name, folder = next(iter(models.items()))
             default_builder(folder, config, config.strategy(name))
@@ -241,7 +242,7 @@ def _loopback(host: str) -> bool:
 
 def _add_limits(serve: Any) -> None:
     """One flag per request limit (``--max-body-bytes`` ...), defaults from :class:`Limits`."""
-    from transports.http.limits import Limits
+    from transports.http.server.limits import Limits
 
     group = serve.add_argument_group("request limits (a request over one is refused, 4xx)")
     for field in attrs.fields(Limits):

@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not after the load
     start = Loading(sys.stderr, args.model)  # a model that is nowhere: one line, not two
     with start.loading():  # the line shows now, before torch is imported
-        from backends.torch.native_memory import bound_native_caches
+        from pipeline.process_memory import bound_native_caches
         from pipeline.events import JsonlSink
 
         bound_native_caches()  # the process is ours: a load's scratch goes back to the system
