@@ -42,8 +42,8 @@ from transformers.generation.logits_process import (
 )
 
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Batch, Row
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row
+from pipeline.contracts.request import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import AutoregressiveStrategy, SamplingSelector
 

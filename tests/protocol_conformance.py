@@ -11,14 +11,14 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import (
-    CacheInspector, DocumentEncoder, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
-    ToolCallParser, ToolCallReader,
+from pipeline.contracts.model import (
+    CacheInspector, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
 )
+from pipeline.contracts.text import DocumentEncoder, ToolCallParser, ToolCallReader
 from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
 )
-from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
+from pipeline.tools.formats import HermesParser, Llama3Parser, MistralParser
 from stages import detokenize, process, render, select, stop, tokenize
 from stages.structured import GrammarProcessor
 from backends.torch.backend import TorchBackend

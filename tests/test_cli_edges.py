@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from pipeline import build, cli
+from pipeline import build
+from transports import cli
 from pipeline.errors import ArtifactError
 
 RUN = [sys.executable, "-m", "pipeline"]

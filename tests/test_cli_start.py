@@ -34,9 +34,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backends.gguf.file import GGUFFile
-from pipeline import GenerationConfig, build, cli
-from pipeline.cli.start import (
+from pipeline.gguf_file import GGUFFile
+from pipeline import GenerationConfig, build
+from transports import cli
+from transports.cli.start import (
     SPIN_AFTER_S, SPIN_EVERY_S, Figures, Loading, sampling_line, summary_line,
 )
 from pipeline.errors import ArtifactError

@@ -21,7 +21,8 @@ from pipeline import build
 from pipeline.pipe import Pipeline
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
 from pipeline.testing import ScriptedBackend, build_scripted
-from pipeline.types import DEFAULT_MAX_TOKENS, FinishReason, GenerationConfig
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig
 from transports.http.common import ServerDefaults
 from transports.http.config import ServerConfig
 
@@ -107,7 +108,7 @@ def test_the_servers_defaults_line_names_what_still_acts_when_greedy() -> None:
     the loop guard and the penalties do not (the chain's own ``order_for`` is the oracle)."""
     from pipeline.sampling_defaults import sampling_summary
     from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
-    from pipeline.protocols import Row
+    from pipeline.contracts.decode import Row
 
     config = GenerationConfig(temperature=0, top_p=0.9, dry_multiplier=0.8,
                               repetition_penalty=1.1)

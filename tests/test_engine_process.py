@@ -252,7 +252,7 @@ def process_state(pid: int) -> str:
 
 
 def test_a_frozen_idle_child_is_unresponsive_by_the_engines_clock() -> None:
-    from pipeline.types import RuntimeLimits
+    from pipeline.contracts.request import RuntimeLimits
 
     now = [0]
     started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2)),

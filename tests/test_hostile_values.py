@@ -15,9 +15,8 @@ import pytest
 
 from pipeline.errors import InvalidValueError, RequestFailed, ValidationError
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits, peaked
-from pipeline.types import (
-    FinishReason, GenerationConfig, Message, Request, RuntimeLimits, ToolSpec,
-)
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import GenerationConfig, Message, Request, RuntimeLimits, ToolSpec
 
 V = ByteTokenizer.VOCAB
 EDGES = [5e-324, 1e-320, 1e-300, 1e-30, 1e-6, 1e-5, 0.0, -0.0, -1e-320, 0.5, 1.0, 2.0, 100.0,

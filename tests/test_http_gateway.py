@@ -24,7 +24,9 @@ from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.errors import AuthenticationError, ContextWindowError
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
+from pipeline.contracts.text import Rendered, TokenizedPrompt
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig, load_api_keys

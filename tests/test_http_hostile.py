@@ -31,9 +31,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.builder import build
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import Renderer
+from pipeline.contracts.text import Renderer
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import Rendered, ToolSpec
+from pipeline.contracts.request import ToolSpec
+from pipeline.contracts.text import Rendered
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from pipeline.engine.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
-from pipeline.types import Delta, FinishReason, ToolCallEnd
-from stages.toolcalls import HermesParser, judge
+from pipeline.contracts.output import Delta, FinishReason, ToolCallEnd
+from pipeline.tools.formats import HermesParser
+from pipeline.tools.scan import judge
 from transports.http.inbox import batches
 from pipeline.output_parts import OutputSplitter, Part, TextPart
 
@@ -251,7 +252,7 @@ def test_both_dialects_stream_argument_fragments_as_the_text_arrives() -> None:
     """Fed one character per engine delta, the OpenAI chunks carry the call's id and name,
     then its arguments in fragments; Anthropic opens a tool_use block and streams
     input_json_delta fragments; both join to the call's arguments."""
-    from pipeline.types import Message, Request
+    from pipeline.contracts.request import Message, Request
     from transports.http.anthropic_api import MessageStream
     from transports.http.common import Parsed
     from transports.http.openai_api import ChatStream

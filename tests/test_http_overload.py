@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from pipeline.pipe import Pipeline
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway, ServerConfig
 from transports.http.admission import (

@@ -29,7 +29,7 @@ from pipeline.engine.process import ProcessEngine
 from pipeline.errors import EngineClosed, InvalidValueError, RequestFailed, StepStillRunning
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import ModelCall
+from pipeline.contracts.model import ModelCall
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running

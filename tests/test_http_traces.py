@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from pipeline import cli
+from transports import cli
 from pipeline.builder import build
 from pipeline.errors import InvalidValueError, TraceNotFoundError
 from pipeline.events import MINIMAL_TIMELINE, Event, JsonlSink, digest_text, read_jsonl
@@ -267,7 +267,7 @@ def test_the_store_keeps_a_requests_choices_as_one_request() -> None:
 def test_pipeline_serve_takes_keep_traces(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     import transports.http
-    from pipeline import cli
+    from transports import cli
 
     served: list[ServerConfig] = []
     monkeypatch.setattr(transports.http, "serve", lambda c, *args: served.append(c))

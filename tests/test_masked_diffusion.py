@@ -17,10 +17,11 @@ import torch
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Attention, Row
+from pipeline.contracts.decode import Row
+from pipeline.contracts.model import Attention
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_denoiser, \
     hashed_logits
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from stages.process import make_processor
 from stages.select.diffusion import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,

@@ -46,7 +46,7 @@ import random
 from backends.torch.backend import TorchBackend
 from backends.torch.native_memory import bound_native_caches
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 bound_native_caches()
 backend = TorchBackend.from_dir(TINY_MODEL_DIR, num_slots=8, max_context=512, dtype="float32",
                                 batch_invariant=False)

@@ -12,8 +12,9 @@ import torch
 from scipy import stats
 
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Batch, Plan, Row, Scores, Selector, Strategy
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores, Selector
+from pipeline.contracts.strategy import Plan, Strategy
+from pipeline.contracts.request import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import (
     SELECTORS, AutoregressiveStrategy, GreedySelector, SamplingSelector, uniform,

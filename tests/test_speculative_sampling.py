@@ -22,9 +22,9 @@ import torch
 from scipy import stats
 
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 from pipeline.testing import ScriptedBackend
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from stages.process import ProcessorChain
 from stages.select import SamplingSelector
 from stages.select.draft import DraftModelProposer

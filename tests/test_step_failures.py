@@ -33,10 +33,10 @@ from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.hookspecs import hookimpl
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from pipeline.registry import Component
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import FinishReason
+from pipeline.contracts.output import FinishReason
 from stages.detokenize.incremental import IncrementalDetokenizer
 from stages.select import AutoregressiveStrategy
 from stages.tokenize import HFTokenizer

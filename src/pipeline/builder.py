@@ -22,15 +22,17 @@ from pipeline.model_paths import (
 )
 from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline, Stages
-from pipeline.protocols import (
-    Backend, Detokenizer, Honours, LogitProcessor, Renderer, RequestCheck, Selector, Stopper,
-    Strategy, Tokenizer, ToolCallParser, Transport,
-)
+from pipeline.contracts.decode import LogitProcessor, RequestCheck, Selector
+from pipeline.contracts.model import Backend
+from pipeline.contracts.strategy import Honours, Strategy
+from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
+from pipeline.contracts.transport import Transport
 from pipeline.registry import BuildContext, Registry
 from pipeline.sampling_defaults import for_build
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.tools.parsing import choose_parser
-from pipeline.types import Delta, GenerationConfig
+from pipeline.contracts.output import Delta
+from pipeline.contracts.request import GenerationConfig
+from pipeline.tools.formats import choose_parser
 
 AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
 """The built-in strategies that need an autoregressive model (no ``pipeline_generation``)."""
@@ -143,7 +145,7 @@ def build(
 
     ``strategy`` (a name, a :class:`~pipeline.strategy_choice.StrategyChoice` that also
     carries ``steps``, ``block_length`` and ``strategy_options``, or a
-    :class:`~pipeline.protocols.Strategy` instance, used as it is with its own chain: a
+    :class:`~pipeline.contracts.strategy.Strategy` instance, used as it is with its own chain: a
     request that reorders processors is then refused) says how tokens are generated:
     ``"autoregressive"`` (the default for an autoregressive model), ``"speculative"``, or an
     iterative sampler such as masked
@@ -157,7 +159,7 @@ def build(
 
     ``tool_parser`` names (or is) the reader of the model's tool calls (``"hermes"``,
     ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
-    (:func:`pipeline.tools.parsing.choose_parser`).
+    (:func:`pipeline.tools.formats.choose_parser`).
 
     ``async_transport`` names (or is) the bridge that delivers a request's deltas on an
     asyncio event loop: ``Pipeline.astream`` and the HTTP server's streams both go through it

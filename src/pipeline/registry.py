@@ -23,7 +23,8 @@ from pipeline.errors import InvalidValueError, PluginLoadError, UnknownNameError
 from pipeline.options import BackendOptions
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend, Tokenizer
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.text import Tokenizer
 
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
          "stopper", "transport", "strategy", "tool_parser", "tool", "tool_policy")
@@ -48,12 +49,6 @@ class BuildContext:
     shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
     backend: Backend | None = attrs.field(default=None, eq=False)
     strategy_options: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
-
-
-MODEL_METADATA = "model_metadata"
-"""The key of ``BuildContext.shared`` under which a factory that read the model file's
-metadata (the GGUF factories) leaves it, a mapping of its keys, for the build's other readers
-(the sampling recommendation, :mod:`pipeline.sampling_defaults`)."""
 
 
 @attrs.frozen

@@ -1,6 +1,8 @@
 """Registers the built-in text-side stages through the ``pipeline_components`` hook.
 
-Factories import their modules lazily, so listing the registry stays cheap.
+Factories import their modules lazily, so listing the registry stays cheap (the tool-call
+parsers, plain Python beside the tool loop in :mod:`pipeline.tools`, are listed from
+:data:`~pipeline.tools.formats.PARSERS`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.hookspecs import hookimpl
 from pipeline.registry import BuildContext, Component
+from pipeline.tools.formats import PARSERS
 
 PROCESSOR_SUMMARIES = {
     "allowed_tokens": "remove every token outside allowed_token_ids",
@@ -82,6 +85,28 @@ def _hf_tokenizer(ctx: BuildContext) -> Any:
     return HFTokenizer.from_dir(_model_dir(ctx, "tokenizer"))
 
 
+def _gguf_tokenizer(ctx: BuildContext) -> Any:
+    from pipeline.gguf_file import opened
+    from stages.gguf import gguf_tokenizer
+
+    f = opened(ctx)
+    return gguf_tokenizer(f.metadata, str(f.path))
+
+
+def _gguf_renderer(ctx: BuildContext) -> Any:
+    """The file's chat template (``tokenizer.chat_template``); a file without one (a base
+    model, as llama.cpp's converter writes it from a folder with no template) gets the plain
+    renderer, as a Hugging Face folder without a template does."""
+    from pipeline.gguf_file import opened
+    from stages.gguf import CHAT_TEMPLATE, gguf_renderer
+    from stages.render import PlainRenderer
+
+    f = opened(ctx)
+    if CHAT_TEMPLATE not in f.metadata:
+        return PlainRenderer()
+    return gguf_renderer(f.metadata, str(f.path))
+
+
 def _detokenizer(ctx: BuildContext) -> Any:
     from stages.detokenize import IncrementalDetokenizer
 
@@ -127,20 +152,8 @@ def _speculative(ctx: BuildContext) -> Any:
     return speculative_maker(ctx)
 
 
-TOOL_PARSER_SUMMARIES = {
-    "hermes": "Hermes / Qwen <tool_call>{json}</tool_call> calls",
-    "llama3_json": "Llama 3.x JSON calls ({name, parameters}; <|python_tag|>)",
-    "mistral": "Mistral [TOOL_CALLS][{...}] calls",
-}
-
-
-def _tool_parser(name: str) -> Any:
-    def factory(ctx: BuildContext) -> Any:
-        from stages.toolcalls import PARSERS
-
-        return PARSERS[name]()
-
-    return factory
+def _made(cls: Any) -> Any:
+    return lambda ctx: cls()
 
 
 def _continuous(name: str) -> Any:
@@ -161,13 +174,17 @@ CONTINUOUS_SUMMARIES = {
 
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategies, tool
-    parsers."""
+    """Renderers and tokenizers (a folder's, a GGUF file's), processors, selectors,
+    detokenizer, stoppers, strategies, tool parsers."""
     comps = [
         Component("renderer", "hf_chat_template", _hf_renderer,
                   "Hugging Face chat template (jinja2, sandboxed)"),
         Component("renderer", "plain", _plain_renderer, "role-labelled plain text"),
         Component("tokenizer", "hf", _hf_tokenizer, "tokenizers (tokenizer.json)"),
+        Component("tokenizer", "gguf", _gguf_tokenizer,
+                  "a GGUF file's tokenizer (tokenizer.ggml.*) as a tokenizers BPE"),
+        Component("renderer", "gguf", _gguf_renderer,
+                  "a GGUF file's chat template (tokenizer.chat_template)"),
         Component("detokenizer", "incremental", _detokenizer,
                   "incremental, never a broken UTF-8 tail"),
         Component("selector", "greedy", _greedy, "argmax (ties to the lowest id)"),
@@ -188,8 +205,7 @@ def pipeline_components() -> list[Component]:
                            "remove tokens the request's grammar (JSON schema) forbids next"))
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
-    comps += [Component("tool_parser", n, _tool_parser(n), s)
-              for n, s in TOOL_PARSER_SUMMARIES.items()]
+    comps += [Component("tool_parser", n, _made(cls), cls.summary) for n, cls in PARSERS.items()]
     comps += [Component("strategy", n, _continuous(n), s)
               for n, s in CONTINUOUS_SUMMARIES.items()]
     return comps

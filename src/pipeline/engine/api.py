@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 if TYPE_CHECKING:
     from pipeline.engine.job import Job
     from pipeline.engine.loop import Stall
-    from pipeline.protocols import Backend, Strategy
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.strategy import Strategy
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ its scheduling state and its :class:`~pipeline.engine.recorder.Recorder`). It ta
 committed token through the request's :class:`~pipeline.engine.text_state.TextState`
 (stoppers, detokenizer), types the released text once (thinking, answer text, tool calls:
 :mod:`pipeline.output_parts`), records the ``tool.*`` and ``stream.delta`` events, and pushes
-the :class:`~pipeline.types.Delta` to the :class:`~pipeline.engine.handle.RequestHandle`.
+the :class:`~pipeline.contracts.output.Delta` to the :class:`~pipeline.engine.handle.RequestHandle`.
 Text a stopper holds back rides on a later delta; a verdict always closes the stream.
 
 Example::
@@ -20,8 +20,8 @@ from __future__ import annotations
 from pipeline.engine.handle import RequestHandle
 from pipeline.engine.recorder import Recorder
 from pipeline.engine.text_state import TextState
-from pipeline.protocols import StopVerdict
-from pipeline.types import FinishReason, TokenLogprob
+from pipeline.contracts.text import StopVerdict
+from pipeline.contracts.output import FinishReason, TokenLogprob
 
 
 class Delivery:

@@ -13,7 +13,7 @@ A forced token is a point mass, so its logprob is 0. The source is a small mutab
 (ints and tuples only), so a request's decode state stays serializable.
 
 :meth:`Forcing.take` is the one place a strategy commits a token: it asks, applies and
-accounts in one call, and returns the :class:`~pipeline.protocols.Taken` the engine commits;
+accounts in one call, and returns the :class:`~pipeline.contracts.strategy.Taken` the engine commits;
 every strategy that honours forcing commits through it.
 
 Example::
@@ -30,8 +30,8 @@ from typing import Any
 
 import attrs
 
-from pipeline.protocols import Taken
-from pipeline.types import TokenLogprob
+from pipeline.contracts.strategy import Taken
+from pipeline.contracts.output import TokenLogprob
 
 
 @attrs.frozen

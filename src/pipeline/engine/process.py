@@ -97,8 +97,8 @@ from pipeline.errors import (
 from pipeline.events import Event, Tracer, digest_ids, digest_text
 from pipeline.options import BackendOptions
 from pipeline.output_parts import joined
-from pipeline.protocols import ModelCall, ModelInfo
-from pipeline.types import Completion, Delta, FinishReason, Part, Timings, Usage
+from pipeline.contracts.model import ModelCall, ModelInfo
+from pipeline.contracts.output import Completion, Delta, FinishReason, Part, Timings, Usage
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -106,7 +106,8 @@ if TYPE_CHECKING:
     from pipeline.engine.job import Job
     from pipeline.engine.ranks import Followers
     from pipeline.pipe import Pipeline
-    from pipeline.protocols import Backend, Strategy
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.strategy import Strategy
 
 T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")

@@ -2,7 +2,7 @@
 
 Owns the built-in processors (masks and biases, penalties, temperature, truncation), the
 :class:`ProcessorChain` that applies them in an explicit order, and the name table the plugin
-registry exposes. Every processor satisfies :class:`pipeline.protocols.LogitProcessor`: built
+registry exposes. Every processor satisfies :class:`pipeline.contracts.decode.LogitProcessor`: built
 with no arguments, stateless, per-row parameters read from ``row.config``.
 """
 

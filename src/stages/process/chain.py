@@ -29,7 +29,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.errors import InvalidValueError, UnknownNameError
-from pipeline.protocols import Batch, LogitProcessor, Row, Scores, StatefulProcessor
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores, StatefulProcessor
 from stages.process.dry import DryPenalty
 from stages.process.masks import AllowedTokens, BannedTokens, LogitBias, MinTokens
 from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
@@ -100,7 +100,7 @@ class ProcessorChain:
         return self._processors
 
     def start(self, row: Row) -> dict[str, Any]:
-        """The request's state of each :class:`~pipeline.protocols.StatefulProcessor` of the
+        """The request's state of each :class:`~pipeline.contracts.decode.StatefulProcessor` of the
         chain that is active for ``row`` (by name; empty when none is)."""
         return {p.name: p.start(row) for p in self._stateful if p.active(row)}
 

@@ -1,8 +1,8 @@
 """Selectors and strategies: from processed scores to committed tokens.
 
 Owns the ``greedy`` and ``sample`` selectors (both satisfy
-:class:`pipeline.protocols.Selector`), the counter-based :func:`uniform` draw, and the
-strategies (:class:`pipeline.protocols.Strategy`): :class:`AutoregressiveStrategy` and
+:class:`pipeline.contracts.decode.Selector`), the counter-based :func:`uniform` draw, and the
+strategies (:class:`pipeline.contracts.strategy.Strategy`): :class:`AutoregressiveStrategy` and
 :class:`SpeculativeStrategy` (its rejection rule in ``verify.py``, its proposers in
 ``proposers.py`` and ``draft.py``, its options in ``spec_options.py``); the masked-diffusion
 strategies ``llada``, ``fast_dllm`` and ``dfm`` live in :mod:`stages.select.diffusion`, the
@@ -13,7 +13,7 @@ continuous strategies ``ddpm``, ``ddim`` and ``flow`` in :mod:`stages.select.con
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from pipeline.protocols import Selector
+from pipeline.contracts.decode import Selector
 from stages.select.greedy import GreedySelector, argmax_columns
 from stages.select.rng import uniform
 from stages.select.sample import SamplingSelector, inverse_cdf

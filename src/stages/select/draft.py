@@ -2,7 +2,7 @@
 
 Owns :class:`DraftModelProposer` (a :class:`~stages.select.proposers.Proposer`) and its
 per-sequence :class:`DraftState`. The proposer owns a second
-:class:`~pipeline.protocols.Backend`, shared by every sequence: each sequence gets a slot of
+:class:`~pipeline.contracts.model.Backend`, shared by every sequence: each sequence gets a slot of
 its own when it starts and gives it back when its request ends. Each step, for all the
 sequences that want drafts at once:
 
@@ -27,7 +27,9 @@ import attrs
 import torch
 
 from pipeline.errors import CapacityError, SlotError
-from pipeline.protocols import Backend, Batch, ModelCall, Row, Scores, Tokenizer
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.model import Backend, ModelCall
+from pipeline.contracts.text import Tokenizer
 from stages.process.chain import ProcessorChain
 from stages.select.greedy import argmax_columns
 from stages.select.proposers import Proposal

@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 
 
 @attrs.frozen

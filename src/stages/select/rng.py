@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, SplitMix64's increment

@@ -11,7 +11,7 @@ engine calls once per processor order. Options:
 - ``num_draft_tokens``: k, the most drafts one step verifies (1..64, default 8);
 - ``max_n`` / ``min_n``: the n-gram lengths prompt lookup tries, longest first (default 4/1);
 - ``draft_model``: a model folder, GGUF file or name (as ``build`` takes) whose tokenizer is
-  the target's, or a :class:`~pipeline.protocols.Backend` object (used as given);
+  the target's, or a :class:`~pipeline.contracts.model.Backend` object (used as given);
 - ``draft_options``: backend options for the draft model (``num_slots``, ``max_context``,
   ``dtype``, ``device``, ``pack``, ``quantized``, ``kv_cache_bytes``, ``kv_blocks``,
   ``block_size``); ``dtype``,
@@ -29,9 +29,10 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
-from pipeline.protocols import Backend, LogitProcessor, Selector
+from pipeline.contracts.decode import LogitProcessor, Selector
+from pipeline.contracts.model import Backend
 from pipeline.registry import BuildContext
-from pipeline.types import from_mapping
+from pipeline.contracts.request import from_mapping
 from stages.process.chain import ProcessorChain
 from stages.select.draft import DraftModelProposer, vocabulary_mismatch
 from stages.select.proposers import NgramProposer, Proposer

@@ -36,11 +36,9 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import (
-    Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, StrategyEvent, Taken,
-    Update, with_tokens,
-)
-from pipeline.types import TokenLogprob
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores, Selector, with_tokens
+from pipeline.contracts.strategy import Honours, Plan, StrategyEvent, Taken, Update
+from pipeline.contracts.output import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.select.logprobs import selection_logprobs
 from stages.select.proposers import Proposal, Proposer

@@ -17,9 +17,8 @@ import attrs
 import torch
 
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import (
-    Batch, Honours, LogitProcessor, Plan, Row, Scores, Selector, Update,
-)
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores, Selector
+from pipeline.contracts.strategy import Honours, Plan, Update
 from stages.process.chain import ProcessorChain
 
 

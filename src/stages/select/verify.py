@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from pipeline.protocols import Row, Selection
+from pipeline.contracts.decode import Row, Selection
 from stages.select.rng import BELOW_ONE, uniform
 
 ACCEPT = 1 << 32

@@ -6,7 +6,7 @@
   boundaries;
 - :class:`StopperChain` runs several as one; :func:`make_stopper` builds one by name.
 
-All satisfy :class:`pipeline.protocols.Stopper`.
+All satisfy :class:`pipeline.contracts.text.Stopper`.
 """
 
 from stages.stop.chain import DEFAULT_STOPPERS, STOPPERS, StopperChain, make_stopper

@@ -11,8 +11,8 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.errors import UnknownNameError
-from pipeline.protocols import StopContext, Stopper, StopVerdict
-from pipeline.types import Request
+from pipeline.contracts.text import StopContext, Stopper, StopVerdict
+from pipeline.contracts.request import Request
 from stages.stop.strings import StopStringStopper
 from stages.stop.tokens import DeadlineStopper, EosStopper, MaxTokensStopper
 
@@ -45,7 +45,7 @@ class StopperChain:
     returns a verdict the run ends, so the stoppers after it are called once more with
     ``final=True`` to release what they hold (text that came before the match); a verdict of
     theirs wins, since it lies earlier in the text. The chain satisfies
-    :class:`pipeline.protocols.Stopper` itself.
+    :class:`pipeline.contracts.text.Stopper` itself.
 
     Example::
 

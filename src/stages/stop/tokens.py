@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import attrs
 
-from pipeline.protocols import StopContext, StopVerdict
-from pipeline.types import FinishReason, Request
+from pipeline.contracts.text import StopContext, StopVerdict
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
 
 
 @attrs.frozen

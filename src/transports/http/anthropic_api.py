@@ -22,9 +22,11 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import (
-    Completion, Delta, FinishReason, GenerationConfig, Message, Request, ToolCall, ToolCallDelta,
-    ToolCallEnd, ToolChoice, ToolSpec, Usage,
+from pipeline.contracts.output import (
+    Completion, Delta, FinishReason, ToolCallDelta, ToolCallEnd, Usage,
+)
+from pipeline.contracts.request import (
+    GenerationConfig, Message, Request, ToolCall, ToolChoice, ToolSpec,
 )
 from transports.http.common import (
     Parsed, ServerDefaults, config_from, sampling_given, text_content,
@@ -34,7 +36,7 @@ from transports.http.documented import (
 )
 from transports.http.documents import Document, decode_base64, media_type, read_document
 from transports.http.fields import Obj, check
-from pipeline.types import Part, TextPart
+from pipeline.contracts.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 

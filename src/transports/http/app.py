@@ -64,8 +64,8 @@ from pipeline.errors import (
 )
 from pipeline.engine.handle import RequestHandle
 from pipeline.pipe import Pipeline
-from pipeline.protocols import Transport
-from pipeline.types import Completion, Delta
+from pipeline.contracts.transport import Transport
+from pipeline.contracts.output import Completion, Delta
 from transports.http import (
     anthropic_api, completions_api, embeddings_api, generation, openai_api, responses_api,
     responses_output,
@@ -355,7 +355,7 @@ class Server:
                              parsed: Parsed, dialect: Dialect,
                              histogram: Any) -> AsyncIterator[bytes]:
         """The stream's chunks while its choices produce deltas (pings while idle); each
-        delta's typed parts are the engine's (:attr:`~pipeline.types.Delta.parts`)."""
+        delta's typed parts are the engine's (:attr:`~pipeline.contracts.output.Delta.parts`)."""
         last: dict[int, float] = {}
         async for item in merged(handles, self.gateway.config.ping_interval_s, transport):
             if item is None:  # idle (queued): keep the connection alive

@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import attrs
 
 from pipeline.engine.handle import RequestHandle
-from pipeline.protocols import Transport
-from pipeline.types import Completion, Delta, Request, Usage
+from pipeline.contracts.transport import Transport
+from pipeline.contracts.output import Completion, Delta, Usage
+from pipeline.contracts.request import Request
 from transports.http.inbox import batches
 
 SEED_SPACE = 1 << 63

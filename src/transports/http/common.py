@@ -1,7 +1,7 @@
 """What the dialects share: the parsed request, server defaults, message content as text,
 the traceparent check.
 
-Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.types.Request`
+Owns :class:`Parsed` (a dialect's request body as the internal :class:`~pipeline.contracts.request.Request`
 plus how to answer it), :class:`RawPrompts` (a completions request's prompts),
 :class:`ServerDefaults` (the server-side defaults a body may leave out),
 :class:`StreamEncoder` (a dialect's streamed answer), :func:`config_from`,
@@ -19,10 +19,12 @@ import attrs
 
 from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import DEFAULTED_FIELDS
-from pipeline.types import Completion, Delta, GenerationConfig, Request
+from pipeline.contracts.output import Completion, Delta
+from pipeline.contracts.request import GenerationConfig, Request
 from transports.http.fields import Obj
 from transports.http.documents import Document
-from pipeline.types import DEFAULT_MAX_TOKENS, Part
+from pipeline.contracts.output import Part
+from pipeline.contracts.request import DEFAULT_MAX_TOKENS
 
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 

@@ -26,8 +26,9 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Detokenizer, DocumentEncoder, Tokenizer
-from pipeline.types import Completion, Delta, FinishReason, Request, TokenLogprob, Usage
+from pipeline.contracts.text import Detokenizer, DocumentEncoder, Tokenizer
+from pipeline.contracts.output import Completion, Delta, FinishReason, TokenLogprob, Usage
+from pipeline.contracts.request import Request
 from transports.http.choices import total_usage
 from transports.http.common import (
     Parsed, RawPrompt, RawPrompts, ServerDefaults, config_from, sampling_given,
@@ -124,7 +125,7 @@ def parse_completions(raw: Any, defaults: ServerDefaults) -> Parsed:
 
 def prompt_ids(tokenizer: Tokenizer, prompt: RawPrompt, path: str) -> tuple[int, ...]:
     """The model's input ids for one prompt: text as the tokenizer alone encodes it
-    (:class:`~pipeline.protocols.DocumentEncoder` where it has that, else special-token
+    (:class:`~pipeline.contracts.text.DocumentEncoder` where it has that, else special-token
     strings parsed and nothing added); token ids checked against the vocabulary."""
     vocab = tokenizer.vocab_size
     if not isinstance(prompt, str):

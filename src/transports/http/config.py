@@ -19,7 +19,7 @@ import attrs
 from pipeline.errors import InvalidValueError
 from pipeline.options import BackendOptions, device_name, dtype_name
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.types import DEFAULT_MAX_TOKENS
+from pipeline.contracts.request import DEFAULT_MAX_TOKENS
 from transports.http.limits import Limits
 from transports.http.timeouts import Timeouts
 

@@ -35,7 +35,7 @@ import attrs
 from pipeline.errors import ContextWindowError, InvalidValueError
 from pipeline.pipe import Pipeline
 from pipeline.prepared import Prepared
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 
 PDF = "application/pdf"
 DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"

@@ -21,7 +21,7 @@ per forward (its row plans), and another thread's forward would race the engine'
 input is one :meth:`~pipeline.engine.Engine.call`: the engine runs it on its own thread
 between two steps, one per step, so a long batch of inputs interleaves with the decoding of
 requests in flight instead of stalling them, and the forward writes no KV cache
-(:class:`~pipeline.protocols.Embedder`). A request's inputs are asked for one after another,
+(:class:`~pipeline.contracts.model.Embedder`). A request's inputs are asked for one after another,
 so each request has at most one call waiting; the engine's queue of calls is bounded
 (:data:`~pipeline.engine.MAX_CALLS`: past it a 429). A call is not timed by the stall
 watchdog, so its size is bounded here: :data:`MAX_INPUT_TOKENS` per input, and attention
@@ -54,7 +54,7 @@ from pipeline.errors import (
     CapacityError, ClientGone, ContextWindowError, InvalidValueError, LimitExceededError,
     OverloadedError,
 )
-from pipeline.protocols import Embedder
+from pipeline.contracts.model import Embedder
 from transports.http.completions_api import prompt_ids
 from transports.http.documented import one_of, unsupported
 from transports.http.fields import Obj, check
@@ -137,7 +137,7 @@ def parse_embeddings(raw: Any, limits: Limits) -> EmbeddingsAsk:
 
 
 def embedder(served: ServedModel) -> Embedder:
-    """The served model's backend as an :class:`~pipeline.protocols.Embedder`; a 400 naming
+    """The served model's backend as an :class:`~pipeline.contracts.model.Embedder`; a 400 naming
     the model when it has no such capability."""
     engine = served.pipe.engine
     backend = engine.backend if engine is not None else None

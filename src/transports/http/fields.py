@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline.errors import InvalidValueError, LimitExceededError, UnknownFieldError, brief
-from pipeline.types import unicode_error
+from pipeline.contracts.request import unicode_error
 
 MAX_DEPTH = 64
 # A surrogate can only enter a decoded string through a \uD800-\uDFFF escape (strict UTF-8

@@ -59,7 +59,8 @@ from pipeline.pipe import Pipeline
 from pipeline.prepared import Prepared
 from pipeline.sampling_defaults import sampling_summary
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.types import Completion, Request
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Request
 from transports.http import logs
 from transports.http.admission import (
     LOADING_WAIT_S, RETRY_MIN_S, Pace, place_wait_s, queue_timed_out, restart_wait_s,

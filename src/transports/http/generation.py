@@ -4,7 +4,7 @@ the dialect's body or stream encoder for what they produce.
 Owns :class:`Started` (the choices submitted for one HTTP request, with what its answer needs)
 and :func:`start`, the request-side work of every generation endpoint, run on the work pool:
 each prompt to the model's input (a completions prompt to ids; a chat request's tool choice
-is the pipeline's to apply, :mod:`pipeline.tool_choice`), the window fit (:meth:`~transports.http.gateway.Gateway.fit`), the choices'
+is the pipeline's to apply, :mod:`pipeline.tools.choice`), the window fit (:meth:`~transports.http.gateway.Gateway.fit`), the choices'
 requests (:func:`~transports.http.choices.choice_requests`) and their admission together
 (:meth:`~transports.http.gateway.Gateway.submit`). :func:`answer` builds the non-stream body
 and :func:`encoder` the stream's encoder, in the dialect the request came in; an endpoint
@@ -20,15 +20,16 @@ from typing import Any, Protocol
 import attrs
 
 from pipeline.prepared import Prepared
-from pipeline.protocols import Detokenizer, Tokenizer
-from pipeline.types import Completion, Request
+from pipeline.contracts.text import Detokenizer, Tokenizer
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Request
 from transports.http import anthropic_api, completions_api, openai_api
 from transports.http.choices import choice_requests, total_usage
 from transports.http.common import Parsed, StreamEncoder
 from transports.http.documents import fit_documents
 from transports.http.errors import Dialect
 from transports.http.gateway import Flight, Gateway, ServedModel
-from pipeline.types import Part
+from pipeline.contracts.output import Part
 from transports.http.work import Checkpoint
 
 
@@ -117,7 +118,7 @@ def start(gateway: Gateway, served: ServedModel, parsed: Parsed, dialect: Dialec
 
 def split(served: ServedModel, parsed: Parsed, completion: Completion) -> list[Part]:
     """A whole answer's parts (answer text, thinking, tool calls), as the engine typed them
-    (:attr:`~pipeline.types.Completion.parts`): the HTTP layer encodes, never re-parses."""
+    (:attr:`~pipeline.contracts.output.Completion.parts`): the HTTP layer encodes, never re-parses."""
     return list(completion.parts)
 
 

@@ -2,7 +2,7 @@
 
 Owns :func:`batches`: the deltas of a handle as the pipeline's asyncio transport delivers them
 (:class:`~transports.inprocess.AsyncioTransport` unless the pipeline was built with another:
-one merged :class:`~pipeline.types.Delta` per wake-up of the loop), with ``None`` whenever
+one merged :class:`~pipeline.contracts.output.Delta` per wake-up of the loop), with ``None`` whenever
 ``ping_s`` passes without one (for keep-alive events). Leaving early (client gone: the task is
 cancelled, or the iterator is closed) closes the transport's iterator, which cancels the
 request.
@@ -15,8 +15,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from pipeline.engine.handle import RequestHandle
-from pipeline.protocols import Transport
-from pipeline.types import Delta
+from pipeline.contracts.transport import Transport
+from pipeline.contracts.output import Delta
 from transports.inprocess import AsyncioTransport
 
 

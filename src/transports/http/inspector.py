@@ -4,7 +4,7 @@ first divergence between two requests.
 Owns :class:`TraceViews` (the handlers of ``GET /traces/{request_id}/inspect`` and
 ``GET /traces/{a}/diff/{b}``), :func:`inspection`, :func:`comparison`, :func:`check_id` and
 :func:`with_recording` (the ``x-pipeline-recording`` request header, which asks for a trace
-at :attr:`~pipeline.types.Recording.FULL`: the raw and processed logits' top-k per step).
+at :attr:`~pipeline.contracts.request.Recording.FULL`: the raw and processed logits' top-k per step).
 
 Both views read a trace through :class:`~transports.http.traces.TraceStore` with the caller's
 key fingerprints, so they obey the rule of ``GET /traces/{request_id}``: a trace made with
@@ -28,13 +28,14 @@ from starlette.responses import JSONResponse, Response
 
 from pipeline.errors import InvalidValueError, TraceError
 from pipeline.events import Event
-from pipeline.protocols import Tokenizer
+from pipeline.contracts.text import Tokenizer
 from pipeline.trace.diff import diff, order_at
 from pipeline.trace.load import Trace, group
 from pipeline.trace.products import processed_at, raw_logits_at
 from pipeline.trace.timeline import phases, summary
 from pipeline.trace.tokens import processed_probability, raw_probability
-from pipeline.types import Recording, Request, token_text
+from pipeline.contracts.output import token_text
+from pipeline.contracts.request import Recording, Request
 from transports.http.gateway import Gateway
 from transports.http.work import Workers
 

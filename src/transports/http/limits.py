@@ -49,7 +49,7 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError, LimitExceededError
-from pipeline.types import MAX_STOP
+from pipeline.contracts.request import MAX_STOP
 
 MIB = 1 << 20
 

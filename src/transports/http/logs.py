@@ -40,9 +40,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.errors import PipelineError
-from pipeline.protocols import ModelInfo, human_bytes, human_count
+from pipeline.contracts.model import ModelInfo, human_bytes, human_count
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 from transports.http.choices import total_usage
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pipeline.pipe import Pipeline
-from pipeline.types import Usage
+from pipeline.contracts.output import Usage
 from transports.http.usage import StoreHealth
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

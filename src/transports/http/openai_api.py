@@ -21,10 +21,12 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Tokenizer
-from pipeline.types import (
-    Completion, Delta, FinishReason, GenerationConfig, Message, Request, TokenLogprob, ToolCall,
-    ToolCallDelta, ToolCallEnd, ToolChoice, ToolSpec, Usage, token_text,
+from pipeline.contracts.text import Tokenizer
+from pipeline.contracts.output import (
+    Completion, Delta, FinishReason, TokenLogprob, ToolCallDelta, ToolCallEnd, Usage, token_text,
+)
+from pipeline.contracts.request import (
+    GenerationConfig, Message, Request, ToolCall, ToolChoice, ToolSpec,
 )
 from transports.http.choices import total_usage
 from transports.http.common import (
@@ -37,7 +39,7 @@ from transports.http.documented import (
 from transports.http.documents import Document, decode_base64, media_type, read_document
 from transports.http.fields import Obj, check
 from pipeline.output_parts import calls_of
-from pipeline.types import Part, TextPart
+from pipeline.contracts.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

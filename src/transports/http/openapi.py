@@ -3,7 +3,7 @@
 Owns :func:`openapi_document`: every route :func:`~transports.http.app.create_app` registers,
 with the request bodies the dialect parsers accept (:mod:`~transports.http.openapi_requests`:
 types, required fields, enums and numeric ranges as the parsers and
-:class:`~pipeline.types.GenerationConfig` check them, unknown fields refused
+:class:`~pipeline.contracts.request.GenerationConfig` check them, unknown fields refused
 (``additionalProperties: false``), ``null`` allowed wherever a parser reads it as absent) and
 the responses: 200 (JSON, or ``text/event-stream`` when ``stream`` is true) and each error
 status in the dialect's body shape from :mod:`~transports.http.errors`.

@@ -50,7 +50,7 @@ import attrs
 
 from pipeline.errors import InvalidValueError, LimitExceededError
 from pipeline.grammar import Grammar
-from pipeline.types import Message, Request, ToolCall, ToolChoice, ToolSpec
+from pipeline.contracts.request import Message, Request, ToolCall, ToolChoice, ToolSpec
 from transports.http.common import Parsed, ServerDefaults, config_from, sampling_given
 from transports.http.documented import one_of, openai_ignored, unsupported
 from transports.http.documents import Document, decode_base64, media_type, read_document

@@ -28,15 +28,14 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError, ResponseNotFoundError
-from pipeline.types import (
-    Completion, Delta, FinishReason, Message, ToolCall, ToolCallDelta, ToolCallEnd,
-)
+from pipeline.contracts.output import Completion, Delta, FinishReason, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.request import Message, ToolCall
 from transports.http import generation
 from transports.http.choices import total_usage
 from transports.http.common import Parsed
 from transports.http.errors import classify
 from transports.http.gateway import ServedModel
-from pipeline.types import Part, TextPart
+from pipeline.contracts.output import Part, TextPart
 from transports.sse import SSEEvent, encode
 
 KEEP_RESPONSES = 256

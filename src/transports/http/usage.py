@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from pipeline.types import Completion, Usage
+from pipeline.contracts.output import Completion, Usage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (

@@ -4,7 +4,7 @@ Owns :class:`ContinuousOptions` and :func:`continuous_maker`. A continuous strat
 model trained for it: its ``config.json`` carries ``"pipeline_generation": {"family":
 "continuous_diffusion" | "flow", ...}`` with the defaults below and, for diffusion, the
 ``noise_schedule`` it was trained with (``beta_schedule``, ``num_train_timesteps``), and its
-backend takes embedding inputs (:class:`~pipeline.protocols.EmbeddingInputs`). Options
+backend takes embedding inputs (:class:`~pipeline.contracts.model.EmbeddingInputs`). Options
 (``build(model, strategy=NAME, strategy_options={...})``); unknown names and bad values are
 errors that name the option:
 
@@ -30,7 +30,8 @@ from typing import Any
 import attrs
 
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownFieldError
-from pipeline.protocols import EmbeddingInputs, LogitProcessor, Selector
+from pipeline.contracts.decode import LogitProcessor, Selector
+from pipeline.contracts.model import EmbeddingInputs
 from pipeline.registry import BuildContext
 from stages.select.continuous.integrators import DiffusionIntegrator, FlowIntegrator, Integrator
 from stages.select.continuous.schedules import SPACINGS, NoiseSchedule

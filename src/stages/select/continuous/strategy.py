@@ -48,11 +48,11 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import (
-    Attention, EmbeddingInputs, Honours, Plan, Row, StrategyEvent, Taken, Update,
-)
+from pipeline.contracts.decode import Row
+from pipeline.contracts.model import Attention, EmbeddingInputs
+from pipeline.contracts.strategy import Honours, Plan, StrategyEvent, Taken, Update
 from pipeline.recording import row_digests
-from pipeline.types import TokenLogprob
+from pipeline.contracts.output import TokenLogprob
 from stages.select.continuous.integrators import BlockState, Integrator
 from stages.select.continuous.noise import gaussian
 from stages.select.diffusion.noise import noise_kind, noise_seed

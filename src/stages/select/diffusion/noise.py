@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 from stages.select.rng import _GOLDEN, _MASK64, _mix64
 
 _M32 = 0xFFFFFFFF

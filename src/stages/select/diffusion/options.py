@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.model_paths import GENERATION_KEY, generation_marker
-from pipeline.protocols import LogitProcessor, Selector
+from pipeline.contracts.decode import LogitProcessor, Selector
 from pipeline.registry import BuildContext
 from stages.select.diffusion.strategy import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,

@@ -48,10 +48,10 @@ import torch
 from pipeline.errors import InvalidValueError
 from pipeline.events import digest_ids
 from pipeline.engine.forcing import Forcing
-from pipeline.protocols import (
-    Attention, Batch, Honours, LogitProcessor, Plan, Row, Scores, StrategyEvent, Update,
-)
-from pipeline.types import TokenLogprob
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores
+from pipeline.contracts.model import Attention
+from pipeline.contracts.strategy import Honours, Plan, StrategyEvent, Update
+from pipeline.contracts.output import TokenLogprob
 from stages.process.chain import ProcessorChain
 from stages.select.diffusion import rules
 from stages.select.diffusion.noise import noise_kind, noise_seed, uniforms

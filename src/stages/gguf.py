@@ -12,7 +12,9 @@ module builds
 - :func:`gguf_tokenizer` and :func:`gguf_renderer`: an :class:`~stages.tokenize.HFTokenizer`
   and an :class:`~stages.render.HFChatTemplateRenderer` over them,
 
-so everything downstream is the same stage stack as for a Hugging Face folder.
+so everything downstream is the same stage stack as for a Hugging Face folder. The file is
+read by :mod:`pipeline.gguf_file`; :mod:`stages.plugin` registers the two as the ``gguf``
+tokenizer and renderer.
 
 Tokenizer models (``tokenizer.ggml.model``):
 

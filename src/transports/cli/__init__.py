@@ -18,6 +18,6 @@ native memory for ``run``, ``chat`` and ``serve``.
 
 from __future__ import annotations
 
-from pipeline.cli.commands import main
+from transports.cli.commands import main
 
 __all__ = ["main"]

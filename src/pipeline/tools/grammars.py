@@ -1,8 +1,9 @@
 """Tool-call grammars in each model family's own format (docs/design.md §11).
 
-Owns the grammars that make a model's tool calls valid by construction, one class per format
-the parsers of :mod:`stages.toolcalls.formats` read, so a call a grammar forces is always parsed
-back:
+Owns the formats' markers, the :class:`CallGrammars` capability a parser offers (its
+``calls``, which :mod:`pipeline.tools.choice` applies) and the grammars that make a model's
+tool calls valid by construction, one class per format the parsers of
+:mod:`pipeline.tools.formats` read, so a call a grammar forces is always parsed back:
 
 - :class:`HermesCalls` (the tiny model, SmolLM2 through the renderer's fallback, Qwen):
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls one per line;
@@ -17,13 +18,14 @@ valid; with a JSON response format the answer is that JSON; without, free text).
 several calls are allowed and the output is calls or JSON only (not free text), the grammar
 asks for distinct calls (:attr:`~pipeline.grammar.Grammar.distinct_calls`): a call that
 repeats an earlier one byte for byte ends the output, and the reader drops it
-(:mod:`stages.toolcalls.reader`), so a turn never holds the same call twice. In both,
+(:mod:`pipeline.tools.reader`), so a turn never holds the same call twice. In both,
 ``name`` is one of the allowed tools' names and the arguments validate against that tool's
 ``parameters``, which must be a valid object schema (else :class:`InvalidValueError` naming the
 tool), rewritten as a response format's schema is (:mod:`pipeline.schema_compat`; a tool's
-``uniqueItems`` is not enforced inside a call). A marker that is one special token of the model's vocabulary (``[TOOL_CALLS]`` in
-Mistral's) is matched as that token (``<[id]>``), never as text, which a special token's id
-would not spell (the ``marker`` argument: :func:`text_marker` when every marker is text).
+``uniqueItems`` is not enforced inside a call). A marker that is one special token of the
+model's vocabulary (``[TOOL_CALLS]`` in Mistral's) is matched as that token (``<[id]>``), never
+as text, which a special token's id would not spell (the ``marker`` argument:
+:func:`text_marker` when every marker is text).
 """
 
 from __future__ import annotations
@@ -31,15 +33,31 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import JSON_LAYOUT, ForcedCall, Grammar, Marker, text_marker
 from pipeline.schema_compat import ANY, ANY_NAME, without_unique
-from pipeline.types import ToolSpec, check_tool_parameters
+from pipeline.contracts.request import ToolSpec, check_tool_parameters
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
+
+
+@runtime_checkable
+class CallGrammars(Protocol):
+    """The grammars of one tool-call format (a parser's ``calls``)."""
+
+    def forced(self, tools: Sequence[ToolSpec], name: str = "", *, parallel: bool = True,
+               marker: Marker = text_marker) -> ForcedCall:
+        """A required call to ``name`` (``""``: any of ``tools``)."""
+        ...
+
+    def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
+                 parallel: bool = True, marker: Marker = text_marker) -> Grammar:
+        """Calls the model may make, each valid, or the ``answer``."""
+        ...
+
 
 def is_token(expression: str) -> bool:
     """Whether a marker's expression is a special token, not text."""
@@ -196,13 +214,3 @@ class MistralCalls:
                  **({} if parallel else {"maxItems": 1}), **({"$defs": defs} if defs else {})}
         return f"{marker(MISTRAL_CALLS)} {_json(array)}"
 
-
-def tool_call_grammar(tools: Sequence[ToolSpec], name: str = "") -> Grammar:
-    """One Hermes call to ``name`` (``""``: to any of ``tools``): :meth:`HermesCalls.forced`
-    with text markers."""
-    return HermesCalls().forced(tools, name, parallel=False).grammar
-
-
-def tools_grammar(tools: Sequence[ToolSpec], answer: Grammar | None) -> Grammar:
-    """Hermes calls the model may make (:meth:`HermesCalls.optional`, text markers)."""
-    return HermesCalls().optional(tools, answer)

@@ -1,8 +1,8 @@
 """What every format's reader shares: answer text, one call's life, ids, held markers.
 
 Owns :class:`CallReader`, the base of the per-format readers (it satisfies
-:class:`~pipeline.protocols.ToolCallReader` once a subclass supplies ``_read``), and
-:func:`held_suffix`. A call opens (:meth:`CallReader._open`), takes its object's text
+:class:`~pipeline.contracts.text.ToolCallReader` once a subclass supplies ``_read``), and
+:func:`call_id`. A call opens (:meth:`CallReader._open`), takes its object's text
 (:meth:`CallReader._call_text`: the name goes out as soon as it is known and the arguments
 have begun, then argument fragments as they arrive), and closes
 (:meth:`CallReader._close`): judged strictly; a call that is not well formed ends with an
@@ -21,19 +21,10 @@ the calls distinct.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 
-from pipeline.types import OutputPiece, TextPiece, ToolCall, ToolCallDelta, ToolCallEnd
-from stages.toolcalls.scan import CallScanner, judge
-
-
-def held_suffix(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
-    for n in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
-        tail = text[-n:]
-        if any(m.startswith(tail) for m in markers):
-            return n
-    return 0
+from pipeline.contracts.output import OutputPiece, TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.request import ToolCall
+from pipeline.tools.scan import CallScanner, judge
 
 
 def call_id(request_id: str, index: int) -> str:

@@ -44,7 +44,8 @@ import attrs
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.pipe import Pipeline
-    from pipeline.types import Completion, GenerationConfig
+    from pipeline.contracts.output import Completion
+    from pipeline.contracts.request import GenerationConfig
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 """How the lines name the default model."""
@@ -180,7 +181,7 @@ def sampling_line(defaults: GenerationConfig, source: str,
     defaults hold), and each sampling field given. At temperature 0 the truncation fields
     (:data:`~pipeline.sampling_defaults.UNUSED_WHEN_GREEDY`) do nothing and are listed apart as unused."""
     from pipeline.sampling_defaults import SAMPLING_FIELDS, UNUSED_WHEN_GREEDY
-    from pipeline.types import GenerationConfig
+    from pipeline.contracts.request import GenerationConfig
 
     neutral = GenerationConfig()
     effective = attrs.evolve(defaults, **{f: value for f, (value, _) in given.items()})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.types import unicode_error
+from pipeline.contracts.request import unicode_error
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 """The keys a call's arguments may be under (Hermes/Mistral write the first, Llama the second)."""

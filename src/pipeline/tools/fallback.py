@@ -1,10 +1,11 @@
-"""Tools for a chat template that renders none: the Hermes tool block, written into the messages.
+"""What a chat template does with tools, and the Hermes tool block for one that renders none.
 
-Owns :func:`renders_tools` (whether a template shows the tools it is given, or at least writes
-calls in a format of its own) and :func:`hermes_messages`, the documented fallback for
-templates that do neither: the conversation
-rewritten so any template shows the tools and the calls, in the Hermes format, as servers do
-for templates without tool support (docs/tools.md):
+Owns the probes of a template, :func:`probe_rendering` (its rendering of an assistant turn
+that calls a tool: which call format it writes, :func:`pipeline.tools.formats.choose_parser`)
+and :func:`renders_tools` (whether it shows the tools it is given, or at least writes calls in
+a format of its own), and :func:`hermes_messages`, the documented fallback for templates that
+do neither: the conversation rewritten so any template shows the tools and the calls, in the
+Hermes format, as servers do for templates without tool support (docs/tools.md):
 
 - the tool definitions go into the system message (one is added first when there is none),
   after its text, as the block Qwen 2.5's template writes: the functions as JSON lines inside
@@ -25,10 +26,12 @@ import json
 from collections.abc import Callable, Sequence
 
 from pipeline.errors import PipelineError
-from pipeline.types import Message, Rendered, ToolCall, ToolSpec
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
+from pipeline.contracts.text import Rendered, Renderer
 
-PROBE_TOOL = ToolSpec("lookup_probe", "A tool that shows whether tools are rendered.", {
-    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]})
+PROBE_TOOL = ToolSpec("get_weather", "The weather in a city.", {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+PROBE_CALL = ToolCall("get_weather", '{"city": "Paris"}', "call12345")
 PROBE_MESSAGES = (Message("system", "You are helpful."), Message("user", "Hello."))
 SUFFIX = "+hermes_tools"
 """Added to the renderer's name in a rendering that used the fallback (the trace shows it)."""
@@ -41,17 +44,26 @@ _FOOTER = ("</tools>\n\nFor each function call, return a json object with functi
            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def probe_rendering(renderer: Renderer) -> str:
+    """The template's rendering of an assistant turn that calls a tool ("" if it cannot)."""
+    probe = (Message("user", "What is the weather in Paris?"),
+             Message("assistant", None, (PROBE_CALL,)))
+    try:
+        return renderer.render(probe, tools=(PROBE_TOOL,), add_generation_prompt=False).text
+    except (PipelineError, ValueError, TypeError, KeyError):
+        return ""
+
+
 def renders_tools(render: Callable[[Sequence[Message], Sequence[ToolSpec]], Rendered]) -> bool:
     """Whether ``render`` (a template's rendering of messages and tools) knows tools at all:
     a probe conversation renders differently with a tool than without, or an assistant turn
     renders differently with a call than without (a template that writes calls in its own
     format keeps it). A template that fails on a probe counts as knowing them (its own error
     then reaches the caller)."""
-    call = ToolCall(PROBE_TOOL.name, '{"q": "x"}', "call00001")
     try:
         if render(PROBE_MESSAGES, (PROBE_TOOL,)).text != render(PROBE_MESSAGES, ()).text:
             return True
-        with_call = [*PROBE_MESSAGES, Message("assistant", None, (call,))]
+        with_call = [*PROBE_MESSAGES, Message("assistant", None, (PROBE_CALL,))]
         without = [*PROBE_MESSAGES, Message("assistant", "")]
         return render(with_call, (PROBE_TOOL,)).text != render(without, (PROBE_TOOL,)).text
     except (PipelineError, ValueError, TypeError, KeyError):

@@ -1,9 +1,10 @@
 """What a request's tool choice makes of its output, in the model's own call format.
 
 Owns :func:`constrain_calls`, which the pipeline applies to every request with tools before
-it is queued (in process and over HTTP alike), and :class:`CallGrammars`, the capability a
-tool-call parser offers for it (the built-in parsers' ``calls``: the grammars of
-:mod:`stages.structured.tools`, one per format). Under :class:`~pipeline.types.ToolChoice`:
+it is queued (in process and over HTTP alike), through the
+:class:`~pipeline.tools.grammars.CallGrammars` a tool-call parser offers (the built-in
+parsers' ``calls``: the grammars of :mod:`pipeline.tools.grammars`, one per format), and
+:func:`special_marker`. Under :class:`~pipeline.contracts.request.ToolChoice`:
 
 - ``required`` / a named tool: the output starts with the format's opening (forced tokens:
   ``<tool_call>``, ``[TOOL_CALLS]``, the named call's head) and follows the format's call
@@ -13,7 +14,7 @@ tool-call parser offers for it (the built-in parsers' ``calls``: the grammars of
 - ``auto`` with a JSON response format, ``strict`` tools, or ``parallel`` False: the model
   may answer, but a call it makes is valid (at most one when not ``parallel``);
 - ``auto`` otherwise, and ``none``: nothing forced (``none`` also hides the tools, which is
-  :meth:`~pipeline.types.Request.tools_shown`'s part); a grammar of the caller's own that is
+  :meth:`~pipeline.contracts.request.Request.tools_shown`'s part); a grammar of the caller's own that is
   not a JSON format stands as it is.
 
 A parser without :class:`CallGrammars` cannot have a call forced: the request is refused
@@ -23,30 +24,14 @@ naming the parser, never answered with a call the parser would not read.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import attrs
 
+from pipeline.contracts.request import Request
+from pipeline.contracts.text import Tokenizer, ToolCallParser
 from pipeline.errors import InvalidValueError
-from pipeline.grammar import ForcedCall, Grammar, Marker, text_marker
-from pipeline.protocols import Tokenizer, ToolCallParser
-from pipeline.types import Request, ToolSpec
-
-
-@runtime_checkable
-class CallGrammars(Protocol):
-    """The grammars of one tool-call format (a parser's ``calls``)."""
-
-    def forced(self, tools: Sequence[ToolSpec], name: str = "", *, parallel: bool = True,
-               marker: Marker = text_marker) -> ForcedCall:
-        """A required call to ``name`` (``""``: any of ``tools``)."""
-        ...
-
-    def optional(self, tools: Sequence[ToolSpec], answer: Grammar | None, *,
-                 parallel: bool = True, marker: Marker = text_marker) -> Grammar:
-        """Calls the model may make, each valid, or the ``answer``."""
-        ...
+from pipeline.grammar import Marker
+from pipeline.tools.grammars import CallGrammars
 
 
 def constrain_calls(request: Request, parser: ToolCallParser | None,

@@ -10,14 +10,14 @@ level ``--record`` names (``digest``, the default: digests of every data product
 also their content, the text and token ids, so ``pipeline trace show`` lists each token's
 text); ``--json-schema`` constrains the answer to a JSON schema (a file or inline JSON). The
 prompt is the argument, or standard input when the argument is ``-`` or absent. Standard
-error gets the start lines (:mod:`pipeline.cli.start`: loading, then ready with the sampling
+error gets the start lines (:mod:`transports.cli.start`: loading, then ready with the sampling
 in effect, each value with its source: the flag that set it or where the defaults came from)
 and, after the answer, the run's figures: with ``--verbose`` time to first token, prompt
 tokens and prefill speed, tokens generated and decode speed, finish reason; without it one
 summary line when the answer went to a terminal. A flag left out (``--max-tokens`` included)
 takes the pipeline's defaults (:mod:`pipeline.sampling_defaults`). The strategy flags
 (``--strategy``, ``--steps``, ``--block-length``, ``--strategy-option``) are
-:mod:`pipeline.cli.strategy`'s. ``pipeline chat`` takes the same flags through
+:mod:`transports.cli.strategy`'s. ``pipeline chat`` takes the same flags through
 :func:`add_sampling`, :func:`sampling_params`, :func:`given_flags`, :func:`add_record`,
 :func:`add_backend` and :func:`backend_options`.
 
@@ -37,15 +37,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.start import Figures, Loading, summary_line, verbose_lines
-from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
+from transports.cli.start import Figures, Loading, summary_line, verbose_lines
+from transports.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
-from pipeline.types import DEFAULT_MAX_TOKENS, GenerationConfig, Recording
+from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig, Recording
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.options import BackendOptions
-    from pipeline.types import Completion
+    from pipeline.contracts.output import Completion
 
 _MODEL_DEFAULT = "(default: the model's own)"
 _SAMPLING = (  # flag, GenerationConfig field, type, help
@@ -111,7 +111,7 @@ def add_sampling(parser: Any) -> None:
 
 
 RECORDS = tuple(r.value for r in Recording)
-"""``--record`` values, the trace's recording levels (:class:`~pipeline.types.Recording`)."""
+"""``--record`` values, the trace's recording levels (:class:`~pipeline.contracts.request.Recording`)."""
 
 
 def add_record(parser: Any) -> None:
@@ -206,7 +206,7 @@ def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`~pipeline.types.GenerationConfig` fields the flags set (a field left out
+    """The :class:`~pipeline.contracts.request.GenerationConfig` fields the flags set (a field left out
     is the pipeline's default, ``max_tokens`` too, so the ready line tells the truth)."""
     params: dict[str, Any] = {field: getattr(args, field) for _, field, _, _ in _SAMPLING
                               if getattr(args, field) is not None}
@@ -249,7 +249,7 @@ def _schema(value: str | None) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.types import from_mapping
+    from pipeline.contracts.request import from_mapping
 
     choice = strategy_choice(args)
     level = recording(args)

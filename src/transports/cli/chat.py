@@ -21,7 +21,7 @@ appended) and the strategy flags (``--strategy``, ``--steps``, ``--block-length`
 - A conversation that no longer fits the model's window is refused with one line that says
   so and suggests ``/reset``; so is one whose answer filled the window.
 - Standard error first says what loads and, once it is ready, the sampling defaults in
-  effect and their source (:mod:`pipeline.cli.start`); then, on a terminal, the banner says
+  effect and their source (:mod:`transports.cli.start`); then, on a terminal, the banner says
   what is loaded and that ``/help`` lists the commands.
 - On a terminal there is a ``>>>`` prompt with line editing and a banner; with standard
   input from a pipe there is no decoration at all: each line read is one turn, each answer
@@ -42,14 +42,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.cli.run import (
+from transports.cli.run import (
     add_backend, add_record, add_sampling, backend_options, given_flags, recording,
     sampling_params,
 )
-from pipeline.cli.start import DEFAULT_NAME, Loading
-from pipeline.cli.strategy import add_strategy, build_with, strategy_choice
+from transports.cli.start import DEFAULT_NAME, Loading
+from transports.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import ArtifactError, PipelineError
-from pipeline.types import Completion, FinishReason, GenerationConfig, from_mapping
+from pipeline.contracts.output import Completion, FinishReason
+from pipeline.contracts.request import GenerationConfig, from_mapping
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.engine.handle import RequestHandle

@@ -1,27 +1,39 @@
-"""The tool-call formats of the model families, each a parser and its reader.
+"""The tool-call formats of the model families, each a parser and its reader, and which one a
+model gets.
 
 Owns :class:`HermesParser` (Hermes / Qwen: ``<tool_call>{"name", "arguments"}</tool_call>``,
 any number, anywhere in the answer), :class:`Llama3Parser` (Llama 3.x: the answer *is* the
 call, ``{"name", "parameters"}``, optionally after ``<|python_tag|>``, several joined by
-``;``) and :class:`MistralParser` (``[TOOL_CALLS][{"name", "arguments"}, ...]``). Each
-``recognizes`` its format in a chat template's rendering of a call, which is how
-:func:`pipeline.tools.parsing.choose_parser` picks one for a model, and carries the format's
-grammars as ``calls`` (:mod:`stages.structured.tools`), which force and limit calls in it.
+``;``) and :class:`MistralParser` (``[TOOL_CALLS][{"name", "arguments"}, ...]``), registered
+by name as :data:`PARSERS`. Each ``recognizes`` its format in a chat template's rendering of a
+call, and carries the format's grammars as ``calls`` (:mod:`pipeline.tools.grammars`), which
+force and limit calls in it.
+
+:func:`choose_parser` picks a model's parser: a named one comes from the registry (kind
+``tool_parser``); with none named, the template renders a probe conversation in which the
+assistant calls a tool (:func:`pipeline.tools.fallback.probe_rendering`), and the first
+registered parser that recognizes that rendering wins (Hermes when the template cannot render
+a call, the most common format and the tiny model's).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import cast
 
-from stages.structured.tools import HermesCalls, Llama3Calls, MistralCalls
-from stages.toolcalls.reader import CallReader, held_suffix
+from pipeline.output_parts import THINK_CLOSE, THINK_OPEN, held_suffix
+from pipeline.contracts.text import Renderer, ToolCallParser
+from pipeline.registry import BuildContext, Registry
+from pipeline.tools.fallback import probe_rendering
+from pipeline.tools.grammars import (
+    MISTRAL_CALLS, TOOL_CLOSE, TOOL_OPEN, HermesCalls, Llama3Calls, MistralCalls,
+)
+from pipeline.tools.reader import CallReader
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 PYTHON_TAG = "<|python_tag|>"
-MISTRAL_CALLS = "[TOOL_CALLS]"
 LLAMA_CALL = re.compile(r'\{"name": *"[^"]*", *"parameters": *[{"]')
+FALLBACK = "hermes"
 
 
 class HermesReader(CallReader):
@@ -80,6 +92,7 @@ class HermesParser:
     """Hermes / Qwen tool calls (the format of Qwen2.5, Qwen3, Hermes and the tiny model)."""
 
     name = "hermes"
+    summary = "Hermes / Qwen <tool_call>{json}</tool_call> calls"
     calls = HermesCalls()
     """The format's grammars (forced and optional calls)."""
 
@@ -171,6 +184,7 @@ class Llama3Parser:
     """Llama 3.x JSON tool calls (the built-in ``<|python_tag|>`` prefix is accepted)."""
 
     name = "llama3_json"
+    summary = "Llama 3.x JSON calls ({name, parameters}; <|python_tag|>)"
     calls = Llama3Calls()
     """The format's grammars (forced and optional calls)."""
 
@@ -237,6 +251,7 @@ class MistralParser:
     """Mistral tool calls: ``[TOOL_CALLS]`` and a JSON array of calls."""
 
     name = "mistral"
+    summary = "Mistral [TOOL_CALLS][{...}] calls"
     calls = MistralCalls()
     """The format's grammars (forced and optional calls)."""
 
@@ -247,3 +262,27 @@ class MistralParser:
     def start(self, request_id: str) -> MistralReader:
         """A reader for one request."""
         return MistralReader(request_id)
+
+
+PARSERS = {p.name: p for p in (HermesParser, Llama3Parser, MistralParser)}
+"""The built-in parsers by registered name, in the order ``choose_parser`` asks them."""
+
+
+def choose_parser(registry: Registry, context: BuildContext,
+                  value: str | ToolCallParser | None,
+                  renderer: Renderer | None) -> ToolCallParser | None:
+    """The parser ``value`` names (or is); for None, the one the renderer's template writes."""
+    if value is not None and not isinstance(value, str):
+        return value
+    if isinstance(value, str):
+        return cast(ToolCallParser, registry.create("tool_parser", value, context))
+    if renderer is None:
+        return None
+    rendered = probe_rendering(renderer)
+    names = registry.names("tool_parser")
+    for name in names:
+        parser = cast(ToolCallParser, registry.create("tool_parser", name, context))
+        if rendered and parser.recognizes(rendered):
+            return parser
+    return (cast(ToolCallParser, registry.create("tool_parser", FALLBACK, context))
+            if FALLBACK in names else None)

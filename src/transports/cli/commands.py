@@ -23,11 +23,11 @@ from typing import Any, NoReturn
 
 import attrs
 
-from pipeline.cli.chat import add_parser as add_chat_parser
-from pipeline.cli.start import Figures
-from pipeline.cli.run import INVARIANCE, add_invariance
-from pipeline.cli.run import add_parser as add_run_parser
-from pipeline.cli.strategy import add_strategy
+from transports.cli.chat import add_parser as add_chat_parser
+from transports.cli.start import Figures
+from transports.cli.run import INVARIANCE, add_invariance
+from transports.cli.run import add_parser as add_run_parser
+from transports.cli.strategy import add_strategy
 from pipeline.trace.commands import add_parser as add_trace_parser
 
 
@@ -165,7 +165,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Serve models over HTTP (OpenAI and Anthropic dialects) until interrupted."""
     from backends.torch.native_memory import bound_native_caches
-    from pipeline.cli.strategy import check_strategies, registered_strategies, served_choices
+    from transports.cli.strategy import check_strategies, registered_strategies, served_choices
     from pipeline.errors import PipelineError
     from transports.http import ServerConfig, load_api_keys, logs, parse_models, serve
     from transports.http.limits import Limits

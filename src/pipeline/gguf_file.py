@@ -1,12 +1,12 @@
-"""Opening a GGUF file: its metadata, its tensor index, and the model spec they describe.
+"""Opening a GGUF file (llama.cpp's model format): its metadata and its tensor index.
 
 Owns :class:`GGUFFile` (a memory-mapped file: key-value metadata as Python values, tensors by
 name as :class:`GGUFTensor` views of the mapped bytes, a content ``snapshot``), the header
-reader behind it (:func:`read_gguf`), and :func:`hf_config`, the translation of GGUF metadata
-into the keys of a Hugging Face ``config.json`` so
-:meth:`~backends.torch.config.ModelSpec.from_hf_config` validates and resolves it exactly as
-it does a folder's. Architectures: ``llama`` (``MixtralForCausalLM`` when it has experts),
-``qwen2``, ``qwen3``, ``qwen2moe``, ``qwen3moe``.
+reader behind it (:func:`read_gguf`), and :func:`opened`, a build's one opening of its model
+file. The format is read here, below the stages and the backends, as
+:mod:`pipeline.model_paths` finds the artifacts: the tokenizer and the chat template
+(:mod:`stages.gguf`) read the metadata, the weights (:mod:`backends.gguf`) the tensors and the
+model's shape (:func:`backends.gguf.backend.hf_config`), all from the one opening.
 
 The header is read here rather than by ``gguf.GGUFReader``, which makes numpy views of every
 element of the vocabulary arrays (seconds for a 49,152-token vocabulary); here a numeric array
@@ -26,12 +26,11 @@ versions 2 and 3, little-endian)::
     padding to general.alignment (default 32) | tensor data
 
 Every problem is an :class:`~pipeline.errors.ArtifactError` naming the file and the field:
-not a GGUF file, truncated, an unknown architecture, a missing key.
+not a GGUF file, truncated, a missing key.
 
 Example::
 
     f = GGUFFile.open(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))
-    spec = ModelSpec.from_hf_config(hf_config(f))
     f.metadata["tokenizer.ggml.pre"]                      # 'smollm'
 """
 
@@ -53,12 +52,13 @@ from gguf import GGMLQuantizationType as QT
 from pipeline.errors import ArtifactError
 from pipeline.events import digest_json
 from pipeline.model_paths import is_gguf_file
+from pipeline.registry import BuildContext
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
-"""GGUF ``general.architecture`` values and the Hugging Face class each loads as (``llama``
-with experts is Mixtral)."""
+OPENED = "gguf_file"
+"""The key of ``BuildContext.shared`` under which :func:`opened` keeps the build's
+:class:`GGUFFile`, for the build's other readers of its metadata (the sampling
+recommendation, :mod:`pipeline.sampling_defaults`)."""
+
 _BIG_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                "tokenizer.ggml.scores")
 VERSIONS = (2, 3)
@@ -136,14 +136,16 @@ class GGUFFile:
             raise ArtifactError(f"{self.path}: metadata key {key!r} is missing")
         return self.metadata[key]
 
-    @property
-    def architecture(self) -> str:
-        """``general.architecture``, checked against :data:`ARCHITECTURES`."""
-        arch = self.need("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ArtifactError(f"{self.path}: general.architecture={arch!r} is not supported; "
-                                f"supported: {', '.join(ARCHITECTURES)}")
-        return str(arch)
+
+def opened(ctx: BuildContext) -> GGUFFile:
+    """The build's GGUF file, opened on first use and shared by the factories that read it
+    (the ``gguf`` tokenizer, chat template and weights)."""
+    if ctx.model_file is None:
+        raise ArtifactError("the gguf components need a model file (a .gguf path)")
+    if OPENED not in ctx.shared:
+        ctx.shared[OPENED] = GGUFFile.open(ctx.model_file)
+    f: GGUFFile = ctx.shared[OPENED]
+    return f
 
 
 # --- the reader -----------------------------------------------------------------------------
@@ -315,63 +317,3 @@ def _snapshot(metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensor]) ->
     index = [[t.name, t.tensor_type.name, [int(d) for d in t.shape], int(t.n_bytes)]
              for t in tensors.values()]
     return digest_json({"format": "gguf", "metadata": meta, "tensors": index})
-
-
-def hf_config(f: GGUFFile) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` keys that ``f``'s metadata gives."""
-    arch = f.architecture
-    p = f"{arch}."
-    experts = int(f.get(p + "expert_count", 0) or 0)
-    name = "MixtralForCausalLM" if arch == "llama" and experts else ARCHITECTURES[arch]
-    heads = int(f.need(p + "attention.head_count"))
-    vocab = f.get(p + "vocab_size") or len(f.need("tokenizer.ggml.tokens"))
-    cfg: dict[str, Any] = {
-        "architectures": [name], "vocab_size": int(vocab),
-        "hidden_size": int(f.need(p + "embedding_length")),
-        "intermediate_size": int(f.get(p + "feed_forward_length", 0) or 0)
-        or int(f.get(p + "expert_feed_forward_length", 1)),
-        "num_hidden_layers": int(f.need(p + "block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(f.get(p + "attention.head_count_kv", heads)),
-        "max_position_embeddings": int(f.need(p + "context_length")),
-        "rms_norm_eps": float(f.need(p + "attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(f.get(p + "rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in f.tensors,
-        "dtype": "float32",
-    }
-    if f.get(p + "attention.key_length") is not None:
-        cfg["head_dim"] = int(f.metadata[p + "attention.key_length"])
-    cfg.update(_rope_scaling(f, p))
-    if experts:
-        cfg.update(_experts(f, p, arch, experts))
-    if arch == "qwen2moe":
-        cfg["qkv_bias"] = "blk.0.attn_q.bias" in f.tensors
-    return cfg
-
-
-def _rope_scaling(f: GGUFFile, p: str) -> dict[str, Any]:
-    kind = f.get(p + "rope.scaling.type")
-    if kind in (None, "none"):
-        return {}
-    if kind not in ("linear", "yarn"):
-        raise ArtifactError(f"{f.path}: {p}rope.scaling.type={kind!r} is not supported "
-                            "(none, linear, yarn)")
-    scaling: dict[str, Any] = {"rope_type": kind,
-                               "factor": float(f.need(p + "rope.scaling.factor"))}
-    original = f.get(p + "rope.scaling.original_context_length")
-    if original:
-        scaling["original_max_position_embeddings"] = int(original)
-    return {"rope_scaling": scaling}
-
-
-def _experts(f: GGUFFile, p: str, arch: str, experts: int) -> dict[str, Any]:
-    used = int(f.need(p + "expert_used_count"))
-    if arch == "llama":  # Mixtral: the experts' width is the feed-forward length
-        return {"num_local_experts": experts, "num_experts_per_tok": used}
-    out: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": used,
-                           "moe_intermediate_size": int(f.need(p + "expert_feed_forward_length")),
-                           "norm_topk_prob": arch == "qwen3moe"}
-    if arch == "qwen2moe":
-        out["shared_expert_intermediate_size"] = int(
-            f.get(p + "expert_shared_feed_forward_length", 0) or 0)
-    return out
