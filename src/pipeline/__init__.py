@@ -16,7 +16,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.hookspecs import hookimpl  # pluggy alone: cheap, and its entry is documented here
+from pipeline.hookspecs import hookimpl as hookimpl  # pluggy alone: cheap, and its entry is documented here
 
 # The public face, in one table: each name below is exported (``__all__``) and imported from
 # its home on first use (PEP 562), so a command line that only parses its arguments, or prints
