@@ -85,7 +85,7 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 class PipelineError(Exception):
     """Root of every exception the library raises on purpose. Every one pickles and comes
     back whole (its message and attributes), whatever its constructor takes: an engine in
-    another process sends them back (:mod:`pipeline.engine.process`)."""
+    another process sends them back (:mod:`pipeline.runtime.parent`)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _rebuilt, (type(self), self.args, dict(self.__dict__))
@@ -311,7 +311,7 @@ class DeviceFault(PipelineError):
     """The device failed in a way that leaves it unusable (a CUDA error such as an illegal
     memory access or a device-side assert, which poisons the process's device context): the
     engine stops instead of failing request after request, and an engine in a child process
-    is replaced by a fresh process with a fresh context (:mod:`pipeline.engine.process`)."""
+    is replaced by a fresh process with a fresh context (:mod:`pipeline.runtime.parent`)."""
 
 
 class StepStillRunning(EngineClosed):

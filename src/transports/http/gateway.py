@@ -14,9 +14,9 @@ error"), and supervision:
 when a model's engine loop stops after an internal error, the model answers 503 (its queued
 requests already failed) and a fresh engine replaces it ``restart_delay_s`` later. A
 watchdog thread checks every engine's ``stall()``: a step in progress, or an engine process
-unheard between steps (:class:`~pipeline.engine.process.Unresponsive`: frozen, or not taking
+unheard between steps (:class:`~pipeline.runtime.parent.Unresponsive`: frozen, or not taking
 up its work), that has lasted longer than ``stall_timeout_s`` is abandoned
-(:meth:`~pipeline.engine.Engine.abandon`: its requests fail with a 503, the model is
+(:meth:`~pipeline.engine.api.EngineAPI.abandon`: its requests fail with a 503, the model is
 ``restarting``), and the fresh engine starts once the stuck step has returned (an engine
 process is killed instead). :meth:`Gateway.problems` names every worker that is down (an
 abandoned or dead engine, a usage store that cannot write) for ``/health``.
@@ -54,7 +54,8 @@ from pipeline.errors import (
     failure_class,
 )
 from pipeline.engine.handle import RequestHandle
-from pipeline.engine.process import EngineRecipe, ProcessEngine
+from pipeline.runtime.parent import ProcessEngine
+from pipeline.runtime.wire import EngineRecipe
 from pipeline.pipe import Pipeline
 from pipeline.prepared import Prepared
 from pipeline.sampling_defaults import sampling_summary
@@ -84,7 +85,7 @@ def default_builder(folder: Path | None, config: ServerConfig,
                     strategy: StrategyChoice | None = None) -> Pipeline:
     """``build()`` for a model (None: the default model) with the server's backend options
     and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
-    and its scheduler run in a child process (:class:`~pipeline.engine.process.ProcessEngine`),
+    and its scheduler run in a child process (:class:`~pipeline.runtime.parent.ProcessEngine`),
     with ``config.ranks`` above 1 rank 0 of a group of that many."""
     args = strategy.build_args() if strategy is not None else {}
     if config.engine_process or config.ranks > 1:  # the child caps its native caches
