@@ -21,6 +21,7 @@ Only the engine calls these methods, from its own thread.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -285,6 +286,19 @@ class Job:
         self.state = _TERMINAL_STATE.get(reason, RequestState.FINISHED)
         self.recorder.finished(reason.value, detail, self.output_ids, self.text.emitted,
                                self.state.value)
+
+    def end_strategy(self) -> None:
+        """Let the strategy free what its loop state holds (once; a failure is recorded, the
+        request is over either way)."""
+        strategy, state = self.strategy, self.decode_state
+        if strategy is None or state is None:
+            return
+        self.decode_state = None
+        try:
+            strategy.finish(state)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.recorder.emit("engine", "strategy.finish_failed", {"error": repr(exc)})
 
     def abort(self, error: str) -> None:
         """Last resort when ending the job normally raised (its state is corrupt): complete

@@ -55,14 +55,14 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
 from pipeline.engine.api import Strategies
-from pipeline.engine.blocks import BlockStats, PrefixMatch
+from pipeline.engine.blocks import PrefixMatch
 from pipeline.engine.commit import Committer, cache_state, logits_records
 from pipeline.engine.handle import RequestState
 from pipeline.engine.job import Job
@@ -116,8 +116,8 @@ class Engine:
 
     One thread drives it (:mod:`pipeline.runtime`): it alone touches the backend and the
     jobs' decode state. ``abandoned`` may be set from another thread (the step in progress then
-    touches its requests no more); ``phase``, :meth:`jobs`, ``active_slots`` and
-    ``queue_depth`` may be read from any.
+    touches its requests no more); ``phase``, and ``queue`` and ``active`` under ``lock``, may
+    be read from any.
     """
 
     def __init__(self, backend: Backend, strategies: Strategies,
@@ -139,58 +139,20 @@ class Engine:
         self._pacer = Pacer(ratio) if ratio is not None else None
         # Checked once: a runtime Protocol isinstance is too slow for the per-token path.
         self._inspector = backend if isinstance(backend, CacheInspector) else None
-        self._memory: KVMemory = (Paging(backend, backend.snapshot)
-                                  if isinstance(backend, PagedBackend) else SlotMemory())
-        self._committer = Committer(backend, self._memory, self._inspector)
-        self._lock = threading.Lock()  # the queue and the active list, for other threads
-        self._queue: deque[Job] = deque()
-        self._active: list[Job] = []
+        self.memory: KVMemory = (Paging(backend, backend.snapshot)
+                                 if isinstance(backend, PagedBackend) else SlotMemory())
+        self._committer = Committer(backend, self.memory, self._inspector)
+        self.lock = threading.Lock()
+        """Held to change ``queue`` and ``active``, and by another thread to read them."""
+        self.queue: deque[Job] = deque()
+        """Jobs waiting for a slot, in order (a preempted one at the head)."""
+        self.active: list[Job] = []
+        """Jobs holding a slot, in admission order."""
         self.held: set[int] = set()
         """Slots allocated and not yet released."""
         self.phase = "idle"
         """What the step in progress is doing (the stall watchdog names it)."""
         self.abandoned = False
-
-    def enqueue(self, jobs: Iterable[Job]) -> None:
-        """Queue submitted jobs behind those waiting."""
-        with self._lock:
-            self._queue.extend(jobs)
-
-    def jobs(self) -> list[Job]:
-        """Every job held: queued, then active."""
-        with self._lock:
-            return list(self._queue) + list(self._active)
-
-    def active_ids(self) -> tuple[str, ...]:
-        """The request ids of the jobs holding a slot."""
-        with self._lock:
-            return tuple(j.request.request_id for j in self._active)
-
-    @property
-    def busy(self) -> bool:
-        """Whether any job is queued or active."""
-        return bool(self._active or self._queue)
-
-    @property
-    def blocked(self) -> bool:
-        """Whether nothing can progress: jobs queued behind a full backend, none active."""
-        return not self._active and bool(self._queue)
-
-    @property
-    def kv_blocks(self) -> BlockStats | None:
-        """The block manager's counters over a paged backend (None: the backend keeps its
-        memory). Read on another thread they are a snapshot that may be a step old."""
-        return self._memory.stats
-
-    @property
-    def active_slots(self) -> int:
-        """Requests holding a slot now."""
-        return len(self._active)
-
-    @property
-    def queue_depth(self) -> int:
-        """Requests waiting for a slot."""
-        return len(self._queue)
 
     def step(self) -> None:
         """One step, timed on the clock for the pacer."""
@@ -198,33 +160,6 @@ class Engine:
         shape = self._step()
         if shape is not None and self._pacer is not None:
             self._pacer.observe((self.clock() - started) / 1e9, *shape)
-
-    def fail_all(self, error: str) -> None:
-        """After a step failed unexpectedly: fail every active job, finish any half-ended
-        queued one. Never raises: each job's ending is contained on its own."""
-        for job in list(self._active):
-            self.fail(job, error)
-        for job in list(self._queue):
-            if job.state.terminal:
-                self.release(job)
-
-    def cancel_all(self) -> None:
-        """End every job held as cancelled (the engine closes)."""
-        for job in self.jobs():
-            self.finish(job, FinishReason.CANCELLED, "engine closed")
-
-    def free_all(self) -> None:
-        """Free every slot and block the jobs held (their callers were answered already)."""
-        for job in self.jobs():
-            with contextlib.suppress(Exception):
-                self.release(job)
-
-    def release_held(self) -> None:
-        """Release the slots still held (a release that failed as the engine died)."""
-        for slot in sorted(self.held):
-            with contextlib.suppress(Exception):
-                self.backend.release(slot)
-        self.held.clear()
 
     def _step(self) -> tuple[int, int] | None:
         """One step; returns its shape (decoding sequences, prefilled tokens) for pacing."""
@@ -248,8 +183,8 @@ class Engine:
             else:
                 self.release(ended.job)
         self.phase = "publishing blocks"
-        memory = self._memory
-        for job in list(self._active):
+        memory = self.memory
+        for job in list(self.active):
             self._guarded(job, "publishing blocks", lambda: memory.publish(job))
         return len(plan.decode), sum(len(c.token_ids) for _, c in plan.prefill)
 
@@ -265,7 +200,7 @@ class Engine:
     def _settle(self) -> None:
         """Cancellations, deadlines and queue time-outs, in every non-terminal state."""
         now = self.clock()
-        for job in list(self._queue) + list(self._active):
+        for job in list(self.queue) + list(self.active):
             self._guarded(job, "settling", lambda: self._settle_one(job, now))
 
     def _settle_one(self, job: Job, now: int) -> None:
@@ -280,10 +215,10 @@ class Engine:
         """Queued jobs in FIFO order get a free slot and, over a paged backend, the blocks
         of what they prefill (the prefix cache supplies what it holds); the head of the queue
         waits while either is short."""
-        while self._queue and len(self._active) < self.backend.num_slots:
-            job = self._queue[0]
+        while self.queue and len(self.active) < self.backend.num_slots:
+            job = self.queue[0]
             try:
-                hit = self._memory.admit(job, job.prefill_ids, reserve=len(self._active))
+                hit = self.memory.admit(job, job.prefill_ids, reserve=len(self.active))
             except CapacityError as exc:  # more than the whole pool: it never fits
                 self.fail(job, str(exc))
                 continue
@@ -292,12 +227,12 @@ class Engine:
             try:
                 slot = self.backend.allocate()
             except CapacityError:
-                self._memory.free(job)
+                self.memory.free(job)
                 return
             self.held.add(slot)
-            self._queue.popleft()
-            with self._lock:
-                self._active.append(job)
+            self.queue.popleft()
+            with self.lock:
+                self.active.append(job)
             job.slot = slot  # held from now on: a failed start releases it
             self._guarded(job, "starting", lambda: self._start(job, slot, hit))
 
@@ -317,7 +252,7 @@ class Engine:
         order, share what is left of the token budget."""
         decode = []
         budget = self.config.token_budget
-        for job in [j for j in self._active if j.state is RequestState.DECODING]:
+        for job in [j for j in self.active if j.state is RequestState.DECODING]:
             def plan() -> None:
                 assert job.strategy is not None
                 job.plan = job.strategy.plan(job.decode_state)
@@ -329,7 +264,7 @@ class Engine:
         if allowance is not None:
             budget = min(budget, allowance)
         prefill: list[tuple[Job, PrefillChunk]] = []
-        for job in list(self._active):
+        for job in list(self.active):
             if budget <= 0:
                 break
             if job.state is RequestState.PREFILLING:
@@ -348,11 +283,11 @@ class Engine:
         for job in plan.decode:
             p = job.plan
             assert p is not None
-            calls[job] = ModelCall.planned(job.slot_id, job.cache_len, p, self._table(job))
+            calls[job] = ModelCall.planned(job.slot_id, job.cache_len, p, self.memory.table(job))
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
-            calls[job] = ModelCall.chunk(chunk, self._table(job))
-        done = self._call(list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
+            calls[job] = ModelCall.chunk(chunk, self.memory.table(job))
+        done = run_calls(self.fail, list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
                           calls)
         fresh = [(job, rows) for job, rows in done if len(rows)]
         records = dict(zip((j for j, _ in fresh), self._logits_records(fresh)))
@@ -361,10 +296,10 @@ class Engine:
             if job in chunks:
                 chunk = chunks[job]
                 ran = self._guarded(job, "recording prefill", lambda: job.prefilled(
-                    chunk, self._cache(job), records[job][0] if job in records else None))
+                    chunk, cache_state(self.backend, self._inspector, job.slot_id), records[job][0] if job in records else None))
             else:
                 ran = self._guarded(job, "recording decode", lambda: job.decoded(
-                    self._cache(job), records[job]))
+                    cache_state(self.backend, self._inspector, job.slot_id), records[job]))
             if ran and len(rows):
                 if self.decodable_vocab is not None and self.decodable_vocab < rows.shape[1]:
                     with torch.inference_mode():  # the backend's rows may be inference tensors
@@ -372,17 +307,13 @@ class Engine:
                 ready.append((job, rows))
         return ready
 
-    def _table(self, job: Job) -> tuple[int, ...] | None:
-        """The job's block table over a paged backend (None: the backend keeps its memory)."""
-        return self._memory.table(job)
-
     def _make_room(self, plan: _Plan) -> _Plan:
         """Grow each writing decode call's table to its positions (:meth:`Paging.make_room`);
         the jobs paging preempted are requeued, those it could not grow fail, and both leave
         the plan."""
         needs = [(job, job.cache_len + len(job.plan.token_ids)) for job in plan.decode
                  if job.plan is not None and job.plan.write]
-        room = self._memory.make_room(needs, list(self._active))
+        room = self.memory.make_room(needs, list(self.active))
         for job, blocks in room.preempted:
             self._preempt(job, blocks)
         for job, why in room.starved:
@@ -398,50 +329,13 @@ class Engine:
         (the prefix cache may still hold them)."""
         self.backend.release(job.slot_id)
         self.held.discard(job.slot_id)
-        with self._lock:
-            self._active.remove(job)
-            self._queue.appendleft(job)
+        with self.lock:
+            self.active.remove(job)
+            self.queue.appendleft(job)
         job.preempted(blocks)
-
-    def _cache(self, job: Job) -> tuple[int, CacheLayout | None]:
-        """The slot's cache length, and its per-layer lengths when the backend reports them."""
-        return cache_state(self.backend, self._inspector, job.slot_id)
 
     _logits_records = staticmethod(logits_records)
     """Each fresh job's raw-logits records (a class attribute, so a benchmark can time it)."""
-
-    def _call(self, jobs: list[Job], fn: Callable[[list[Job]], torch.Tensor],
-              calls: dict[Job, ModelCall]) -> list[tuple[Job, torch.Tensor]]:
-        """Run a backend call over ``jobs``; pair each job with its rows of the logits.
-
-        A :class:`SlotError` fails the named slots' jobs and the call is retried for the
-        others (whose caches the contract says are intact); any other exception fails all.
-        """
-        while jobs:
-            try:
-                logits = fn(jobs)
-            except SlotError as exc:
-                faulty = [j for j in jobs if j.slot_id in set(exc.slots)]
-                rest = [j for j in jobs if j not in faulty]
-                for job in faulty or rest:  # a SlotError naming no slot here fails them all
-                    self.fail(job, f"backend error: {exc.cause!r}")
-                jobs = rest if faulty else []
-                continue
-            except Exception as exc:
-                if device_fault(exc):  # the loop ends: every request fails, on_stop runs
-                    raise DeviceFault(f"device fault in the model's forward: {exc!r}") from exc
-                for job in jobs:
-                    self.fail(job, f"backend error: {exc!r}")
-                return []
-            mine = [calls[j] for j in jobs]
-            wanted = sum(len(c.outputs) for c in mine)
-            if logits.shape[0] != wanted:
-                for job in jobs:
-                    self.fail(job, f"backend error: {logits.shape[0]} logits rows for "
-                                    f"{wanted} wanted outputs")
-                return []
-            return list(zip(jobs, split_outputs(mine, logits)))
-        return []
 
     # --- endings ---------------------------------------------------------------------------
 
@@ -461,32 +355,18 @@ class Engine:
             job.abort(f"{error}; recording the failure failed: {exc!r}")
         self.release(job)
 
-    @staticmethod
-    def _finish_strategy(job: Job) -> None:
-        """Let the job's strategy free what its loop state holds (once; a failure is
-        recorded, the request is over either way)."""
-        strategy, state = job.strategy, job.decode_state
-        if strategy is None or state is None:
-            return
-        job.decode_state = None
-        try:
-            strategy.finish(state)
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                job.recorder.emit("engine", "strategy.finish_failed", {"error": repr(exc)})
-
     def release(self, job: Job) -> None:
         """Take ``job`` out of the schedule, free its strategy state, blocks and slot, and
         complete its handle (whatever raises, the caller gets an answer)."""
-        with self._lock:
-            if job in self._queue:
-                self._queue.remove(job)
-            if job in self._active:
-                self._active.remove(job)
+        with self.lock:
+            if job in self.queue:
+                self.queue.remove(job)
+            if job in self.active:
+                self.active.remove(job)
         try:
-            self._finish_strategy(job)
+            job.end_strategy()
             try:
-                self._memory.free(job)
+                self.memory.free(job)
             except Exception as exc:  # the request is over either way; record it
                 with contextlib.suppress(Exception):
                     job.recorder.emit("engine", "blocks.free_failed", {"error": repr(exc)})
@@ -505,6 +385,42 @@ class Engine:
             if not job.handle.done():
                 job.abort("the request ended without a completion")
 
+
+
+def run_calls(fail: Callable[[Job, str], None], jobs: list[Job],
+          fn: Callable[[list[Job]], torch.Tensor], calls: dict[Job, ModelCall]
+          ) -> list[tuple[Job, torch.Tensor]]:
+    """Run a backend call over ``jobs``; pair each job with its rows of the logits (``fail``
+ends a job the call failed).
+
+    A :class:`SlotError` fails the named slots' jobs and the call is retried for the
+    others (whose caches the contract says are intact); any other exception fails all.
+    """
+    while jobs:
+        try:
+            logits = fn(jobs)
+        except SlotError as exc:
+            faulty = [j for j in jobs if j.slot_id in set(exc.slots)]
+            rest = [j for j in jobs if j not in faulty]
+            for job in faulty or rest:  # a SlotError naming no slot here fails them all
+                fail(job, f"backend error: {exc.cause!r}")
+            jobs = rest if faulty else []
+            continue
+        except Exception as exc:
+            if device_fault(exc):  # the loop ends: every request fails, on_stop runs
+                raise DeviceFault(f"device fault in the model's forward: {exc!r}") from exc
+            for job in jobs:
+                fail(job, f"backend error: {exc!r}")
+            return []
+        mine = [calls[j] for j in jobs]
+        wanted = sum(len(c.outputs) for c in mine)
+        if logits.shape[0] != wanted:
+            for job in jobs:
+                fail(job, f"backend error: {logits.shape[0]} logits rows for "
+                                f"{wanted} wanted outputs")
+            return []
+        return list(zip(jobs, split_outputs(mine, logits)))
+    return []
 
 
 _DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access",

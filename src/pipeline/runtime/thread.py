@@ -45,6 +45,7 @@ from pipeline.engine.job import Job
 from pipeline.engine.loop import Engine, EngineConfig, device_fault
 from pipeline.errors import CapacityError, DeviceFault, EngineClosed, StepStillRunning
 from pipeline.protocols import Backend, Strategy
+from pipeline.types import FinishReason
 
 T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")
@@ -108,7 +109,9 @@ class ThreadEngine:
 
     @property
     def kv_blocks(self) -> BlockStats | None:
-        return self.engine.kv_blocks
+        """The block manager's counters over a paged backend (None: the backend keeps its
+        memory). Read on another thread they are a snapshot that may be a step old."""
+        return self.engine.memory.stats
 
     def strategy(self, order: tuple[str, ...] | None) -> Strategy:
         """The strategy for a processor order (built once per distinct order)."""
@@ -165,14 +168,13 @@ class ThreadEngine:
     @property
     def active_slots(self) -> int:
         """Requests holding a slot now."""
-        with self._cv:
-            return self.engine.active_slots
+        return len(self.engine.active)
 
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot."""
         with self._cv:
-            return self.engine.queue_depth + len(self._incoming)
+            return len(self.engine.queue) + len(self._incoming)
 
     def fresh(self, clock: Callable[[], int] | None = None) -> ThreadEngine:
         """A new engine over the same backend, strategies, config and ``on_stop`` (and
@@ -188,7 +190,10 @@ class ThreadEngine:
         if broken:  # a backend that knows it cannot be used again (a parallel group that
             raise DeviceFault(broken)  # lost a rank): no fresh engine, the model stays down
         old = self.engine
-        old.release_held()
+        for slot in sorted(old.held):
+            with contextlib.suppress(Exception):
+                self.backend.release(slot)
+        old.held.clear()
         return ThreadEngine(self.backend, old.strategy, old.config, self.on_stop,
                             old.decodable_vocab, clock or old.clock)
 
@@ -197,8 +202,9 @@ class ThreadEngine:
         started = self._step_started
         if started is None:
             return None
-        return Stall(self._steps, (self.engine.clock() - started) / 1e9, self.engine.phase,
-                     self.engine.active_ids())
+        with self.engine.lock:
+            ids = tuple(j.request.request_id for j in self.engine.active)
+        return Stall(self._steps, (self.engine.clock() - started) / 1e9, self.engine.phase, ids)
 
     def abandon(self, why: str) -> None:
         """Give up on a stalled step (any thread): fail every request held with ``why``,
@@ -208,9 +214,8 @@ class ThreadEngine:
             if self.failure is not None or self._closed:
                 return
             self.failure, self.engine.abandoned = why, True
-            incoming, self._incoming = self._incoming, []
-            self.engine.enqueue(incoming)
-            jobs = self.engine.jobs()
+            self._take_incoming()
+            jobs = self._jobs()
         self._refuse_calls(why)
         log.error("abandoning the engine: %s", why)
         for job in jobs:
@@ -235,6 +240,17 @@ class ThreadEngine:
         if self._closed:
             raise EngineClosed("the engine is closed")
 
+    def _take_incoming(self) -> None:
+        """Queue what was submitted (holding ``_cv``)."""
+        incoming, self._incoming = self._incoming, []
+        with self.engine.lock:
+            self.engine.queue.extend(incoming)
+
+    def _jobs(self) -> list[Job]:
+        """Every job the engine holds: queued, then active."""
+        with self.engine.lock:
+            return list(self.engine.queue) + list(self.engine.active)
+
     def _loop(self) -> None:
         try:
             self._run()
@@ -246,18 +262,19 @@ class ThreadEngine:
         engine = self.engine
         while True:
             with self._cv:
-                while not (self._closed or self._incoming or engine.busy or self._calls):
+                while not (self._closed or self._incoming or engine.active or engine.queue
+                           or self._calls):
                     self._cv.wait()
-                if self._closed and not (engine.busy or self._incoming):
+                if self._closed and not (engine.active or engine.queue or self._incoming):
                     self._refuse_calls("the engine is closed")
                     return
                 closing = self._closed
-                incoming, self._incoming = self._incoming, []
-                engine.enqueue(incoming)
+                self._take_incoming()
                 call = self._calls.popleft() if self._calls and not closing else None
             if closing:
                 self._refuse_calls("the engine is closed")
-                engine.cancel_all()
+                for job in self._jobs():
+                    engine.finish(job, FinishReason.CANCELLED, "engine closed")
                 continue
             try:
                 self._steps += 1
@@ -271,19 +288,30 @@ class ThreadEngine:
                 raise
             except Exception as exc:  # a bug in a stage: fail what is in flight, keep going
                 if not engine.abandoned:
-                    engine.fail_all(f"engine step failed: {exc!r}")
+                    self._recover(exc)
             finally:
                 self._step_started, engine.phase = None, "idle"
                 if self.on_step is not None:
                     self.on_step(self._steps, 0)
             if engine.abandoned:  # its callers were answered by abandon(): free what it held
-                engine.free_all()
+                for job in self._jobs():
+                    with contextlib.suppress(Exception):
+                        engine.release(job)
                 log.warning("the abandoned engine's step %d returned; its resources are "
                             "free", self._steps)
                 return
-            if engine.blocked:  # sleep only when nothing can progress
+            if engine.queue and not engine.active:  # sleep only when nothing can progress
                 with self._cv:
                     self._cv.wait(engine.config.idle_wait_s)
+
+    def _recover(self, exc: Exception) -> None:
+        """After an unexpected error: fail every active job, finish any half-ended one.
+        Never raises: each job's ending is contained on its own."""
+        for job in list(self.engine.active):
+            self.engine.fail(job, f"engine step failed: {exc!r}")
+        for job in list(self.engine.queue):
+            if job.state.terminal:
+                self.engine.release(job)
 
     def _refuse_calls(self, why: str) -> None:
         """Fail every :meth:`call` still waiting with :class:`EngineClosed`."""
@@ -306,7 +334,7 @@ class ThreadEngine:
         ``on_stop`` is called."""
         with self._cv:
             self.failure = why
-            jobs = list(self._incoming) + self.engine.jobs()
+            jobs = list(self._incoming) + self._jobs()
             self._incoming.clear()
         with contextlib.suppress(BaseException):
             self._refuse_calls(why)
