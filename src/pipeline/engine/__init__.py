@@ -11,7 +11,7 @@ The package's modules, in the order a request meets them:
 ``job_spec``       :class:`~pipeline.engine.job_spec.JobSpec`, a request's plain-data spec
                    (what :class:`~pipeline.pipe.Pipeline` prepared on the caller's thread)
 ``job``            :class:`~pipeline.engine.job.Job`, a request in flight: its spec, decode
-                   state, recorder and delivery
+                   state, recorder, text state and handle (it pushes the deltas)
 ``loop``           :class:`Engine` and :class:`EngineConfig`: the queue, the active list and
                    the step (settle → admit → plan → forward → commit)
 ``pacing``         the pacer that sizes a step's prefill beside decoding requests
@@ -24,8 +24,7 @@ The package's modules, in the order a request meets them:
 ``forcing``        :class:`~pipeline.engine.forcing.Forcing`: tokens that override the
                    selector (a forced prefix, a spent reasoning budget)
 ``text_state``     a request's detokenizer, stoppers and typed output parts between steps
-``delivery``,      a request's deltas to its handle, and its trace events
-``recorder``
+``recorder``       a request's trace events, in causal order
 ``api``            :class:`~pipeline.engine.api.EngineAPI`, what a pipeline and a supervisor
                    use of an engine (:mod:`pipeline.runtime` provides it), and the records
                    it names

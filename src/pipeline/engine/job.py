@@ -1,5 +1,5 @@
-"""One request's life inside the engine: its scheduling state, beside its recorder and its
-delivery.
+"""One request's life inside the engine: its scheduling state, beside its recorder, and what
+reaches its caller.
 
 Owns :class:`Job`, the engine-thread-only handle on a request in flight. A request is a few
 small records (docs/design.md §6, second edition), which the job holds side by side:
@@ -13,8 +13,11 @@ small records (docs/design.md §6, second edition), which the job holds side by 
 - its **recorder** (:class:`~pipeline.engine.recorder.Recorder`): the events of every
   transition (docs/design.md §7), so the trace of a finished job holds the minimal timeline
   in causal order;
-- its **delivery** (:class:`~pipeline.engine.delivery.Delivery`): the text state (stoppers,
-  detokenizer, typed parts) between committed tokens and the deltas on the caller's handle.
+- its **text** (:class:`~pipeline.engine.text_state.TextState`: stoppers, detokenizer, typed
+  parts) between committed tokens and the deltas the job pushes to the caller's **handle**
+  (:meth:`Job.push`: the released text typed once into parts, its ``tool.*`` and
+  ``stream.delta`` events; text a stopper holds back rides on a later delta, and a verdict
+  always closes the stream).
 
 Only the engine calls these methods, from its own thread.
 """
@@ -27,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.events import Tracer
-from pipeline.engine.delivery import Delivery
 from pipeline.engine.forcing import Forcing
 from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
@@ -47,8 +49,8 @@ _TERMINAL_STATE = {
 class Job:
     """A request in the engine: its records and its place in the schedule. Mutable;
     touched only by the engine thread. ``text`` was started from ``spec`` (with the
-    pipeline's detokenizer and stoppers); ``tracer`` continues the request's trace and
-    ``handle`` is the caller's side."""
+    pipeline's detokenizer and stoppers); ``tracer`` continues the request's trace (the
+    recorder holds it) and ``handle`` is the caller's side."""
 
     def __init__(self, spec: JobSpec, text: TextState, tracer: Tracer,
                  handle: RequestHandle) -> None:
@@ -56,9 +58,7 @@ class Job:
         self.request = spec.request
         self.config = spec.request.generation_config
         self.recorder = Recorder(tracer, spec.last_event, spec.request.recording is Recording.FULL)
-        self.delivery = Delivery(text, handle, self.recorder)
         self.text = text
-        self.tracer = tracer
         self.handle = handle
         self.state = RequestState.QUEUED
         self.slot: int | None = None
@@ -250,7 +250,9 @@ class Job:
         verdict = self.text.check_token(token, step)
         if verdict is None:
             verdict = self._window_full(step, max_context)
-        verdict = self.delivery.commit(token, logprob, verdict, step, selected)
+        released, verdict = self.text.commit(token, logprob, verdict)
+        if released or verdict is not None:
+            self.push(released, verdict.reason if verdict is not None else None, step, selected)
         if verdict is not None:
             self._end(verdict.reason, verdict.detail)
             return verdict.reason
@@ -270,7 +272,7 @@ class Job:
         """End outside the token path (cancel, deadline): flush held text and close the stream."""
         if self.state.terminal:
             return
-        self.delivery.close(reason, len(self.output_ids))
+        self.push("", reason, len(self.output_ids))
         self._end(reason, detail)
 
     def fail(self, error: str) -> None:
@@ -278,8 +280,19 @@ class Job:
         if self.state.terminal:
             return
         self.error = error
-        self.delivery.close(FinishReason.ERROR, len(self.output_ids))
+        self.push("", FinishReason.ERROR, len(self.output_ids))
         self._end(FinishReason.ERROR, error)
+
+    def push(self, text: str, reason: FinishReason | None, step: int,
+             parent: int | None = None) -> None:
+        """One delta of ``text`` to the handle (``reason`` on the last: what is held back goes
+        out with it), with its typed parts; its events follow event ``parent``."""
+        parts = tuple(self.text.split(text, reason is not None))
+        self.recorder.tool_parts(parts)
+        delta = self.text.delta(text, reason, parts)
+        self.recorder.delta(delta.seq, step, text, len(delta.token_ids), reason is not None,
+                            parent)
+        self.handle._push(delta)
 
     def _end(self, reason: FinishReason, detail: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, detail
@@ -312,7 +325,7 @@ class Job:
             completion = Completion(
                 request_id=self.request.request_id, text="", token_ids=ids,
                 finish_reason=FinishReason.ERROR, usage=Usage(len(self.prompt_ids), len(ids)),
-                trace=self.tracer.events, timings=Timings(elapsed, None, elapsed),
+                trace=self.recorder.tracer.events, timings=Timings(elapsed, None, elapsed),
                 stop_reason=None, error=error)
         except Exception:  # not even that: an empty, failed completion
             completion = Completion(self.request.request_id, "", (), FinishReason.ERROR,
@@ -335,7 +348,7 @@ class Job:
             request_id=self.request.request_id, text=self.text.emitted,
             token_ids=tuple(self.output_ids), finish_reason=self.finish_reason,
             usage=Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens),
-            trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
+            trace=self.recorder.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
             logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error,
             tool_calls=self.text.tool_reader.calls if self.text.tool_reader else (),

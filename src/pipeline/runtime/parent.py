@@ -227,7 +227,7 @@ class ProcessEngine:
         another process (a ``template_kwargs`` value that is not plain data, say) and
         :class:`~pipeline.errors.EngineClosed` once the engine stopped."""
         try:
-            payload = dumps((job.spec, job.tracer.events))
+            payload = dumps((job.spec, job.recorder.tracer.events))
         except Exception as exc:
             raise InvalidValueError("request", job.request.request_id, "cannot be sent to the "
                                     f"engine process: {exc}") from exc
@@ -448,11 +448,11 @@ class ProcessEngine:
             try:
                 completion: Completion = loads(payload)
             except Exception as exc:
-                _fail(flight, f"the completion could not be read from the engine process: "
-                              f"{exc!r}")
+                _end_here(flight, FinishReason.ERROR, "the completion could not be read from "
+                          f"the engine process: {exc!r}")
                 return
             try:
-                flight.job.tracer.adopt(completion.trace)
+                flight.job.recorder.tracer.adopt(completion.trace)
             except Exception:  # a sink's failure must not keep the caller waiting
                 log.exception("handing the engine process's trace events to the sinks failed")
             flight.job.handle._complete(completion, RequestState(extra))
@@ -474,7 +474,7 @@ class ProcessEngine:
 
     def _expire(self, now: int) -> None:
         """End here each request whose deadline passed :data:`DEADLINE_GRACE_S` ago without
-        the child ending it, as the child would (:func:`_ended_by_deadline`), and tell the
+        the child ending it, as the child would (:func:`_end_here`), and tell the
         child to cancel it; the child holds it (and :meth:`stall` counts it) until it says
         ``done``."""
         ended = []
@@ -492,7 +492,7 @@ class ProcessEngine:
         for flight in ended:
             log.warning("request %s passed its deadline and the engine process %d did not "
                         "end it; ended here", flight.job.request.request_id, self.pid)
-            _ended_by_deadline(flight)
+            _end_here(flight, FinishReason.DEADLINE)
 
     def _fail_one(self, key: int, error: str) -> None:
         with self._lock:
@@ -500,7 +500,7 @@ class ProcessEngine:
             if flight is not None and self.failure is None:
                 self._send(("cancel", key, b""))
         if flight is not None:
-            _fail(flight, error)
+            _end_here(flight, FinishReason.ERROR, error)
 
     def _stop(self, why: str) -> bool:
         """Stop taking work and fail everything in flight with ``why``; run ``on_stop``.
@@ -515,7 +515,7 @@ class ProcessEngine:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineClosed(f"{ENGINE_DOWN}: {why}"))
         for flight in flights:
-            _fail(flight, f"{ENGINE_DOWN}: {why}")
+            _end_here(flight, FinishReason.ERROR, f"{ENGINE_DOWN}: {why}")
         if self.on_stop is not None:
             try:
                 self.on_stop(why)
@@ -537,7 +537,7 @@ class ProcessEngine:
                 if future.set_running_or_notify_cancel():
                     future.set_exception(EngineClosed("the engine is closed"))
             for flight in flights:
-                _fail(flight, "the engine is closed")
+                _end_here(flight, FinishReason.ERROR, "the engine is closed")
             return
         why = why or f"the engine process {exit_words(self._process.exitcode)}"
         if self._stop(why):
@@ -557,64 +557,41 @@ class ProcessEngine:
         self._process.release()
 
 
-def _fail(flight: _Flight, error: str) -> None:
-    """End a request the dead child held: what reached this process, and the error (not
-    one already ended here at its deadline)."""
-    if flight.ended:
+def _end_here(flight: _Flight, reason: FinishReason, error: str | None = None) -> None:
+    """End here a request the child held, with the text and tokens that reached this
+    process: failed with ``error`` (the child died; not one already ended at its deadline),
+    or at its deadline as the engine ends one (:meth:`~pipeline.engine.loop.Engine.finish`):
+    a final delta and a completion with ``finish_reason`` deadline and ``stop_reason``
+    ``"deadline"``, no error, state finished."""
+    if error is not None and flight.ended:
         return
-    job = flight.job
-    pushed = job.handle.pushed()
-    ids = tuple(t for d in pushed for t in d.token_ids)
-    text = "".join(d.text for d in pushed)
-    tracer = job.tracer
-    try:
-        tracer.emit("engine", "generation.finished", {
-            "reason": FinishReason.ERROR.value, "detail": error, "completion_tokens": len(ids),
-            "state": RequestState.FAILED.value}, job.spec.last_event)
-    except Exception:  # a sink's failure must not keep the caller waiting
-        log.exception("tracing a failed request raised")
-    elapsed = (time.monotonic_ns() - job.spec.accepted_ns) / 1e9
-    completion = Completion(
-        request_id=job.request.request_id, text=text, token_ids=ids,
-        finish_reason=FinishReason.ERROR, usage=Usage(len(job.spec.prompt.input_ids), len(ids)),
-        trace=tracer.events, timings=Timings(elapsed, None, elapsed), stop_reason=None,
-        error=error)
-    job.handle._abort(completion)
-
-
-def _ended_by_deadline(flight: _Flight) -> None:
-    """End a request at its deadline in this process, as the engine ends one
-    (:meth:`~pipeline.engine.loop.Engine.finish`, ``deadline``): a final delta and a completion with
-    ``finish_reason`` deadline and ``stop_reason`` ``"deadline"``, no error, state finished,
-    with the text and tokens that reached this process."""
-    job = flight.job
-    handle = job.handle
+    job, handle = flight.job, flight.job.handle
     pushed = handle.pushed()
     ids = tuple(t for d in pushed for t in d.token_ids)
     text = "".join(d.text for d in pushed)
-    tracer = job.tracer
+    state = RequestState.FAILED if error is not None else RequestState.FINISHED
+    payload: dict[str, Any] = {"reason": reason.value, "detail": error or "deadline",
+                               "completion_tokens": len(ids)}
+    if error is None:
+        payload.update(output_digest=digest_ids(ids), text_digest=digest_text(text))
     try:
-        tracer.emit("engine", "generation.finished", {
-            "reason": FinishReason.DEADLINE.value, "detail": "deadline",
-            "completion_tokens": len(ids), "output_digest": digest_ids(ids),
-            "text_digest": digest_text(text), "state": RequestState.FINISHED.value},
-            job.spec.last_event)
+        job.recorder.emit("engine", "generation.finished", {**payload, "state": state.value},
+                          job.spec.last_event)
     except Exception:  # a sink's failure must not keep the caller waiting
-        log.exception("tracing a request ended at its deadline raised")
+        log.exception("tracing a request ended here raised")
     parts: list[Part] = []
-    joined(parts, [p for d in pushed for p in d.parts])
+    joined(parts, [p for d in pushed for p in d.parts] if error is None else [])
     logprobs = tuple(lp for d in pushed for lp in d.logprobs)
     elapsed = (time.monotonic_ns() - job.spec.accepted_ns) / 1e9
     completion = Completion(
-        request_id=job.request.request_id, text=text, token_ids=ids,
-        finish_reason=FinishReason.DEADLINE, usage=Usage(len(job.spec.prompt.input_ids), len(ids)),
-        trace=tracer.events, timings=Timings(elapsed, None, elapsed), stop_reason="deadline",
-        logprobs=logprobs if job.request.generation_config.logprobs else None,
-        parts=tuple(parts))
+        request_id=job.request.request_id, text=text, token_ids=ids, finish_reason=reason,
+        usage=Usage(len(job.spec.prompt.input_ids), len(ids)), trace=job.recorder.tracer.events,
+        timings=Timings(elapsed, None, elapsed), stop_reason=None if error else "deadline",
+        logprobs=logprobs if error is None and job.config.logprobs else None,
+        parts=tuple(parts), error=error)
     if not (pushed and pushed[-1].final):
-        handle._push(Delta(handle.request_id, len(pushed), "",
-                           finish_reason=FinishReason.DEADLINE))
-    handle._complete(completion, RequestState.FINISHED)
+        handle._push(Delta(handle.request_id, len(pushed), "", finish_reason=reason))
+    handle._complete(completion, state)
 
 
 class Child:
