@@ -35,7 +35,7 @@ from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
 from pipeline.engine.recorder import Recorder
 from pipeline.protocols import (
-    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, StrategyEvent, Taken, TokenIds,
+    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, Taken, TokenIds,
 )
 from pipeline.engine.text_state import TextState
 from pipeline.types import Completion, FinishReason, Recording, Timings, TokenLogprob, Usage
@@ -90,25 +90,10 @@ class Job:
     # --- small views -------------------------------------------------------------------------
 
     @property
-    def full(self) -> bool:
-        """Whether this request records content (``Recording.FULL``), not only digests."""
-        return self.recorder.full
-
-    @property
-    def raw_digests(self) -> list[str | None]:
-        """The digests of each wanted output of the latest call's raw logits."""
-        return self.recorder.raw_digests
-
-    @property
     def slot_id(self) -> int:
         """The slot; only valid while the job holds one."""
         assert self.slot is not None, "job holds no slot"
         return self.slot
-
-    @property
-    def processor_order(self) -> tuple[str, ...] | None:
-        """The request's processor-order override, if any."""
-        return self.config.processor_order
 
     def forcing(self) -> Forcing:
         """A fresh forced-token source for this request (required prefix, reasoning budget)."""
@@ -133,7 +118,7 @@ class Job:
 
     def _set(self, state: RequestState) -> None:
         self.state = state
-        self.handle._set_state(state)
+        self.handle.set_state(state)
 
     # --- prefill -----------------------------------------------------------------------------
 
@@ -195,11 +180,6 @@ class Job:
         if kind != "chunk":
             self._set(RequestState.DECODING)
 
-    def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
-        """Record the strategy and the processor order applied at step 1 (before selecting);
-        once, though an iterative strategy updates several times before its first token."""
-        self.recorder.configured(strategy.name, order, self.spec.seed)
-
     # --- decode ------------------------------------------------------------------------------
 
     def decoded(self, cache: tuple[int, CacheLayout | None],
@@ -218,10 +198,6 @@ class Job:
         is the slot's length after the truncation (and its per-layer lengths)."""
         self.cache_len -= positions
         self.recorder.rolled_back(len(self.output_ids), positions, cache)
-
-    def noted(self, events: Sequence[StrategyEvent]) -> None:
-        """Record the strategy's own events (a payload's ``ids`` as a digest unless ``full``)."""
-        self.recorder.noted(events)
 
     def take(self, taken: Taken, max_context: int, processed: dict[str, Any] | None = None,
              order: tuple[str, ...] | None = None) -> FinishReason | None:
@@ -292,7 +268,7 @@ class Job:
         delta = self.text.delta(text, reason, parts)
         self.recorder.delta(delta.seq, step, text, len(delta.token_ids), reason is not None,
                             parent)
-        self.handle._push(delta)
+        self.handle.push(delta)
 
     def _end(self, reason: FinishReason, detail: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, detail
@@ -330,13 +306,13 @@ class Job:
         except Exception:  # not even that: an empty, failed completion
             completion = Completion(self.request.request_id, "", (), FinishReason.ERROR,
                                     Usage(0, 0), (), Timings(0.0, None, 0.0), error=error)
-        self.handle._abort(completion)
+        self.handle.fail(completion)
 
     def released(self) -> None:
         """The slot (if any) is free again; the caller gets its completion."""
         self.recorder.released(self.slot)
         self.slot = None
-        self.handle._complete(self._completion(), self.state)
+        self.handle.complete(self._completion(), self.state)
 
     def _completion(self) -> Completion:
         now = time.monotonic_ns()

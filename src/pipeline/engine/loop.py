@@ -244,7 +244,7 @@ class Engine:
             job.prefix_hit(hit.cached_tokens, len(hit.blocks))
         if job.resumed:
             return
-        strategy = self.strategy(job.processor_order)
+        strategy = self.strategy(job.config.processor_order)
         job.strategy, job.decode_state = strategy, strategy.start(job.row(), job.forcing())
 
     def _plan(self) -> _Plan:

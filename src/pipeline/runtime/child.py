@@ -164,7 +164,7 @@ class Served:
         try:
             self.engine.submit(self.pipe.job(spec, Tracer.resume(events), handle))
         except Exception as exc:  # refused here: the parent's request fails with why
-            handle._abort(Completion(spec.request.request_id, "", (), FinishReason.ERROR,
+            handle.fail(Completion(spec.request.request_id, "", (), FinishReason.ERROR,
                                      Usage(len(spec.prompt), 0), tuple(events),
                                      Timings(0.0, None, 0.0), error=repr(exc)))
 

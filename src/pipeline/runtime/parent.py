@@ -439,7 +439,7 @@ class ProcessEngine:
                 self._fail_one(key, f"a delta could not be read from the engine process: "
                                     f"{exc!r}")
                 return
-            flight.job.handle._push(delta)
+            flight.job.handle.push(delta)
         elif kind == "done":
             with self._lock:
                 flight = self._flights.pop(key, None)
@@ -455,7 +455,7 @@ class ProcessEngine:
                 flight.job.recorder.tracer.adopt(completion.trace)
             except Exception:  # a sink's failure must not keep the caller waiting
                 log.exception("handing the engine process's trace events to the sinks failed")
-            flight.job.handle._complete(completion, RequestState(extra))
+            flight.job.handle.complete(completion, RequestState(extra))
         elif kind == "result":
             with self._lock:
                 future = self._calls.pop(key, None)
@@ -590,8 +590,8 @@ def _end_here(flight: _Flight, reason: FinishReason, error: str | None = None) -
         logprobs=logprobs if error is None and job.config.logprobs else None,
         parts=tuple(parts), error=error)
     if not (pushed and pushed[-1].final):
-        handle._push(Delta(handle.request_id, len(pushed), "", finish_reason=reason))
-    handle._complete(completion, state)
+        handle.push(Delta(handle.request_id, len(pushed), "", finish_reason=reason))
+    handle.complete(completion, state)
 
 
 class Child:
