@@ -155,14 +155,9 @@ class Engine:
         self.abandoned = False
 
     def step(self) -> None:
-        """One step, timed on the clock for the pacer."""
+        """One step: settle → admit → plan → forward → commit → publish (the pacer learns its
+        time on the clock, and its shape: decoding sequences, prefilled tokens)."""
         started = self.clock()
-        shape = self._step()
-        if shape is not None and self._pacer is not None:
-            self._pacer.observe((self.clock() - started) / 1e9, *shape)
-
-    def _step(self) -> tuple[int, int] | None:
-        """One step; returns its shape (decoding sequences, prefilled tokens) for pacing."""
         self.phase = "settling"
         self._settle()
         self.phase = "admitting"
@@ -170,12 +165,12 @@ class Engine:
         self.phase = "planning"
         plan = self._plan()
         if not plan.decode and not plan.prefill:
-            return None
+            return
         plan = self._make_room(plan)
         self.phase = "the model's forward"
         ready = self._forward(plan)
         if self.abandoned:  # its requests were failed meanwhile: touch them no more
-            return None
+            return
         self.phase = "selection and commit"
         for ended in self._committer.update(ready) if ready else ():
             if ended.error is not None:
@@ -186,7 +181,9 @@ class Engine:
         memory = self.memory
         for job in list(self.active):
             self._guarded(job, "publishing blocks", lambda: memory.publish(job))
-        return len(plan.decode), sum(len(c.token_ids) for _, c in plan.prefill)
+        if self._pacer is not None:
+            self._pacer.observe((self.clock() - started) / 1e9, len(plan.decode),
+                                sum(len(c.token_ids) for _, c in plan.prefill))
 
     def _guarded(self, job: Job, what: str, fn: Callable[[], Any]) -> bool:
         """Run ``fn`` for ``job``; if it raises, fail that job alone. True when it ran."""

@@ -177,24 +177,21 @@ class ProcessEngine:
         (nanoseconds) times how long the child has gone unheard (:meth:`stall`)."""
         child = Child.spawn(recipe)
         try:
-            child.conn.send_bytes(dumps(recipe))
-            child.wait_loaded(timeout)
-            message = loads(child.conn.recv_bytes())
-        except (EOFError, OSError) as exc:
-            child.kill()
-            child.join(5)
-            child.release()
-            raise BackendError("the engine process ended while loading its model "
-                               f"({exit_words(child.exitcode)})") from exc
+            try:
+                child.conn.send_bytes(dumps(recipe))
+                child.wait_loaded(timeout)
+                message = loads(child.conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise BackendError("the engine process ended while loading its model "
+                                   f"({exit_words(child.exitcode)})") from exc
+            if message[0] != "ready":
+                raise BackendError(f"the engine process could not load its model: "
+                                   f"{message[1]}")
         except BackendError:
             child.kill()
             child.join(5)
             child.release()
             raise
-        if message[0] != "ready":
-            child.join(5)
-            child.release()
-            raise BackendError(f"the engine process could not load its model: {message[1]}")
         engine = cls(recipe, child, child.conn, child.shared, message[1], clock)
         if child.followers is not None:  # a lost rank, even while idle, is the engine's loss
             child.followers.watch(lambda rank, code: engine.abandon(
@@ -509,19 +506,24 @@ class ProcessEngine:
             if self.failure is not None or self._closing:
                 return False
             self.failure = why
-            flights, self._flights = list(self._flights.values()), {}
-            calls, self._calls = list(self._calls.values()), {}
-        for future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineClosed(f"{ENGINE_DOWN}: {why}"))
-        for flight in flights:
-            _end_here(flight, FinishReason.ERROR, f"{ENGINE_DOWN}: {why}")
+        self._end_all(f"{ENGINE_DOWN}: {why}")
         if self.on_stop is not None:
             try:
                 self.on_stop(why)
             except Exception:
                 log.exception("the engine's on_stop failed")
         return True
+
+    def _end_all(self, error: str) -> None:
+        """Fail every request and call in flight with ``error``."""
+        with self._lock:
+            flights, self._flights = list(self._flights.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        for future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosed(error))
+        for flight in flights:
+            _end_here(flight, FinishReason.ERROR, error)
 
     def _died(self, why: str | None) -> None:
         """The pipe ended: the child is gone (or killed just now). Its descriptors here are
@@ -530,14 +532,7 @@ class ProcessEngine:
         self._outbox.put(None)
         self._release()
         if self._closing:  # close(): what the child did not answer ends as closed
-            with self._lock:
-                flights, self._flights = list(self._flights.values()), {}
-                calls, self._calls = list(self._calls.values()), {}
-            for future in calls:
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(EngineClosed("the engine is closed"))
-            for flight in flights:
-                _end_here(flight, FinishReason.ERROR, "the engine is closed")
+            self._end_all("the engine is closed")
             return
         why = why or f"the engine process {exit_words(self._process.exitcode)}"
         if self._stop(why):

@@ -100,10 +100,6 @@ class ThreadEngine:
     # --- what the step's engine answers --------------------------------------------------------
 
     @property
-    def config(self) -> EngineConfig:
-        return self.engine.config
-
-    @property
     def decodable_vocab(self) -> int | None:
         return self.engine.decodable_vocab
 
