@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test demo docs typecheck clean chromium postgresql
+.PHONY: venv test test-fast demo docs typecheck clean chromium postgresql
 
 $(BIN)/.runtime: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,11 @@ postgresql:
 test: venv chromium postgresql
 	$(BIN)/mypy --strict src
 	PIPELINE_REQUIRE_BROWSER=1 PIPELINE_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The inner loop: the files marked `fast` (tests/conftest.py's FAST), every package touched,
+# under a minute on two cores. `make test` still runs everything.
+test-fast: venv
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m fast
 
 # The API reference, generated from the docstrings by pdoc (offline) into build/api/.
 docs: venv

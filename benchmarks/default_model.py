@@ -105,7 +105,7 @@ def _child_ours(kind: str, threads: int, runs: int, model: str | None = None,
 
     torch.set_num_threads(threads)
     from pipeline import build
-    from pipeline.types import Request
+    from pipeline.contracts.request import Request
 
     def ids_request(ids: list[int], **config: Any) -> Request:
         return Request(prompt_ids=ids, generation_config=config)
@@ -240,7 +240,7 @@ def _run_peak_mb(threads: int, model: str | None = None) -> float:
     """Peak RSS (MB) of ``pipeline run`` answering one line with the defaults (on ``model``;
     None: the default model)."""
     return peak_mb([sys.executable, "-c", "import sys, torch; "
-                    "torch.set_num_threads(int(sys.argv[1])); from pipeline import cli; "
+                    "torch.set_num_threads(int(sys.argv[1])); from transports import cli; "
                     "sys.exit(cli.main(sys.argv[2:]))", str(threads), "run", "--max-tokens",
                     "16", "--temperature", "0", *(["--model", model] if model else []),
                     "Say hello."])

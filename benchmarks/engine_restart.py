@@ -37,7 +37,7 @@ from pipeline.runtime.parent import ProcessEngine
 from pipeline.runtime.wire import EngineRecipe
 from pipeline.pipe import Pipeline
 from transports.http import Gateway, ServerConfig, create_app
-from transports.http.timeouts import uvicorn_config
+from transports.http.server.timeouts import uvicorn_config
 
 NO_EOS = {"stoppers": ["max_tokens", "stop_strings", "deadline"], "replace_stoppers": True}
 
@@ -113,7 +113,7 @@ def main() -> None:
                               data_dir=Path(tmp), num_slots=max(4, args.streams),
                               restart_delay_s=0.0)
         gateway = Gateway(config, builder)
-        gateway.load(wait=True)
+        gateway.loader.load(wait=True)
         server = uvicorn.Server(uvicorn_config(create_app(gateway), "127.0.0.1", 0, "error",
                                                config.timeouts, "httptools"))
         thread = threading.Thread(target=server.run, daemon=True)

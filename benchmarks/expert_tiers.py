@@ -44,7 +44,7 @@ import torch
 
 from backends.torch.backend import TorchBackend
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 from random_checkpoint import random_qwen3
 
 def random_moe(folder: Path, layers: int, experts: int) -> Path:

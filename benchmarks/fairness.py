@@ -33,7 +33,7 @@ from typing import Any
 
 from pipeline import build
 from pipeline.engine import EngineConfig
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 
 CONFIGS: dict[str, EngineConfig] = {
     "paced": EngineConfig(),

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from pipeline import Grammar, build
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.structured import GrammarProcessor
 
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -66,9 +66,9 @@ def decode_step(pipe: Any, batch: int, tokens: int) -> float:
 
 def kinds(tok: Any) -> list[tuple[str, Grammar, str, tuple[int, ...]]]:
     """(name, grammar, a valid output, forced prefix ids) per constraint kind."""
-    from pipeline.tool_choice import special_marker
-    from pipeline.types import ToolSpec
-    from stages.structured.tools import HermesCalls
+    from pipeline.contracts.request import ToolSpec
+    from pipeline.tools.choice import special_marker
+    from pipeline.tools.grammars import HermesCalls
 
     words = [f"option number {i}" for i in range(24)]
     tool = ToolSpec("get_weather", "Weather", {"type": "object", "required": ["city", "unit"],

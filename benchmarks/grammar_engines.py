@@ -65,8 +65,8 @@ FOOTPRINT = {"xgrammar": ["xgrammar", "apache-tvm-ffi", "transformers", "triton"
 
 def _tokenizers(smoke: bool = False) -> dict[str, HFTokenizer]:
     """The three tokenizers (``smoke``: the tiny model's alone)."""
-    from backends.gguf.file import GGUFFile
-    from backends.gguf.tokenizer import gguf_tokenizer
+    from pipeline.gguf_file import GGUFFile
+    from stages.gguf import gguf_tokenizer
     from pipeline.model_paths import TINY_MODEL_DIR, resolve_model
 
     if smoke:

@@ -44,7 +44,7 @@ import torch
 
 from pipeline import build
 from pipeline.pipe import Pipeline
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 from transports.sse import SSEDecoder, SSEEvent
 
 RESULTS = Path(__file__).parent / "results" / "http_load.json"
@@ -178,7 +178,7 @@ def start_server(port: int, data_dir: str, slots: int, threads: int,
                  model: str | None = None) -> subprocess.Popen[bytes]:
     """``pipeline serve`` of ``model`` (None: the default model) on ``port``, once healthy."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
+        [sys.executable, "-m", "transports.cli", "serve", "--host", "127.0.0.1", "--port",
          str(port), "--data-dir", data_dir, "--slots", str(slots), "--max-queue", "512",
          *(["--model", model] if model else [])],
         env={**os.environ, "PIPELINE_API_KEYS": "", "OMP_NUM_THREADS": str(threads)})

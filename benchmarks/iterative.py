@@ -58,7 +58,8 @@ from iterative_bounds import ar_held_out, ar_nll, held_out_conversations, masked
 from pipeline import build
 from pipeline.events import Event
 from pipeline.model_paths import TINY_MASKED_MODEL_DIR, TINY_MODEL_DIR, generation_marker
-from pipeline.types import Completion, GenerationConfig
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import GenerationConfig
 
 PROMPTS = (
     "What is the json module?", "Explain the with statement.", "What does os.path.join do?",

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import Attention, ModelCall
+from pipeline.contracts.model import Attention, ModelCall
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLD_OUT_EVERY = 50  # scripts/train_default_model.py: conversation i is held out when i % 50 == 49
@@ -56,7 +56,7 @@ CORPUS_SEED = 1234   # the seed both training scripts build the conversations wi
 
 
 class ForwardBackend(Protocol):
-    """What these measurements need of a backend (a subset of ``pipeline.protocols.Backend``)."""
+    """What these measurements need of a backend (a subset of ``pipeline.contracts.model.Backend``)."""
 
     vocab_size: int
 

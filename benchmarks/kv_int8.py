@@ -35,7 +35,7 @@ import torch
 from backends.torch.backend import position_bytes
 from pipeline import build
 from pipeline.pipe import Pipeline
-from pipeline.protocols import ModelCall
+from pipeline.contracts.model import ModelCall
 
 SUBJECTS = ("cats", "the sea", "prime numbers", "music", "trees", "rain", "bread", "stars",
             "rivers", "glass", "winter", "bridges", "bees", "clocks", "paper", "salt", "wind",

@@ -87,7 +87,7 @@ def run(model: str, seeds: int, max_tokens: int, slots: int, names: Sequence[str
         limit: int | None = None, progress: bool = False) -> dict[str, Any]:
     """Every candidate over every prompt and seed (greedy candidates once)."""
     from pipeline import build
-    from pipeline.types import FinishReason
+    from pipeline.contracts.output import FinishReason
 
     table = candidates()
     ENDED = {FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING}

@@ -226,7 +226,7 @@ def app_refusal_ms(n: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         gateway = Gateway(ServerConfig(models={"default": TINY_MODEL_DIR}, data_dir=Path(tmp),
                                        num_slots=1, max_queue=0))
-        gateway.load(wait=True)
+        gateway.loader.load(wait=True)
         app = create_app(gateway)
         served = gateway.models["default"]
         served.inflight = 1  # its one place taken: the app sees a full model
@@ -259,7 +259,7 @@ def start_server(args: argparse.Namespace, port: int, data_dir: str,
                  log: Any) -> subprocess.Popen[bytes]:
     """``pipeline serve`` on ``port`` with the benchmark's limits, once healthy."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
+        [sys.executable, "-m", "transports.cli", "serve", "--host", "127.0.0.1", "--port",
          str(port), "--data-dir", data_dir, "--slots", str(args.slots), "--max-queue",
          str(args.max_queue), *(["--model", args.model] if args.model else []),
          *args.server_args],

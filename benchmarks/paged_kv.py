@@ -2,7 +2,7 @@
 
 For the tiny model (``build("tiny")``) and the default model (SmolLM2-135M, GGUF), batch 1 and
 batch 8, greedy decode of ``--new`` tokens after a ``--prompt``-token prompt, timed at the
-backend (one ``forward`` of one :class:`~pipeline.protocols.ModelCall` per sequence per step,
+backend (one ``forward`` of one :class:`~pipeline.contracts.model.ModelCall` per sequence per step,
 the shape every engine step has), in these layouts of the KV memory:
 
 - ``slot``: no block tables; the backend reserves a contiguous window per slot (what the
@@ -63,7 +63,7 @@ def child(model: str, prompt_len: int, new: int, repeats: int, threads: int) -> 
     import torch
 
     from pipeline import build
-    from pipeline.protocols import ModelCall
+    from pipeline.contracts.model import ModelCall
 
     torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
@@ -94,7 +94,7 @@ def _decode_rates(backend: Any, mode: str, prompts: list[tuple[int, ...]], new: 
                   repeats: int) -> dict[str, float]:
     """Prefill all prompts once, then time ``new`` greedy steps at batch 1 and 8,
     ``repeats`` times each (truncating back to the prompt in between): best tokens/s."""
-    from pipeline.protocols import ModelCall
+    from pipeline.contracts.model import ModelCall
 
     slots = [backend.allocate() for _ in prompts]
     tables = _Tables(backend, mode, slots, len(prompts[0]), new * repeats + 1)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import ModelCall, PrefillChunk
+from pipeline.contracts.model import ModelCall, PrefillChunk
 from random_checkpoint import random_qwen3
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.process.chain import ProcessorChain
 from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
 

@@ -41,11 +41,12 @@ from transformers.generation.logits_process import (
     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Batch, Row
-from pipeline.types import GenerationConfig
+from pipeline.contracts.forcing import Forcing
+from pipeline.contracts.decode import Batch, Row
+from pipeline.contracts.request import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
-from stages.select import AutoregressiveStrategy, SamplingSelector
+from stages.select import SamplingSelector
+from stages.strategies import AutoregressiveStrategy
 
 VOCAB = 151_936
 SMOKE_VOCAB = 4096

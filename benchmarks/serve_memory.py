@@ -58,7 +58,7 @@ def rss_mb(pid: int) -> float:
 
 def start(model: str, port: int, data: str, max_context: int, invariant: str,
           env: dict[str, str]) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
+    args = [sys.executable, "-m", "transports.cli", "serve", "--host", "127.0.0.1", "--port",
             str(port), "--data-dir", data, "--slots", "16", "--max-queue", "64",
             "--max-context", str(max_context), "--batch-invariant", invariant]
     if model != "default":

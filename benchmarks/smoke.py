@@ -47,9 +47,10 @@ LIBRARIES = ("iterative_bounds", "moe_common", "random_checkpoint", "smoke")
 FOLDER_OUT = ("moe_tune",)
 """Scripts whose ``--out`` is a folder (the tuner writes a table file named by its key)."""
 PRELOAD = ("torch", "numpy", "pipeline", "pipeline.builder", "pipeline.pipe", "pipeline.engine",
-           "pipeline.trace", "pipeline.testing", "backends.torch.backend", "backends.gguf.file",
+           "pipeline.trace", "pipeline.testing", "backends.torch.backend", "pipeline.gguf_file",
            "backends.gguf.load", "stages.structured", "stages.process", "stages.select",
-           "transports.sse", "transports.http.app", "httpx", "jsonschema", "transformers",
+           "stages.strategies",
+           "transports.sse", "transports.http.server.app", "httpx", "jsonschema", "transformers",
            "transformers.generation.logits_process")
 """What the forking parent imports once (whichever are installed). Nothing that imports
 triton: the MoE scripts must set ``TRITON_INTERPRET`` before it loads."""

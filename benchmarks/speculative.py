@@ -57,10 +57,10 @@ import torch
 from backends.torch.backend import TorchBackend
 from pipeline import build
 from pipeline.engine.blocks import BlockManager
-from pipeline.protocols import ModelCall, PagedBackend
+from pipeline.contracts.model import ModelCall, PagedBackend
 from pipeline.trace import load
 from pipeline.trace.timeline import summary
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 
 RESULTS = Path(__file__).parent / "results" / "speculative.json"
 
@@ -152,7 +152,7 @@ def verify_cost(backend: Any, prompt: list[int], ks: list[int], iters: int
     """Median ms of a one-token decode and of a k + 1-token verifying call at the same
     cache length (alternating; each call is truncated away again).
 
-    Over a :class:`~pipeline.protocols.PagedBackend` the caller manages the KV blocks (once a
+    Over a :class:`~pipeline.contracts.model.PagedBackend` the caller manages the KV blocks (once a
     call has carried a block table, every call must): the sequence gets its blocks from a
     :class:`~pipeline.engine.blocks.BlockManager` of the backend's shape, and each call the first
     ones, covering the positions it writes, as the engine passes them. ``backend`` must be no

@@ -103,15 +103,16 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
     lap("import pipeline")
     import torch
 
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
-    from backends.gguf.tokenizer import gguf_renderer, gguf_tokenizer
     from backends.plugin import moe_function
     from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
+    from pipeline.gguf_file import GGUFFile
     from pipeline.model_paths import resolve_model
     from pipeline.options import BackendOptions
+    from stages.gguf import gguf_renderer, gguf_tokenizer
 
     lap("import the GGUF and torch backends")
     path = resolve_model(gguf).file
@@ -134,7 +135,7 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
     window = fitting_context(spec, 1, model.dtype, 1 << 30)
     backend = TorchBackend(model, f.snapshot, num_slots=1, max_context=window)
     lap("backend (KV pool)")
-    from pipeline.protocols import PrefillChunk
+    from pipeline.contracts.model import PrefillChunk
 
     ids = tok.encode_text("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
                           special=True)

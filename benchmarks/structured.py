@@ -30,7 +30,7 @@ import jsonschema
 
 from pipeline import Grammar, build
 from pipeline.errors import InvalidValueError
-from pipeline.types import ToolSpec
+from pipeline.contracts.request import ToolSpec
 
 COLLECTION = Path(__file__).resolve().parents[1] / "tests" / "schemas" / "collection.json"
 ASK = "Write one realistic example of the JSON object this describes: {name} ({category})."

@@ -86,7 +86,7 @@ def ours_generate(pipe: Any, prompts: list[list[int]], new: int) -> None:
 
 
 def _raw(ids: list[int]) -> Any:
-    from pipeline.types import Request
+    from pipeline.contracts.request import Request
 
     return Request(prompt=bytes(ids).decode("ascii"))  # ASCII bytes: one token each
 

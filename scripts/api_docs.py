@@ -39,10 +39,11 @@ import pdoc.extract
 import pdoc.render
 
 MODULES = (
-    "pipeline", "pipeline.types", "pipeline.errors", "pipeline.protocols", "pipeline.events",
+    "pipeline", "pipeline.contracts", "pipeline.errors", "pipeline.events",
     "pipeline.registry", "pipeline.hookspecs", "pipeline.model_paths", "pipeline.testing",
     "pipeline.trace",
-    "stages.render", "stages.tokenize", "stages.process", "stages.select", "stages.detokenize",
+    "stages.render", "stages.tokenize", "stages.process", "stages.select", "stages.strategies",
+    "stages.detokenize",
     "stages.stop", "backends.torch", "transports", "transports.http",
 )
 """Modules the reference covers; a package with ``__all__`` shows exactly those names."""
@@ -84,10 +85,13 @@ def module_names() -> list[str]:
 
 
 def _origins(module: object) -> dict[str, str]:
-    """For each name a ``from MODULE import name`` at the top of ``module``'s source brings
-    in, the module it comes from."""
+    """For each name a ``from MODULE import name`` at the top of ``module``'s source (or in
+    its ``if TYPE_CHECKING:`` block, as :mod:`pipeline`'s table) brings in, the module it comes
+    from."""
     found: dict[str, str] = {}
-    for node in ast.parse(inspect.getsource(module)).body:  # type: ignore[arg-type]
+    body = ast.parse(inspect.getsource(module)).body  # type: ignore[arg-type]
+    nodes = [*body, *(n for node in body if isinstance(node, ast.If) for n in node.body)]
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 found[alias.asname or alias.name] = node.module

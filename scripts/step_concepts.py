@@ -24,15 +24,15 @@ CONCEPTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("KV", "pipeline.engine.paging", ("KVMemory", "Paging", "SlotMemory")),
     ("KV blocks", "pipeline.engine.blocks", ("BlockManager",)),
     ("pacer", "pipeline.engine.pacing", ("Pacer",)),
-    ("strategy", "pipeline.protocols", ("Strategy",)),
-    ("plan", "pipeline.protocols", ("Plan", "PrefillChunk")),
-    ("model call", "pipeline.protocols", ("ModelCall",)),
-    ("backend", "pipeline.protocols", ("Backend",)),
-    ("rows", "pipeline.protocols", ("Row",)),
+    ("strategy", "pipeline.contracts.strategy", ("Strategy",)),
+    ("plan", "pipeline.contracts.strategy", ("Plan",)),
+    ("model call", "pipeline.contracts.model", ("ModelCall", "PrefillChunk")),
+    ("backend", "pipeline.contracts.model", ("Backend",)),
+    ("rows", "pipeline.contracts.decode", ("Row",)),
     ("update", "pipeline.engine.commit", ("Committer",)),
-    ("update", "pipeline.protocols", ("Update", "Taken")),
-    ("forcing", "pipeline.engine.forcing", ("Forcing",)),
-    ("delta", "pipeline.types", ("Delta",)),
+    ("update", "pipeline.contracts.strategy", ("Update", "Taken")),
+    ("forcing", "pipeline.contracts.forcing", ("Forcing",)),
+    ("delta", "pipeline.contracts.output", ("Delta",)),
 )
 """(concept, module, names): the processor chain and the selector are the strategy's, inside
 its ``update`` (docs/design.md §3)."""

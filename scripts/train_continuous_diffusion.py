@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import continuous_training as ct  # noqa: E402
 
-from stages.select.continuous.schedules import NoiseSchedule  # noqa: E402
+from stages.strategies.continuous.schedules import NoiseSchedule  # noqa: E402
 
 SCHEDULE = {"beta_schedule": "squaredcos_cap_v2", "num_train_timesteps": 1000}
 GENERATION = {"family": "continuous_diffusion", "strategy": "ddim", "block_length": 16,

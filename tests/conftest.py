@@ -29,9 +29,29 @@ SLOWEST_FIRST = (
 ``pytest --durations``); the rest follow in their usual order. Only the order changes."""
 
 
+FAST = (
+    # pipeline: the types, the registry, the engine over scripted backends, events, records
+    "test_types.py", "test_events.py", "test_registry.py", "test_layers.py", "test_engine.py",
+    "test_pacing.py", "test_prepared.py", "test_recording.py", "test_job_records.py",
+    # stages: processors, selectors, detokenizing, rendering, tool-call parsing
+    "test_processors.py", "test_selectors.py", "test_dry_penalty.py", "test_detokenize.py",
+    "test_render.py", "test_tool_parsers.py",
+    # backends: GGUF dequantization, the int8 KV cache
+    "test_gguf_quants.py", "test_kv_int8.py",
+    # transports: server-sent events, the Responses store, typed output parts
+    "test_sse.py", "test_responses_store.py", "test_output_parts.py",
+)
+"""The developer's inner loop (``make test-fast``, or ``pytest -m fast``): files that run in
+well under a minute together on two cores and touch every package. ``make test`` still runs
+everything; a file here is marked ``fast``, nothing else changes."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: keeps the rest
+    for item in items:
+        if item.path.name in FAST:
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="module")

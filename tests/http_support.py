@@ -18,7 +18,7 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
 from transports.http import Gateway, ServerConfig, Timeouts, create_app
-from transports.http.timeouts import HTTPImpl, uvicorn_config
+from transports.http.server.timeouts import HTTPImpl, uvicorn_config
 
 IM_START, IM_END, TOOL_RESPONSE = 1, 2, 6140
 TOOL_CALL_TEXT = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -31,7 +31,7 @@ def running(gateway: Gateway, wait: bool = True, *, timeouts: Timeouts | None = 
             http: HTTPImpl = "httptools") -> Iterator[str]:
     """Serve ``gateway`` on 127.0.0.1 (a free port) with the server's own uvicorn configuration;
     yields the base URL. ``wait``: start serving only once the models are loaded."""
-    gateway.load(wait=wait)
+    gateway.loader.load(wait=wait)
     server = uvicorn.Server(uvicorn_config(create_app(gateway), "127.0.0.1", 0, "error",
                                            timeouts or gateway.config.timeouts, http))
     thread = threading.Thread(target=server.run, daemon=True)

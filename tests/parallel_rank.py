@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from backends.torch.parallel import join_group, parallel_backend
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 
 PROMPTS = [[1, 5, 9, 17, 33, 64, 2, 7, 11, 3], [44, 45, 46]]
 

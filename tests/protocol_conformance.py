@@ -11,29 +11,29 @@ from pipeline import (
     Transport,
 )
 from pipeline import testing
-from pipeline.protocols import (
-    CacheInspector, DocumentEncoder, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
-    ToolCallParser, ToolCallReader,
+from pipeline.contracts.model import (
+    CacheInspector, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
 )
+from pipeline.contracts.text import DocumentEncoder, ToolCallParser, ToolCallReader
 from pipeline.tools import (
     AllowAll, FunctionTool, JsonlLedger, Ledger, MemoryLedger, Rules, ToolExecutor, ToolPolicy,
 )
-from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
-from stages import detokenize, process, render, select, stop, tokenize
+from pipeline.tools.formats import HermesParser, Llama3Parser, MistralParser
+from stages import detokenize, process, render, select, stop, strategies, tokenize
 from stages.structured import GrammarProcessor
 from backends.torch.backend import TorchBackend
-from stages.select.draft import DraftModelProposer
-from stages.select.proposers import NgramProposer, Proposer
-from stages.select.continuous.integrators import (
+from stages.strategies.draft import DraftModelProposer
+from stages.strategies.proposers import NgramProposer, Proposer
+from stages.strategies.continuous.integrators import (
     DiffusionIntegrator, FlowIntegrator, Integrator,
 )
-from stages.select.continuous.schedules import NoiseSchedule
-from stages.select.continuous.strategy import ContinuousStrategy
-from stages.select.continuous.updates import uniform_grid
-from stages.select.diffusion import (
+from stages.strategies.continuous.schedules import NoiseSchedule
+from stages.strategies.continuous.strategy import ContinuousStrategy
+from stages.strategies.continuous.updates import uniform_grid
+from stages.strategies.diffusion import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
 )
-from stages.select.speculative import SpeculativeStrategy
+from stages.strategies.speculative import SpeculativeStrategy
 from transports import AsyncioTransport, InProcessTransport
 
 
@@ -57,8 +57,8 @@ def conformance(tok: tokenize.HFTokenizer, torch_backend: TorchBackend) -> None:
         testing.BanTokenProcessor(3), GrammarProcessor(tok)]
     selectors: list[Selector] = [select.GreedySelector(), select.SamplingSelector(),
                                  testing.ScriptedSelector(lambda row: 0)]
-    strategy: Strategy = select.AutoregressiveStrategy(process.ProcessorChain(processors),
-                                                       selectors[0])
+    strategy: Strategy = strategies.AutoregressiveStrategy(process.ProcessorChain(processors),
+                                                           selectors[0])
     stoppers: list[Stopper[Any]] = [stop.make_stopper(n) for n in stop.DEFAULT_STOPPERS]
     stoppers.append(testing.TokenCountStopper(3))
     backend: Backend = testing.ScriptedBackend(10, testing.peaked(10, lambda t: 1))

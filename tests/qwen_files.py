@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.types import Message, ToolCall, ToolSpec
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
 from stages.render import HFChatTemplateRenderer
 from stages.tokenize import HFTokenizer
 

@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from pipeline import BackendOptions, build, cli
+from pipeline import BackendOptions, build
+from transports import cli
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.model_paths import TINY_MODEL_DIR
 
@@ -198,8 +199,8 @@ def test_pipeline_serve_refuses_them_before_serving(flags: list[str], says: str,
 def test_batch_invariance_is_on_for_cpu_unless_said_otherwise() -> None:
     import argparse
 
-    from pipeline.cli.run import backend_options
-    from transports.http.config import ServerConfig
+    from transports.http.server.config import ServerConfig
+    from transports.cli.run import backend_options
 
     assert BackendOptions().invariant is True
     assert BackendOptions(device="cuda:0").invariant is False  # parsing needs no GPU
@@ -227,7 +228,7 @@ def test_gguf_weights_stay_quantized_by_default_on_a_cpu_at_float32() -> None:
 def test_the_quantized_flag_reaches_the_options(flag: str, want: bool | None) -> None:
     import argparse
 
-    from pipeline.cli.run import add_backend, backend_options
+    from transports.cli.run import add_backend, backend_options
 
     parser = argparse.ArgumentParser()
     add_backend(parser)

@@ -187,7 +187,7 @@ def test_a_prompts_logits_do_not_depend_on_how_it_was_chunked(dtype: str) -> Non
     chunk of one token (a prefix-cache hit can leave one), beside a decoding sequence or alone,
     gives bit-identical logits at its last position."""
     from backends.torch.backend import TorchBackend
-    from pipeline.protocols import ModelCall, PrefillChunk
+    from pipeline.contracts.model import ModelCall, PrefillChunk
 
     with build("tiny", options=BackendOptions(dtype=dtype)) as p:
         engine: Any = p.engine.backend  # type: ignore[union-attr]

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from pipeline import build, cli
+from pipeline import build
+from transports import cli
 from pipeline.trace import check, load_all
 
 RUN = [sys.executable, "-m", "pipeline"]

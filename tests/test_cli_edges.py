@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from pipeline import build, cli
+from pipeline import build
+from transports import cli
 from pipeline.errors import ArtifactError
 
 RUN = [sys.executable, "-m", "pipeline"]
@@ -227,7 +228,7 @@ def test_serve_refuses_a_port_out_of_range_in_one_line_naming_the_flag(
 def test_serve_takes_every_port_the_system_takes(monkeypatch: pytest.MonkeyPatch,
                                                  value: int) -> None:
     import transports.http
-    from transports.http import logs
+    from transports.http.accounting import logs
 
     assert _a_port(value)
     asked: list[int] = []

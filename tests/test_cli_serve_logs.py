@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.types import FinishReason
+from pipeline.contracts.output import FinishReason
 
 RUN = [sys.executable, "-m", "pipeline", "serve", "--host", "127.0.0.1", "--port", "0"]
 KEY = "sk-test-logs"
@@ -321,6 +321,6 @@ def test_no_model_left_exits_with_one_line(tmp_path: Path) -> None:
     (7615616512, "7.1 GiB", "7.62B"), (3 * 2**40, "3.0 TiB", "3.3T"),
 ])
 def test_sizes_read_as_people_write_them(n: int, size: str, count: str) -> None:
-    from pipeline.protocols import human_bytes, human_count
+    from pipeline.contracts.model import human_bytes, human_count
 
     assert (human_bytes(n), human_count(n)) == (size, count)

@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pipeline import build, cli
-from pipeline.cli.strategy import add_strategy, served_choices, strategy_choice
+from pipeline import build
+from transports import cli
+from transports.cli.strategy import add_strategy, served_choices, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.model_paths import TINY_MASKED_MODEL_DIR
 from pipeline.strategy_choice import StrategyChoice

@@ -21,7 +21,7 @@ import torch
 from backends.torch.backend import TorchBackend
 from pipeline.errors import SlotError
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import Attention, EmbeddingInputs, ModelCall
+from pipeline.contracts.model import Attention, EmbeddingInputs, ModelCall
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from pipeline.errors import InvalidValueError
-from stages.select.continuous.integrators import (
+from stages.strategies.continuous.integrators import (
     BlockState, DiffusionIntegrator, FlowIntegrator, Integrator,
 )
-from stages.select.continuous.noise import gaussian
-from stages.select.continuous.schedules import NoiseSchedule
-from stages.select.continuous.updates import (
+from stages.strategies.continuous.noise import gaussian
+from stages.strategies.continuous.schedules import NoiseSchedule
+from stages.strategies.continuous.updates import (
     ddim_step, ddpm_step, integrate, uniform_grid,
 )
 

@@ -24,10 +24,11 @@ from pipeline import build
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
 from pipeline.trace import check, diff
-from pipeline.types import Completion, Recording
-from stages.select.continuous.noise import gaussian
-from stages.select.continuous.schedules import NoiseSchedule
-from stages.select.continuous.updates import ddim_step, ddpm_step, uniform_grid
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Recording
+from stages.strategies.continuous.noise import gaussian
+from stages.strategies.continuous.schedules import NoiseSchedule
+from stages.strategies.continuous.updates import ddim_step, ddpm_step, uniform_grid
 from test_continuous_backend import training_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -363,7 +364,7 @@ def test_trace_cli_checks_and_diffs_shipped_model_runs(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
     """``pipeline trace check`` / ``diff`` on JSONL traces of the shipped flow model."""
-    from pipeline import cli
+    from transports import cli
     from pipeline.events import event_line
 
     files = []

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from pipeline import FinishReason, build, cli
+from pipeline import FinishReason, build
+from transports import cli
 from pipeline.errors import ArtifactError
 from pipeline.model_paths import SMOLLM2_INSTALL, TINY_MODEL_DIR, smollm2_file
 

@@ -21,9 +21,10 @@ from pipeline import build
 from pipeline.pipe import Pipeline
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
 from pipeline.testing import ScriptedBackend, build_scripted
-from pipeline.types import DEFAULT_MAX_TOKENS, FinishReason, GenerationConfig
-from transports.http.common import ServerDefaults
-from transports.http.config import ServerConfig
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig
+from transports.http.dialects.common import ServerDefaults
+from transports.http.server.config import ServerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from answer_quality import faults  # noqa: E402
@@ -106,8 +107,8 @@ def test_the_servers_defaults_line_names_what_still_acts_when_greedy() -> None:
     """At temperature 0 the truncation fields skip the row (argmax-invariant processors) but
     the loop guard and the penalties do not (the chain's own ``order_for`` is the oracle)."""
     from pipeline.sampling_defaults import sampling_summary
-    from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
-    from pipeline.protocols import Row
+    from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
+    from pipeline.contracts.decode import Row
 
     config = GenerationConfig(temperature=0, top_p=0.9, dry_multiplier=0.8,
                               repetition_penalty=1.1)

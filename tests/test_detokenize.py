@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from pipeline.errors import TokenizerError
-from pipeline.protocols import Detokenizer
+from pipeline.contracts.text import Detokenizer
 from stages.detokenize import (
     ByteLevelDetokenizer, BytesState, IncrementalDetokenizer, WindowState, bytes_to_unicode,
 )

@@ -31,16 +31,17 @@ import torch
 from pipeline import build
 from pipeline.errors import ArtifactError, InvalidValueError, UnknownFieldError
 from pipeline.events import Event
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.model_paths import TINY_MASKED_MODEL_DIR, generation_marker
-from pipeline.protocols import Attention, Row
+from pipeline.contracts.decode import Row
+from pipeline.contracts.model import Attention
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_denoiser, \
     hashed_logits
 from pipeline.trace import check, diff
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from stages.process import make_processor
 from tests.trace_runs import edit
-from stages.select.diffusion import (
+from stages.strategies.diffusion import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
     MaskedDiffusionStrategy, uniforms,
 )

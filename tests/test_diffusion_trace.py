@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from pipeline.cli import main
+from transports.cli import main
 from pipeline.events import Event, JsonlSink
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_denoiser, \
     hashed_logits
 from pipeline.trace import check, diff
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from tests.trace_runs import edit, is_
 
 VOCAB = ByteTokenizer.VOCAB + 1

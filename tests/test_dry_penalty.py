@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.process.dry import MAX_MATCH, DryPenalty, repeat_penalties
 
 

@@ -16,9 +16,9 @@ import pytest
 
 from pipeline.errors import EngineClosed, RequestFailed
 from pipeline.events import Event
-from pipeline.protocols import Batch, Scores, Selection
+from pipeline.contracts.decode import Batch, Scores, Selection
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
-from pipeline.types import FinishReason
+from pipeline.contracts.output import FinishReason
 from stages.select import GreedySelector
 
 V = ByteTokenizer.VOCAB

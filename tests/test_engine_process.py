@@ -35,7 +35,7 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
 from tests.http_support import config, running
 from transports.http import Gateway, ServerConfig
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 NO_EOS = {"stoppers": ["max_tokens", "stop_strings", "deadline"], "replace_stoppers": True}
 """Stoppers without the end-of-sequence one: a request runs to its max_tokens, so it is
@@ -83,7 +83,7 @@ def test_cancelling_in_the_parent_stops_the_request_in_the_child(engine: Pipelin
 
 
 def test_an_engine_call_runs_on_the_childs_backend(engine: Pipeline) -> None:
-    from transports.http.embeddings_api import pooled
+    from transports.http.dialects.embeddings import pooled
 
     local = build(TINY_MODEL_DIR, options=BackendOptions(num_slots=1))
     try:
@@ -111,7 +111,7 @@ def test_what_cannot_cross_is_refused_at_the_door_and_the_engine_goes_on(engine:
     import datetime
 
     from pipeline.errors import InvalidValueError
-    from transports.http.embeddings_api import pooled
+    from transports.http.dialects.embeddings import pooled
 
     process = engine.engine
     assert isinstance(process, ProcessEngine)
@@ -253,7 +253,7 @@ def process_state(pid: int) -> str:
 
 
 def test_a_frozen_idle_child_is_unresponsive_by_the_engines_clock() -> None:
-    from pipeline.types import RuntimeLimits
+    from pipeline.contracts.request import RuntimeLimits
 
     now = [0]
     started = ProcessEngine.start(EngineRecipe(TINY_MODEL_DIR, BackendOptions(num_slots=2)),
@@ -452,8 +452,8 @@ def test_the_servers_engine_process_option_serves_from_a_child(tmp_path: Path) -
             e = httpx.post(f"{url}/v1/embeddings", timeout=60,
                            json={"model": "default", "input": "hello"})
             assert e.status_code == 200 and len(e.json()["data"][0]["embedding"]) == 192
-            gateway._release_in_children()  # what the watchdog does when traffic stops
-            from backends.torch.native_memory import release_free_memory
+            gateway.supervisor.release_in_children()  # what the watchdog does when traffic stops
+            from pipeline.process_memory import release_free_memory
             assert engine.call(release_free_memory).result(60) is True
             assert engine.alive
     finally:

@@ -26,7 +26,7 @@ from backends.torch.loader import read_config
 from pipeline.errors import InvalidValueError
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.options import BackendOptions
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -231,7 +231,7 @@ def test_a_fused_kernel_refuses_tiers() -> None:
 def test_the_cli_reads_sizes_and_refuses_nonsense() -> None:
     import argparse
 
-    from pipeline.cli.run import byte_size
+    from transports.cli.run import byte_size
 
     assert byte_size("512MiB") == 512 << 20
     assert byte_size("2GB") == 2 * 10**9
@@ -244,9 +244,10 @@ def test_the_cli_reads_sizes_and_refuses_nonsense() -> None:
 
 def test_a_gguf_files_quantized_expert_stacks_are_read_per_expert(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import GGUFExperts, load_weights
     from backends.torch.model import Transformer
+    from pipeline.gguf_file import GGUFFile
     from tests.test_gguf_model import _tiny_as_gguf
 
     path = _tiny_as_gguf(tmp_path / "tiny.gguf", expert_qtype=gguf.GGMLQuantizationType.Q8_0)
@@ -302,9 +303,10 @@ def test_the_command_line_and_the_server_take_the_expert_cap(
     import argparse
 
     import transports.http
-    from pipeline import cli
-    from pipeline.cli.run import add_backend, backend_options
-    from transports.http import ServerConfig, logs
+    from transports import cli
+    from transports.http import ServerConfig
+    from transports.http.accounting import logs
+    from transports.cli.run import add_backend, backend_options
 
     parser = argparse.ArgumentParser()
     add_backend(parser)

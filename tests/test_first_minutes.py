@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import build
-from pipeline.cli import commands as cli
+from transports.cli import commands as cli
 from pipeline.errors import (
     ArtifactError, InvalidValueError, UnknownKeywordError, UnknownNameError, plural,
 )

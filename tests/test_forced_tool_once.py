@@ -26,9 +26,10 @@ from pipeline import EngineConfig, build
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import GenerationConfig, TextPiece, ToolCallDelta, ToolCallEnd, ToolSpec
+from pipeline.contracts.output import TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.request import GenerationConfig, ToolSpec
+from pipeline.tools.formats import HermesParser, Llama3Parser, MistralParser
 from stages.tokenize import HFTokenizer
-from stages.toolcalls.formats import HermesParser, Llama3Parser, MistralParser
 from tests.http_support import IM_END, IM_START, TOOL_CALL_TEXT, config, running
 from transports.http import Gateway
 

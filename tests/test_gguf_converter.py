@@ -227,7 +227,7 @@ def test_a_converted_file_decodes_as_transformers_does(converted: dict[str, tupl
 
 
 def _raw(ids: list[int]) -> Any:
-    from pipeline.types import Request
+    from pipeline.contracts.request import Request
 
     return Request(prompt_ids=ids, recording="full", generation_config={
         "max_tokens": 12, "min_tokens": 12, "temperature": 0, "ignore_eos": True})

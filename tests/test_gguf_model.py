@@ -174,7 +174,7 @@ def test_not_a_gguf_file_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_a_truncated_file_names_the_file(tmp_path: Path) -> None:
-    from backends.gguf.file import GGUFFile
+    from pipeline.gguf_file import GGUFFile
 
     whole = _write(tmp_path / "whole.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"
@@ -184,7 +184,8 @@ def test_a_truncated_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_an_unknown_architecture_names_the_field_and_the_supported_ones(tmp_path: Path) -> None:
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
+    from pipeline.gguf_file import GGUFFile
 
     f = GGUFFile.open(_write(tmp_path / "gpt.gguf", arch="gptneox"))
     with pytest.raises(ArtifactError) as err:
@@ -195,8 +196,8 @@ def test_an_unknown_architecture_names_the_field_and_the_supported_ones(tmp_path
 
 
 def test_an_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path: Path) -> None:
-    from backends.gguf.file import GGUFFile
     from backends.gguf.load import dequantize_tensor
+    from pipeline.gguf_file import GGUFFile
 
     qtype = gguf.GGMLQuantizationType.IQ4_NL
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -307,7 +308,7 @@ def _tiny_as_gguf(path: Path, qtype: Any = None,
 def _logits(spec: Any, weights: Any, ids: list[int], products: Any = ()) -> torch.Tensor:
     from backends.torch.backend import TorchBackend
     from backends.torch.model import Transformer
-    from pipeline.protocols import PrefillChunk
+    from pipeline.contracts.model import PrefillChunk
 
     backend = TorchBackend(Transformer(spec, weights, pack=False, own_products=products), "x",
                            num_slots=1, max_context=64)
@@ -316,10 +317,11 @@ def _logits(spec: Any, weights: Any, ids: list[int], products: Any = ()) -> torc
 
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_a_qwen3_moe_gguf_loads_as_the_same_model(tmp_path: Path, qtype: str | None) -> None:
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.config import ModelSpec
     from backends.torch.loader import load_checkpoint
+    from pipeline.gguf_file import GGUFFile
     from pipeline.model_paths import TINY_MODEL_DIR
 
     kind = None if qtype is None else getattr(gguf.GGMLQuantizationType, qtype)
@@ -350,11 +352,12 @@ def attrs_equal(a: Any, b: Any) -> bool:
 def test_model_info_counts_quantized_matrices_at_their_encoded_size(tmp_path: Path) -> None:
     """Kept quantized, the Q8_0 attention matrices count their parameters as before and their
     bytes as GGML encodes them (blocks of 32 values: a float16 scale and 32 int8s)."""
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
+    from pipeline.gguf_file import GGUFFile
 
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
     spec = ModelSpec.from_hf_config(hf_config(f))
@@ -381,12 +384,13 @@ def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:
     # tiles), other rows on the int4 kernel (backends/torch/packed.py PromptRows): a prompt's
     # logits are the same bits whole, in uneven chunks, and beside a decoding sequence, and
     # agree with the dequantized float32 model to bfloat16's precision.
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import bfloat16_fast, load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
-    from pipeline.protocols import ModelCall
+    from pipeline.gguf_file import GGUFFile
+    from pipeline.contracts.model import ModelCall
 
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q4_0))
     spec = ModelSpec.from_hf_config(hf_config(f))
@@ -422,7 +426,7 @@ def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:
 
 
 def test_dropping_the_files_resident_pages_keeps_every_tensor_readable(tmp_path: Path) -> None:
-    from backends.gguf.file import GGUFFile
+    from pipeline.gguf_file import GGUFFile
 
     path = _tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
     f = GGUFFile.open(path)
@@ -453,9 +457,10 @@ def _mapped_kib(path: Path) -> int | None:
 
 def test_a_tensor_the_library_cannot_use_is_refused_naming_it_and_the_architecture(
         tmp_path: Path) -> None:
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.config import ModelSpec
+    from pipeline.gguf_file import GGUFFile
 
     extra = {"blk.0.attn_mystery.weight": np.ones((4, 4), dtype=np.float32)}
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "odd.gguf", extra=extra))
@@ -472,12 +477,13 @@ def test_kept_quantized_rows_of_a_multi_token_call_do_not_depend_on_a_prompt_bes
     # multi-token call that is not a prompt (draft verification, a diffusion block) take wide
     # tiles alone, and must take the same tiles when a prompt chunk shares the forward and its
     # rows go to the decoded matrix instead.
-    from backends.gguf.file import GGUFFile, hf_config
+    from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer
-    from pipeline.protocols import ModelCall
+    from pipeline.gguf_file import GGUFFile
+    from pipeline.contracts.model import ModelCall
 
     f = GGUFFile.open(_tiny_as_gguf(tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0))
     spec = ModelSpec.from_hf_config(hf_config(f))

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from backends.gguf.file import GGUFFile
 from backends.gguf.load import dequantize_tensor
+from pipeline.gguf_file import GGUFFile
 from pipeline import build
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 
 transformers = pytest.importorskip("transformers")
 

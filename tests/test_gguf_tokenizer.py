@@ -29,13 +29,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.gguf.tokenizer import (
+from pipeline.errors import TemplateError, TokenizerError
+from pipeline.contracts.text import Renderer, Tokenizer
+from pipeline.contracts.request import Message
+from stages.gguf import (
     PRE_TOKENIZERS, SUPPORTED_MODELS, gguf_renderer, gguf_tokenizer, tokenizer_config,
     tokenizer_json,
 )
-from pipeline.errors import TemplateError, TokenizerError
-from pipeline.protocols import Renderer, Tokenizer
-from pipeline.types import Message
 from stages.render import HFChatTemplateRenderer
 from stages.tokenize import HFTokenizer
 

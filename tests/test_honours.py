@@ -1,6 +1,6 @@
 """The capability model: what each strategy says it keeps of a request, checked at submit.
 
-Every built-in strategy declares :class:`~pipeline.protocols.Honours`. The oracle for a
+Every built-in strategy declares :class:`~pipeline.contracts.strategy.Honours`. The oracle for a
 declaration is the output itself, not the declaration: a strategy that says it keeps a forced
 prefix must begin its output with it, one that says it keeps logprobs must give one per
 token for the token it committed, one that says it keeps a grammar must end in text the
@@ -23,8 +23,8 @@ from pipeline.errors import InvalidValueError, RegistryError
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
 from pipeline.registry import Component
-from pipeline.types import GenerationConfig
-from stages.select.strategy import AutoregressiveStrategy
+from pipeline.contracts.request import GenerationConfig
+from stages.strategies.autoregressive import AutoregressiveStrategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,7 +128,7 @@ def test_a_strategy_that_declares_nothing_is_named() -> None:
 
 
 def test_build_takes_a_strategy_instance() -> None:
-    from stages.process.chain import DEFAULT_ORDER, ProcessorChain, make_processor
+    from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
     from stages.select.greedy import GreedySelector
 
     chain = ProcessorChain([make_processor(n) for n in DEFAULT_ORDER])

@@ -15,9 +15,8 @@ import pytest
 
 from pipeline.errors import InvalidValueError, RequestFailed, ValidationError
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits, peaked
-from pipeline.types import (
-    FinishReason, GenerationConfig, Message, Request, RuntimeLimits, ToolSpec,
-)
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import GenerationConfig, Message, Request, RuntimeLimits, ToolSpec
 
 V = ByteTokenizer.VOCAB
 EDGES = [5e-324, 1e-320, 1e-300, 1e-30, 1e-6, 1e-5, 0.0, -0.0, -1e-320, 0.5, 1.0, 2.0, 100.0,
@@ -167,7 +166,7 @@ def test_logit_bias_keys_must_be_ascii_token_ids(key: str) -> None:
 
 
 def test_server_limits_cannot_promise_more_stops_than_the_library_takes() -> None:
-    from transports.http.limits import Limits
+    from transports.http.server.limits import Limits
 
     assert Limits(max_stop=16).max_stop == 16
     with pytest.raises(InvalidValueError, match="library's own cap"):

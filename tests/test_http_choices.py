@@ -18,7 +18,7 @@ from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig
-from transports.http.limits import Limits
+from transports.http.server.limits import Limits
 
 ASK = [{"role": "user", "content": "Tell me about Python lists."}]
 

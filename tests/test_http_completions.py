@@ -24,7 +24,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from pipeline.builder import build
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.types import Completion, GenerationConfig, Request
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import GenerationConfig, Request
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig

@@ -25,7 +25,7 @@ from pipeline.builder import build
 from pipeline.errors import EngineClosed
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig
 

@@ -21,15 +21,18 @@ from transformers import AutoTokenizer
 
 from pipeline.builder import build
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.errors import AuthenticationError, ContextWindowError
+from pipeline.errors import ContextWindowError
+from transports.http.serving_errors import AuthenticationError
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import FinishReason, Rendered, Request, TokenizedPrompt
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
+from pipeline.contracts.text import Rendered, TokenizedPrompt
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig, load_api_keys
-from transports.http.gateway import token_upper_bound
-from transports.http.usage import read_records
+from transports.http.gateway.fit import token_upper_bound
+from transports.http.accounting.usage import read_records
 
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 _TOKENIZER = HFTokenizer.from_dir(TINY_MODEL_DIR)
@@ -57,7 +60,7 @@ def test_overload_then_disconnect_frees_the_slot_within_one_step(tmp_path: Path)
                                headers={"traceparent": TRACE}) as response:
                 lines = response.iter_lines()
                 assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data:")) >= 3
-                (flight,) = gateway.flights.values()
+                (flight,) = gateway.admission.flights.values()
                 assert flight.request.client_metadata["traceparent"] == TRACE
                 with pytest.raises(openai.RateLimitError, match="at capacity"):
                     openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0).chat.\
@@ -112,11 +115,11 @@ def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) ->
     for clamp in (True, False):
         gateway = Gateway(config(tmp_path / str(clamp), max_context=4096, context_slack=96,
                                  clamp_max_tokens=clamp), lambda f, c: pipe)
-        gateway.load(wait=True)
+        gateway.loader.load(wait=True)
         served = gateway.model("default")
         window = 4096 - 96
         before = CountingTokenizer.encodes
-        small = gateway.fit(served, Request.coerce("hello", generation_config={"max_tokens": 50}),
+        small = gateway.window_fit.fit(served, Request.coerce("hello", generation_config={"max_tokens": 50}),
                             max_tokens_given=True).request
         assert CountingTokenizer.encodes == before  # the bound sufficed: no tokenization
         assert small.generation_config.max_tokens == 50
@@ -124,21 +127,21 @@ def test_window_arithmetic_counts_exactly_only_near_the_limit(tmp_path: Path) ->
         n = exact(text)
         asked = Request.coerce(text, generation_config={"max_tokens": 3000})
         if clamp:
-            fitted = gateway.fit(served, asked, max_tokens_given=True).request
+            fitted = gateway.window_fit.fit(served, asked, max_tokens_given=True).request
             assert fitted.generation_config.max_tokens == window - n
             assert CountingTokenizer.encodes == before + 1
         else:
             with pytest.raises(ContextWindowError) as err:
-                gateway.fit(served, asked, max_tokens_given=True)
+                gateway.window_fit.fit(served, asked, max_tokens_given=True)
             assert (err.value.prompt_tokens, err.value.limit, err.value.requested) == (
                 n, window - n, 3000)
         opened = Request(prompt="<|im_start|>assistant\n<think>\n")
-        assert gateway.fit(served, opened, max_tokens_given=False).thinking
-        assert not gateway.fit(served, Request(prompt="<think>x</think>"), max_tokens_given=False).thinking
+        assert gateway.window_fit.fit(served, opened, max_tokens_given=False).thinking
+        assert not gateway.window_fit.fit(served, Request(prompt="<think>x</think>"), max_tokens_given=False).thinking
         huge = "word " * 5000
         with pytest.raises(ContextWindowError,
                            match=f"prompt is too long: {exact(huge)} tokens > {window - 1} maximum"):
-            gateway.fit(served, Request.coerce(huge), max_tokens_given=False)
+            gateway.window_fit.fit(served, Request.coerce(huge), max_tokens_given=False)
         gateway.close()
 
 
@@ -282,7 +285,7 @@ def test_a_non_stream_client_that_leaves_cancels_its_request(tmp_path: Path) -> 
         with pytest.raises(httpx.ReadTimeout):
             # long enough that a slow engine start (a fresh 2-core CI run) still yields tokens
             httpx.post(f"{url}/v1/chat/completions", json=chat(5000), timeout=2.0)
-        wait_for(lambda: not gateway.flights)
+        wait_for(lambda: not gateway.admission.flights)
         assert pipe.engine is not None and pipe.engine.active_slots == 0
         assert backend.busy_slots == 0
         wait_for(lambda: len(read_records(tmp_path / "usage.sqlite3")) == 1)
@@ -298,12 +301,12 @@ def test_api_keys_come_from_the_environment_and_a_file(tmp_path: Path,
     assert load_api_keys("TEST_KEYS", keys) == {"sk-env-1", "sk-env-2", "sk-file-1", "sk-file-2"}
     gateway = Gateway(config(tmp_path, api_keys=load_api_keys("TEST_KEYS")),
                       lambda f, c: endless_model()[0])
-    gateway.authenticate("Bearer sk-env-2", None)
-    gateway.authenticate(None, "sk-env-1")
+    gateway.keys.authenticate("Bearer sk-env-2", None)
+    gateway.keys.authenticate(None, "sk-env-1")
     for authorization, key in (("Bearer sk-file-1", None), ("Basic sk-env-1", None),
                                (None, None), (None, "sk-env-1x")):
         with pytest.raises(AuthenticationError):
-            gateway.authenticate(authorization, key)
+            gateway.keys.authenticate(authorization, key)
     gateway.close()
 
 

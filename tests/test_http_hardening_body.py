@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 from tests.http_support import config
 from transports.http import Gateway, create_app
-from transports.http.logs import REASON_CHARS
+from transports.http.accounting.logs import REASON_CHARS
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

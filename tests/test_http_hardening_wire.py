@@ -18,8 +18,8 @@ import pytest
 
 from tests.http_support import config, running
 from transports.http import Gateway
-from transports.http.limits import Limits
-from transports.http.wire import head_size
+from transports.http.server.limits import Limits
+from transports.http.server.wire import head_size
 
 LIMITS = Limits()
 READ_S = 10.0  # a server that neither answers nor closes within this fails the test

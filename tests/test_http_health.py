@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from pipeline.errors import failure_class
+from transports.http.serving_errors import failure_class
 from tests.http_support import config, fragile_model, running
 from transports.http import Gateway
 

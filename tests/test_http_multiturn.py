@@ -32,12 +32,12 @@ from transformers import AutoTokenizer
 from pipeline.builder import build
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 from pipeline.testing import ScriptedSelector
 from stages.tokenize import HFTokenizer
 from tests.http_support import ANSWER_TEXT, IM_END, TOOL_CALL_TEXT, TOOL_RESPONSE, config, running
 from transports.http import Gateway, ServerConfig
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 KEY = "sk-multiturn"
 BLOCK = 4

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from pipeline.engine.handle import RequestHandle
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
-from pipeline.types import Delta, FinishReason, ToolCallEnd
-from stages.toolcalls import HermesParser, judge
-from transports.http.inbox import batches
+from pipeline.contracts.output import Delta, FinishReason, ToolCallEnd
+from pipeline.tools.formats import HermesParser
+from pipeline.tools.scan import judge
+from transports.http.server.inbox import batches
 from pipeline.output_parts import OutputSplitter, Part, TextPart
 
 TEXT = ('<think>The user wants weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather",'
@@ -251,10 +252,10 @@ def test_both_dialects_stream_argument_fragments_as_the_text_arrives() -> None:
     """Fed one character per engine delta, the OpenAI chunks carry the call's id and name,
     then its arguments in fragments; Anthropic opens a tool_use block and streams
     input_json_delta fragments; both join to the call's arguments."""
-    from pipeline.types import Message, Request
-    from transports.http.anthropic_api import MessageStream
-    from transports.http.common import Parsed
-    from transports.http.openai_api import ChatStream
+    from pipeline.contracts.request import Message, Request
+    from transports.http.dialects.anthropic import MessageStream
+    from transports.http.dialects.common import Parsed
+    from transports.http.dialects.openai import ChatStream
 
     text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     parsed = Parsed("m", Request(messages=[Message("user", "hi")]), True, False, True)

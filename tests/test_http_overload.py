@@ -26,14 +26,14 @@ import openai
 import pytest
 
 from pipeline.pipe import Pipeline
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 from tests.http_support import config, endless_model, fragile_model, running
 from transports.http import Gateway, ServerConfig
-from transports.http.admission import (
+from transports.http.gateway.door import (
     LOADING_WAIT_S, RETRY_MAX_S, RETRY_MIN_S, Pace, Refusals, check_media_type, peek_models,
     place_wait_s, restart_wait_s,
 )
-from transports.http.errors import Dialect
+from transports.http.server.errors import Dialect
 
 CHAT = {"model": "default", "max_tokens": 8,
         "messages": [{"role": "user", "content": "hi"}]}
@@ -239,13 +239,13 @@ def test_the_queue_wait_has_a_default_bound_on_every_request() -> None:
 
 def test_fit_gives_each_request_the_servers_queue_bound(tmp_path: Path) -> None:
     gateway, _ = serve(tmp_path)
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     try:
         served = gateway.model("default")
-        fitted = gateway.fit(served, Request(prompt="hi"), max_tokens_given=False)
+        fitted = gateway.window_fit.fit(served, Request(prompt="hi"), max_tokens_given=False)
         assert fitted.request.runtime_limits.queue_timeout_s == 60.0
         own = Request(prompt="hi", runtime_limits={"queue_timeout_s": 5.0})
-        assert gateway.fit(served, own, max_tokens_given=False
+        assert gateway.window_fit.fit(served, own, max_tokens_given=False
                            ).request.runtime_limits.queue_timeout_s == 5.0
     finally:
         gateway.close()

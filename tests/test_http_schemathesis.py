@@ -42,7 +42,7 @@ from pipeline.builder import build
 from pipeline.pipe import Pipeline
 from tests.http_support import config, running, thinker_model, tool_model
 from transports.http import Gateway, ServerConfig, create_app
-from transports.http.openapi import openapi_document
+from transports.http.dialects.openapi import openapi_document
 
 KEY = "sk-schemathesis"
 JSON = "application/json"

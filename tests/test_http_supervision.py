@@ -29,12 +29,12 @@ from pipeline.runtime.parent import ProcessEngine
 from pipeline.errors import EngineClosed, InvalidValueError, RequestFailed, StepStillRunning
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import ModelCall
+from pipeline.contracts.model import ModelCall
 from pipeline.testing import ScriptedBackend, peaked
 from stages.tokenize import HFTokenizer
 from tests.http_support import config, running
 from transports.http import Gateway, ServerConfig
-from transports.http.usage import SPILL_FILE, UsageRecord, UsageStore, read_records
+from transports.http.accounting.usage import SPILL_FILE, UsageRecord, UsageStore, read_records
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -363,7 +363,7 @@ def test_a_client_that_leaves_frees_its_admission_place_before_the_next_step(
             wait_for(lambda: served.inflight == 0)
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 later = pool.submit(ask, url, 1, False)
-                wait_for(lambda: len(gateway.flights) == 2 or later.done())
+                wait_for(lambda: len(gateway.admission.flights) == 2 or later.done())
                 backend.block.clear()
                 backend.release_gate.set()
                 assert later.result(timeout=60)[0] == 200
@@ -435,9 +435,9 @@ def answer_all(gateway: Gateway, url: str) -> dict[str, tuple[float, object]]:
 
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         futures = {name: pool.submit(answered, ask) for name, ask in requests.items()}
-        wait_for(lambda: len(gateway.flights) == len(requests) or any(
+        wait_for(lambda: len(gateway.admission.flights) == len(requests) or any(
             f.done() for f in futures.values()))
-        gateway.config = attrs.evolve(gateway.config, stall_timeout_s=1.5)
+        gateway.supervisor.config = attrs.evolve(gateway.config, stall_timeout_s=1.5)
         switched = time.monotonic()
         return {name: (f.result(timeout=120)[0] - switched, f.result()[1])
                 for name, f in futures.items()}

@@ -22,7 +22,7 @@ import pytest
 from pipeline.builder import build
 from pipeline.pipe import Pipeline
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import Message
+from pipeline.contracts.request import Message
 from qwen_files import IM_END, IM_START, oracle_render, qwen_dir, tokenizer
 from tests.http_support import config, running
 from transports.http import Gateway, ServerConfig

@@ -16,15 +16,16 @@ import httpx
 import openai
 import pytest
 
-from pipeline import cli
+from transports import cli
 from pipeline.builder import build
-from pipeline.errors import InvalidValueError, TraceNotFoundError
+from pipeline.errors import InvalidValueError
+from transports.http.serving_errors import TraceNotFoundError
 from pipeline.events import MINIMAL_TIMELINE, Event, JsonlSink, digest_text, read_jsonl
 from pipeline.pipe import Pipeline
 from pipeline.trace import Trace, check, load_all
 from tests.http_support import config, endless_model, running
 from transports.http import Gateway, ServerConfig
-from transports.http.traces import TraceStore, encode, key_fingerprint
+from transports.http.accounting.traces import TraceStore, encode, key_fingerprint
 
 KEY_A, KEY_B = "sk-trace-a", "sk-trace-b"
 QUESTION = [{"role": "user", "content": "What is a trace?"}]
@@ -267,12 +268,12 @@ def test_the_store_keeps_a_requests_choices_as_one_request() -> None:
 def test_pipeline_serve_takes_keep_traces(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     import transports.http
-    from pipeline import cli
+    from transports import cli
 
     served: list[ServerConfig] = []
     monkeypatch.setattr(transports.http, "serve", lambda c, *args: served.append(c))
     # serve's logging would stay installed on this test's captured (soon closed) stderr
-    monkeypatch.setattr("transports.http.logs.configure", lambda *args, **kwargs: None)
+    monkeypatch.setattr("transports.http.accounting.logs.configure", lambda *args, **kwargs: None)
     assert cli.main(["serve", "--model", "tiny", "--keep-traces", "7"]) == 0
     assert [c.keep_traces for c in served] == [7]
     assert cli.main(["serve", "--model", "tiny", "--keep-traces", "-1"]) == 2

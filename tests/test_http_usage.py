@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.http_support import free_port
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 
 def client_loop(url: str, worker: int, completed: list[str], stop: threading.Event) -> None:
@@ -49,7 +49,7 @@ def test_sigkill_under_load_loses_no_completed_request(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port",
+        [sys.executable, "-m", "transports.cli", "serve", "--host", "127.0.0.1", "--port",
          str(port), "--data-dir", str(tmp_path), "--slots", "4"],
         env={**os.environ, "PIPELINE_API_KEYS": ""}, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)

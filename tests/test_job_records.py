@@ -22,13 +22,14 @@ from pipeline.grammar import Grammar
 from pipeline.engine.handle import RequestHandle
 from pipeline.engine.job import Job
 from pipeline.engine.job_spec import JobSpec
-from pipeline.protocols import StopContext
+from pipeline.contracts.text import StopContext
 from pipeline.testing import ByteDetokenizer, ByteTokenizer
 from pipeline.engine.text_state import TextState
-from pipeline.types import (
-    FinishReason, GenerationConfig, Message, Recording, Request, RuntimeLimits, TokenizedPrompt,
-    TokenLogprob, ToolCall, ToolChoice, ToolSpec,
+from pipeline.contracts.output import FinishReason, TokenLogprob
+from pipeline.contracts.request import (
+    GenerationConfig, Message, Recording, Request, RuntimeLimits, ToolCall, ToolChoice, ToolSpec,
 )
+from pipeline.contracts.text import TokenizedPrompt
 from stages.stop import EosStopper, MaxTokensStopper, StopStringStopper
 
 FULL_CONFIG = GenerationConfig(

@@ -106,7 +106,7 @@ def test_a_bad_cache_dtype_is_named() -> None:
 def test_the_command_line_and_the_server_take_the_cache_dtype(tmp_path: object) -> None:
     import argparse
 
-    from pipeline.cli.run import add_backend, backend_options
+    from transports.cli.run import add_backend, backend_options
     from transports.http import ServerConfig
 
     parser = argparse.ArgumentParser()

@@ -28,7 +28,7 @@ from pipeline.tools import (
     AllowAll, CallOutcome, Entry, FunctionTool, JsonlLedger, KeyedExecutor, Ledger,
     MemoryLedger, OutcomeLookup, Resolution, ToolBoundary, ToolExecutor, tool_spec,
 )
-from pipeline.types import ToolCall
+from pipeline.contracts.request import ToolCall
 
 KEY = "run-1/round-0/call-0"
 CALL = ToolCall("transfer", '{"to": "bob", "amount": 5}', "call_1")

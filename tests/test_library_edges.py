@@ -14,7 +14,7 @@ import pytest
 from pipeline import build
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.types import GenerationConfig, Message
+from pipeline.contracts.request import GenerationConfig, Message
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from pipeline.errors import InvalidValueError, UnknownFieldError
-from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Attention, Row
+from pipeline.contracts.forcing import Forcing
+from pipeline.contracts.decode import Row
+from pipeline.contracts.model import Attention
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_denoiser, \
     hashed_logits
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from stages.process import make_processor
-from stages.select.diffusion import (
+from stages.strategies.diffusion import (
     DiffusionSettings, DiscreteFlowStrategy, FastDllmStrategy, LladaStrategy,
     MaskedDiffusionStrategy, uniforms,
 )
-from stages.select.diffusion.rules import num_transfer_tokens
+from stages.strategies.diffusion.rules import num_transfer_tokens
 
 V = 16
 MASK = 15
@@ -374,7 +375,7 @@ def test_uniforms_are_uniform_and_uncorrelated() -> None:
 def test_the_prediction_is_llada_add_gumbel_noise_then_argmax(temperature: float) -> None:
     """LLaDA: ``logits.exp() / (-log u) ** T`` in float64, argmax; ours takes the logits
     already divided by T (the temperature processor) and the same uniforms."""
-    from stages.select.diffusion.rules import gumbel_argmax
+    from stages.strategies.diffusion.rules import gumbel_argmax
 
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     u = uniforms(3, 0, 5, (64, 50))

@@ -18,8 +18,9 @@ import torch
 from pipeline import build
 from pipeline.errors import InvalidValueError
 from pipeline.model_paths import TINY_MASKED_MODEL_DIR, generation_marker
-from pipeline.protocols import Attention, ModelCall
-from pipeline.types import FinishReason, GenerationConfig
+from pipeline.contracts.model import Attention, ModelCall
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import GenerationConfig
 
 QUESTION = [{"role": "user", "content": "What is a list comprehension?"}]
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_masked_diffusion.py"
@@ -193,7 +194,7 @@ def _paged(**options: object):  # type: ignore[no-untyped-def]
 
 
 def _masked_request(ids: list[int], n: int):  # type: ignore[no-untyped-def]
-    from pipeline.types import Request
+    from pipeline.contracts.request import Request
 
     return Request(prompt_ids=ids, generation_config={
         "max_tokens": n, "temperature": 0, "ignore_eos": True})
@@ -247,7 +248,7 @@ def test_cli_check_and_diff_on_the_model_s_traces(tmp_path: Path, capsys) -> Non
     own tokenizer; two runs with another number of steps part at the first pass."""
     import json
 
-    from pipeline.cli import main
+    from transports.cli import main
     from pipeline.events import JsonlSink
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"

@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = """
 import json, os
-from backends.torch.native_memory import bound_native_caches, release_free_memory
+from pipeline.process_memory import bound_native_caches, release_free_memory
 bounds = bound_native_caches(primitive_cache=64, mmap_threshold=128 * 1024)
 print(json.dumps({"onednn": os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"],
                   "ideep": os.environ["LRU_CACHE_CAPACITY"], "cache": bounds.primitive_cache,
@@ -44,9 +44,9 @@ def test_an_operators_own_capacity_is_kept() -> None:
 SHAPES = """
 import random
 from backends.torch.backend import TorchBackend
-from backends.torch.native_memory import bound_native_caches
+from pipeline.process_memory import bound_native_caches
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 bound_native_caches()
 backend = TorchBackend.from_dir(TINY_MODEL_DIR, num_slots=8, max_context=512, dtype="float32",
                                 batch_invariant=False)

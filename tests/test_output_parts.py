@@ -19,7 +19,7 @@ from pipeline import build
 from pipeline.engine.handle import RequestHandle
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.output_parts import OutputSplitter, joined
-from pipeline.types import Completion, Delta, Part, TextPart, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.output import Completion, Delta, Part, TextPart, ToolCallDelta, ToolCallEnd
 from tests.http_support import (
     TOOL_CALL_TEXT, config, endless_model, running, thinker_model, tool_model,
 )

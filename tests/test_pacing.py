@@ -14,7 +14,7 @@ from pipeline.errors import InvalidValueError
 from pipeline.engine.handle import RequestState
 from pipeline.engine.pacing import Pacer
 from pipeline.pipe import Pipeline
-from pipeline.protocols import ModelCall
+from pipeline.contracts.model import ModelCall
 from pipeline.testing import ScriptedBackend, build_scripted, hashed_logits
 
 V = 300

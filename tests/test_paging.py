@@ -19,7 +19,8 @@ from pipeline.errors import CapacityError
 from pipeline.engine.paging import Paging, Room
 from pipeline.pipe import Pipeline
 from pipeline.trace import check
-from pipeline.types import Completion, Request
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Request
 
 
 @pytest.fixture(scope="module")

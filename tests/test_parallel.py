@@ -26,7 +26,7 @@ from backends.torch.backend import TorchBackend
 from backends.torch.shard import Shard
 from pipeline.errors import ArtifactError
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 from tests.http_support import free_port
 from tests.parallel_rank import PROMPTS, greedy, prefilled
 

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
 from pipeline import build
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.process.chain import ProcessorChain
 from stages.process.penalties import (
     FrequencyPenalty, PresencePenalty, RepetitionPenalty, TokenCounts,

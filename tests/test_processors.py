@@ -18,8 +18,8 @@ from transformers.generation.logits_process import (
 )
 
 from pipeline.errors import InvalidValueError, UnknownNameError
-from pipeline.protocols import Batch, LogitProcessor, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.process import (
     DEFAULT_ORDER, PROCESSORS, AllowedTokens, BannedTokens, FrequencyPenalty, LogitBias, MinP,
     MinTokens, PresencePenalty, ProcessorChain, RepetitionPenalty, Temperature, TopK, TopP,

@@ -19,9 +19,9 @@ from pipeline import build
 from pipeline.errors import InvalidValueError
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import DocumentEncoder
+from pipeline.contracts.text import DocumentEncoder
 from pipeline.trace import check
-from pipeline.types import Request
+from pipeline.contracts.request import Request
 from stages.tokenize import HFTokenizer
 from tests.bos_tokenizer import bos_tokenizer_file
 

@@ -28,7 +28,7 @@ from pipeline.model_paths import TINY_MODEL_DIR
 from tests.http_support import free_port
 from tests.test_usage_postgres import Server, server  # noqa: F401  (the PostgreSQL fixture)
 from transports.http import ServerConfig
-from transports.http.usage_postgres import read_records
+from transports.http.accounting.usage_postgres import read_records
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -286,7 +286,7 @@ def replica_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     gateway = Gateway(ServerConfig(models={"default": TINY_MODEL_DIR},
                                    data_dir=tmp_path_factory.mktemp("front")))
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     try:
         yield create_app(gateway)
     finally:

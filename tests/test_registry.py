@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import build, cli
+from pipeline import build
+from transports import cli
 from pipeline.errors import PluginLoadError, UnknownNameError
 from pipeline.hookspecs import hookimpl
 from pipeline.registry import Registry

@@ -15,8 +15,9 @@ from qwen_files import CONVERSATIONS, oracle, oracle_render, qwen_dir, renderer
 from pipeline.errors import InvalidValueError, TemplateError
 from stages.render.spans import subtract
 from pipeline.events import digest_text
-from pipeline.protocols import Renderer
-from pipeline.types import Message, Rendered, SpanKind, ToolCall, ToolSpec
+from pipeline.contracts.text import Renderer
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
+from pipeline.contracts.text import Rendered, SpanKind
 from stages.render import HFChatTemplateRenderer, PlainRenderer
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from tests.http_support import config, polite_model, running
 from transports.http import Gateway, ServerConfig
-from transports.http.openapi import openapi_document
+from transports.http.dialects.openapi import openapi_document
 
 KEY, OTHER_KEY = "sk-maker", "sk-other"
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import SamplingSelector
 

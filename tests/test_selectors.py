@@ -11,14 +11,16 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Batch, Plan, Row, Scores, Selector, Strategy
-from pipeline.types import GenerationConfig
+from pipeline.contracts.forcing import Forcing
+from pipeline.contracts.decode import Batch, Row, Scores, Selector
+from pipeline.contracts.strategy import Plan, Strategy
+from pipeline.contracts.request import GenerationConfig
 from stages.process import DEFAULT_ORDER, ProcessorChain, make_processor
 from stages.select import (
-    SELECTORS, AutoregressiveStrategy, GreedySelector, SamplingSelector, uniform,
+    SELECTORS, GreedySelector, SamplingSelector, uniform,
 )
 from stages.select.rng import BELOW_ONE
+from stages.strategies import AutoregressiveStrategy
 
 
 def row(config: dict[str, Any], seed: int = 0, step: int = 1, stream: int = 0) -> Row:

@@ -27,15 +27,17 @@ from pipeline import RuntimeLimits, build
 from pipeline.engine import EngineConfig
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.events import Event
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.model_paths import TINY_MODEL_DIR
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, hashed_logits
 from pipeline.trace import check, diff, load
-from pipeline.types import Completion, GenerationConfig
+from pipeline.contracts.output import Completion
+from pipeline.contracts.request import GenerationConfig
 from stages.process import ProcessorChain
-from stages.select import SamplingSelector, SpeculativeStrategy
-from stages.select.proposers import NgramProposer
+from stages.select import SamplingSelector
+from stages.strategies import SpeculativeStrategy
+from stages.strategies.proposers import NgramProposer
 from trace_runs import edit, is_
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,15 +21,15 @@ import pytest
 import torch
 from scipy import stats
 
-from pipeline.engine.forcing import Forcing
-from pipeline.protocols import Row
+from pipeline.contracts.forcing import Forcing
+from pipeline.contracts.decode import Row
 from pipeline.testing import ScriptedBackend
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 from stages.process import ProcessorChain
 from stages.select import SamplingSelector
-from stages.select.draft import DraftModelProposer
-from stages.select.proposers import NgramProposer, Proposer
-from stages.select.speculative import SpeculativeStrategy
+from stages.strategies.draft import DraftModelProposer
+from stages.strategies.proposers import NgramProposer, Proposer
+from stages.strategies.speculative import SpeculativeStrategy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

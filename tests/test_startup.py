@@ -22,11 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from backends.gguf.file import GGUFFile, hf_config, read_gguf
+from backends.gguf.backend import hf_config
 from backends.gguf.load import load_weights
 from backends.gguf.quants import dequantize
 from backends.torch.config import ModelSpec
-from pipeline import build, cli
+from pipeline import build
+from pipeline.gguf_file import GGUFFile, read_gguf
+from transports import cli
 from pipeline.builder import load_tokenizer
 from pipeline.errors import ArtifactError
 from pipeline.model_paths import TINY_MODEL_DIR, smollm2_file

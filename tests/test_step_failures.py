@@ -33,16 +33,16 @@ from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.hookspecs import hookimpl
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from pipeline.registry import Component
 from pipeline.testing import ScriptedBackend, peaked
-from pipeline.types import FinishReason
+from pipeline.contracts.output import FinishReason
 from stages.detokenize.incremental import IncrementalDetokenizer
-from stages.select import AutoregressiveStrategy
+from stages.strategies import AutoregressiveStrategy
 from stages.tokenize import HFTokenizer
 from tests.http_support import config
 from transports.http import Gateway, create_app
-from transports.http.usage import read_records
+from transports.http.accounting.usage import read_records
 
 TOKENIZER = HFTokenizer.from_dir(TINY_MODEL_DIR)
 AT = TOKENIZER.encode_text("@")[0]
@@ -269,7 +269,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     order = iter(made.values())
     gateway = Gateway(config(data, api_keys={KEY}, models={name: TINY_MODEL_DIR for name in made}),
                       lambda folder, cfg: next(order))
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     with TestClient(create_app(gateway), raise_server_exceptions=False) as c:
         c.gateway = gateway  # type: ignore[attr-defined]
         yield c

@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import RegistryError, UnknownNameError
-from pipeline.protocols import StopContext, Stopper, StopVerdict
-from pipeline.types import FinishReason, GenerationConfig, Request, RuntimeLimits
+from pipeline.contracts.text import StopContext, Stopper, StopVerdict
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import GenerationConfig, Request, RuntimeLimits
 from stages.stop import (
     DEFAULT_STOPPERS, STOPPERS, DeadlineState, DeadlineStopper, EosState, EosStopper,
     MaxTokensStopper, StopperChain, StopStringState, StopStringStopper, make_stopper,

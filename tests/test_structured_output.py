@@ -18,11 +18,11 @@ import torch
 
 from pipeline import Grammar, ToolSpec, build
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Batch, Row, Scores
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.request import GenerationConfig
+from pipeline.tools.grammars import HermesCalls
 from stages.structured import GrammarProcessor
 from stages.structured.bitmask import apply_bitmask, unpack_bits
-from stages.structured.tools import tool_call_grammar
 from stages.tokenize import HFTokenizer
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.trace import check
@@ -177,14 +177,14 @@ def test_unsupported_schema_features_are_errors_that_name_them(tiny: Any) -> Non
     with pytest.raises(InvalidValueError, match="one of"):
         tiny.generate(ASK, json_schema=PERSON, json_object=True)
     with pytest.raises(InvalidValueError, match="tools\\[bad\\]"):
-        tool_call_grammar([ToolSpec("bad", "", {"type": "object", "if": {}})])
+        HermesCalls().forced([ToolSpec("bad", "", {"type": "object", "if": {}})], parallel=False)
 
 
 def test_a_required_tool_grammar_gives_a_valid_call(tiny: Any) -> None:
     tools = [ToolSpec("get_weather", "Weather", {
         "type": "object", "additionalProperties": False, "required": ["city", "unit"],
         "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]}}})]
-    grammar = tool_call_grammar(tools)
+    grammar = HermesCalls().forced(tools, parallel=False).grammar
     for seed in range(6):
         text = tiny.generate(ASK, tools=tools, grammar=grammar, max_tokens=64, seed=seed).text
         assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
@@ -210,7 +210,7 @@ def test_a_grammar_reads_back_from_the_recorded_config(tiny: Any) -> None:
 def test_a_prompt_that_opens_thinking_leaves_the_reasoning_free(tiny: Any) -> None:
     # the prompt ends in "<think>\n", as templates that start the reasoning write it; the
     # reasoning budget forces "</think>", after which the answer follows the schema
-    from pipeline.types import Request
+    from pipeline.contracts.request import Request
 
     tok = tiny.stages.tokenizer
     rendered = "<|im_start|>user\nDescribe a point.<|im_end|>\n<|im_start|>assistant\n<think>\n"
@@ -224,13 +224,11 @@ def test_a_prompt_that_opens_thinking_leaves_the_reasoning_free(tiny: Any) -> No
 
 
 def test_with_tools_and_a_format_both_openings_stay_allowed() -> None:
-    from stages.structured.tools import tools_grammar
-
     tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     tools = [ToolSpec("f", "", POINT)]
     proc = GrammarProcessor(tok)
     for answer, opening in ((Grammar.json_schema(POINT), "{"), (None, "Hello")):
-        config = GenerationConfig(grammar=tools_grammar(tools, answer))
+        config = GenerationConfig(grammar=HermesCalls().optional(tools, answer))
         row = Row("t" + opening, config, (1,), (), 1, 0, tok.eos_token_ids)
         out = proc(Scores(torch.zeros(1, tok.vocab_size)), Batch((row,), tok.vocab_size))
         finite = set((out.values[0] > float("-inf")).nonzero().flatten().tolist())

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.protocols import TokenIds, with_tokens
+from pipeline.contracts.decode import TokenIds, with_tokens
 
 ids = st.lists(st.integers(0, 50), max_size=12)
 

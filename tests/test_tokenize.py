@@ -16,8 +16,9 @@ from qwen_files import (
 
 from pipeline.errors import InvalidValueError, TokenizerError, ValidationError
 from pipeline.events import digest_text
-from pipeline.protocols import Tokenizer
-from pipeline.types import Message, Rendered, Span, SpanKind
+from pipeline.contracts.text import Tokenizer
+from pipeline.contracts.request import Message
+from pipeline.contracts.text import Rendered, Span, SpanKind
 from stages.tokenize import HFTokenizer
 
 

@@ -23,7 +23,7 @@ from pipeline.tools import (
     ToolExecutor, ToolPolicy, Verdict, tool_spec,
 )
 from pipeline.trace.check import check
-from pipeline.types import ToolCall
+from pipeline.contracts.request import ToolCall
 from trace_runs import append
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from pipeline import build
 from pipeline.errors import InvalidValueError
-from pipeline.types import Message, ToolCall, ToolSpec
+from pipeline.contracts.request import Message, ToolCall, ToolSpec
 from stages.render.hf_template import HFChatTemplateRenderer
 from tests.tool_templates import LLAMA31_CALLS, MISTRAL_V3_CALLS
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from pipeline import build, cli
+from pipeline import build
+from transports import cli
 from pipeline.events import Event, JsonlSink, event_line, read_jsonl
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
 from pipeline.tools import Decision, Rules

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from pipeline import build
-from pipeline.protocols import ToolCallParser, ToolCallReader
+from pipeline.contracts.text import ToolCallParser, ToolCallReader
 from pipeline.registry import BuildContext, Registry
-from pipeline.tools.parsing import choose_parser
-from pipeline.types import OutputPiece, TextPiece, ToolCall, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.output import OutputPiece, TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.request import ToolCall
+from pipeline.tools.formats import HermesParser, Llama3Parser, MistralParser, choose_parser
 from qwen_files import oracle as qwen_oracle
 from qwen_files import renderer as qwen_renderer
 from stages.render import HFChatTemplateRenderer
-from stages.toolcalls import HermesParser, Llama3Parser, MistralParser
 from tool_templates import LLAMA31_CALLS, MISTRAL_V3_CALLS, render_turn, tiny_oracle
 from pipeline.output_parts import OutputSplitter, TextPart
 

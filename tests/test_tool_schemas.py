@@ -1,7 +1,7 @@
 """A tool's ``parameters`` are checked as a JSON schema whatever the tool choice.
 
 A schema that is not one (``{"type": "nope"}``) or does not describe an object is refused at
-the door — by :class:`~pipeline.types.Request` in the library, with a 400 in each HTTP
+the door — by :class:`~pipeline.contracts.request.Request` in the library, with a 400 in each HTTP
 dialect — for ``tool_choice`` auto, none and required alike, naming the tool. Oracles:
 ``jsonschema``'s own meta-schema check decides which schemas are valid; the official SDKs
 parse the errors.
@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import Request, ToolSpec
+from pipeline.contracts.request import Request, ToolSpec
 from tests.http_support import config, running
 from transports.http import Gateway
 

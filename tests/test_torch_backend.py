@@ -24,7 +24,7 @@ from backends.torch.backend import TorchBackend
 from backends.torch.config import ModelSpec
 from backends.torch.moe import RoutingSpec, moe_forward
 from pipeline.errors import ArtifactError, CapacityError, InvalidValueError, SlotError
-from pipeline.protocols import Attention, Backend, ModelCall, PagedBackend, PrefillChunk
+from pipeline.contracts.model import Attention, Backend, ModelCall, PagedBackend, PrefillChunk
 from pipeline.testing import ScriptedBackend, peaked
 from tests.hf_weights import redraw
 
@@ -589,7 +589,7 @@ def test_model_info_counts_what_transformers_counts(arch: str,
     """Parameters as transformers counts them (a tied head once), the weights' bytes at the
     loaded dtype, packed copies only where packing happened, and the KV pool's bytes from the
     config's shape."""
-    from pipeline.protocols import ModelDescriber
+    from pipeline.contracts.model import ModelDescriber
 
     folder, model = checkpoints[arch]
     config = model.config

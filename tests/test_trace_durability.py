@@ -33,7 +33,7 @@ from pipeline.events import DURABILITY, Event, JsonlSink, Tracer, read_jsonl
 from pipeline.testing import ByteTokenizer, ScriptedBackend, build_scripted, peaked
 from pipeline.tools import AllowAll, JsonlLedger, Resolution, ToolBoundary, tool_spec
 from pipeline.trace.check import check
-from pipeline.types import ToolCall
+from pipeline.contracts.request import ToolCall
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 KEY = "run-1/round-0/call-0"

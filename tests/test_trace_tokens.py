@@ -22,7 +22,7 @@ from pipeline.builder import load_tokenizer
 from pipeline.events import digest_text, event_line
 from pipeline.trace import check, diff, load, show
 from pipeline.trace.commands import main
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 
 PROMPT = "hi"
 SAMPLING = {"temperature": 0.2, "max_tokens": 8}

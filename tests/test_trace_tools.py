@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from pipeline import build
-from pipeline.cli import main
+from transports.cli import main
 from pipeline.errors import TraceError
 from pipeline.events import JsonlSink
-from pipeline.protocols import PrefillChunk
+from pipeline.contracts.model import PrefillChunk
 from pipeline.trace import check, export_otel, load, show, to_perfetto, to_svg
 from trace_runs import QUESTION
 

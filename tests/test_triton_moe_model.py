@@ -27,7 +27,7 @@ from backends.torch.backend import TorchBackend  # noqa: E402
 from backends.triton_moe import TritonMoe  # noqa: E402
 from pipeline import build  # noqa: E402
 from pipeline.errors import BackendError, InvalidValueError  # noqa: E402
-from pipeline.protocols import PrefillChunk  # noqa: E402
+from pipeline.contracts.model import PrefillChunk  # noqa: E402
 
 COMMON: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=48,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

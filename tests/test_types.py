@@ -88,16 +88,10 @@ def test_public_names_are_pinned() -> None:
                     and issubclass(getattr(pipeline, name), BaseException))
     assert errors == sorted(pipeline.ERRORS)
     assert all(issubclass(getattr(pipeline, name), PipelineError) for name in errors)
-    assert sorted(set(pipeline.__all__) - set(errors)) == sorted([
-        "Attention", "Backend", "BackendOptions", "Batch", "BuildContext", "Completion",
-        "Component", "Delta", "Detokenizer", "EngineConfig", "Event", "EventSink",
-        "FinishReason", "Forcing", "GenerationConfig", "Grammar", "Honours", "LogitProcessor",
-        "Message", "ModelCall", "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered",
-        "Renderer", "Request", "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits",
-        "Scores", "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",
-        "StrategyChoice", "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
-        "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",
-        "Transport", "Update", "Usage", "build", "hookimpl"])
+    # one table: each name is exported from the module that defines it, not a re-export
+    for name, home in pipeline._HOMES.items():
+        value = getattr(pipeline, name)
+        assert getattr(value, "__module__", home) == home or not isinstance(value, type), name
     for name in pipeline.__all__:
         assert getattr(pipeline, name).__doc__, name
 
@@ -106,17 +100,21 @@ def test_every_error_a_caller_may_catch_is_exported() -> None:
     # the library's exception classes (those not raised by the HTTP server only)
     import pipeline.errors as errors
 
-    serving = {name for name, value in vars(errors).items() if isinstance(value, type)
-               and issubclass(value, errors.ServingError)}
     library = {name for name, value in vars(errors).items() if isinstance(value, type)
-               and issubclass(value, errors.PipelineError)} - serving
+               and issubclass(value, errors.PipelineError)}
     assert library == set(pipeline.ERRORS)
 
 
-def test_the_types_the_exported_protocols_name_are_exported() -> None:
-    # walk the annotations of every exported Protocol's methods: each class of the library's
-    # own modules they name (a strategy's Plan, Update, Taken; a backend's ModelCall) must be
-    # importable from `pipeline` itself
+ENGINE_HOOKS = {"Pipeline.job"}
+"""Public methods that exist for the engine runtime, not for callers: their types are the
+engine's own (``Job``, ``JobSpec``, ``Tracer``)."""
+
+
+def test_the_types_the_public_signatures_name_are_exported() -> None:
+    # walk the annotations of `build` and every exported class's public methods: each class of
+    # the library's own modules they name (a strategy's Plan, Update, Taken; a backend's
+    # ModelCall; what Pipeline.prepare returns; a Delta's parts) must be importable from
+    # `pipeline` itself
     import inspect
     import typing
 
@@ -128,43 +126,59 @@ def test_the_types_the_exported_protocols_name_are_exported() -> None:
 
     def namespace(home: str) -> dict[str, Any]:
         # the module's names, and those its TYPE_CHECKING block imports from the library
-        import pipeline.engine.forcing  # noqa: F401
+        import pipeline.contracts.forcing  # noqa: F401
         import torch
 
-        names: dict[str, Any] = {"torch": torch}
+        import threading
+        from pathlib import Path
+
+        import pipeline.tools.loop  # noqa: F401  (Pipeline.run's types)
+
+        names: dict[str, Any] = {"torch": torch, "threading": threading, "Path": Path}
         for module_name, module in list(sys.modules.items()):
             if module_name.startswith("pipeline.") and module is not None:
                 names.update({k: v for k, v in vars(module).items() if isinstance(v, type)
                               and getattr(v, "__module__", "") == module_name})
+                names.update({k: v for k, v in vars(module).items()  # aliases: Tool, Ask
+                              if typing.get_origin(v) is not None and k not in names})
         return {**names, **vars(sys.modules[home])}
 
     exported = {getattr(pipeline, name) for name in pipeline.__all__}
     missing = set()
+
+    def check(where: str, member: Any) -> None:
+        hints = typing.get_type_hints(member, namespace(member.__module__))
+        for cls in (c for h in hints.values() for c in named(h)):
+            home = getattr(cls, "__module__", "")
+            if home.startswith("pipeline.") and cls not in exported \
+                    and not home.startswith("pipeline.tools"):
+                missing.add(f"{where}: {cls.__qualname__} ({home})")
+
     for name in pipeline.__all__:
         value = getattr(pipeline, name)
-        if not (isinstance(value, type) and getattr(value, "_is_protocol", False)):
+        if inspect.isfunction(value):
+            check(name, value)
+        if not isinstance(value, type) or issubclass(value, BaseException) \
+                or not value.__module__.startswith("pipeline."):
             continue
+        if attrs.has(value):
+            check(name, value)  # the fields' annotations
         for attr, member in vars(value).items():
-            if attr.startswith("_") or not inspect.isfunction(member):
+            member = member.fget if isinstance(member, property) else member
+            member = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+            if attr.startswith("_") or not inspect.isfunction(member) \
+                    or f"{name}.{attr}" in ENGINE_HOOKS:
                 continue
-            hints = typing.get_type_hints(member, namespace(member.__module__))
-            for cls in (c for h in hints.values() for c in named(h)):
-                home = getattr(cls, "__module__", "")
-                if home.startswith("pipeline.") and cls not in exported \
-                        and not home.startswith("pipeline.tools"):
-                    missing.add(f"{name}.{attr}: {cls.__qualname__} ({home})")
-    assert not missing, sorted(missing)
+            check(f"{name}.{attr}", member)
+    assert not missing, "\n".join(sorted(missing))
 
 
 def test_request_options_name_every_keyword_generate_takes() -> None:
-    import inspect
-
-    from pipeline.pipe import Pipeline
+    from pipeline.pipe import REQUEST_KEYWORDS
     from pipeline.request_options import RequestOptions
 
     fields = {f.name for f in attrs.fields(GenerationConfig)}
-    own = {name for name, p in inspect.signature(Pipeline.request).parameters.items()
-           if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    own = set(REQUEST_KEYWORDS)
     assert set(RequestOptions.__annotations__) == fields | own
 
 

@@ -1,4 +1,4 @@
-"""The usage store on PostgreSQL (:mod:`transports.http.usage_postgres`), against a real server.
+"""The usage store on PostgreSQL (:mod:`transports.http.accounting.usage_postgres`), against a real server.
 
 The test starts its own PostgreSQL server from Debian's package (``initdb`` and ``postgres`` in
 a temporary directory, as the ``postgres`` user when run as root) and reads the rows back with
@@ -27,8 +27,8 @@ import pytest
 from pipeline.errors import InvalidValueError
 from tests.http_support import config, free_port, running
 from transports.http import Gateway, ServerConfig
-from transports.http.usage import UsageRecord, UsageStore
-from transports.http.usage_postgres import PostgresUsage, read_records, shown
+from transports.http.accounting.usage import UsageRecord, UsageStore
+from transports.http.accounting.usage_postgres import PostgresUsage, read_records, shown
 
 psycopg = pytest.importorskip("psycopg")
 

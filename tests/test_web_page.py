@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
-import transports.http
+import transports.http.page
 
 from pipeline.builder import build
 from pipeline.events import MINIMAL_TIMELINE, Event
@@ -158,7 +158,7 @@ def test_the_pages_scripts_are_served_here_and_pinned_by_their_integrity(base_ur
     html = httpx.get(f"{base_url}/").text
     manifest = json.loads(re.search(r'<script type="application/json" id="assets">(.*?)'
                                     r'</script>', html, flags=re.DOTALL).group(1))
-    web = Path(transports.http.__file__).parent / "web"
+    web = Path(transports.http.page.__file__).parent / "web"
     names = [entry["src"].removeprefix("/web/") for entry in manifest]
     assert names == ["purify.min.js", "marked.min.js", "highlight.min.js", "inspector.js",
                      "chat.js"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.types import Message, ToolCall
+from pipeline.contracts.request import Message, ToolCall
 
 TINY_DIR = Path(__file__).resolve().parents[1] / "src" / "pipeline" / "default_model"
 

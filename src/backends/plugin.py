@@ -103,32 +103,16 @@ def moe_function(choice: Any, folders: Sequence[Path]) -> Any:
 
 
 def _gguf_backend(ctx: BuildContext) -> Any:
-    from backends.gguf.factories import gguf_backend
+    from backends.gguf.backend import gguf_backend
 
     return gguf_backend(ctx)
 
 
-def _gguf_tokenizer(ctx: BuildContext) -> Any:
-    from backends.gguf.factories import gguf_tokenizer
-
-    return gguf_tokenizer(ctx)
-
-
-def _gguf_renderer(ctx: BuildContext) -> Any:
-    from backends.gguf.factories import gguf_renderer
-
-    return gguf_renderer(ctx)
-
-
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """The torch reference backend for Hugging Face checkpoints, and a GGUF file's tokenizer,
-    chat template and weights (on the same torch backend)."""
+    """The torch reference backend for Hugging Face checkpoints, and a GGUF file's weights
+    (on the same torch backend; its tokenizer and chat template are stages)."""
     return [Component("backend", "torch", _torch,
                       "torch reference for HF checkpoints (dense and MoE)"),
             Component("backend", "gguf", _gguf_backend,
-                      "a GGUF file's weights on the torch backend (dequantized at load)"),
-            Component("tokenizer", "gguf", _gguf_tokenizer,
-                      "a GGUF file's tokenizer (tokenizer.ggml.*) as a tokenizers BPE"),
-            Component("renderer", "gguf", _gguf_renderer,
-                      "a GGUF file's chat template (tokenizer.chat_template)")]
+                      "a GGUF file's weights on the torch backend (dequantized at load)")]

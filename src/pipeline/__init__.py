@@ -11,76 +11,91 @@ its module (``pipeline.events``, ``pipeline.testing``).
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.hookspecs import hookimpl  # pluggy alone: cheap, and its entry is documented here
 
+# The public face, in one table: each name below is exported (``__all__``) and imported from
+# its home on first use (PEP 562), so a command line that only parses its arguments, or prints
+# a line before it loads a model, does not wait for torch first. A type checker reads the block
+# as imports; at run time ``_HOMES`` and ``__all__`` are read from it.
 if TYPE_CHECKING:
-    from pipeline.builder import build
-    from pipeline.engine import EngineConfig
-    from pipeline.events import Event
-    from pipeline.grammar import Grammar
-    from pipeline.engine.handle import RequestHandle, RequestState
-    from pipeline.options import BackendOptions
-    from pipeline.pipe import Pipeline
+    from pipeline.builder import build as build
+    from pipeline.contracts.decode import (
+        Batch as Batch, LogitProcessor as LogitProcessor, Row as Row, Scores as Scores,
+        Selection as Selection, Selector as Selector, StatefulProcessor as StatefulProcessor,
+    )
+    from pipeline.contracts.forcing import Forced as Forced, Forcing as Forcing
+    from pipeline.contracts.model import (
+        Attention as Attention, Backend as Backend, ModelCall as ModelCall, ModelInfo as ModelInfo,
+        PagedBackend as PagedBackend, PrefillChunk as PrefillChunk,
+    )
+    from pipeline.contracts.output import (
+        Completion as Completion, Delta as Delta, FinishReason as FinishReason, Part as Part,
+        TextPart as TextPart, TextPiece as TextPiece, Timings as Timings,
+        TokenLogprob as TokenLogprob, ToolCallDelta as ToolCallDelta, ToolCallEnd as ToolCallEnd,
+        Usage as Usage,
+    )
+    from pipeline.contracts.request import (
+        GenerationConfig as GenerationConfig, Message as Message, Recording as Recording,
+        Request as Request, RuntimeLimits as RuntimeLimits, ToolCall as ToolCall,
+        ToolChoice as ToolChoice, ToolSpec as ToolSpec,
+    )
+    from pipeline.contracts.strategy import (
+        Honours as Honours, Plan as Plan, Strategy as Strategy, Taken as Taken, Update as Update,
+    )
+    from pipeline.contracts.text import (
+        Detokenizer as Detokenizer, Rendered as Rendered, Renderer as Renderer, Span as Span,
+        SpanKind as SpanKind, StopContext as StopContext, Stopper as Stopper,
+        StopVerdict as StopVerdict, TokenizedPrompt as TokenizedPrompt, Tokenizer as Tokenizer,
+        ToolCallParser as ToolCallParser, ToolCallReader as ToolCallReader,
+    )
+    from pipeline.contracts.transport import Transport as Transport
+    from pipeline.engine.loop import EngineConfig as EngineConfig
+    from pipeline.engine.handle import RequestHandle as RequestHandle, RequestState as RequestState
     from pipeline.errors import (
-        ArtifactError, BackendError, CapacityError, ContextWindowError, DeviceFault,
-        EngineClosed, InvalidValueError, InvariantViolation, LimitExceededError, OutOfBlocks, PipelineError,
-        PluginLoadError, RegistryError, RequestCancelled, RequestError, RequestFailed,
-        SlotError, StepStillRunning, TemplateError, TokenizerError, TraceError,
-        UnknownFieldError, UnknownKeywordError, UnknownNameError, ValidationError,
+        ArtifactError as ArtifactError, BackendError as BackendError,
+        CapacityError as CapacityError, ContextWindowError as ContextWindowError,
+        DeviceFault as DeviceFault, EngineClosed as EngineClosed,
+        InvalidValueError as InvalidValueError, InvariantViolation as InvariantViolation,
+        LimitExceededError as LimitExceededError, OutOfBlocks as OutOfBlocks,
+        PipelineError as PipelineError, PluginLoadError as PluginLoadError,
+        RegistryError as RegistryError, RequestCancelled as RequestCancelled,
+        RequestError as RequestError, RequestFailed as RequestFailed, SlotError as SlotError,
+        StepStillRunning as StepStillRunning, TemplateError as TemplateError,
+        TokenizerError as TokenizerError, TraceError as TraceError,
+        UnknownFieldError as UnknownFieldError, UnknownKeywordError as UnknownKeywordError,
+        UnknownNameError as UnknownNameError, ValidationError as ValidationError,
     )
-    from pipeline.events import EventSink
-    from pipeline.engine.forcing import Forcing
-    from pipeline.protocols import (
-        Attention, Backend, Batch, Detokenizer, Honours, LogitProcessor, ModelCall, Plan,
-        PrefillChunk, Renderer, Row, Scores, Selection, Selector, StopContext, Stopper, StopVerdict,
-        Strategy, Taken, Tokenizer, ToolCallParser, ToolCallReader, Transport, Update,
-    )
-    from pipeline.request_options import RequestOptions
-    from pipeline.strategy_choice import StrategyChoice
-    from pipeline.registry import BuildContext, Component
-    from pipeline.types import (
-        Completion, Delta, FinishReason, GenerationConfig, Message, Recording, Rendered,
-        Request, RuntimeLimits, TextPiece, TokenizedPrompt, TokenLogprob, ToolCall,
-        ToolCallDelta, ToolCallEnd, ToolSpec, Usage,
-    )
+    from pipeline.events import Event as Event, EventSink as EventSink
+    from pipeline.grammar import Grammar as Grammar
+    from pipeline.options import BackendOptions as BackendOptions
+    from pipeline.pipe import Pipeline as Pipeline
+    from pipeline.prepared import Prepared as Prepared
+    from pipeline.registry import BuildContext as BuildContext, Component as Component
+    from pipeline.request_options import RequestOptions as RequestOptions
+    from pipeline.strategy_choice import StrategyChoice as StrategyChoice
 
-ERRORS = (
-    "ArtifactError", "BackendError", "CapacityError", "ContextWindowError", "DeviceFault",
-    "EngineClosed", "InvalidValueError", "InvariantViolation", "LimitExceededError", "OutOfBlocks",
-    "PipelineError", "PluginLoadError", "RegistryError", "RequestCancelled", "RequestError",
-    "RequestFailed", "SlotError", "StepStillRunning", "TemplateError", "TokenizerError",
-    "TraceError", "UnknownFieldError", "UnknownKeywordError", "UnknownNameError",
-    "ValidationError",
-)
+
+def _table() -> dict[str, str]:
+    """Each public name and the module it lives in, read from the ``TYPE_CHECKING`` block."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    return {alias.name: node.module for node in block.body
+            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+
+
+_HOMES = _table()
+"""Where each public name lives."""
+
+ERRORS = tuple(sorted(name for name, home in _HOMES.items() if home == "pipeline.errors"))
 """The library's exception tree (:mod:`pipeline.errors`), rooted at :class:`PipelineError`:
 what a caller of :func:`build` and :class:`Pipeline` may catch. The HTTP server's own errors
-stay in :mod:`pipeline.errors`."""
-
-_HOMES = {
-    "build": "pipeline.builder", "EngineConfig": "pipeline.engine", "Event": "pipeline.events",
-    "Grammar": "pipeline.grammar", "RequestHandle": "pipeline.engine.handle",
-    "RequestState": "pipeline.engine.handle",
-    "BackendOptions": "pipeline.options", "Pipeline": "pipeline.pipe",
-    "BuildContext": "pipeline.registry", "Component": "pipeline.registry",
-    "EventSink": "pipeline.events", "Forcing": "pipeline.engine.forcing",
-    "RequestOptions": "pipeline.request_options", "StrategyChoice": "pipeline.strategy_choice",
-    **{name: "pipeline.errors" for name in ERRORS},
-    **{name: "pipeline.protocols" for name in (
-        "Attention", "Backend", "Batch", "Detokenizer", "Honours", "LogitProcessor", "ModelCall",
-        "Plan", "PrefillChunk", "Renderer", "Row", "Scores", "Selection", "Selector", "StopContext",
-        "Stopper", "StopVerdict", "Strategy", "Taken", "Tokenizer", "ToolCallParser",
-        "ToolCallReader", "Transport", "Update")},
-    **{name: "pipeline.types" for name in (
-        "Completion", "Delta", "FinishReason", "GenerationConfig", "Message", "Recording",
-        "Rendered", "Request", "RuntimeLimits", "TextPiece", "TokenizedPrompt", "TokenLogprob",
-        "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolSpec", "Usage")},
-}
-"""Where each public name lives. They are imported on first use (PEP 562), so a command
-line that only parses its arguments, or prints a line before it loads a model, does not
-wait for torch first."""
+live with the server (:mod:`transports.http.serving_errors`)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -98,15 +113,4 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Attention", "Backend", "BackendOptions", "Batch", "BuildContext", "Completion",
-    "Component", "Delta", "Detokenizer", "EngineConfig", "Event", "EventSink", "FinishReason",
-    "Forcing", "GenerationConfig", "Grammar", "Honours", "LogitProcessor", "Message", "ModelCall",
-    "Pipeline", "Plan", "PrefillChunk", "Recording", "Rendered", "Renderer", "Request",
-    "RequestHandle", "RequestOptions", "RequestState", "Row", "RuntimeLimits", "Scores",
-    "Selection", "Selector", "StopContext", "StopVerdict", "Stopper", "Strategy",
-    "StrategyChoice", "Taken", "TextPiece", "TokenLogprob", "TokenizedPrompt", "Tokenizer",
-    "ToolCall", "ToolCallDelta", "ToolCallEnd", "ToolCallParser", "ToolCallReader", "ToolSpec",
-    "Transport", "Update", "Usage", "build", "hookimpl",
-    *ERRORS,
-]
+__all__ = sorted([*_HOMES, "hookimpl"])

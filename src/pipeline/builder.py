@@ -22,32 +22,27 @@ from pipeline.model_paths import (
 )
 from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline, Stages
-from pipeline.protocols import (
-    Backend, Detokenizer, Honours, LogitProcessor, Renderer, RequestCheck, Selector, Stopper,
-    Strategy, Tokenizer, ToolCallParser, Transport,
-)
-from pipeline.registry import BuildContext, Registry
+from pipeline.contracts.decode import LogitProcessor, RequestCheck, Selector
+from pipeline.contracts.model import Backend
+from pipeline.contracts.strategy import Honours, Strategy
+from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
+from pipeline.contracts.transport import Transport
+from pipeline.registry import DEFAULT_ORDER, DEFAULT_STOPPERS, BuildContext, Registry
 from pipeline.runtime.thread import ThreadEngine
 from pipeline.sampling_defaults import for_build
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.tools.parsing import choose_parser
-from pipeline.types import Delta, GenerationConfig
+from pipeline.contracts.output import Delta
+from pipeline.contracts.request import GenerationConfig
+from pipeline.tools.formats import choose_parser
 
 AUTOREGRESSIVE_STRATEGIES = ("autoregressive", "speculative")
 """The built-in strategies that need an autoregressive model (no ``pipeline_generation``)."""
-DEFAULT_PROCESSORS = (
-    "grammar",
-    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "dry", "temperature", "top_k", "top_p", "min_p",
-    "typical_p",
-)
+DEFAULT_PROCESSORS = ("grammar", *DEFAULT_ORDER)
 """The built-in processors of the default chain, in order: ``grammar`` (built with the
-tokenizer, :mod:`stages.structured`), then ``stages.process.DEFAULT_ORDER``."""
+tokenizer, :mod:`stages.structured`), then :data:`~pipeline.registry.DEFAULT_ORDER`."""
 ADDED_PROCESSORS_BEFORE = "temperature"
 """Where ``build(processors=[...])`` inserts its processors: after every mask, bias and
 penalty, before temperature and truncation (see :func:`build`)."""
-DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
-"""The built-in stoppers, in order; ``build(stoppers=[...])`` adds after them."""
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -144,7 +139,7 @@ def build(
 
     ``strategy`` (a name, a :class:`~pipeline.strategy_choice.StrategyChoice` that also
     carries ``steps``, ``block_length`` and ``strategy_options``, or a
-    :class:`~pipeline.protocols.Strategy` instance, used as it is with its own chain: a
+    :class:`~pipeline.contracts.strategy.Strategy` instance, used as it is with its own chain: a
     request that reorders processors is then refused) says how tokens are generated:
     ``"autoregressive"`` (the default for an autoregressive model), ``"speculative"``, or an
     iterative sampler such as masked
@@ -158,7 +153,7 @@ def build(
 
     ``tool_parser`` names (or is) the reader of the model's tool calls (``"hermes"``,
     ``"llama3_json"``, ``"mistral"``); by default it is the format the chat template writes
-    (:func:`pipeline.tools.parsing.choose_parser`).
+    (:func:`pipeline.tools.formats.choose_parser`).
 
     ``async_transport`` names (or is) the bridge that delivers a request's deltas on an
     asyncio event loop: ``Pipeline.astream`` and the HTTP server's streams both go through it
@@ -180,26 +175,24 @@ def build(
     if model_file is not None and not is_gguf_file(model_file):
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
     given: Strategy | None = None
-    if strategy is not None and not isinstance(strategy, (str, StrategyChoice)):
-        if not isinstance(strategy, Strategy):
+    if strategy is not None and not isinstance(strategy, str):  # it comes configured
+        chosen = isinstance(strategy, StrategyChoice)
+        if not chosen and not isinstance(strategy, Strategy):
             raise InvalidValueError("strategy", type(strategy).__name__, "must be a strategy's "
                                     "name, a StrategyChoice or a Strategy instance")
         for field, value in (("steps", steps), ("block_length", block_length),
                              ("strategy_options", strategy_options)):
             if value is not None:
-                raise InvalidValueError(field, value, "configures a strategy build() makes; "
-                                        "a Strategy instance comes configured")
-        given, strategy = strategy, strategy.name
-    if isinstance(strategy, StrategyChoice):  # the choice as one value: it says it all
-        for field, value in (("steps", steps), ("block_length", block_length),
-                             ("strategy_options", strategy_options)):
-            if value is not None:
                 raise InvalidValueError(field, value, "is set by strategy=StrategyChoice(...); "
-                                                     "give it there")
+                                        "give it there" if chosen else "configures a strategy "
+                                        "build() makes; a Strategy instance comes configured")
+    if isinstance(strategy, StrategyChoice):  # the choice as one value: it says it all
         choice = strategy.build_args()
         steps, block_length = choice["steps"], choice["block_length"]
         named: str | None = choice["strategy"]
         strategy_options = choice["strategy_options"]
+    elif isinstance(strategy, Strategy):
+        given, named = strategy, strategy.name
     else:
         named = strategy
     name, strategy_settings = _strategy(model_dir, named, steps, block_length,
@@ -233,7 +226,7 @@ def build(
         request_checks=tuple(p for p in procs if isinstance(p, RequestCheck)),
     )
     model_backend = _backend(registry, context, backend)
-    context = attrs.evolve(context, backend=model_backend)
+    context = attrs.evolve(context, backend=model_backend, load_model=load_backend)
     make_strategy = (_as_maker(given) if given is not None
                      else cast(StrategyMaker, registry.create("strategy", name, context)))
     eng = None

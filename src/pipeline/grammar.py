@@ -2,7 +2,7 @@
 
 Owns the :class:`Grammar` value type carried by ``GenerationConfig.grammar``, its named
 constructors (a JSON schema, any JSON object, a grammar in llguidance's Lark dialect, as
-the tool-call grammars of :mod:`stages.structured.tools` are, or in EBNF, a regular expression,
+the tool-call grammars of :mod:`pipeline.tools.grammars` are, or in EBNF, a regular expression,
 a choice among strings), and its check: every
 ``Grammar`` that exists has been compiled once by the grammar engine (llguidance), so a
 schema feature the engine does not support (``if``/``then``, a dangling ``$ref``) is an
@@ -31,12 +31,13 @@ import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
-from urllib.parse import unquote
 
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.schema_compat import open_values_bounded, rewrite, without_unique
+from pipeline.schema_compat import (
+    escape_pointer, open_values_bounded, resolve_pointer, rewrite, subschemas, without_unique,
+)
 
 KINDS = ("json_schema", "json_object", "lark", "regex", "choice")
 """What a grammar's ``source`` is: a JSON schema (JSON text), nothing (any JSON object), a
@@ -75,7 +76,7 @@ class Grammar:
     """The output is tool calls that must differ: once a call repeats an earlier one of the
     output byte for byte, the output takes its shortest way to an end (the model is
     looping; the tool-call reader drops the repeat). Set by the tool-call grammars of
-    :mod:`stages.structured.tools` when several calls are allowed; a call there is a JSON
+    :mod:`pipeline.tools.grammars` when several calls are allowed; a call there is a JSON
     object at the top level or an item of a top-level array."""
 
     def __attrs_post_init__(self) -> None:
@@ -214,12 +215,6 @@ def after_thinking(engine_source: str, close: str) -> str:
 ENGINE_KEYS = ("x-guidance",)
 """Keys that set the grammar engine's own options when found in a schema: a caller's schema
 may not carry them (``{"x-guidance": {"lenient": true}}`` would turn validity off silently)."""
-_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-              "propertyNames", "unevaluatedProperties", "unevaluatedItems",
-              "additionalItems")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas", "dependencies")
 
 
 def annotations_dropped(schema: Any, field: str) -> Any:
@@ -240,22 +235,6 @@ def annotations_dropped(schema: Any, field: str) -> Any:
     return open_values_bounded(_tidy(schema, "", field, schema))
 
 
-def _subschemas(node: Mapping[str, Any], pointer: str
-                ) -> Iterator[tuple[str, str | int | None, str, Any]]:
-    """Each subschema of ``node`` in a schema position: ``(keyword, index or name within it,
-    JSON Pointer, subschema)``; a property *named* like a keyword is never one."""
-    for key, value in node.items():
-        at = f"{pointer}/{_escape(key)}"
-        if key in _SUBSCHEMA:
-            yield key, None, at, value
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            for i, item in enumerate(value):
-                yield key, i, f"{at}/{i}", item
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, Mapping):
-            for name, item in value.items():
-                yield key, name, f"{at}/{_escape(name)}", item
-
-
 def _tidy(node: Any, pointer: str, field: str, root: Any,
           siblings: Mapping[str, Any] | None = None, negated: bool = False) -> Any:
     if not isinstance(node, Mapping):
@@ -272,7 +251,7 @@ def _tidy(node: Any, pointer: str, field: str, root: Any,
         if not (key == "format" and isinstance(value, str) and not _engine_format(value))}
     props = node.get("properties") if isinstance(node.get("properties"), Mapping) else None
     around = props if props is not None else siblings   # the object's declared properties
-    for key, within, at, child in _subschemas(node, pointer):
+    for key, within, at, child in subschemas(node, pointer):
         context = around if key in ("allOf", "then", "else") else None
         inner = negated or key == "not"   # a stricter rewrite under "not" would loosen it
         if within is None:
@@ -326,8 +305,8 @@ def _where(node: Any, keys: set[str], pointer: str) -> str | None:
         return None
     first = next((k for k in node if k in keys), None)
     if first is not None:
-        return f"{pointer}/{_escape(first)}"
-    for _, _, at, child in _subschemas(node, pointer):
+        return f"{pointer}/{escape_pointer(first)}"
+    for _, _, at, child in subschemas(node, pointer):
         found = _where(child, keys, at)
         if found is not None:
             return found
@@ -375,12 +354,12 @@ _Need = bool | str | tuple[str, tuple["_Need", ...]]
 
 def _needs(root: Any, pointer: str) -> _Need:
     """What the schema at ``pointer`` needs (see :data:`_Need`)."""
-    node = _resolve(root, pointer)
+    node = resolve_pointer(root, pointer)
     if not isinstance(node, Mapping):
         return node is not False
     parts: list[_Need] = [_own(node, pointer)]
     ref = node.get("$ref")
-    if isinstance(ref, str) and _resolve(root, ref) is not None:
+    if isinstance(ref, str) and resolve_pointer(root, ref) is not None:
         parts.append(ref)
     for word in ("allOf", "anyOf", "oneOf"):
         subs = node.get(word)
@@ -404,7 +383,7 @@ def _own(node: Mapping[str, Any], pointer: str) -> _Need:
         required = node.get("required")
         names = ([n for n in required if isinstance(n, str) and n in props]
                  if isinstance(required, list) else [])
-        options.append(("and", tuple(f"{pointer}/properties/{_escape(n)}" for n in names)))
+        options.append(("and", tuple(f"{pointer}/properties/{escape_pointer(n)}" for n in names)))
     if "array" in kinds:
         options.append(_items(node, pointer))
     return ("or", tuple(options))
@@ -468,27 +447,6 @@ def _arrows(path: list[str]) -> str:
     definition of a large schema)."""
     shown = path if len(path) <= 8 else [*path[:4], f"... {len(path) - 7} more ...", *path[-3:]]
     return " -> ".join(shown)
-
-
-def _escape(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
-
-
-def _resolve(root: Any, pointer: str) -> Any:
-    """The schema at a local JSON pointer (``#``, ``#/$defs/x``); None for anything else
-    (a remote reference, an anchor, a path that is not there)."""
-    if pointer != "#" and not pointer.startswith("#/"):
-        return None
-    node = root
-    for raw in pointer[2:].split("/") if pointer != "#" else []:
-        key = unquote(raw).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, Mapping) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-            node = node[int(key)]
-        else:
-            return None
-    return node
 
 
 def grammar_value(value: Any) -> Grammar | None:

@@ -2,12 +2,13 @@
 
 Owns :class:`OutputSplitter`, an incremental splitter over the released text of one request,
 which the engine runs once per request as text is released, so every delta carries its
-:attr:`~pipeline.types.Delta.parts` and the completion its whole
-:attr:`~pipeline.types.Completion.parts` (the transports only encode them), and
-:func:`opens_thinking`, the one test of whether a rendered prompt opened a think block. The
+:attr:`~pipeline.contracts.output.Delta.parts` and the completion its whole
+:attr:`~pipeline.contracts.output.Completion.parts` (the transports only encode them), and
+:func:`opens_thinking`, the one test of whether a rendered prompt opened a think block, and
+:func:`held_suffix` (a partial marker held back; the tool-call readers hold theirs so too). The
 chat templates mark reasoning with ``<think>…</think>``; the splitter finds these markers
 across delta boundaries (holding back a partial marker) and hands the answer text to the
-model's tool-call reader (the ``stages/toolcalls`` parser that ``build`` chose from the chat
+model's tool-call reader (the :mod:`pipeline.tools.formats` parser that ``build`` chose from the chat
 template, docs/design.md §11), so tool calls come out as the reader's deltas (the name, then
 argument fragments as they are generated) and ends. A call that is not well formed stays
 visible as text, so nothing the model wrote is lost. The newlines that open and close a
@@ -22,8 +23,8 @@ from typing import Literal
 
 import attrs
 
-from pipeline.protocols import ToolCallReader
-from pipeline.types import Part, TextPart, TextPiece, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.text import ToolCallReader
+from pipeline.contracts.output import Part, TextPart, TextPiece, ToolCallDelta, ToolCallEnd
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -34,10 +35,12 @@ def opens_thinking(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
-def _held_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
+def held_suffix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some marker (held
+    back until the next text decides it)."""
+    for n in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) for m in markers):
             return n
     return 0
 
@@ -66,7 +69,7 @@ class OutputSplitter:
             marker = THINK_CLOSE if self._mode == "thinking" else THINK_OPEN
             at = self._buffer.find(marker)
             if at < 0:
-                keep = _held_suffix(self._buffer, marker)
+                keep = held_suffix(self._buffer, (marker,))
                 self._emit(self._buffer[:len(self._buffer) - keep], parts)
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return parts

@@ -29,23 +29,32 @@ from pipeline.engine.handle import RequestHandle
 from pipeline.engine.job import Job
 from pipeline.engine.job_spec import JobSpec
 from pipeline.recording import parse_traceparent
+from pipeline.room import window
 from pipeline.request_options import RequestOptions
 from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
-from pipeline.protocols import (
-    Detokenizer, ModelDescriber, ModelInfo, Renderer, RequestCheck, Stopper, Tokenizer,
-    ToolCallParser, Transport,
-)
+from pipeline.contracts.decode import RequestCheck
+from pipeline.contracts.model import ModelDescriber, ModelInfo
+from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
+from pipeline.contracts.transport import Transport
 from pipeline.engine.text_state import TextState
-from pipeline.output_parts import opens_thinking
+from pipeline.output_parts import THINK_CLOSE, THINK_OPEN, opens_thinking
 from pipeline.prepared import Prepared
-from pipeline.tool_choice import constrain_calls
+from pipeline.tools.choice import constrain_calls
 from pipeline.registry import Registry
 if TYPE_CHECKING:
-    from pipeline.tools.loop import ToolRun
-from pipeline.types import (
-    Completion, Delta, GenerationConfig, Message, Recording, Rendered, Request, RuntimeLimits,
-    TokenizedPrompt, ToolChoice, ToolSpec, from_mapping,
+    import threading
+    from pathlib import Path
+
+    from pipeline.tools.boundary import Ask
+    from pipeline.tools.executor import ToolPolicy
+    from pipeline.tools.ledger import Ledger
+    from pipeline.tools.loop import RoundChoice, Tool, ToolRun
+from pipeline.contracts.output import Completion, Delta
+from pipeline.contracts.request import (
+    GenerationConfig, Message, Recording, Request, RuntimeLimits, ToolChoice, ToolSpec,
+    from_mapping,
 )
+from pipeline.contracts.text import Rendered, TokenizedPrompt
 
 Prompt = str | Sequence[Message | Mapping[str, Any]] | Request
 RAW_PROMPT_DIGEST = digest_text("raw-prompt:v1")
@@ -163,46 +172,46 @@ class Pipeline:
 
     # --- generation --------------------------------------------------------------------------
 
-    def request(self, prompt: Prompt, config: GenerationConfig | None = None, *,
-                limits: RuntimeLimits | None = None,
-                tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
-                request_id: str | None = None, recording: Recording | str | None = None,
-                template_kwargs: Mapping[str, Any] | None = None,
-                json_schema: Mapping[str, Any] | bool | None = None, json_object: bool = False,
-                regex: str | None = None, choice: Sequence[str] | None = None,
-                tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                **params: Any) -> Request:
+    def request(self, prompt: Prompt, config: GenerationConfig | None = None,
+                **options: Unpack[RequestOptions]) -> Request:
         """Normalize what ``generate`` accepts into a :class:`Request` (not yet submitted).
 
-        ``params`` are :class:`GenerationConfig` fields (``max_tokens=20, temperature=0``) laid
-        over ``config`` or the pipeline's defaults; an unknown name is an error.
+        ``options`` (:class:`~pipeline.request_options.RequestOptions`) are
+        :class:`GenerationConfig` fields (``max_tokens=20, temperature=0``) laid over ``config``
+        or the pipeline's defaults, and the request's own (:data:`REQUEST_KEYWORDS`: its
+        ``limits``, ``tools``, ``request_id``, ``recording``, ``template_kwargs`` and those
+        below); an unknown name is an error.
         ``json_schema=`` (a JSON schema), ``json_object=True`` (any JSON object), ``regex=``
         (a regular expression the whole output matches), ``choice=`` (a list of strings the
         output is one of) and ``grammar=`` (a :class:`~pipeline.Grammar`, or a context-free
         grammar's text in Lark or EBNF) set the config's ``grammar``: the output then follows
         it by construction (:mod:`pipeline.grammar`; a schema feature the engine lacks is an
         error here). ``tool_choice=`` (``"auto"``, ``"none"``, ``"required"`` or a tool's
-        name: :class:`~pipeline.types.ToolChoice`) and ``parallel_tool_calls=False`` (at
-        most one call) say how the model may call ``tools``.
+        name: :class:`~pipeline.contracts.request.ToolChoice`) and
+        ``parallel_tool_calls=False`` (at most one call) say how the model may call ``tools``.
         """
+        params: dict[str, Any] = dict(options)
+        own = {name: params.pop(name) for name in REQUEST_KEYWORDS if name in params}
         fields: dict[str, Any] = {}
         base = config or (prompt.generation_config if isinstance(prompt, Request)
                           else self.defaults)
-        params = _with_grammar(params, json_schema, json_object, regex, choice)
+        params = _with_grammar(params, own.get("json_schema"), own.get("json_object", False),
+                               own.get("regex"), own.get("choice"))
         if params:
             from_mapping(GenerationConfig, params)  # rejects unknown names with our error
             base = attrs.evolve(base, **params)
         fields["generation_config"] = base
-        for key, value in (("runtime_limits", limits), ("tool_catalog", tools),
-                           ("request_id", request_id), ("recording", recording),
-                           ("template_kwargs", template_kwargs)):
-            if value is not None:
-                fields[key] = value
-        if tool_choice is not None or parallel_tool_calls is not None:
+        for key, name in (("runtime_limits", "limits"), ("tool_catalog", "tools"),
+                          ("request_id", "request_id"), ("recording", "recording"),
+                          ("template_kwargs", "template_kwargs")):
+            if own.get(name) is not None:
+                fields[key] = own[name]
+        tool_choice, parallel = own.get("tool_choice"), own.get("parallel_tool_calls")
+        if tool_choice is not None or parallel is not None:
             current = prompt.tool_choice if isinstance(prompt, Request) else ToolChoice()
             chosen = ToolChoice.coerce(tool_choice) if tool_choice is not None else current
-            if parallel_tool_calls is not None:
-                chosen = attrs.evolve(chosen, parallel=parallel_tool_calls)
+            if parallel is not None:
+                chosen = attrs.evolve(chosen, parallel=parallel)
             fields["tool_choice"] = chosen
         return Request.coerce(prompt, **fields)
 
@@ -210,7 +219,7 @@ class Pipeline:
                 **options: Unpack[RequestOptions]) -> Prepared:
         """The request made ready to submit, once: normalized (:meth:`request`), a required
         tool call's constraint added, validated against the artifacts and the strategy
-        (:class:`~pipeline.protocols.Honours`), and rendered; it is tokenized on the first use
+        (:class:`~pipeline.contracts.strategy.Honours`), and rendered; it is tokenized on the first use
         of :attr:`~pipeline.prepared.Prepared.tokens`. Inspect it, change its budget or limits
         with :meth:`~pipeline.prepared.Prepared.with_request`, and :meth:`submit` it: the
         template and the tokenizer run once for all of that. Bad input raises here."""
@@ -285,9 +294,10 @@ class Pipeline:
         return self.stages.async_transport.deliver(self.submit(prompt, config, **options))
 
     def run(self, messages: str | Sequence[Message | Mapping[str, Any]], *,
-            tools: Sequence[Any], max_rounds: int = 4, policy: Any = None, ask: Any = None,
-            ledger: Any = None, run_id: str | None = None, cancel: Any = None,
-            config: GenerationConfig | None = None, tool_choice: Any = None,
+            tools: Sequence[Tool], max_rounds: int = 4, policy: ToolPolicy | str | None = None,
+            ask: Ask | None = None, ledger: Ledger | str | Path | None = None,
+            run_id: str | None = None, cancel: threading.Event | None = None,
+            config: GenerationConfig | None = None, tool_choice: RoundChoice = None,
             **options: Any) -> ToolRun:
         """Let the model call ``tools`` and answer with their results (docs/design.md §11).
 
@@ -341,7 +351,7 @@ class Pipeline:
     def model_info(self) -> ModelInfo | None:
         """What the backend says about its model (architecture, parameters, dtype, device,
         memory); ``None`` without a backend or from one that cannot say
-        (:class:`~pipeline.protocols.ModelDescriber`)."""
+        (:class:`~pipeline.contracts.model.ModelDescriber`)."""
         backend = self.engine.backend if self.engine is not None else None
         return backend.model_info() if isinstance(backend, ModelDescriber) else None
 
@@ -349,7 +359,7 @@ class Pipeline:
         """Ids of ``<think>`` and ``</think>`` when the tokenizer has each as one token."""
         if self._think is None:
             tok = self._tokenizer
-            ids = [tok.encode_text(m, special=True) for m in ("<think>", "</think>")]
+            ids = [tok.encode_text(m, special=True) for m in (THINK_OPEN, THINK_CLOSE)]
             self._think = (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else ()
         return self._think or None
 
@@ -482,11 +492,19 @@ class Pipeline:
     def _check_window(self, prompt: TokenizedPrompt, request_limit: int | None) -> None:
         if self.engine is None:
             return
-        limit = min(self.engine.backend.max_context, request_limit or self.engine.backend.max_context)
+        limit = window(self.engine.backend.max_context, request_limit)
         if len(prompt) >= limit:
             raise InvalidValueError("prompt", len(prompt),
                                     f"prompt is too long: {len(prompt)} tokens >= {limit} "
                                     "maximum context (no room for one output token)")
+
+
+REQUEST_KEYWORDS = (
+    "limits", "tools", "request_id", "recording", "template_kwargs", "json_schema",
+    "json_object", "regex", "choice", "tool_choice", "parallel_tool_calls",
+)
+"""The keywords of :meth:`Pipeline.request` (and so of ``generate``) that are the request's
+own rather than :class:`~pipeline.contracts.request.GenerationConfig` fields."""
 
 
 def _with_grammar(params: dict[str, Any], json_schema: Mapping[str, Any] | bool | None,

@@ -23,7 +23,8 @@ from collections.abc import Callable
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import Rendered, Request, TokenizedPrompt
+from pipeline.contracts.request import Request
+from pipeline.contracts.text import Rendered, TokenizedPrompt
 
 RENDERED_FROM = ("messages", "prompt", "prompt_ids", "tool_catalog", "tool_choice",
                  "template_kwargs")

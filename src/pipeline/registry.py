@@ -23,11 +23,22 @@ from pipeline.errors import InvalidValueError, PluginLoadError, UnknownNameError
 from pipeline.options import BackendOptions
 
 if TYPE_CHECKING:
-    from pipeline.protocols import Backend, Tokenizer
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.text import Tokenizer
 
 KINDS = ("renderer", "tokenizer", "backend", "processor", "selector", "detokenizer",
          "stopper", "transport", "strategy", "tool_parser", "tool", "tool_policy")
 ENTRY_POINT_GROUP = "pipeline"
+DEFAULT_ORDER: tuple[str, ...] = (
+    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "dry", "temperature", "top_k", "top_p", "min_p",
+    "typical_p",
+)
+"""The built-in processors (:mod:`stages.process`) in the order the default chain applies
+them; the builder's default chain puts ``grammar`` first."""
+DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
+"""The built-in stoppers (:mod:`stages.stop`), in order; ``build(stoppers=[...])`` adds after
+them."""
 
 
 @attrs.frozen
@@ -38,8 +49,9 @@ class BuildContext:
     its own settings from ``options.extra``), ``shared``, a memo the factories of one build
     may share (e.g. a model file opened once for its tokenizer, template and weights), the
     model backend once built (strategies are made after it: a speculative strategy sizes its
-    draft model by it), and the strategy's own options (``build(..., strategy_options=...)``,
-    checked by the strategy's factory)."""
+    draft model by it), the strategy's own options (``build(..., strategy_options=...)``,
+    checked by the strategy's factory), and ``load_model``, the builder's
+    ``load_backend(model, options=...)`` for a factory that loads a second model (a draft)."""
 
     model_dir: Path | None = None
     tokenizer: Tokenizer | None = None
@@ -48,12 +60,8 @@ class BuildContext:
     shared: dict[str, Any] = attrs.field(factory=dict, eq=False)
     backend: Backend | None = attrs.field(default=None, eq=False)
     strategy_options: Mapping[str, Any] = attrs.field(factory=dict, eq=False)
-
-
-MODEL_METADATA = "model_metadata"
-"""The key of ``BuildContext.shared`` under which a factory that read the model file's
-metadata (the GGUF factories) leaves it, a mapping of its keys, for the build's other readers
-(the sampling recommendation, :mod:`pipeline.sampling_defaults`)."""
+    load_model: Callable[..., tuple[Backend, Tokenizer]] | None = attrs.field(default=None,
+                                                                               eq=False)
 
 
 @attrs.frozen

@@ -4,7 +4,7 @@
 checker and an editor know them (``pipe.generate("hi", max_tokens=20, temperature=0)``) and a
 misspelt one is an error before the program runs, as it is at run time
 (:class:`~pipeline.errors.UnknownFieldError`). The values are checked at run time by
-:class:`~pipeline.types.GenerationConfig` and :meth:`~pipeline.pipe.Pipeline.request`, which
+:class:`~pipeline.contracts.request.GenerationConfig` and :meth:`~pipeline.pipe.Pipeline.request`, which
 own their meaning; this module owns only their names and types, and a test keeps it equal to
 those two.
 """
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     from pipeline.grammar import Grammar
-    from pipeline.types import Recording, RuntimeLimits, ToolSpec
+    from pipeline.contracts.request import Recording, RuntimeLimits, ToolChoice, ToolSpec
 
 
 class RequestOptions(TypedDict, total=False):
-    """Keywords of a request: :class:`~pipeline.types.GenerationConfig`'s fields (laid over
+    """Keywords of a request: :class:`~pipeline.contracts.request.GenerationConfig`'s fields (laid over
     the pipeline's defaults) and :meth:`~pipeline.pipe.Pipeline.request`'s own. Every key is
     optional."""
 
@@ -61,5 +61,5 @@ class RequestOptions(TypedDict, total=False):
     json_object: bool
     regex: str | None
     choice: Sequence[str] | None
-    tool_choice: Any
+    tool_choice: ToolChoice | str | Mapping[str, Any] | None
     parallel_tool_calls: bool | None

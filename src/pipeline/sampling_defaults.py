@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from pipeline.errors import ArtifactError, PipelineError
-from pipeline.types import GenerationConfig
+from pipeline.contracts.request import GenerationConfig
 
 if TYPE_CHECKING:  # the registry imports torch; reading a recommendation needs none
     from pipeline.registry import BuildContext
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-"""The :class:`~pipeline.types.GenerationConfig` fields a model may recommend."""
+"""The :class:`~pipeline.contracts.request.GenerationConfig` fields a model may recommend."""
 GUARD_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length")
 """The loop guard's fields (the DRY penalty, :mod:`stages.process.dry`): no model file
 recommends them, the pipeline default sets them."""
@@ -123,9 +123,9 @@ def model_sampling(model_dir: Path | None, model_file: Path | None, *,
                    ) -> SamplingDefaults:
     """The defaults of a pipeline built from ``model_dir`` or ``model_file``: ``defaults``
     when the caller gave them, else the model's recommendation, else the pipeline default.
-    ``gguf_metadata`` is the GGUF file's metadata, as the GGUF backend read it (this module
-    reads no model file format: the core stays below the backends); a GGUF file given
-    without it has no recommendation here."""
+    ``gguf_metadata`` is the GGUF file's metadata, as the build's GGUF factories read it
+    (this module opens no model file); a GGUF file given without it has no recommendation
+    here."""
     if defaults is not None:
         return SamplingDefaults(defaults, CALLER)
     found: SamplingDefaults | None = None
@@ -138,12 +138,15 @@ def model_sampling(model_dir: Path | None, model_file: Path | None, *,
 
 def for_build(context: BuildContext, defaults: GenerationConfig | None) -> SamplingDefaults:
     """:func:`model_sampling` for a build: a GGUF file's metadata is what the build's GGUF
-    factories read when they opened it (``context.shared[MODEL_METADATA]``), not a second
-    read."""
-    from pipeline.registry import MODEL_METADATA
+    factories read when they opened it (``context.shared[OPENED]``,
+    :func:`pipeline.gguf_file.opened`), not a second read."""
+    metadata = None
+    if context.model_file is not None:  # only a GGUF file's build imports the reader
+        from pipeline.gguf_file import OPENED
 
+        metadata = getattr(context.shared.get(OPENED), "metadata", None)
     return model_sampling(context.model_dir, context.model_file, defaults=defaults,
-                          gguf_metadata=context.shared.get(MODEL_METADATA))
+                          gguf_metadata=metadata)
 
 
 def from_generation_config(path: Path) -> SamplingDefaults | None:

@@ -57,8 +57,55 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import unquote
+
+SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+             "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+             "additionalItems")
+SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                  "dependentSchemas", "dependencies")
+"""The keywords whose value is a subschema, a list of them, or a mapping of names to them."""
+
+
+def subschemas(node: Mapping[str, Any], pointer: str
+               ) -> Iterator[tuple[str, str | int | None, str, Any]]:
+    """Each subschema of ``node`` in a schema position: ``(keyword, index or name within it,
+    JSON Pointer, subschema)``; a property *named* like a keyword is never one."""
+    for key, value in node.items():
+        at = f"{pointer}/{escape_pointer(key)}"
+        if key in SUBSCHEMA:
+            yield key, None, at, value
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            for i, item in enumerate(value):
+                yield key, i, f"{at}/{i}", item
+        elif key in SUBSCHEMA_MAPS and isinstance(value, Mapping):
+            for name, item in value.items():
+                yield key, name, f"{at}/{escape_pointer(name)}", item
+
+
+def escape_pointer(name: str) -> str:
+    """``name`` as one token of a JSON Pointer (``~`` and ``/`` escaped)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def resolve_pointer(root: Any, pointer: str) -> Any:
+    """The schema at a local JSON pointer (``#``, ``#/$defs/x``); None for anything else
+    (a remote reference, an anchor, a path that is not there)."""
+    if pointer != "#" and not pointer.startswith("#/"):
+        return None
+    node = root
+    for raw in pointer[2:].split("/") if pointer != "#" else []:
+        key = unquote(raw).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 TYPES = ("null", "boolean", "object", "array", "number", "string")
 INTEGER_BOUND = 2**53 - 1
@@ -150,7 +197,7 @@ def _close(node: Any, shared: bool, refs: frozenset[str], pointer: str) -> Any:
     for key, value in node.items():
         inner = shared or key in SHARED
         if key in ("items", "additionalProperties", "then", "else", "contains",
-                   "additionalItems"):
+                  "additionalItems"):
             node[key] = _close(value, inner, refs, f"{pointer}/{key}")
         elif key in ("properties", "patternProperties", "$defs", "definitions",
                      "dependentSchemas") and isinstance(value, dict):
@@ -448,12 +495,10 @@ def _canonical(value: Any) -> str:
 
 def _deref(node: Any, root: Any) -> Any:
     """The schema a local ``{"$ref": "#/..."}`` names (followed a few times), else ``node``."""
-    from pipeline.grammar import _resolve
-
     for _ in range(8):
         if not (isinstance(node, Mapping) and set(node) == {"$ref"}):
             return node
-        found = _resolve(root, node["$ref"])
+        found = resolve_pointer(root, node["$ref"])
         if found is None:
             return node
         node = found
@@ -462,12 +507,10 @@ def _deref(node: Any, root: Any) -> Any:
 
 def without_unique(node: Any) -> Any:
     """``node`` (a schema) without any ``uniqueItems``, for the engine."""
-    from pipeline.grammar import _subschemas
-
     if not isinstance(node, Mapping):
         return node
     out = {k: v for k, v in node.items() if k != "uniqueItems"}
-    for key, within, _, child in _subschemas(node, ""):
+    for key, within, _, child in subschemas(node, ""):
         if within is None:
             out[key] = without_unique(child)
         else:

@@ -3,7 +3,7 @@
 Owns :class:`StrategyChoice`: what ``build()`` takes as ``strategy=``, ``steps=``,
 ``block_length=`` and ``strategy_options=`` (docs/design.md §10), for the callers that carry that
 choice around before building: ``pipeline run``, ``pipeline chat`` and ``pipeline serve``
-(whose :class:`~transports.http.config.ServerConfig` holds one per served model). The value
+(whose :class:`~transports.http.server.config.ServerConfig` holds one per served model). The value
 checks only what it can know alone (counts are integers >= 1, option names are strings);
 whether the strategy exists and takes those options is ``build()``'s to say.
 

@@ -35,12 +35,12 @@ import torch
 from pipeline.errors import CapacityError, InvalidValueError, SlotError
 from pipeline.events import digest_text
 from pipeline.engine.handle import RequestHandle
-from pipeline.protocols import (
-    Attention, Batch, CacheLayout, ModelCall, PrefillChunk, Row, Scores, Selection, StopContext, StopVerdict,
-)
-from pipeline.types import (
-    Delta, FinishReason, Message, Rendered, Request, Span, SpanKind, TokenizedPrompt, ToolSpec,
-)
+from pipeline.contracts.decode import Batch, Row, Scores, Selection
+from pipeline.contracts.model import Attention, CacheLayout, ModelCall, PrefillChunk
+from pipeline.contracts.text import StopContext, StopVerdict
+from pipeline.contracts.output import Delta, FinishReason
+from pipeline.contracts.request import Message, Request, ToolSpec
+from pipeline.contracts.text import Rendered, Span, SpanKind, TokenizedPrompt
 
 LogitsFn = Callable[[Sequence[int]], torch.Tensor]
 DenoiseFn = Callable[[Sequence[int], Sequence[int], int], torch.Tensor]
@@ -89,7 +89,7 @@ class ScriptedBackend:
     (other rows unharmed). ``delay_s`` sleeps per call, to give cancellation a window.
     ``calls`` logs every forward as ``("forward", [(slot, n_tokens), ...])``; ``model_calls``
     keeps the calls themselves. It reports ``layers`` fake layers' key/value lengths
-    (:class:`~pipeline.protocols.CacheInspector`). ``denoise`` answers block-attention calls
+    (:class:`~pipeline.contracts.model.CacheInspector`). ``denoise`` answers block-attention calls
     (without it they get ``fn`` of the prefix, as causal calls do).
     """
 

@@ -3,7 +3,7 @@
 ``render/`` (chat templates, plain text), ``tokenize/`` (tokenizers), ``process/`` (the logit
 processor chain), ``select/`` (selectors and the autoregressive strategy), ``detokenize/``
 (incremental detokenization), ``stop/`` (stoppers), ``structured/`` (the ``grammar`` processor:
-grammar-constrained decoding), ``toolcalls/`` (tool-call parsers, one per model family's
-format). ``plugin`` registers them all. (The tool boundary, executing calls, is
-:mod:`pipeline.tools`; the grammar a request carries is :mod:`pipeline.grammar`.)
+grammar-constrained decoding). ``plugin`` registers them all, and the built-in tool-call parsers
+of :mod:`pipeline.tools` (where reading calls and executing them both live); the grammar a
+request carries is :mod:`pipeline.grammar`.
 """

@@ -1,6 +1,8 @@
 """Registers the built-in text-side stages through the ``pipeline_components`` hook.
 
-Factories import their modules lazily, so listing the registry stays cheap.
+Factories import their modules lazily, so listing the registry stays cheap (the tool-call
+parsers, plain Python beside the tool loop in :mod:`pipeline.tools`, are listed from
+:data:`~pipeline.tools.formats.PARSERS`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.hookspecs import hookimpl
 from pipeline.registry import BuildContext, Component
+from pipeline.tools.formats import PARSERS
 
 PROCESSOR_SUMMARIES = {
     "allowed_tokens": "remove every token outside allowed_token_ids",
@@ -82,6 +85,28 @@ def _hf_tokenizer(ctx: BuildContext) -> Any:
     return HFTokenizer.from_dir(_model_dir(ctx, "tokenizer"))
 
 
+def _gguf_tokenizer(ctx: BuildContext) -> Any:
+    from pipeline.gguf_file import opened
+    from stages.gguf import gguf_tokenizer
+
+    f = opened(ctx)
+    return gguf_tokenizer(f.metadata, str(f.path))
+
+
+def _gguf_renderer(ctx: BuildContext) -> Any:
+    """The file's chat template (``tokenizer.chat_template``); a file without one (a base
+    model, as llama.cpp's converter writes it from a folder with no template) gets the plain
+    renderer, as a Hugging Face folder without a template does."""
+    from pipeline.gguf_file import opened
+    from stages.gguf import CHAT_TEMPLATE, gguf_renderer
+    from stages.render import PlainRenderer
+
+    f = opened(ctx)
+    if CHAT_TEMPLATE not in f.metadata:
+        return PlainRenderer()
+    return gguf_renderer(f.metadata, str(f.path))
+
+
 def _detokenizer(ctx: BuildContext) -> Any:
     from stages.detokenize import IncrementalDetokenizer
 
@@ -90,20 +115,17 @@ def _detokenizer(ctx: BuildContext) -> Any:
     return IncrementalDetokenizer(ctx.tokenizer)
 
 
-def _greedy(ctx: BuildContext) -> Any:
-    from stages.select import GreedySelector
+def _selector(name: str) -> Any:
+    def factory(ctx: BuildContext) -> Any:
+        from stages.select import SELECTORS
 
-    return GreedySelector()
+        return SELECTORS[name]()
 
-
-def _sample(ctx: BuildContext) -> Any:
-    from stages.select import SamplingSelector
-
-    return SamplingSelector()
+    return factory
 
 
 def _autoregressive(ctx: BuildContext) -> Any:
-    from stages.select import AutoregressiveStrategy
+    from stages.strategies import AutoregressiveStrategy
 
     if ctx.strategy_options:
         raise InvalidValueError("strategy_options", dict(ctx.strategy_options),
@@ -112,44 +134,26 @@ def _autoregressive(ctx: BuildContext) -> Any:
     return AutoregressiveStrategy
 
 
-def _diffusion(name: str) -> Any:
+def _iterative(name: str) -> Any:
+    """The factory of a masked-diffusion or a continuous strategy."""
     def factory(ctx: BuildContext) -> Any:
-        from stages.select.diffusion import diffusion_maker
-
-        return diffusion_maker(name)(ctx)
+        if name in CONTINUOUS_SUMMARIES:
+            from stages.strategies.continuous.options import continuous_maker as maker
+        else:
+            from stages.strategies.diffusion.options import diffusion_maker as maker
+        return maker(name)(ctx)
 
     return factory
 
 
 def _speculative(ctx: BuildContext) -> Any:
-    from stages.select.spec_options import speculative_maker
+    from stages.strategies.spec_options import speculative_maker
 
     return speculative_maker(ctx)
 
 
-TOOL_PARSER_SUMMARIES = {
-    "hermes": "Hermes / Qwen <tool_call>{json}</tool_call> calls",
-    "llama3_json": "Llama 3.x JSON calls ({name, parameters}; <|python_tag|>)",
-    "mistral": "Mistral [TOOL_CALLS][{...}] calls",
-}
-
-
-def _tool_parser(name: str) -> Any:
-    def factory(ctx: BuildContext) -> Any:
-        from stages.toolcalls import PARSERS
-
-        return PARSERS[name]()
-
-    return factory
-
-
-def _continuous(name: str) -> Any:
-    def factory(ctx: BuildContext) -> Any:
-        from stages.select.continuous.options import continuous_maker
-
-        return continuous_maker(name)(ctx)
-
-    return factory
+def _made(cls: Any) -> Any:
+    return lambda ctx: cls()
 
 
 CONTINUOUS_SUMMARIES = {
@@ -161,35 +165,38 @@ CONTINUOUS_SUMMARIES = {
 
 @hookimpl
 def pipeline_components() -> list[Component]:
-    """Renderers, tokenizer, processors, selectors, detokenizer, stoppers, strategies, tool
-    parsers."""
+    """Renderers and tokenizers (a folder's, a GGUF file's), processors, selectors,
+    detokenizer, stoppers, strategies, tool parsers."""
     comps = [
         Component("renderer", "hf_chat_template", _hf_renderer,
                   "Hugging Face chat template (jinja2, sandboxed)"),
         Component("renderer", "plain", _plain_renderer, "role-labelled plain text"),
         Component("tokenizer", "hf", _hf_tokenizer, "tokenizers (tokenizer.json)"),
+        Component("tokenizer", "gguf", _gguf_tokenizer,
+                  "a GGUF file's tokenizer (tokenizer.ggml.*) as a tokenizers BPE"),
+        Component("renderer", "gguf", _gguf_renderer,
+                  "a GGUF file's chat template (tokenizer.chat_template)"),
         Component("detokenizer", "incremental", _detokenizer,
                   "incremental, never a broken UTF-8 tail"),
-        Component("selector", "greedy", _greedy, "argmax (ties to the lowest id)"),
-        Component("selector", "sample", _sample,
+        Component("selector", "greedy", _selector("greedy"), "argmax (ties to the lowest id)"),
+        Component("selector", "sample", _selector("sample"),
                   "inverse-CDF sampling, uniform = f(seed, stream, step); greedy at T=0"),
         Component("strategy", "autoregressive", _autoregressive, "one token per step"),
         Component("strategy", "speculative", _speculative,
                   "k drafts (n-gram lookup or a draft model) verified in one forward"),
-        Component("strategy", "llada", _diffusion("llada"),
+        Component("strategy", "llada", _iterative("llada"),
                   "masked diffusion: semi-autoregressive blocks, low-confidence or random "
                   "remasking"),
-        Component("strategy", "fast_dllm", _diffusion("fast_dllm"),
+        Component("strategy", "fast_dllm", _iterative("fast_dllm"),
                   "masked diffusion: commit every position above a confidence threshold"),
-        Component("strategy", "dfm", _diffusion("dfm"),
+        Component("strategy", "dfm", _iterative("dfm"),
                   "discrete flow matching on tokens: mixture path, discrete Euler solver"),
     ]
     comps.append(Component("processor", "grammar", _grammar,
                            "remove tokens the request's grammar (JSON schema) forbids next"))
     comps += [Component("processor", n, _processor(n), s) for n, s in PROCESSOR_SUMMARIES.items()]
     comps += [Component("stopper", n, _stopper(n), s) for n, s in STOPPER_SUMMARIES.items()]
-    comps += [Component("tool_parser", n, _tool_parser(n), s)
-              for n, s in TOOL_PARSER_SUMMARIES.items()]
-    comps += [Component("strategy", n, _continuous(n), s)
+    comps += [Component("tool_parser", n, _made(cls), cls.summary) for n, cls in PARSERS.items()]
+    comps += [Component("strategy", n, _iterative(n), s)
               for n, s in CONTINUOUS_SUMMARIES.items()]
     return comps

@@ -9,7 +9,7 @@ freed.
 The asyncio bridge batches: the engine thread appends to a deque and schedules at most one
 wake-up of the loop until the loop has drained it, so a busy loop pays one cross-thread call
 per batch instead of one per token, and a consumer that falls behind gets what has piled up
-as one :class:`~pipeline.types.Delta` (:func:`merge`).
+as one :class:`~pipeline.contracts.output.Delta` (:func:`merge`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
-from pipeline.engine.handle import RequestHandle
 from pipeline.output_parts import joined
-from pipeline.types import Delta, Part, ToolCallDelta
+from pipeline.contracts.output import Delta, Part, ToolCallDelta
+
+if TYPE_CHECKING:
+    from pipeline.engine.handle import RequestHandle
 
 
 class InProcessTransport:

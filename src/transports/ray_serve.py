@@ -52,7 +52,7 @@ replica's data directory is named after its id, so a replaced replica's spill fi
 the old directory.
 
 **Usage.** The replicas share one usage store when ``config.usage_database`` is a PostgreSQL
-URL (:mod:`transports.http.usage_postgres`); each keeps its spill file in a data directory of
+URL (:mod:`transports.http.accounting.usage_postgres`); each keeps its spill file in a data directory of
 its own (``<data_dir>/<replica id>``).
 
 Example (local Ray, two replicas)::
@@ -76,9 +76,10 @@ from typing import Any
 import attrs
 from starlette.responses import JSONResponse
 
-from pipeline.errors import ClientGone, EngineClosed, PayloadTooLargeError
-from transports.http.config import ServerConfig
-from transports.http.errors import (
+from pipeline.errors import EngineClosed
+from transports.http.serving_errors import ClientGone, PayloadTooLargeError
+from transports.http.server.config import ServerConfig
+from transports.http.server.errors import (
     Dialect, classify, error_body, retry_headers, status_for, stream_error,
 )
 
@@ -124,7 +125,7 @@ def replica_app(config: ServerConfig) -> Any:
     replica = serve.get_replica_context().replica_id.unique_id
     own = attrs.evolve(config, data_dir=Path(config.data_dir) / f"replica-{replica}")
     gateway = Gateway(own)
-    gateway.load(wait=True)
+    gateway.loader.load(wait=True)
     if gateway.failed:  # Ray starts another replica rather than route traffic to this one
         gateway.close()
         raise RuntimeError(f"this replica's models failed to load: {gateway.failed}")

@@ -38,7 +38,6 @@ import numpy.typing as npt
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from backends.gguf.file import GGUFFile, GGUFTensor
 from backends.gguf.quants import NUMPY_DECODED, dequantize, dequantize_into
 from backends.torch.config import ModelSpec
 from backends.torch.model import OwnProduct
@@ -46,6 +45,7 @@ from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
 from pipeline.errors import ArtifactError
+from pipeline.gguf_file import GGUFFile, GGUFTensor
 
 Product = OwnProduct
 """A kept-quantized matrix: its placeholder, its product, the bytes it holds, whether the

@@ -5,7 +5,7 @@ expert compute, the oracle for fused kernels), :mod:`.experts` (expert tiers: th
 experts under a memory cap, the rest read from the mapped weight file), :mod:`.rope`, :mod:`.model` (the forward over a
 per-slot KV cache), :mod:`.packed` (oneDNN-packed float32 linears), :mod:`.weights`,
 :mod:`.loader` (safetensors folders) and :mod:`.backend` (``TorchBackend``,
-the :class:`pipeline.protocols.Backend` implementation).
+the :class:`pipeline.contracts.model.Backend` implementation).
 """
 
 from backends.torch.backend import TorchBackend

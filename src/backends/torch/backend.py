@@ -1,8 +1,8 @@
-"""``TorchBackend``: the :class:`~pipeline.protocols.Backend` over a Hugging Face checkpoint.
+"""``TorchBackend``: the :class:`~pipeline.contracts.model.Backend` over a Hugging Face checkpoint.
 
 It owns a :class:`~backends.torch.model.Transformer` and a paged
 :class:`~backends.torch.kv.KVCache`: per layer a pool of ``num_blocks`` blocks of
-``block_size`` positions. ``forward`` runs every :class:`~pipeline.protocols.ModelCall` of an
+``block_size`` positions. ``forward`` runs every :class:`~pipeline.contracts.model.ModelCall` of an
 engine step (prompt chunks, decode tokens, draft verification, bidirectional blocks) as one
 ragged batch and returns float32 logits at the wanted outputs; ``prefill`` and ``decode`` are
 conveniences over it.
@@ -12,7 +12,7 @@ a :class:`~pipeline.engine.blocks.BlockManager` of its own: a slot's first call 
 window (``ceil(max_context / block_size)`` blocks, a contiguous run whenever the pool allows,
 so attention reads it as a view), kept until ``release``. A caller that only knows slots thus
 sees the fixed-slot cache it always had. The first call that carries ``blocks`` hands the
-pool to its caller (:class:`~pipeline.protocols.PagedBackend`: the engine's own manager
+pool to its caller (:class:`~pipeline.contracts.model.PagedBackend`: the engine's own manager
 decides every table) for the backend's lifetime; that needs every slot's cache empty (empty
 reservations are dropped), and from then on a call without ``blocks`` is refused.
 
@@ -63,10 +63,10 @@ from backends.torch.weights import tensors
 from pipeline.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks, SlotError
 from pipeline.options import check_device
-from pipeline.protocols import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk
+from pipeline.contracts.model import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk
 
 if TYPE_CHECKING:
-    from pipeline.protocols import (
+    from pipeline.contracts.model import (
         Backend, CacheInspector, Embedder, EmbeddingInputs, ModelDescriber, PagedBackend,
     )
 
@@ -113,7 +113,7 @@ class TorchBackend:
         self.num_slots = num_slots
         self.vocab_size = spec.vocab_size
         self.hidden_size = spec.hidden_size
-        """The width of :meth:`hidden_states` rows (:class:`~pipeline.protocols.Embedder`)."""
+        """The width of :meth:`hidden_states` rows (:class:`~pipeline.contracts.model.Embedder`)."""
         self.block_size = block_size
         self.num_blocks = num_slots * self.window_blocks if kv_blocks is None else kv_blocks
         self.cache = KVCache.empty(spec, num_blocks=self.num_blocks, block_size=block_size,
@@ -191,7 +191,7 @@ class TorchBackend:
 
     def model_info(self) -> ModelInfo:
         """Architecture, parameter count, dtype, device and memory
-        (:class:`~pipeline.protocols.ModelDescriber`). A quantized weight (a ``meta``
+        (:class:`~pipeline.contracts.model.ModelDescriber`). A quantized weight (a ``meta``
         placeholder here) counts its parameters and its encoded bytes."""
         weights = list(tensors(self.model.weights))
         held = sum(t.numel() * t.element_size() for t in weights if not t.is_meta)
@@ -271,7 +271,7 @@ class TorchBackend:
 
     def cache_layout(self, slot: int) -> CacheLayout:
         """How far each layer has written ``slot``'s keys and values (docs/design.md §8,
-        invariant 2; :class:`~pipeline.protocols.CacheInspector`)."""
+        invariant 2; :class:`~pipeline.contracts.model.CacheInspector`)."""
         self._check_allocated([slot])
         return CacheLayout(tuple(e[slot] for e in self.cache.key_extent),
                            tuple(e[slot] for e in self.cache.value_extent))
@@ -305,7 +305,7 @@ class TorchBackend:
     @torch.inference_mode()
     def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
         """The final hidden states ``[T, hidden_size]`` float32 of ``token_ids`` as one
-        causal sequence (:class:`~pipeline.protocols.Embedder`): no slot, no KV block, no
+        causal sequence (:class:`~pipeline.contracts.model.Embedder`): no slot, no KV block, no
         cache length is touched. Call it from the engine's thread."""
         ids = list(token_ids)
         if not 1 <= len(ids) <= self.max_context:
@@ -465,7 +465,7 @@ def fitting_context(spec: ModelSpec, slots: int, dtype: torch.dtype, budget: int
     return max(256, min(spec.max_position_embeddings, fits))
 def _table_problems(calls: Sequence[ModelCall], block_size: int, num_blocks: int
                     ) -> list[tuple[str, list[int]]]:
-    """What is wrong with the calls' block tables (:class:`~pipeline.protocols.PagedBackend`)."""
+    """What is wrong with the calls' block tables (:class:`~pipeline.contracts.model.PagedBackend`)."""
     tables = [c.blocks or () for c in calls]
     needed = [c.start + len(c.token_ids) if c.write else c.start for c in calls]
     writes = [set(t[c.start // block_size:-(-n // block_size)]) if c.write else set()

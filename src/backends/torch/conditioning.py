@@ -1,6 +1,6 @@
 """Embedding inputs with time and self-conditioning, for continuous diffusion and flow models.
 
-Owns the input side of a :class:`~pipeline.protocols.ModelCall` that carries ``embeddings``
+Owns the input side of a :class:`~pipeline.contracts.model.ModelCall` that carries ``embeddings``
 (docs/design.md §6, §10): :func:`embedding_space` (the space those embeddings live in),
 :func:`time_features` (the sinusoidal features of a time value) and :func:`call_inputs`,
 which builds the ``[T, H]`` hidden states a forward starts from.

@@ -4,7 +4,7 @@ Owns the memory layout of keys and values (:class:`KVCache`: per layer a pool of
 each slot's logical length) and the per-call plan of where to write and read them
 (:class:`RaggedBatch`, built from each sequence's block table). Which blocks a sequence uses
 is decided elsewhere: by the backend's own :class:`~pipeline.engine.blocks.BlockManager` for
-slot-only callers, or by the caller (:class:`~pipeline.protocols.PagedBackend`).
+slot-only callers, or by the caller (:class:`~pipeline.contracts.model.PagedBackend`).
 
 A sequence's keys are read for attention in one of three ways, chosen when the batch is
 built: a prompt from position 0 attends to its own new keys (nothing is read back); a

@@ -59,7 +59,7 @@ from backends.torch.backend import TorchBackend
 from backends.torch.shard import Shard
 from pipeline.engine.loop import out_of_memory
 from pipeline.errors import DeviceFault, InvalidValueError, PipelineError
-from pipeline.protocols import ModelCall
+from pipeline.contracts.model import ModelCall
 
 log = logging.getLogger("pipeline.parallel")
 

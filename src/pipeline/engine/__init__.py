@@ -21,8 +21,6 @@ The package's modules, in the order a request meets them:
                    the trivial adapter for a backend that keeps its own memory
 ``commit``         :class:`~pipeline.engine.commit.Committer`: a step's logits through each
                    request's strategy into tokens, stops, text and deltas
-``forcing``        :class:`~pipeline.engine.forcing.Forcing`: tokens that override the
-                   selector (a forced prefix, a spent reasoning budget)
 ``text_state``     a request's detokenizer, stoppers and typed output parts between steps
 ``recorder``       a request's trace events, in causal order
 ``api``            :class:`~pipeline.engine.api.EngineAPI`, what a pipeline and a supervisor

@@ -21,7 +21,8 @@ import attrs
 
 if TYPE_CHECKING:
     from pipeline.engine.job import Job
-    from pipeline.protocols import Backend, Strategy
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.strategy import Strategy
 
 T = TypeVar("T")
 StrategyFactory = Callable[[tuple[str, ...] | None], "Strategy"]

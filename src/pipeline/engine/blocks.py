@@ -3,7 +3,7 @@
 Owns the bookkeeping of KV memory as ``num_blocks`` blocks of ``block_size`` positions each
 (docs/design.md §6, second edition), in pure Python: which blocks are free, which sequence holds
 which, and which hold content that later requests may reuse. The memory itself lives in a
-backend (a :class:`~pipeline.protocols.PagedBackend`); this module only hands out block ids.
+backend (a :class:`~pipeline.contracts.model.PagedBackend`); this module only hands out block ids.
 
 A sequence (any hashable id) holds a *block table*: block ``table[i]`` holds its positions
 ``i*block_size .. (i+1)*block_size - 1``. ``allocate`` gives a new sequence a table for its

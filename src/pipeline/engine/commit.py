@@ -1,7 +1,7 @@
 """From a step's logits to committed tokens: the half of an engine step after the forward.
 
 Owns :class:`Committer` (docs/design.md §4, §6): one batched
-:meth:`~pipeline.protocols.Strategy.update` per strategy (per processor order) over the
+:meth:`~pipeline.contracts.strategy.Strategy.update` per strategy (per processor order) over the
 sequences that got logits, the check that each update commits token ids of the vocabulary, the
 records of the processed distributions the tokens were chosen from (digests, top-k at ``full``),
 and each update's commit through its :class:`~pipeline.engine.job.Job`: tokens in order,
@@ -25,7 +25,9 @@ import torch
 
 from pipeline.engine.job import Job
 from pipeline.engine.paging import KVMemory
-from pipeline.protocols import Backend, CacheInspector, CacheLayout, Row, Strategy, Update
+from pipeline.contracts.decode import Row
+from pipeline.contracts.model import Backend, CacheInspector, CacheLayout
+from pipeline.contracts.strategy import Strategy, Update
 from pipeline.recording import logits_record, processed_record, record_rows, same_bits
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from pipeline.errors import RequestFailed
-from pipeline.types import Completion, Delta, FinishReason
+from pipeline.contracts.output import Completion, Delta, FinishReason
 
 T = TypeVar("T")
 

@@ -30,15 +30,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.events import Tracer
-from pipeline.engine.forcing import Forcing
+from pipeline.contracts.forcing import Forcing
 from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
 from pipeline.engine.recorder import Recorder
-from pipeline.protocols import (
-    CacheLayout, Plan, PrefillChunk, Row, StopVerdict, Strategy, Taken, TokenIds,
-)
+from pipeline.contracts.decode import Row, TokenIds
+from pipeline.contracts.model import CacheLayout, PrefillChunk
+from pipeline.contracts.strategy import Plan, Strategy, Taken
+from pipeline.contracts.text import StopVerdict
 from pipeline.engine.text_state import TextState
-from pipeline.types import Completion, FinishReason, Recording, Timings, TokenLogprob, Usage
+from pipeline.contracts.output import Completion, FinishReason, Timings, TokenLogprob, Usage
+from pipeline.contracts.request import Recording
 
 _TERMINAL_STATE = {
     FinishReason.CANCELLED: RequestState.CANCELLED,

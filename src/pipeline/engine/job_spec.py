@@ -2,7 +2,7 @@
 
 Owns :class:`JobSpec`, the first of a request's small records in the engine (docs/design.md §6,
 second edition: spec, decode state, text state, trace). It holds the normalized
-:class:`~pipeline.types.Request`, its :class:`~pipeline.types.TokenizedPrompt`, the seed and
+:class:`~pipeline.contracts.request.Request`, its :class:`~pipeline.contracts.text.TokenizedPrompt`, the seed and
 the ids the stages need, and no stage object: the detokenizer and stoppers belong to the
 text state (:mod:`pipeline.engine.text_state`), the strategy's loop state to the strategy, the
 events to the tracer. So a spec can be written out and read back elsewhere, e.g. by an
@@ -32,7 +32,8 @@ from typing import Any
 import attrs
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import Request, TokenizedPrompt, from_mapping
+from pipeline.contracts.request import Request, from_mapping
+from pipeline.contracts.text import TokenizedPrompt
 
 
 def _int(value: Any) -> bool:

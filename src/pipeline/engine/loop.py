@@ -6,7 +6,7 @@ Owns :class:`Engine` (the scheduler and the step) and :class:`EngineConfig`. Eac
 1. settles cancellations and expired queue waits (any state; slots are freed at once),
 2. admits queued requests to free slots (FIFO) and to KV memory for what they prefill
    (:class:`~pipeline.engine.paging.KVMemory`: over a
-   :class:`~pipeline.protocols.PagedBackend` the blocks after what the prefix cache holds;
+   :class:`~pipeline.contracts.model.PagedBackend` the blocks after what the prefix cache holds;
    over a backend that keeps its own memory, the trivial
    :class:`~pipeline.engine.paging.SlotMemory`),
 3. plans the step under ``token_budget``: every decoding request's strategy plans its call
@@ -19,11 +19,11 @@ Owns :class:`Engine` (the scheduler and the step) and :class:`EngineConfig`. Eac
    other request gives its blocks back, and the engine takes its slot and requeues it:
    preemption by recompute), then
    makes one batched ``backend.forward`` for that plan: every decode token and every prefill
-   chunk is a :class:`~pipeline.protocols.ModelCall` of the same call (logits wanted at a
+   chunk is a :class:`~pipeline.contracts.model.ModelCall` of the same call (logits wanted at a
    decode token and at a prompt's last chunk's last token; the block table with each),
 5. for every request with fresh logits z_t (:class:`~pipeline.engine.commit.Committer`): its
    strategy's processor chain → selector (overridden by a ``forced_prefix`` or a spent
-   reasoning budget: :mod:`pipeline.engine.forcing`) → stoppers → detokenizer → delta; a request
+   reasoning budget: :mod:`pipeline.contracts.forcing`) → stoppers → detokenizer → delta; a request
    that goes on keeps y_t as its pending token, which the
    next step's forward writes into the cache (cache length m + t) — the docs/design.md §4 order;
    the blocks that filled up are then published to the prefix cache.
@@ -69,10 +69,10 @@ from pipeline.engine.job import Job
 from pipeline.engine.pacing import Pacer
 from pipeline.engine.paging import KVMemory, Paging, SlotMemory
 from pipeline.errors import CapacityError, DeviceFault, InvalidValueError, SlotError
-from pipeline.protocols import (
+from pipeline.contracts.model import (
     Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, split_outputs,
 )
-from pipeline.types import FinishReason
+from pipeline.contracts.output import FinishReason
 
 
 @attrs.frozen

@@ -4,7 +4,7 @@ Owns :class:`KVMemory`, the one interface the engine asks about KV memory (admit
 publish, roll back, free), and its two implementations: :class:`SlotMemory`, the trivial
 adapter for a backend that keeps its own memory per slot (everything fits, nothing is shared
 or preempted, no table is passed), and :class:`Paging`, the engine's use of a :class:`~pipeline.engine.blocks.BlockManager` sized
-like its :class:`~pipeline.protocols.PagedBackend` (``num_blocks`` of ``block_size``, keyed
+like its :class:`~pipeline.contracts.model.PagedBackend` (``num_blocks`` of ``block_size``, keyed
 by the backend's ``snapshot``), with the job-level rules (docs/design.md §6, second edition):
 
 - **admission** (:meth:`Paging.admit`): the tokens a job must have in its cache (its prompt,
@@ -42,7 +42,7 @@ import attrs
 
 from pipeline.engine.blocks import BlockManager, BlockStats, PrefixMatch
 from pipeline.errors import CapacityError, OutOfBlocks
-from pipeline.protocols import PagedBackend
+from pipeline.contracts.model import PagedBackend
 
 
 class PagedJob(Hashable, Protocol):

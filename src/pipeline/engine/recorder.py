@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.events import Tracer, digest_ids, digest_text
-from pipeline.protocols import Attention, CacheLayout, Plan, StrategyEvent
-from pipeline.types import Part, TokenLogprob, ToolCallDelta, ToolCallEnd
+from pipeline.contracts.model import Attention, CacheLayout
+from pipeline.contracts.strategy import Plan, StrategyEvent
+from pipeline.contracts.output import Part, TokenLogprob, ToolCallDelta, ToolCallEnd
 
 
 def _layers(payload: dict[str, Any], layout: CacheLayout | None) -> dict[str, Any]:

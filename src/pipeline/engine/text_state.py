@@ -32,8 +32,8 @@ from typing import Any
 
 from pipeline.engine.job_spec import JobSpec
 from pipeline.output_parts import OutputSplitter, joined
-from pipeline.protocols import Detokenizer, StopContext, Stopper, StopVerdict, ToolCallReader
-from pipeline.types import Delta, FinishReason, Part, TokenLogprob, ToolCallDelta
+from pipeline.contracts.text import Detokenizer, StopContext, Stopper, StopVerdict, ToolCallReader
+from pipeline.contracts.output import Delta, FinishReason, Part, TokenLogprob, ToolCallDelta
 
 
 class TextState:

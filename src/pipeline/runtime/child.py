@@ -25,7 +25,7 @@ from pipeline.runtime.wire import (
     ACTIVE, BEAT, FIGURES_SIZE, QUEUED, SERVED, STARTED, STEPS, TAKEN, EngineRecipe, Facts, dumps,
     loads, portable,
 )
-from pipeline.types import Completion, Delta, FinishReason, Timings, Usage
+from pipeline.contracts.output import Completion, Delta, FinishReason, Timings, Usage
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

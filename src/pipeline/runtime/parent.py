@@ -84,14 +84,15 @@ from pipeline.runtime.wire import (
     ACTIVE, BEAT, FIGURES_SIZE, QUEUED, STARTED, STEPS, TAKEN, EngineRecipe, Facts, dumps,
     exit_words, loads, remote_backend,
 )
-from pipeline.types import Completion, Delta, FinishReason, Part, Timings, Usage
+from pipeline.contracts.output import Completion, Delta, FinishReason, Part, Timings, Usage
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from pipeline.engine.job import Job
     from pipeline.pipe import Pipeline
-    from pipeline.protocols import Backend, Strategy
+    from pipeline.contracts.model import Backend
+    from pipeline.contracts.strategy import Strategy
     from pipeline.runtime.ranks import Followers
 
 T = TypeVar("T")

@@ -44,8 +44,9 @@ from pipeline.engine.blocks import BlockStats
 from pipeline.engine.job import Job
 from pipeline.engine.loop import Engine, EngineConfig, device_fault
 from pipeline.errors import CapacityError, DeviceFault, EngineClosed, StepStillRunning
-from pipeline.protocols import Backend, Strategy
-from pipeline.types import FinishReason
+from pipeline.contracts.model import Backend
+from pipeline.contracts.strategy import Strategy
+from pipeline.contracts.output import FinishReason
 
 T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")

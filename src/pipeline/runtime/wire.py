@@ -35,7 +35,7 @@ import torch
 
 from pipeline.errors import BackendError, InvalidValueError
 from pipeline.options import BackendOptions
-from pipeline.protocols import ModelCall, ModelInfo
+from pipeline.contracts.model import ModelCall, ModelInfo
 
 STEPS, STARTED, ACTIVE, QUEUED, BEAT, TAKEN = range(6)
 """The liveness figures' places in the file both processes map (see

@@ -48,7 +48,7 @@ from pipeline.tools.executor import (
     Decision, KeyedExecutor, OutcomeLookup, ToolExecutor, ToolPolicy, Verdict,
 )
 from pipeline.tools.ledger import OUTCOMES, Entry, Ledger, Resolution, resolve
-from pipeline.types import ToolCall, check_tool_parameters, thaw
+from pipeline.contracts.request import ToolCall, check_tool_parameters, thaw
 
 Ask = Callable[[ToolCall, Verdict], bool]
 """Answers a policy's question about a call: True allows it."""

@@ -23,7 +23,7 @@ import attrs
 from pipeline.errors import InvalidValueError
 from pipeline.tools.ledger import Resolution
 from pipeline.tools.schema import python_arguments, tool_spec
-from pipeline.types import ToolSpec
+from pipeline.contracts.request import ToolSpec
 
 
 @runtime_checkable

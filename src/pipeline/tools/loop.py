@@ -30,16 +30,19 @@ from pipeline.registry import BuildContext
 from pipeline.tools.boundary import Ask, CallOutcome, ToolBoundary
 from pipeline.tools.executor import AllowAll, FunctionTool, ToolExecutor, ToolPolicy
 from pipeline.tools.ledger import JsonlLedger, Ledger, MemoryLedger
-from pipeline.types import (
-    Completion, FinishReason, GenerationConfig, Message, TextPiece, ToolCall, ToolChoice,
-    ToolSpec,
-)
+from pipeline.contracts.output import Completion, FinishReason, TextPiece
+from pipeline.contracts.request import GenerationConfig, Message, ToolCall, ToolChoice, ToolSpec
 
 if TYPE_CHECKING:
     from pipeline.pipe import Pipeline
 
 Tool = ToolExecutor | Callable[..., Any] | str
 """What ``tools=`` accepts: an executor, a typed function, or a registered tool's name."""
+
+OneChoice = ToolChoice | str | Mapping[str, Any] | None
+RoundChoice = OneChoice | Sequence[OneChoice] | Callable[[int], OneChoice]
+"""What ``tool_choice=`` of a run accepts: one choice for every round, a list (round ``i``
+takes entry ``i``, the last repeating) or a function of the round's number."""
 
 
 @attrs.frozen
@@ -93,7 +96,7 @@ def run_tools(pipe: Pipeline, messages: str | Sequence[Message | Mapping[str, An
               policy: ToolPolicy | str | None = None, ask: Ask | None = None,
               ledger: Ledger | str | Path | None = None, run_id: str | None = None,
               cancel: threading.Event | None = None, config: GenerationConfig | None = None,
-              tool_choice: Any = None, **options: Any) -> ToolRun:
+              tool_choice: RoundChoice = None, **options: Any) -> ToolRun:
     """Run the tool loop (see :meth:`pipeline.Pipeline.run`)."""
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 0:
         raise InvalidValueError("max_rounds", max_rounds, "must be an integer >= 0")

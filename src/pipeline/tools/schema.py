@@ -1,6 +1,6 @@
 """Typed Python callables as tools: JSON schemas from type hints and docstrings.
 
-Owns :func:`tool_spec` (a function's :class:`~pipeline.types.ToolSpec`: its name, the summary
+Owns :func:`tool_spec` (a function's :class:`~pipeline.contracts.request.ToolSpec`: its name, the summary
 of its docstring, and a JSON schema of its parameters), :func:`schema_of` (one annotation as
 a schema: ``str``, ``int``, ``float``, ``bool``, ``None``, ``list[...]``, ``dict[str, ...]``,
 ``X | None`` / ``Optional``, unions, ``Literal`` and enums) and :func:`python_arguments`
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pipeline.errors import InvalidValueError
-from pipeline.types import ToolSpec
+from pipeline.contracts.request import ToolSpec
 
 _SIMPLE: Mapping[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean",
                               type(None): "null"}

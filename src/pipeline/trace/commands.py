@@ -24,10 +24,10 @@ from pipeline.trace.load import Trace, load, load_all
 from pipeline.trace.show import show
 from pipeline.trace.svg import to_svg
 from pipeline.trace.tokens import TokenText
-from pipeline.types import token_text
+from pipeline.contracts.output import token_text
 
 if TYPE_CHECKING:  # it imports torch: `pipeline run` and `chat` build this parser before torch
-    from pipeline.protocols import Tokenizer
+    from pipeline.contracts.text import Tokenizer
 
 
 SHIPPED = ("smollm2", "tiny")

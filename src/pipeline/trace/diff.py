@@ -48,6 +48,7 @@ from pipeline.trace.products import (
     raw_logits_at, shown,
 )
 from pipeline.trace.tokens import FirstToken, TokenText, first_token
+from pipeline.contracts.request import GenerationConfig
 
 INSTANCE_SKIP = frozenset({"request_id", "traceparent", "traceparent_ignored"})
 
@@ -313,8 +314,7 @@ def order_at(trace: Trace, t: int) -> list[str] | None:
 def _rng(a: Trace, b: Trace, pa: Mapping[str, Any], pb: Mapping[str, Any], t: int
          ) -> Divergence | None:
     """Seeds (the counter RNG's stream) when either run samples; draws where recorded."""
-    sampled = [float((tr.instance.get("generation_config") or {}).get("temperature", 1.0)) > 0
-               for tr in (a, b)]
+    sampled = [_samples(tr) for tr in (a, b)]
     if not any(sampled):
         return None
     seeds = (a.payload("selection.configured").get("seed"),
@@ -381,13 +381,18 @@ def passes(trace: Trace) -> list[tuple[Event, Event]]:
     return out
 
 
+def _samples(trace: Trace) -> bool:
+    """Whether the run's temperature is above 0 (the config's default when unrecorded)."""
+    config = trace.instance.get("generation_config") or {}
+    return float(config.get("temperature", GenerationConfig().temperature)) > 0
+
+
 def _draws(trace: Trace) -> bool:
     """Whether an iterative run consumes random numbers (sampling, random remasking, DFM)."""
     configured = trace.payload("step.configured")
     if "noise" in configured:  # declared by the strategy
         return bool(configured["noise"] != "none")
-    temperature = float((trace.instance.get("generation_config") or {}).get("temperature", 1.0))
-    return temperature > 0 or configured.get("remasking") == "random" or \
+    return _samples(trace) or configured.get("remasking") == "random" or \
         configured.get("sampler") == "dfm"
 
 

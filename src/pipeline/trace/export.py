@@ -18,7 +18,7 @@ from typing import Any
 from pipeline.events import Event
 from pipeline.trace.load import Trace, TraceSource, load_all
 from pipeline.trace.timeline import phases
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 
 TRACKS = ("request", "phase", "select", "decode")
 

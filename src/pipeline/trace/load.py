@@ -17,7 +17,7 @@ import attrs
 
 from pipeline.errors import TraceError
 from pipeline.events import Event
-from pipeline.types import Completion
+from pipeline.contracts.output import Completion
 
 TraceSource = str | Path | Completion | Sequence[Event]
 

@@ -5,7 +5,7 @@
 - :class:`ByteLevelDetokenizer` — byte-level BPE only, from a per-id byte table, no decode call
   per token.
 
-Both satisfy :class:`pipeline.protocols.Detokenizer`: pieces never end in a broken UTF-8 tail,
+Both satisfy :class:`pipeline.contracts.text.Detokenizer`: pieces never end in a broken UTF-8 tail,
 and they concatenate to ``tokenizer.decode(output_ids)``.
 """
 

@@ -72,7 +72,7 @@ def _split_complete(data: bytes) -> tuple[str, bytes]:
 class ByteLevelDetokenizer:
     """Streams byte-level BPE output from a per-id byte table; no decode call per token.
 
-    Satisfies :class:`pipeline.protocols.Detokenizer` with :class:`BytesState`; stateless
+    Satisfies :class:`pipeline.contracts.text.Detokenizer` with :class:`BytesState`; stateless
     and shareable. ``token_bytes[i]`` is the bytes of id ``i``; ids in ``special_ids``
     contribute nothing when ``skip_special_tokens``; ids outside the table are ignored, as a
     decode ignores ids it does not know.

@@ -34,7 +34,7 @@ MAX_HELD = 8
 
 
 class TextDecoder(Protocol):
-    """The part of :class:`pipeline.protocols.Tokenizer` the detokenizers need."""
+    """The part of :class:`pipeline.contracts.text.Tokenizer` the detokenizers need."""
 
     @property
     def special_token_ids(self) -> frozenset[int]:
@@ -80,7 +80,7 @@ def _settled(text: str, prefix_text: str) -> bool:
 class IncrementalDetokenizer:
     """Streams ``tokenizer.decode`` token by token, holding back text until it is final.
 
-    Satisfies :class:`pipeline.protocols.Detokenizer` with :class:`WindowState`. The object is
+    Satisfies :class:`pipeline.contracts.text.Detokenizer` with :class:`WindowState`. The object is
     stateless and may be shared by every request and thread.
 
     Exactness: the pieces concatenate to ``tokenizer.decode(output_ids, skip_special_tokens=

@@ -2,11 +2,13 @@
 
 Owns the built-in processors (masks and biases, penalties, temperature, truncation), the
 :class:`ProcessorChain` that applies them in an explicit order, and the name table the plugin
-registry exposes. Every processor satisfies :class:`pipeline.protocols.LogitProcessor`: built
-with no arguments, stateless, per-row parameters read from ``row.config``.
+registry exposes; ``DEFAULT_ORDER`` (from :mod:`pipeline.registry`) names the default chain.
+Every processor satisfies :class:`pipeline.contracts.decode.LogitProcessor`: built with no
+arguments, stateless, per-row parameters read from ``row.config``.
 """
 
-from stages.process.chain import DEFAULT_ORDER, PROCESSORS, ProcessorChain, make_processor
+from pipeline.registry import DEFAULT_ORDER
+from stages.process.chain import PROCESSORS, ProcessorChain, make_processor
 from stages.process.masks import AllowedTokens, BannedTokens, LogitBias, MinTokens
 from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
 from stages.process.temperature import Temperature

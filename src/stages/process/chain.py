@@ -1,25 +1,9 @@
 """The processor chain: an explicit, ordered list of logit processors.
 
-Owns :class:`ProcessorChain`, the default order :data:`DEFAULT_ORDER`, the name-to-class table
-:data:`PROCESSORS` and the factory :func:`make_processor`. The default order is:
-
-1. ``allowed_tokens`` — everything outside ``allowed_token_ids`` is removed
-2. ``banned_tokens`` — ``banned_token_ids`` are removed
-3. ``logit_bias`` — the per-token biases are added
-4. ``min_tokens`` — EOS and stop tokens are removed until ``min_tokens`` outputs exist
-5. ``repetition_penalty`` — prompt + output tokens: positive ``/ p``, negative ``* p``
-6. ``presence_penalty`` — output tokens: ``- presence``
-7. ``frequency_penalty`` — output tokens: ``- frequency * count``
-8. ``dry`` — a token that would extend a repeated run of the output: ``- m * base ** (L - a)``
-9. ``temperature`` — ``/ T`` (greedy rows, ``T < 1e-5``, are left alone)
-10. ``top_k`` — the k most likely
-11. ``top_p`` — the smallest most-likely set with mass >= p
-12. ``min_p`` — ``prob >= min_p * max prob``
-13. ``typical_p`` — locally typical sampling
-
-Masks and biases come first so penalties and truncation see the allowed vocabulary;
-temperature precedes truncation (as in vLLM, SGLang and transformers). A user's processors
-(``pipeline.build(processors=[...])``) run between 8 and 9: see ``build``'s docstring.
+Owns :class:`ProcessorChain`, the name-to-class table :data:`PROCESSORS` and the factory
+:func:`make_processor`. The default order is :data:`pipeline.registry.DEFAULT_ORDER`; what
+each processor does there, why the order is so, and where a user's processors join it are in
+:func:`pipeline.build`'s docstring.
 """
 
 from __future__ import annotations
@@ -29,19 +13,13 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.errors import InvalidValueError, UnknownNameError
-from pipeline.protocols import Batch, LogitProcessor, Row, Scores, StatefulProcessor
+from pipeline.contracts.decode import Batch, LogitProcessor, Row, Scores, StatefulProcessor
+from pipeline.registry import DEFAULT_ORDER
 from stages.process.dry import DryPenalty
 from stages.process.masks import AllowedTokens, BannedTokens, LogitBias, MinTokens
 from stages.process.penalties import FrequencyPenalty, PresencePenalty, RepetitionPenalty
 from stages.process.temperature import Temperature
 from stages.process.truncation import MinP, TopK, TopP, TypicalP
-
-DEFAULT_ORDER: tuple[str, ...] = (
-    "allowed_tokens", "banned_tokens", "logit_bias", "min_tokens", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "dry", "temperature", "top_k", "top_p", "min_p",
-    "typical_p",
-)
-"""The names of the built-in processors in the order the default chain applies them."""
 
 PROCESSORS: Mapping[str, type[LogitProcessor]] = MappingProxyType({
     cls.name: cls for cls in (
@@ -100,7 +78,7 @@ class ProcessorChain:
         return self._processors
 
     def start(self, row: Row) -> dict[str, Any]:
-        """The request's state of each :class:`~pipeline.protocols.StatefulProcessor` of the
+        """The request's state of each :class:`~pipeline.contracts.decode.StatefulProcessor` of the
         chain that is active for ``row`` (by name; empty when none is)."""
         return {p.name: p.start(row) for p in self._stateful if p.active(row)}
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from stages.process.rows import contiguous
 
 WINDOW = 1024

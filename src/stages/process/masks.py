@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from stages.process.rows import NEG_INF, active_rows, contiguous, row_mask
 from stages.process.tokens import Weights, apply_table, id_table, map_table, member_mask
 

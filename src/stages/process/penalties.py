@@ -10,7 +10,7 @@ Owns the three processors that penalize tokens a row has already seen. Semantics
 
 None is argmax-invariant; all work on dense and sparse scores, in place.
 
-Each is a :class:`~pipeline.protocols.StatefulProcessor`: a request's state is a
+Each is a :class:`~pipeline.contracts.decode.StatefulProcessor`: a request's state is a
 :class:`TokenCounts`, the counts of what it has seen (prompt and output for the repetition
 penalty, output for the other two) and its distinct tokens, kept on the scores' device and
 advanced per committed token, so a step touches the distinct tokens on the device instead of
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from stages.process.rows import active_rows, contiguous
 from stages.process.tokens import Weights, apply_table, count_table, id_table
 

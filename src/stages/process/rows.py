@@ -1,6 +1,6 @@
 """Per-row parameters as tensors, and the small layout helpers every processor shares.
 
-Owns the conversions from a :class:`~pipeline.protocols.Batch` (one ``GenerationConfig`` per
+Owns the conversions from a :class:`~pipeline.contracts.decode.Batch` (one ``GenerationConfig`` per
 row) to the ``[B]`` tensors the processors compute with, and :func:`keep_rows`, the one way a
 processor restores the rows it is not active for. Nothing here holds state.
 """
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 
 NEG_INF = float("-inf")
 

@@ -8,7 +8,7 @@ unchanged bit for bit.
 
 from __future__ import annotations
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from stages.process.rows import row_floats
 
 

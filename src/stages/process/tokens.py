@@ -1,7 +1,7 @@
 """(row, token) tables and how to apply them to either score layout.
 
 Owns :class:`TokenTable` and the functions that build one from the batch (the token ids of
-each row, with a weight or a count) and apply it to :class:`~pipeline.protocols.Scores`. Masks
+each row, with a weight or a count) and apply it to :class:`~pipeline.contracts.decode.Scores`. Masks
 and penalties are all "change the score of these tokens in these rows"; keeping that in one
 place lets each of them work on dense ``[B, V]`` and sparse ``[B, K]`` scores alike.
 
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 
 Weights = torch.Tensor | float
 Update = Callable[[torch.Tensor, Weights], torch.Tensor]

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.protocols import Batch, Row, Scores
+from pipeline.contracts.decode import Batch, Row, Scores
 from stages.process.rows import (
     NEG_INF, active_rows, columns_to_tokens, contiguous, keep_rows, row_floats, row_ints,
     row_mask,

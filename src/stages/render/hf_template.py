@@ -11,7 +11,7 @@ tokens, then the caller's template kwargs, then ``messages`` (``Message.to_templ
 :class:`~pipeline.errors.TemplateError`. Control/content spans are recovered as
 :mod:`stages.render.spans` describes: caller text is CONTENT, a caller's special-token string
 (``<|im_end|>``) included. A template that renders no tools gets them through the Hermes
-fallback of :mod:`stages.render.tool_fallback`.
+fallback of :mod:`pipeline.tools.fallback`.
 """
 
 from __future__ import annotations
@@ -29,19 +29,16 @@ import jinja2
 
 from pipeline.errors import InvalidValueError, TemplateError
 from pipeline.events import digest_text
-from pipeline.types import Message, Rendered, ToolSpec
+from pipeline.contracts.request import Message, ToolSpec
+from pipeline.contracts.text import Rendered
+from pipeline.tools.fallback import SUFFIX, hermes_messages, renders_tools
 from stages.render.sandbox import compile_template
 from stages.render.spans import (assemble, caller_strings, free_chars, map_caller, marked_spans,
                                  searched_spans, subtract, wrap)
-from stages.render.tool_fallback import SUFFIX, hermes_messages, renders_tools
+from stages.tokenize.hf import NAMED_SPECIAL_TOKENS, token_text
 
-__all__ = ["NAMED_SPECIAL_TOKENS", "RESERVED_VARIABLES", "HFChatTemplateRenderer",
-           "compile_template", "find_template", "named_special_tokens",
-           "special_token_strings_of"]
-
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                        "cls_token", "mask_token")
-"""The named special tokens passed into a template, as transformers' ``special_tokens_map``."""
+__all__ = ["RESERVED_VARIABLES", "HFChatTemplateRenderer", "compile_template", "find_template",
+           "named_special_tokens", "special_token_strings_of"]
 
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 """Template variables the renderer sets itself; template kwargs cannot use these names."""
@@ -82,13 +79,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config spells it: a string or ``{"content": ...}``."""
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -119,7 +109,7 @@ def named_special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
     """``bos_token``, ``eos_token``, ... from tokenizer_config, as strings (unset ones left out)."""
     out = {}
     for key in NAMED_SPECIAL_TOKENS:
-        if (text := _token_text(config.get(key))) is not None:
+        if (text := token_text(config.get(key))) is not None:
             out[key] = text
     return out
 
@@ -134,7 +124,7 @@ def special_token_strings_of(folder: Path, config: Mapping[str, Any]) -> list[st
     strings += named_special_tokens(config).values()
     for key in ("additional_special_tokens", "extra_special_tokens"):
         extra = config.get(key) or []
-        strings += [t for t in map(_token_text, extra if isinstance(extra, list) else []) if t]
+        strings += [t for t in map(token_text, extra if isinstance(extra, list) else []) if t]
     return strings
 
 
@@ -142,7 +132,7 @@ def special_token_strings_of(folder: Path, config: Mapping[str, Any]) -> list[st
 
 
 class HFChatTemplateRenderer:
-    """Renders messages with a Hugging Face chat template (a :class:`~pipeline.protocols.Renderer`).
+    """Renders messages with a Hugging Face chat template (a :class:`~pipeline.contracts.text.Renderer`).
 
     The text equals transformers' ``apply_chat_template(..., tokenize=False)`` for the same
     template, messages, tools and kwargs; ``spans`` mark the caller's text as CONTENT (see
@@ -204,7 +194,7 @@ class HFChatTemplateRenderer:
         """Render ``messages`` and ``tools``; ``template_kwargs`` reach the template.
 
         A template that renders no tools gets them through the Hermes fallback
-        (:mod:`stages.render.tool_fallback`): the tool block in the system message, calls and
+        (:mod:`pipeline.tools.fallback`): the tool block in the system message, calls and
         results as text; the rendering's name then ends in ``+hermes_tools``.
 
         Raises TemplateError when the template fails, InvalidValueError for a kwarg named

@@ -26,7 +26,8 @@ from typing import Any
 
 from pipeline.errors import TemplateError
 from pipeline.events import digest_text
-from pipeline.types import Message, Rendered, Span, SpanKind, ToolSpec
+from pipeline.contracts.request import Message, ToolSpec
+from pipeline.contracts.text import Rendered, Span, SpanKind
 
 FORMAT = "plain-renderer:v1 '<Label>: <content>' joined by '\\n\\n', then 'Assistant:'"
 """What the digest of :class:`PlainRenderer` hashes: a name for the format above."""
@@ -37,7 +38,7 @@ LABELS = {"system": "System", "developer": "Developer", "user": "User",
 
 
 class PlainRenderer:
-    """Renders messages as role-labelled plain text (a :class:`~pipeline.protocols.Renderer`).
+    """Renders messages as role-labelled plain text (a :class:`~pipeline.contracts.text.Renderer`).
 
     Stateless and thread-safe. Example::
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pipeline.errors import TemplateError
-from pipeline.types import Span, SpanKind
+from pipeline.contracts.text import Span, SpanKind
 
 _NOT_CALLER_KEYS = frozenset({"role", "type"})
 _PRIVATE_USE = range(0x100000, 0x10FFFE)  # Supplementary Private Use Area-B

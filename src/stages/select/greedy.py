@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.protocols import Batch, Scores, Selection
+from pipeline.contracts.decode import Batch, Scores, Selection
 from stages.process.rows import columns_to_tokens
 from stages.process.topk import first_argmax
 from stages.select.logprobs import selection_logprobs

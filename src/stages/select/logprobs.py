@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.protocols import Batch, Scores
-from pipeline.types import TokenLogprob
+from pipeline.contracts.decode import Batch, Scores
+from pipeline.contracts.output import TokenLogprob
 
 
 def _one(logp: torch.Tensor, tokens: torch.Tensor | None, column: int, n: int) -> TokenLogprob:

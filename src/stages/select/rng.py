@@ -13,19 +13,19 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.protocols import Row
+from pipeline.contracts.decode import Row
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, SplitMix64's increment
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, SplitMix64's increment
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 _TO_UNIT = 2.0 ** -53
 
 
-def _mix64(z: int) -> int:
+def mix64(z: int) -> int:
     """SplitMix64's finalizer: a bijection of 64-bit integers with full avalanche."""
-    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
+    z = ((z ^ (z >> 30)) * _MUL1) & MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & MASK64
     return z ^ (z >> 31)
 
 
@@ -36,9 +36,9 @@ def uniform(seed: int, stream: int, step: int) -> float:
 
         u = uniform(seed=1234, stream=0, step=7)     # same value on every call and machine
     """
-    h = _mix64((seed + _GOLDEN) & _MASK64)
-    h = _mix64(((h ^ (stream & _MASK64)) + _GOLDEN) & _MASK64)
-    h = _mix64(((h ^ (step & _MASK64)) + _GOLDEN) & _MASK64)
+    h = mix64((seed + GOLDEN) & MASK64)
+    h = mix64(((h ^ (stream & MASK64)) + GOLDEN) & MASK64)
+    h = mix64(((h ^ (step & MASK64)) + GOLDEN) & MASK64)
     return (h >> 11) * _TO_UNIT
 
 

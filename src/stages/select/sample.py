@@ -19,7 +19,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from pipeline.protocols import Batch, Scores, Selection
+from pipeline.contracts.decode import Batch, Scores, Selection
 from stages.select.greedy import argmax_columns, selection
 from stages.select.rng import row_uniforms
 

@@ -4,12 +4,14 @@
   (:class:`DeadlineStopper`) judge the selected token;
 - ``stop_strings`` (:class:`StopStringStopper`) matches ``config.stop`` on text across token
   boundaries;
-- :class:`StopperChain` runs several as one; :func:`make_stopper` builds one by name.
+- :class:`StopperChain` runs several as one; :func:`make_stopper` builds one by name;
+  ``DEFAULT_STOPPERS`` (from :mod:`pipeline.registry`) names the default chain.
 
-All satisfy :class:`pipeline.protocols.Stopper`.
+All satisfy :class:`pipeline.contracts.text.Stopper`.
 """
 
-from stages.stop.chain import DEFAULT_STOPPERS, STOPPERS, StopperChain, make_stopper
+from pipeline.registry import DEFAULT_STOPPERS
+from stages.stop.chain import STOPPERS, StopperChain, make_stopper
 from stages.stop.strings import StopStringState, StopStringStopper, StopTable
 from stages.stop.tokens import (
     DeadlineState, DeadlineStopper, EosState, EosStopper, MaxTokensStopper,

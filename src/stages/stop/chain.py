@@ -1,7 +1,8 @@
 """The stopper registry and :class:`StopperChain`, which runs several stoppers as one.
 
-It owns ``DEFAULT_STOPPERS`` (the names and order ``build`` uses), ``STOPPERS`` (a read-only
-map from name to class, each with a zero-argument constructor) and :func:`make_stopper`.
+It owns ``STOPPERS`` (a read-only map from name to class, each with a zero-argument
+constructor) and :func:`make_stopper`; the names and order ``build`` uses are
+:data:`pipeline.registry.DEFAULT_STOPPERS`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.errors import UnknownNameError
-from pipeline.protocols import StopContext, Stopper, StopVerdict
-from pipeline.types import Request
+from pipeline.contracts.text import StopContext, Stopper, StopVerdict
+from pipeline.contracts.request import Request
+from pipeline.registry import DEFAULT_STOPPERS
 from stages.stop.strings import StopStringStopper
 from stages.stop.tokens import DeadlineStopper, EosStopper, MaxTokensStopper
-
-DEFAULT_STOPPERS = ("eos", "max_tokens", "stop_strings", "deadline")
-"""The stoppers a pipeline gets unless it names others, in chain order."""
 
 STOPPERS: Mapping[str, Callable[[], Stopper[Any]]] = MappingProxyType({
     "eos": EosStopper,
@@ -45,7 +44,7 @@ class StopperChain:
     returns a verdict the run ends, so the stoppers after it are called once more with
     ``final=True`` to release what they hold (text that came before the match); a verdict of
     theirs wins, since it lies earlier in the text. The chain satisfies
-    :class:`pipeline.protocols.Stopper` itself.
+    :class:`pipeline.contracts.text.Stopper` itself.
 
     Example::
 

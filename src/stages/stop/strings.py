@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from pipeline.protocols import StopContext, StopVerdict
-from pipeline.types import FinishReason, Request
+from pipeline.contracts.text import StopContext, StopVerdict
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
 
 
 def _failure_table(stop: str) -> array[int]:

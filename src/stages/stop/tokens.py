@@ -1,19 +1,33 @@
 """Stoppers that decide on the selected token alone: ``eos``, ``max_tokens``, ``deadline``.
 
 Each is stateless (its per-request state is a small frozen value built by ``start``) and lets
-text pass through ``check_text`` untouched. ``generated`` is always the 1-based number of the
-output token being checked: the token would become output number ``generated``.
+text pass through ``check_text`` untouched (:class:`TokenStopper`, their base). ``generated``
+is always the 1-based number of the output token being checked: the token would become output
+number ``generated``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import attrs
 
-from pipeline.protocols import StopContext, StopVerdict
-from pipeline.types import FinishReason, Request
+from pipeline.contracts.text import StopContext, StopVerdict
+from pipeline.contracts.output import FinishReason
+from pipeline.contracts.request import Request
+from pipeline.room import room
+
+S = TypeVar("S")
+
+
+class TokenStopper(Generic[S]):
+    """A stopper that decides on the token alone: its text passes through."""
+
+    def check_text(self, state: S, text: str, final: bool) -> tuple[S, str, StopVerdict | None]:
+        """Text passes through."""
+        return state, text, None
 
 
 @attrs.frozen
@@ -25,7 +39,7 @@ class EosState:
     min_tokens: int
 
 
-class EosStopper:
+class EosStopper(TokenStopper[EosState]):
     """Ends at an EOS token (``FinishReason.EOS``) or a ``stop_token_ids`` token
     (``FinishReason.STOP_TOKEN``); the token's text is not part of the output.
 
@@ -59,13 +73,8 @@ class EosStopper:
             return StopVerdict(FinishReason.STOP_TOKEN, token_id, keep_token_text=False)
         return None
 
-    def check_text(self, state: EosState, text: str, final: bool
-                   ) -> tuple[EosState, str, StopVerdict | None]:
-        """Text passes through."""
-        return state, text, None
 
-
-class MaxTokensStopper:
+class MaxTokensStopper(TokenStopper[int]):
     """Ends with ``FinishReason.LENGTH`` at output number ``config.max_tokens``, keeping that
     token's text; ``detail`` is the limit.
 
@@ -83,14 +92,9 @@ class MaxTokensStopper:
 
     def check_token(self, state: int, token_id: int, generated: int) -> StopVerdict | None:
         """LENGTH once ``generated >= max_tokens``."""
-        if generated >= state:
+        if room(state, generated) <= 0:
             return StopVerdict(FinishReason.LENGTH, state, keep_token_text=True)
         return None
-
-    def check_text(self, state: int, text: str, final: bool
-                   ) -> tuple[int, str, StopVerdict | None]:
-        """Text passes through."""
-        return state, text, None
 
 
 @attrs.frozen
@@ -102,7 +106,7 @@ class DeadlineState:
     detail: str | None
 
 
-class DeadlineStopper:
+class DeadlineStopper(TokenStopper[DeadlineState]):
     """Ends with ``FinishReason.DEADLINE`` once ``runtime_limits.deadline_s`` has passed since
     ``context.accepted_ns``, keeping the token's text; ``detail`` is ``"deadline_s=<limit>"``.
 
@@ -134,8 +138,3 @@ class DeadlineStopper:
         if state.deadline_ns is not None and self.clock() >= state.deadline_ns:
             return StopVerdict(FinishReason.DEADLINE, state.detail, keep_token_text=True)
         return None
-
-    def check_text(self, state: DeadlineState, text: str, final: bool
-                   ) -> tuple[DeadlineState, str, StopVerdict | None]:
-        """Text passes through."""
-        return state, text, None

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.protocols import Tokenizer
+from pipeline.contracts.text import Tokenizer
 from stages.structured.guard import JsonGuard, JsonScan
 
 MAX_PATH = 768

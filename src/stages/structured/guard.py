@@ -389,7 +389,7 @@ def _matches(path: tuple[str, ...], patterns: frozenset[tuple[str, ...]]) -> boo
 def unique_paths(schema: Any) -> frozenset[tuple[str, ...]]:
     """The output paths of the arrays ``schema`` marks ``uniqueItems`` (see the module
     docstring), following local references (``$ref``)."""
-    from pipeline.grammar import _resolve
+    from pipeline.schema_compat import resolve_pointer
 
     found: set[tuple[str, ...]] = set()
     visiting: set[tuple[int, tuple[str, ...]]] = set()
@@ -402,7 +402,7 @@ def unique_paths(schema: Any) -> frozenset[tuple[str, ...]]:
             found.add(path)
         ref = node.get("$ref")
         if isinstance(ref, str):
-            walk(_resolve(schema, ref), path, depth + 1)
+            walk(resolve_pointer(schema, ref), path, depth + 1)
         for word in ("allOf", "anyOf", "oneOf"):
             for branch in node.get(word) or ():
                 walk(branch, path, depth + 1)

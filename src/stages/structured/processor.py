@@ -4,14 +4,14 @@ Owns :class:`GrammarProcessor` and its two caches. Compiled grammars are kept pe
 (grammar, vocabulary width, whether the output starts as reasoning) for the tokenizer the processor was built with: a pristine
 llguidance matcher, deep-copied for each request (a copy costs microseconds; a compilation
 about a millisecond per small schema). A request's matcher, having consumed its output so
-far, is its state (:class:`~pipeline.protocols.StatefulProcessor`: the strategy starts it,
+far, is its state (:class:`~pipeline.contracts.decode.StatefulProcessor`: the strategy starts it,
 tells it each committed token and finishes it), and only a cache of a pure function of
 (grammar, ``row.output_ids``): each step it is brought to the row's ids by rolling back
 what the row no longer has and consuming what it has new, comparing only the ids past the
 committed tokens it is known to hold (so a step does not grow with the output), and rebuilt
 from nothing when that is impossible. A row with no state (a strategy that keeps none) uses
 a per-stream cache of the same matchers, compared over its whole ids. So the processor stays
-a function of (scores, batch), as :class:`~pipeline.protocols.LogitProcessor` asks, and is
+a function of (scores, batch), as :class:`~pipeline.contracts.decode.LogitProcessor` asks, and is
 correct for batches mixing constrained and unconstrained rows, for a request whose rows come
 back after preemption, and under speculative decoding, where each verified position is a row
 of its own whose ids end in that position's drafts.
@@ -62,8 +62,11 @@ import torch
 
 from pipeline.errors import InvalidValueError
 from pipeline.grammar import Grammar, after_thinking
-from pipeline.protocols import Batch, Row, Scores, Tokenizer
-from pipeline.types import GenerationConfig
+from pipeline.contracts.decode import Batch, Row, Scores
+from pipeline.contracts.text import Tokenizer
+from pipeline.contracts.request import GenerationConfig
+from pipeline.output_parts import THINK_CLOSE, THINK_OPEN
+from pipeline.room import room
 from stages.structured.bitmask import allowed_mask, apply_bitmask, bitmask_words
 from stages.structured.closing import Closer
 from stages.structured.guard import CallRepeats, JsonGuard, JsonScan, unique_paths
@@ -326,7 +329,7 @@ class GrammarProcessor:
         choose among values of different lengths), only if it is among the :data:`CHECKED`
         likeliest and the path after it still fits."""
         done = len(row.output_ids)
-        budget = row.config.max_tokens - done            # tokens left, this one included
+        budget = room(row.config.max_tokens, done)       # tokens left, this one included
         before = track.distance
         near = before is not None and budget <= before + WINDOW + 2 * track.jump
         retry = before is None and 0 < track.misses <= RETRIES   # a search that failed
@@ -420,7 +423,7 @@ class GrammarProcessor:
             scan.feed(b"".join(table[i] if i < len(table) else b"" for i in prefix))
         path = self._closing().shortest(m, scan,
                                         self._json_guard() if scan is not None else None)
-        if path is not None and len(prefix) + len(path) + 1 > config.max_tokens:
+        if path is not None and room(config.max_tokens, len(prefix)) < len(path) + 1:
             raise InvalidValueError(
                 "max_tokens", config.max_tokens,
                 f"cannot hold any output {grammar.field} allows: the shortest this server "
@@ -595,8 +598,8 @@ class GrammarProcessor:
         """The ``<think>`` id and the closing marker's text, when ``<think>`` is one token."""
         if self._tok is None:
             return None
-        ids = self._tok.encode_text("<think>", special=True)
-        return (ids[0], "</think>") if len(ids) == 1 else None
+        ids = self._tok.encode_text(THINK_OPEN, special=True)
+        return (ids[0], THINK_CLOSE) if len(ids) == 1 else None
 
     def _ll_tokenizer(self, vocab: int) -> Any:
         if self._tok is None:

@@ -14,7 +14,7 @@ from typing import Any
 import llguidance
 
 from pipeline.errors import InvalidValueError
-from pipeline.protocols import Tokenizer
+from pipeline.contracts.text import Tokenizer
 
 
 def token_table(tok: Tokenizer) -> list[bytes]:

@@ -1,6 +1,6 @@
 """Hugging Face ``tokenizers`` tokenizers: files, encoding by span, decoding, token bytes.
 
-Owns :class:`HFTokenizer`, a :class:`~pipeline.protocols.Tokenizer` over ``tokenizer.json``
+Owns :class:`HFTokenizer`, a :class:`~pipeline.contracts.text.Tokenizer` over ``tokenizer.json``
 (with ``tokenizer_config.json``, ``generation_config.json`` and ``config.json`` for EOS ids).
 
 Encoding rule. transformers' ``apply_chat_template`` tokenizes the whole rendered string in
@@ -39,11 +39,12 @@ import tokenizers
 
 from pipeline.errors import InvalidValueError, TokenizerError
 from pipeline.events import digest_bytes, digest_text
-from pipeline.types import Rendered, SpanKind, TokenizedPrompt
+from pipeline.contracts.text import Rendered, SpanKind, TokenizedPrompt
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
-"""tokenizer_config keys naming special tokens (strings or ``{"content": ...}``)."""
+"""tokenizer_config keys naming special tokens (strings or ``{"content": ...}``): the named
+special tokens a chat template gets, as transformers' ``special_tokens_map``."""
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback token, standing for one byte."""
@@ -85,7 +86,8 @@ def _read_json(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config spells it: a string or ``{"content": ...}``."""
     if isinstance(value, Mapping):
         value = value.get("content")
     return value if isinstance(value, str) else None
@@ -195,12 +197,12 @@ class HFTokenizer:
         return int(token)
 
     def _named_ids(self, config: Mapping[str, Any]) -> list[int]:
-        texts = [(k, _token_text(config.get(k))) for k in NAMED_SPECIAL_TOKENS]
+        texts = [(k, token_text(config.get(k))) for k in NAMED_SPECIAL_TOKENS]
         return [self._token_id(t, k) for k, t in texts if t is not None]
 
     def _eos_ids(self, config: Mapping[str, Any], extra: Iterable[int]) -> set[int]:
         ids = set(extra)
-        if (text := _token_text(config.get("eos_token"))) is not None:
+        if (text := token_text(config.get("eos_token"))) is not None:
             ids.add(self._token_id(text, "eos_token"))
         return ids
 
@@ -239,7 +241,7 @@ class HFTokenizer:
         return self._encode(text, special=special, first=True)
 
     def encode_document(self, text: str) -> list[int]:
-        """Ids of ``text`` as a document (:class:`~pipeline.protocols.DocumentEncoder`): the
+        """Ids of ``text`` as a document (:class:`~pipeline.contracts.text.DocumentEncoder`): the
         ids tokenizer.json's post-processor puts before a sequence (its BOS, if any), then
         the text with special-token strings parsed. Its EOS, if it adds one, is left off."""
         return [*self.leading_ids, *self._encode(text, special=True, first=True)]
