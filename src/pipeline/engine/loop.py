@@ -35,8 +35,8 @@ trace) are :class:`~pipeline.engine.job.Job`'s.
 Request-level work before the queue (render, tokenize, validation) happens in
 :class:`~pipeline.pipe.Pipeline` on the caller's thread.
 
-Containment. A device fault (:func:`device_fault`: a CUDA error that poisons the device
-context) raises out of :meth:`Engine.step`: nothing after it can be trusted. Any other backend
+Containment. A device fault (:func:`~pipeline.errors.device_fault`: a CUDA error that poisons
+the device context) raises out of :meth:`Engine.step`: nothing after it can be trusted. Any other backend
 exception fails the requests of that call (only the named slots for a
 :class:`~pipeline.errors.SlotError`); a selector that raises, or returns something that is not
 a token id of the vocabulary, fails the requests of its group; an exception while one request
@@ -68,7 +68,9 @@ from pipeline.engine.handle import RequestState
 from pipeline.engine.job import Job
 from pipeline.engine.pacing import Pacer
 from pipeline.engine.paging import KVMemory, Paging, SlotMemory
-from pipeline.errors import CapacityError, DeviceFault, InvalidValueError, SlotError
+from pipeline.errors import (
+    CapacityError, DeviceFault, InvalidValueError, SlotError, device_fault,
+)
 from pipeline.contracts.model import (
     Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, split_outputs,
 )
@@ -383,7 +385,6 @@ class Engine:
                 job.abort("the request ended without a completion")
 
 
-
 def run_calls(fail: Callable[[Job, str], None], jobs: list[Job],
           fn: Callable[[list[Job]], torch.Tensor], calls: dict[Job, ModelCall]
           ) -> list[tuple[Job, torch.Tensor]]:
@@ -420,26 +421,3 @@ ends a job the call failed).
     return []
 
 
-_DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access",
-                  "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED")
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is the device (or the host) running out of memory: a step's failure,
-    not the device's (the next step may fit)."""
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
-
-
-def device_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` says the device is unusable (:class:`~pipeline.errors.DeviceFault`):
-    torch's ``AcceleratorError``, or a runtime error naming a CUDA fault. Running out of device
-    memory is not one (the next step may fit). A backend may raise ``DeviceFault`` itself (a
-    parallel group that lost a rank)."""
-    if isinstance(exc, DeviceFault):
-        return True
-    if out_of_memory(exc):
-        return False
-    accelerator = getattr(torch, "AcceleratorError", None)
-    if accelerator is not None and isinstance(exc, accelerator):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_FAULTS)

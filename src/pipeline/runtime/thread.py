@@ -7,7 +7,7 @@ can progress. Around the step it keeps the supervision: the call queue, the step
 start and phase for the stall watchdog (:meth:`ThreadEngine.stall`), :meth:`ThreadEngine.abandon`,
 a loop that dies, :meth:`ThreadEngine.fresh` and closing at interpreter exit.
 
-Containment. A device fault (:func:`~pipeline.engine.loop.device_fault`) ends the loop:
+Containment. A device fault (:func:`~pipeline.errors.device_fault`) ends the loop:
 nothing after it can be trusted. An exception anywhere else in a step fails the requests of
 that step (the step contains narrower failures itself). Should the loop thread end all the
 same (a ``BaseException``), it completes every handle it holds, refuses new work with
@@ -42,7 +42,8 @@ from pipeline.engine import api
 from pipeline.engine.api import ENGINE_DOWN, Stall, Strategies, StrategyFactory
 from pipeline.engine.blocks import BlockStats
 from pipeline.engine.job import Job
-from pipeline.engine.loop import Engine, EngineConfig, device_fault
+from pipeline.engine.loop import Engine, EngineConfig
+from pipeline.errors import device_fault
 from pipeline.errors import CapacityError, DeviceFault, EngineClosed, StepStillRunning
 from pipeline.contracts.model import Backend
 from pipeline.contracts.strategy import Strategy
