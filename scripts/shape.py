@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nimport circles between units: {len(found)} "
           f"({len(loading)} among the imports that run when a module loads)")
     for group in found:
-        print("  " + " <-> ".join(group) + ("" if group in loading else
-                                             "  (through type-only or deferred imports)"))
+        print("  " + " <-> ".join(group))
+    for group in loading:
+        print("  at load: " + " <-> ".join(group))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
