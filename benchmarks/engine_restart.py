@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from pipeline.engine.process import EngineRecipe, ProcessEngine
+from pipeline.runtime.parent import ProcessEngine
+from pipeline.runtime.wire import EngineRecipe
 from pipeline.pipe import Pipeline
 from transports.http import Gateway, ServerConfig, create_app
 from transports.http.server.timeouts import uvicorn_config

@@ -105,7 +105,7 @@ def phases_child(gguf: str = "smollm2") -> dict[str, float]:
 
     from backends.gguf.backend import hf_config
     from backends.gguf.load import load_weights
-    from backends.plugin import moe_function
+    from backends.moe_choice import moe_function
     from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.config import ModelSpec
     from backends.torch.model import Transformer

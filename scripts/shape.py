@@ -3,7 +3,7 @@
 ``python scripts/shape.py`` (from the checkout's root) prints a table of the Python lines under
 ``src/`` by top-level package and by the subpackage or module one level down, and every
 circle of imports between those units (imports inside functions and ``TYPE_CHECKING``
-blocks included, so a circle here need not be one at run time). docs/architecture.md quotes
+blocks included, and marked when only they close it). docs/architecture.md quotes
 its output; ``--json`` writes the same as JSON.
 """
 
@@ -39,9 +39,12 @@ def lines(path: Path) -> int:
     return len(path.read_text(encoding="utf-8").splitlines())
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, at_load: bool = False) -> set[str]:
+    """The modules of the four packages ``path`` imports: every import, or (``at_load``) only
+    those that run when the module loads (at its top level, not under ``TYPE_CHECKING``)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body if at_load else ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -89,15 +92,18 @@ def shape() -> dict[str, object]:
     per_unit: dict[str, int] = defaultdict(int)
     per_package: dict[str, int] = defaultdict(int)
     edges: dict[str, set[str]] = defaultdict(set)
+    at_load: dict[str, set[str]] = defaultdict(set)
     for name, path in found.items():
         n = lines(path)
         per_unit[unit(name)] += n
         per_package[name.split(".")[0]] += n
-        for target in imports(path):
-            if unit(target) != unit(name):
-                edges[unit(name)].add(unit(target))
+        for graph, only_load in ((edges, False), (at_load, True)):
+            for target in imports(path, only_load):
+                if unit(target) != unit(name):
+                    graph[unit(name)].add(unit(target))
     return {"total": sum(per_package.values()), "packages": dict(per_package),
-            "units": dict(sorted(per_unit.items())), "circles": circles(edges)}
+            "units": dict(sorted(per_unit.items())), "circles": circles(edges),
+            "circles_at_load": circles(at_load)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,9 +122,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<26}{m:>7,}")
     found = figures["circles"]
     assert isinstance(found, list)
-    print(f"\nimport circles between units: {len(found)}")
+    loading = figures["circles_at_load"]
+    assert isinstance(loading, list)
+    print(f"\nimport circles between units: {len(found)} "
+          f"({len(loading)} among the imports that run when a module loads)")
     for group in found:
         print("  " + " <-> ".join(group))
+    for group in loading:
+        print("  at load: " + " <-> ".join(group))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

@@ -305,12 +305,14 @@ def test_chat_shows_its_loading_line_first_and_before_torch_is_imported() -> Non
     shown = next(t for t, size in times if size + 65536 > offset and size <= offset)
     # only the interpreter starts before it: no library heavier than attrs is imported first
     # (read from the child's own import-time lines, not a stopwatch)
-    before = {m.group(1).split(".")[0] for m in re.finditer(
+    modules = {m.group(1) for m in re.finditer(
         r"import time:\s+\d+ \|\s+\d+ \|\s*(\S+)", text[:at])}
+    before = {name.split(".")[0] for name in modules}
     heavy = {"torch", "numpy", "jinja2", "tokenizers", "safetensors", "gguf", "transformers",
-             "uvicorn", "starlette", "httpx", "prometheus_client", "backends", "stages",
-             "transports"}
+             "uvicorn", "starlette", "httpx", "prometheus_client", "backends", "stages"}
     assert "pipeline" in before and not before & heavy, sorted(before & heavy)
+    # the command line is a transport; the server and the Ray front are not loaded for chat
+    assert not {m for m in modules if m.startswith(("transports.http", "transports.ray_serve"))}
     ready = next(line for line in own if line.startswith("ready in"))
     assert READY.match(ready) and "(generation_config.json)" in ready
     banner = own[own.index(ready) + 1]

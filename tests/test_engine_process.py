@@ -1,4 +1,4 @@
-"""The engine in a child process (:mod:`pipeline.engine.process`), killed for real.
+"""The engine in a child process (:mod:`pipeline.runtime.parent`), killed for real.
 
 Oracles: the same model on the in-process engine (tokens and trace for the same greedy
 request), the kernel (a SIGKILL the child cannot catch, its exit status), the HTTP streams as
@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from pipeline.builder import build
-from pipeline.engine.process import DEADLINE_GRACE_S, EngineRecipe, ProcessEngine, Unresponsive
+from pipeline.runtime.parent import DEADLINE_GRACE_S, ProcessEngine, Unresponsive
+from pipeline.runtime.wire import EngineRecipe
 from pipeline.errors import BackendError, EngineClosed, RequestFailed
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.options import BackendOptions

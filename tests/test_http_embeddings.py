@@ -168,7 +168,7 @@ def test_engine_calls_run_on_the_engine_thread_and_stop_with_it() -> None:
 
 def test_a_call_is_not_timed_as_a_step_and_waiting_calls_are_bounded(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.engine import loop as engine_module
+    from pipeline.engine import api as engine_module
     from pipeline.errors import CapacityError
 
     pipe = build("tiny")

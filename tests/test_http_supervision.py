@@ -25,7 +25,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.builder import build
-from pipeline.engine.process import ProcessEngine
+from pipeline.runtime.parent import ProcessEngine
 from pipeline.errors import EngineClosed, InvalidValueError, RequestFailed, StepStillRunning
 from pipeline.model_paths import TINY_MODEL_DIR
 from pipeline.pipe import Pipeline
@@ -508,7 +508,7 @@ def test_a_deadline_before_the_stall_timeout_ends_requests_to_a_frozen_engine_pr
     from anthropic.types import Message
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-    from pipeline.engine.process import DEADLINE_GRACE_S
+    from pipeline.runtime.parent import DEADLINE_GRACE_S
 
     gateway = Gateway(config(tmp_path, engine_process=True, restart_delay_s=0.0,
                              request_deadline_s=0.3))

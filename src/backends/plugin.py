@@ -18,11 +18,10 @@ loads its part of a tensor/expert-parallel model instead (:mod:`backends.torch.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ArtifactError, BackendError, InvalidValueError
+from pipeline.errors import ArtifactError, InvalidValueError
 from pipeline.hookspecs import hookimpl
 from pipeline.options import BackendOptions
 from pipeline.registry import BuildContext, Component
@@ -30,11 +29,12 @@ from pipeline.registry import BuildContext, Component
 
 def _torch(ctx: BuildContext) -> Any:
     from backends.torch.backend import TorchBackend
+    from backends.moe_choice import moe_function
 
     if ctx.model_dir is None:
         raise ArtifactError("the torch backend needs a model folder")
     opts = ctx.options
-    refuse_extra(opts, "torch")
+    opts.refuse_extra("torch")
     if opts.quantized:
         raise InvalidValueError("quantized", True, "applies to GGUF files only; this model is "
                                 "a Hugging Face folder of safetensors weights")
@@ -74,32 +74,6 @@ def _parallel(folder: Path, opts: BackendOptions, settings: dict[str, Any]) -> A
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     shard = join_group(device=device)
     return parallel_backend(folder, shard, device=device, **settings)
-
-
-def refuse_extra(opts: BackendOptions, backend: str) -> None:
-    """A built-in backend has no settings beyond the named fields: refuse ``extra`` ones
-    rather than ignore a setting the caller believes took effect."""
-    if opts.extra:
-        raise InvalidValueError("extra", dict(opts.extra), f"the {backend} backend takes no "
-                                "extra options (they are for third-party backends)")
-
-
-def moe_function(choice: Any, folders: Sequence[Path]) -> Any:
-    """The routed-experts function for the ``moe`` option (see the module docstring)."""
-    if callable(choice):
-        return choice
-    if choice == "torch":
-        from backends.torch.moe import moe_forward
-
-        return moe_forward
-    if choice == "triton":
-        try:
-            from backends.triton_moe.launch import TritonMoe
-        except ImportError as exc:
-            raise BackendError(f"moe='triton' needs the triton package ({exc}); install "
-                               "the 'triton' extra") from exc
-        return TritonMoe(list(folders))
-    raise InvalidValueError("moe", choice, "must be 'torch', 'triton' or a callable")
 
 
 def _gguf_backend(ctx: BuildContext) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, Callable, TypeVar, cast
 
 import attrs
 
-from pipeline.engine import Engine, EngineConfig
+from pipeline.engine import EngineConfig
 from pipeline.errors import ArtifactError, InvalidValueError, RegistryError, hint_keywords
 from pipeline.events import EventSink
 from pipeline.model_paths import (
@@ -28,6 +28,7 @@ from pipeline.contracts.strategy import Honours, Strategy
 from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
 from pipeline.contracts.transport import Transport
 from pipeline.registry import DEFAULT_ORDER, DEFAULT_STOPPERS, BuildContext, Registry
+from pipeline.runtime.thread import ThreadEngine
 from pipeline.sampling_defaults import for_build
 from pipeline.strategy_choice import StrategyChoice
 from pipeline.contracts.output import Delta
@@ -246,7 +247,7 @@ def build(
                                     "keeps: give it an `honours` attribute (pipeline.Honours)")
             return made
 
-        eng = Engine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
+        eng = ThreadEngine(model_backend, strategies, engine, decodable_vocab=tok.vocab_size)
     where = model_dir or model_file
     sampling = for_build(context, defaults)  # the model's recommendation, else the default
     return Pipeline(stages, eng, sinks=sinks, defaults=sampling.config,

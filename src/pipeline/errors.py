@@ -33,6 +33,9 @@ tree to HTTP statuses and dialect error bodies in exactly one place; nothing els
 
 The HTTP server's own refusals (a key, a model name, capacity, a body's media type or size, a
 client gone) extend this tree on the serving side: :mod:`transports.http.serving_errors`.
+
+:func:`out_of_memory` and :func:`device_fault` sort a failure the engine or a backend caught:
+a step that did not fit, or a device that is unusable.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import difflib
 import functools
 import inspect
 import reprlib
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
@@ -77,7 +81,7 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 class PipelineError(Exception):
     """Root of every exception the library raises on purpose. Every one pickles and comes
     back whole (its message and attributes), whatever its constructor takes: an engine in
-    another process sends them back (:mod:`pipeline.engine.process`)."""
+    another process sends them back (:mod:`pipeline.runtime.parent`)."""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _rebuilt, (type(self), self.args, dict(self.__dict__))
@@ -303,7 +307,7 @@ class DeviceFault(PipelineError):
     """The device failed in a way that leaves it unusable (a CUDA error such as an illegal
     memory access or a device-side assert, which poisons the process's device context): the
     engine stops instead of failing request after request, and an engine in a child process
-    is replaced by a fresh process with a fresh context (:mod:`pipeline.engine.process`)."""
+    is replaced by a fresh process with a fresh context (:mod:`pipeline.runtime.parent`)."""
 
 
 class StepStillRunning(EngineClosed):
@@ -319,3 +323,30 @@ class InvariantViolation(PipelineError):
         self.reports = tuple(reports)
         super().__init__(f"{len(self.reports)} trace(s) broke an invariant:\n"
                          + "\n".join(rendered))
+
+
+_DEVICE_FAULTS = ("CUDA error", "device-side assert", "illegal memory access",
+                  "unspecified launch failure", "CUBLAS_STATUS_EXECUTION_FAILED")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device (or the host) running out of memory: a step's failure,
+    not the device's (the next step may fit)."""
+    torch = sys.modules.get("torch")  # a torch error comes from a loaded torch
+    oom = torch.cuda.OutOfMemoryError if torch is not None else ()
+    return isinstance(exc, oom) or "out of memory" in str(exc)
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` says the device is unusable (:class:`~pipeline.errors.DeviceFault`):
+    torch's ``AcceleratorError``, or a runtime error naming a CUDA fault. Running out of device
+    memory is not one (the next step may fit). A backend may raise ``DeviceFault`` itself (a
+    parallel group that lost a rank)."""
+    if isinstance(exc, DeviceFault):
+        return True
+    if out_of_memory(exc):
+        return False
+    accelerator = getattr(sys.modules.get("torch"), "AcceleratorError", None)
+    if accelerator is not None and isinstance(exc, accelerator):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_FAULTS)

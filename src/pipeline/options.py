@@ -282,6 +282,13 @@ class BackendOptions:
         """``dtype`` as a ``torch.dtype`` (None: the checkpoint's own)."""
         return None if self.dtype is None else getattr(torch, self.dtype)
 
+    def refuse_extra(self, backend: str) -> None:
+        """A built-in backend has no settings beyond the named fields: refuse ``extra`` ones
+        rather than ignore a setting the caller believes took effect."""
+        if self.extra:
+            raise InvalidValueError("extra", dict(self.extra), f"the {backend} backend takes "
+                                    "no extra options (they are for third-party backends)")
+
     def check_device(self) -> None:
         """Raise :class:`~pipeline.errors.InvalidValueError` unless this machine has
         ``device`` (see :func:`check_device`)."""

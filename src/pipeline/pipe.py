@@ -268,7 +268,7 @@ class Pipeline:
         """The engine's record of a request whose spec is made: its text state over this
         pipeline's detokenizer, stoppers and tool-call reader. :meth:`submit` makes one; so
         does an engine in another process for the spec it was sent
-        (:mod:`pipeline.engine.process`)."""
+        (:mod:`pipeline.runtime.child`)."""
         assert self.stages.detokenizer is not None
         request = spec.request
         parser = self.stages.tool_parser

@@ -18,10 +18,13 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
 
-from pipeline.engine.handle import RequestHandle
 from pipeline.output_parts import joined
 from pipeline.contracts.output import Delta, Part, ToolCallDelta
+
+if TYPE_CHECKING:
+    from pipeline.engine.handle import RequestHandle
 
 
 class InProcessTransport:

@@ -54,13 +54,13 @@ def gguf_backend(ctx: BuildContext) -> Any:
     """The torch backend over the file's weights (dequantized to ``dtype`` at load, or kept
     quantized with ``quantized``)."""
     from backends.gguf.load import load_weights
-    from backends.plugin import moe_function, refuse_extra
+    from backends.moe_choice import moe_function
     from backends.torch.backend import TorchBackend, fitting_context
     from backends.torch.model import Transformer
     from pipeline.process_memory import release_free_memory
 
     f, opts = opened(ctx), ctx.options
-    refuse_extra(opts, "gguf")
+    opts.refuse_extra("gguf")
     from backends.torch.parallel import launched_world
 
     if launched_world() is not None:

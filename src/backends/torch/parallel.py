@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from backends.torch.backend import TorchBackend
 from backends.torch.shard import Shard
-from pipeline.engine.loop import out_of_memory
+from pipeline.errors import out_of_memory
 from pipeline.errors import DeviceFault, InvalidValueError, PipelineError
 from pipeline.contracts.model import ModelCall
 

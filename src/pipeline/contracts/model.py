@@ -232,7 +232,7 @@ class Embedder(Protocol):
     head: ``[T, hidden_size]`` float32, one row per token. It writes no KV cache and touches
     no slot, so it never disturbs a request in flight; like every backend call it must come
     from the engine's thread (the model's scratch state is shared with ``forward``), e.g.
-    through :meth:`~pipeline.engine.Engine.call`. Raises
+    through :meth:`~pipeline.engine.api.EngineAPI.call`. Raises
     :class:`~pipeline.errors.InvalidValueError` for an empty sequence, one longer than
     ``max_context``, or an id outside the vocabulary.
 

@@ -37,7 +37,7 @@ def logits_records(done: list[tuple[Job, torch.Tensor]]) -> list[list[dict[str, 
     if not done:
         return []
     rows = record_rows(torch.cat([logits for _, logits in done]))  # [sum outputs, V]
-    flat = logits_record(rows, [job.full for job, logits in done for _ in logits])
+    flat = logits_record(rows, [job.recorder.full for job, logits in done for _ in logits])
     out, at = [], 0
     for _, logits in done:
         out.append(flat[at:at + len(logits)])
@@ -124,7 +124,7 @@ class Committer:
         then roll the cache back if the strategy dropped fed positions."""
         try:
             job.decode_state = update.state
-            job.noted(update.events)
+            job.recorder.noted(update.events)
             for k, taken in enumerate(update.taken):
                 reason = job.take(taken, self._backend.max_context, records[k],
                                   order if k == 0 else None)
@@ -155,10 +155,10 @@ class Committer:
         for i, update in having:
             job, raw = items[i]
             for k in range(len(update.taken)):
-                full.append(job.full)
+                full.append(job.recorder.full)
                 # A row no processor changed is its raw logits: reuse that digest (an
                 # equality test costs a fraction of a sha256 pass).
-                digest = job.raw_digests[k] if k < len(job.raw_digests) else None
+                digest = job.recorder.raw_digests[k] if k < len(job.recorder.raw_digests) else None
                 known.append(digest if digest and same_bits(rows[at], raw[k]) else None)
                 where.append((i, k))
                 at += 1
@@ -180,9 +180,9 @@ def _configure(job: Job, state: Row, strategy: Strategy) -> tuple[str, ...] | No
     """The processor order to record for this step (and the step-1 configuration event).
     It is recorded at step 1, and at every step for ``full`` recordings (it costs ~20 µs
     per row; an order can change, e.g. with min_tokens)."""
-    order = strategy.order(state) if state.step == 1 or job.full else None
+    order = strategy.order(state) if state.step == 1 or job.recorder.full else None
     if state.step == 1:
-        job.configured(strategy, order or ())
+        job.recorder.configured(strategy.name, order or (), job.spec.seed)
     return order
 
 

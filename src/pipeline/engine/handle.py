@@ -146,13 +146,16 @@ class RequestHandle:
                 return
         callback(completion)
 
-    # --- engine side -----------------------------------------------------------------------
+    # --- the engine's side (a job, or the process engine's parent for a request its child
+    # holds): a caller never calls these ------------------------------------------------------
 
-    def _set_state(self, state: RequestState) -> None:
+    def set_state(self, state: RequestState) -> None:
+        """The request moved to ``state``."""
         with self._cond:
             self._state = state
 
-    def _push(self, delta: Delta) -> None:
+    def push(self, delta: Delta) -> None:
+        """Deliver ``delta`` to the readers and listeners (nothing once complete)."""
         with self._cond:
             if self._completion is not None:  # answered already (an abandoned engine's
                 return                        # step returning late): the stream has ended
@@ -162,7 +165,7 @@ class RequestHandle:
         for listener in listeners:
             _contained(listener, delta)
 
-    def _abort(self, completion: Completion) -> None:
+    def fail(self, completion: Completion) -> None:
         """End in state failed without the job's help: a final delta if none was pushed
         yet (so stream readers end), then the completion. Does nothing once complete."""
         with self._cond:
@@ -170,11 +173,11 @@ class RequestHandle:
                 return
             pushed_final = bool(self._deltas) and self._deltas[-1].final
         if not pushed_final:
-            self._push(Delta(self.request_id, len(self._deltas), "",
-                             finish_reason=FinishReason.ERROR))
-        self._complete(completion, RequestState.FAILED)
+            self.push(Delta(self.request_id, len(self._deltas), "",
+                            finish_reason=FinishReason.ERROR))
+        self.complete(completion, RequestState.FAILED)
 
-    def _complete(self, completion: Completion, state: RequestState) -> None:
+    def complete(self, completion: Completion, state: RequestState) -> None:
         """Complete once; a later call (a bare abort after a failed ending) changes nothing."""
         with self._cond:
             if self._completion is not None:

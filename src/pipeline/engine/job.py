@@ -1,5 +1,5 @@
-"""One request's life inside the engine: its scheduling state, beside its recorder and its
-delivery.
+"""One request's life inside the engine: its scheduling state, beside its recorder, and what
+reaches its caller.
 
 Owns :class:`Job`, the engine-thread-only handle on a request in flight. A request is a few
 small records (docs/design.md §6, second edition), which the job holds side by side:
@@ -13,27 +13,30 @@ small records (docs/design.md §6, second edition), which the job holds side by 
 - its **recorder** (:class:`~pipeline.engine.recorder.Recorder`): the events of every
   transition (docs/design.md §7), so the trace of a finished job holds the minimal timeline
   in causal order;
-- its **delivery** (:class:`~pipeline.engine.delivery.Delivery`): the text state (stoppers,
-  detokenizer, typed parts) between committed tokens and the deltas on the caller's handle.
+- its **text** (:class:`~pipeline.engine.text_state.TextState`: stoppers, detokenizer, typed
+  parts) between committed tokens and the deltas the job pushes to the caller's **handle**
+  (:meth:`Job.push`: the released text typed once into parts, its ``tool.*`` and
+  ``stream.delta`` events; text a stopper holds back rides on a later delta, and a verdict
+  always closes the stream).
 
 Only the engine calls these methods, from its own thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.events import Tracer
-from pipeline.engine.delivery import Delivery
 from pipeline.contracts.forcing import Forcing
 from pipeline.engine.handle import RequestHandle, RequestState
 from pipeline.engine.job_spec import JobSpec
 from pipeline.engine.recorder import Recorder
 from pipeline.contracts.decode import Row, TokenIds
 from pipeline.contracts.model import CacheLayout, PrefillChunk
-from pipeline.contracts.strategy import Plan, Strategy, StrategyEvent, Taken
+from pipeline.contracts.strategy import Plan, Strategy, Taken
 from pipeline.contracts.text import StopVerdict
 from pipeline.engine.text_state import TextState
 from pipeline.contracts.output import Completion, FinishReason, Timings, TokenLogprob, Usage
@@ -48,8 +51,8 @@ _TERMINAL_STATE = {
 class Job:
     """A request in the engine: its records and its place in the schedule. Mutable;
     touched only by the engine thread. ``text`` was started from ``spec`` (with the
-    pipeline's detokenizer and stoppers); ``tracer`` continues the request's trace and
-    ``handle`` is the caller's side."""
+    pipeline's detokenizer and stoppers); ``tracer`` continues the request's trace (the
+    recorder holds it) and ``handle`` is the caller's side."""
 
     def __init__(self, spec: JobSpec, text: TextState, tracer: Tracer,
                  handle: RequestHandle) -> None:
@@ -57,9 +60,7 @@ class Job:
         self.request = spec.request
         self.config = spec.request.generation_config
         self.recorder = Recorder(tracer, spec.last_event, spec.request.recording is Recording.FULL)
-        self.delivery = Delivery(text, handle, self.recorder)
         self.text = text
-        self.tracer = tracer
         self.handle = handle
         self.state = RequestState.QUEUED
         self.slot: int | None = None
@@ -91,25 +92,10 @@ class Job:
     # --- small views -------------------------------------------------------------------------
 
     @property
-    def full(self) -> bool:
-        """Whether this request records content (``Recording.FULL``), not only digests."""
-        return self.recorder.full
-
-    @property
-    def raw_digests(self) -> list[str | None]:
-        """The digests of each wanted output of the latest call's raw logits."""
-        return self.recorder.raw_digests
-
-    @property
     def slot_id(self) -> int:
         """The slot; only valid while the job holds one."""
         assert self.slot is not None, "job holds no slot"
         return self.slot
-
-    @property
-    def processor_order(self) -> tuple[str, ...] | None:
-        """The request's processor-order override, if any."""
-        return self.config.processor_order
 
     def forcing(self) -> Forcing:
         """A fresh forced-token source for this request (required prefix, reasoning budget)."""
@@ -134,7 +120,7 @@ class Job:
 
     def _set(self, state: RequestState) -> None:
         self.state = state
-        self.handle._set_state(state)
+        self.handle.set_state(state)
 
     # --- prefill -----------------------------------------------------------------------------
 
@@ -196,11 +182,6 @@ class Job:
         if kind != "chunk":
             self._set(RequestState.DECODING)
 
-    def configured(self, strategy: Strategy, order: tuple[str, ...]) -> None:
-        """Record the strategy and the processor order applied at step 1 (before selecting);
-        once, though an iterative strategy updates several times before its first token."""
-        self.recorder.configured(strategy.name, order, self.spec.seed)
-
     # --- decode ------------------------------------------------------------------------------
 
     def decoded(self, cache: tuple[int, CacheLayout | None],
@@ -219,10 +200,6 @@ class Job:
         is the slot's length after the truncation (and its per-layer lengths)."""
         self.cache_len -= positions
         self.recorder.rolled_back(len(self.output_ids), positions, cache)
-
-    def noted(self, events: Sequence[StrategyEvent]) -> None:
-        """Record the strategy's own events (a payload's ``ids`` as a digest unless ``full``)."""
-        self.recorder.noted(events)
 
     def take(self, taken: Taken, max_context: int, processed: dict[str, Any] | None = None,
              order: tuple[str, ...] | None = None) -> FinishReason | None:
@@ -251,7 +228,9 @@ class Job:
         verdict = self.text.check_token(token, step)
         if verdict is None:
             verdict = self._window_full(step, max_context)
-        verdict = self.delivery.commit(token, logprob, verdict, step, selected)
+        released, verdict = self.text.commit(token, logprob, verdict)
+        if released or verdict is not None:
+            self.push(released, verdict.reason if verdict is not None else None, step, selected)
         if verdict is not None:
             self._end(verdict.reason, verdict.detail)
             return verdict.reason
@@ -271,7 +250,7 @@ class Job:
         """End outside the token path (cancel, deadline): flush held text and close the stream."""
         if self.state.terminal:
             return
-        self.delivery.close(reason, len(self.output_ids))
+        self.push("", reason, len(self.output_ids))
         self._end(reason, detail)
 
     def fail(self, error: str) -> None:
@@ -279,14 +258,38 @@ class Job:
         if self.state.terminal:
             return
         self.error = error
-        self.delivery.close(FinishReason.ERROR, len(self.output_ids))
+        self.push("", FinishReason.ERROR, len(self.output_ids))
         self._end(FinishReason.ERROR, error)
+
+    def push(self, text: str, reason: FinishReason | None, step: int,
+             parent: int | None = None) -> None:
+        """One delta of ``text`` to the handle (``reason`` on the last: what is held back goes
+        out with it), with its typed parts; its events follow event ``parent``."""
+        parts = tuple(self.text.split(text, reason is not None))
+        self.recorder.tool_parts(parts)
+        delta = self.text.delta(text, reason, parts)
+        self.recorder.delta(delta.seq, step, text, len(delta.token_ids), reason is not None,
+                            parent)
+        self.handle.push(delta)
 
     def _end(self, reason: FinishReason, detail: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, detail
         self.state = _TERMINAL_STATE.get(reason, RequestState.FINISHED)
         self.recorder.finished(reason.value, detail, self.output_ids, self.text.emitted,
                                self.state.value)
+
+    def end_strategy(self) -> None:
+        """Let the strategy free what its loop state holds (once; a failure is recorded, the
+        request is over either way)."""
+        strategy, state = self.strategy, self.decode_state
+        if strategy is None or state is None:
+            return
+        self.decode_state = None
+        try:
+            strategy.finish(state)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.recorder.emit("engine", "strategy.finish_failed", {"error": repr(exc)})
 
     def abort(self, error: str) -> None:
         """Last resort when ending the job normally raised (its state is corrupt): complete
@@ -300,18 +303,18 @@ class Job:
             completion = Completion(
                 request_id=self.request.request_id, text="", token_ids=ids,
                 finish_reason=FinishReason.ERROR, usage=Usage(len(self.prompt_ids), len(ids)),
-                trace=self.tracer.events, timings=Timings(elapsed, None, elapsed),
+                trace=self.recorder.tracer.events, timings=Timings(elapsed, None, elapsed),
                 stop_reason=None, error=error)
         except Exception:  # not even that: an empty, failed completion
             completion = Completion(self.request.request_id, "", (), FinishReason.ERROR,
                                     Usage(0, 0), (), Timings(0.0, None, 0.0), error=error)
-        self.handle._abort(completion)
+        self.handle.fail(completion)
 
     def released(self) -> None:
         """The slot (if any) is free again; the caller gets its completion."""
         self.recorder.released(self.slot)
         self.slot = None
-        self.handle._complete(self._completion(), self.state)
+        self.handle.complete(self._completion(), self.state)
 
     def _completion(self) -> Completion:
         now = time.monotonic_ns()
@@ -323,7 +326,7 @@ class Job:
             request_id=self.request.request_id, text=self.text.emitted,
             token_ids=tuple(self.output_ids), finish_reason=self.finish_reason,
             usage=Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens),
-            trace=self.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
+            trace=self.recorder.tracer.events, timings=Timings(queued, ttft, (now - start) / 1e9),
             stop_reason=self.stop_reason,
             logprobs=tuple(self.text.logprobs) if self.config.logprobs else None, error=self.error,
             tool_calls=self.text.tool_reader.calls if self.text.tool_reader else (),

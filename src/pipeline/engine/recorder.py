@@ -1,7 +1,7 @@
 """A request's trace inside the engine: what each transition records, in causal order.
 
-Owns :class:`Recorder`, one of the three parts of a :class:`~pipeline.engine.job.Job` (beside
-its scheduling state and its :class:`~pipeline.engine.delivery.Delivery`). It continues the
+Owns :class:`Recorder`, the part of a :class:`~pipeline.engine.job.Job` that holds its trace
+(beside its scheduling state and its text). It continues the
 request's :class:`~pipeline.events.Tracer` after the pipeline's tokenization event: every
 event follows the one before it (its parent), so a finished request's trace is the minimal
 timeline of docs/design.md §7. It builds each event's payload from plain values the job

@@ -18,7 +18,7 @@ dot product is the cosine similarity.
 
 **Where the forward runs.** The engine thread owns the backend: the model keeps scratch state
 per forward (its row plans), and another thread's forward would race the engine's. So each
-input is one :meth:`~pipeline.engine.Engine.call`: the engine runs it on its own thread
+input is one :meth:`~pipeline.runtime.thread.ThreadEngine.call`: the engine runs it on its own thread
 between two steps, one per step, so a long batch of inputs interleaves with the decoding of
 requests in flight instead of stalling them, and the forward writes no KV cache
 (:class:`~pipeline.contracts.model.Embedder`). A request's inputs are asked for one after another,

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pipeline.builder import build
-from pipeline.engine.process import EngineRecipe, ProcessEngine
+from pipeline.runtime.parent import ProcessEngine
+from pipeline.runtime.wire import EngineRecipe
 from pipeline.pipe import Pipeline
 from pipeline.process_memory import bound_native_caches
 from pipeline.sampling_defaults import sampling_summary
@@ -31,7 +32,7 @@ def default_builder(folder: Path | None, config: ServerConfig,
                     strategy: StrategyChoice | None = None) -> Pipeline:
     """``build()`` for a model (None: the default model) with the server's backend options
     and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
-    and its scheduler run in a child process (:class:`~pipeline.engine.process.ProcessEngine`),
+    and its scheduler run in a child process (:class:`~pipeline.runtime.parent.ProcessEngine`),
     with ``config.ranks`` above 1 rank 0 of a group of that many."""
     args = strategy.build_args() if strategy is not None else {}
     if config.engine_process or config.ranks > 1:  # the child caps its native caches

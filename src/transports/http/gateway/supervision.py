@@ -4,8 +4,8 @@ Owns :class:`Supervisor`. When a model's engine loop stops after an internal err
 answers 503 (its queued requests already failed) and a fresh engine replaces it
 ``restart_delay_s`` later. A watchdog thread checks every engine's ``stall()``: a step in
 progress, or an engine process unheard between steps
-(:class:`~pipeline.engine.process.Unresponsive`: frozen, or not taking up its work), that has
-lasted longer than ``stall_timeout_s`` is abandoned (:meth:`~pipeline.engine.Engine.abandon`:
+(:class:`~pipeline.runtime.parent.Unresponsive`: frozen, or not taking up its work), that has
+lasted longer than ``stall_timeout_s`` is abandoned (:meth:`~pipeline.engine.api.EngineAPI.abandon`:
 its requests fail with a 503, the model is ``restarting``), and the fresh engine starts once
 the stuck step has returned (an engine process is killed instead). Once the engines fall idle
 after work, free memory is handed back (``release_idle_memory``).
@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from pipeline.engine.process import ProcessEngine
+from pipeline.runtime.parent import ProcessEngine
 from pipeline.errors import PipelineError, StepStillRunning
 from transports.http.serving_errors import failure_class
 from pipeline.process_memory import release_free_memory

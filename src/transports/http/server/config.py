@@ -110,13 +110,13 @@ class ServerConfig:
     ``usage_database`` (a ``postgresql://`` URL; None: SQLite in ``data_dir``) is where usage
     records go, a database that replicas share (:mod:`transports.http.accounting.usage_postgres`).
     ``engine_process`` runs each model's engine (model and scheduler) in a child process the
-    server starts and watches (:mod:`pipeline.engine.process`): a native crash, the
+    server starts and watches (:mod:`pipeline.runtime.parent`): a native crash, the
     out-of-memory killer or a stalled step then ends that process, not the server; its requests
     fail at once with an error event and a ``failed`` usage record, ``/health`` says
     ``restarting``, and a fresh process takes over ``restart_delay_s`` later (a stalled
     step's process is killed). ``ranks`` above 1 (one model served; implies
     ``engine_process``) makes that process rank 0 of a parallel group of ``ranks``
-    processes splitting the model (:mod:`pipeline.engine.ranks`): a lost rank ends the
+    processes splitting the model (:mod:`pipeline.runtime.ranks`): a lost rank ends the
     group, its requests fail with a retryable error, ``/health`` says ``restarting``, and a
     whole fresh group takes over. ``release_idle_memory`` hands malloc's free pages back to
     the system when the engines fall idle after work

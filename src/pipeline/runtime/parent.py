@@ -1,34 +1,22 @@
-"""The engine in a child process, started and watched by this one.
+"""The engine in a child process, started and watched by this one: the parent's side.
 
-Owns :class:`ProcessEngine`, :class:`RemoteBackend`, :class:`Unresponsive` and the child's
-side. A :class:`~pipeline.engine.loop.Engine` on a thread cannot outlive what kills its
-process: a native crash in a kernel, the out-of-memory killer, a wedged device call that no
-thread can interrupt. A ``ProcessEngine`` runs the model and the scheduler — a whole
-pipeline built from an :class:`EngineRecipe` — in a child process (a fresh interpreter:
-:class:`_Child`), while this process keeps the request side (render, tokenize, validate: a
-pipeline over a :class:`RemoteBackend` that only answers the model's figures). It provides
+Owns :class:`ProcessEngine`, :class:`Unresponsive` and :class:`Child` (the process); the
+child's side is :mod:`pipeline.runtime.child`, what crosses between them
+:mod:`pipeline.runtime.wire` (one socket pair of messages pickled by value). A
+:class:`~pipeline.runtime.thread.ThreadEngine` cannot outlive what kills its process: a native
+crash in a kernel, the out-of-memory killer, a wedged device call that no thread can
+interrupt. A ``ProcessEngine`` runs the model and the scheduler — a whole pipeline built from
+an :class:`~pipeline.runtime.wire.EngineRecipe` — in a child process (a fresh interpreter:
+:class:`Child`), while this process keeps the request side (render, tokenize, validate: a
+pipeline over a :class:`~pipeline.runtime.wire.RemoteBackend` that only answers the model's
+figures). It provides
 :class:`~pipeline.engine.api.EngineAPI`, so a :class:`~pipeline.pipe.Pipeline` and the HTTP
 gateway's supervision use it as they use the thread engine.
 
-**Wire.** One socket pair of messages pickled by value (:func:`_dumps`: a tensor travels as
-its data). To the child, ``(kind, key, payload)``: ``submit`` (the
-:class:`~pipeline.engine.job_spec.JobSpec`, plain data, and the trace so far), ``cancel``,
-``call`` (:meth:`ProcessEngine.call`'s function; a :class:`RemoteBackend` inside it arrives as
-the child's real backend), ``uncall`` (a call cancelled before it ran) and ``close``. From the
-child, after ``("ready", facts)`` or ``("failed", reason)``: ``(kind, key, extra, payload)``,
-``delta``, ``done`` (with the request's final state), ``result`` (``ok`` or ``error``) and
-``stopped`` (why its engine loop died). ``key`` is this process's number for the request or
-call, never the caller's request id (two requests may share one). A payload is pickled on its
-own, so one that cannot be read fails its request or call alone; the child's exceptions come
-back whole (:class:`~pipeline.errors.PipelineError` pickles; others become a
-:class:`~pipeline.errors.BackendError` naming them). Messages to the child are pickled on the
-caller's thread (what cannot cross is an :class:`~pipeline.errors.InvalidValueError` there)
-and written by a writer thread, so no caller — an event loop cancelling a request, ``close`` —
-ever blocks on a frozen child.
-
 **Liveness.** Figures sit in a small file both processes map, read without a round trip: the
 child's engine thread writes a step's number and start as it begins and ends
-(``Engine.on_step``); a publisher thread, every :data:`PUBLISH_S`, a heartbeat and the
+(``ThreadEngine.on_step``); a publisher thread, every
+:data:`~pipeline.runtime.child.PUBLISH_S`, a heartbeat and the
 requests active and queued; the receiving thread how many messages it has taken up.
 :meth:`ProcessEngine.stall` turns them into a verdict for the stall watchdog: a step in
 progress and how long it has run (a step wedged from its first instant is seen), or, between
@@ -72,61 +60,55 @@ import heapq
 import itertools
 import logging
 import mmap
-import os
-import pickle
 import queue
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import attrs
-import torch
 
-from pipeline.engine.handle import RequestHandle, RequestState
-from pipeline.engine.loop import ENGINE_DOWN, MAX_CALLS, Engine, Stall
+from pipeline.engine import api
+from pipeline.engine.api import ENGINE_DOWN, Stall, Strategies
+from pipeline.engine.handle import RequestState
 from pipeline.errors import (
     BackendError, CapacityError, EngineClosed, InvalidValueError, StepStillRunning,
 )
-from pipeline.events import Event, Tracer, digest_ids, digest_text
-from pipeline.options import BackendOptions
+from pipeline.events import digest_ids, digest_text
 from pipeline.output_parts import joined
-from pipeline.contracts.model import ModelCall, ModelInfo
+from pipeline.runtime.wire import (
+    ACTIVE, BEAT, FIGURES_SIZE, QUEUED, STARTED, STEPS, TAKEN, EngineRecipe, Facts, dumps,
+    exit_words, loads, remote_backend,
+)
 from pipeline.contracts.output import Completion, Delta, FinishReason, Part, Timings, Usage
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
     from pipeline.engine.job import Job
-    from pipeline.engine.ranks import Followers
     from pipeline.pipe import Pipeline
     from pipeline.contracts.model import Backend
     from pipeline.contracts.strategy import Strategy
+    from pipeline.runtime.ranks import Followers
 
 T = TypeVar("T")
 log = logging.getLogger("pipeline.engine")
 
-PUBLISH_S = 0.01
-"""How often the child beats and rewrites its counts of requests active and queued."""
 START_TIMEOUT_S = 600.0
 """How long :meth:`ProcessEngine.start` waits for the child to load its model."""
 QUIET_S = 0.5
 """How long the child may go unheard — no heartbeat, or work sent and not taken up — before
-:meth:`ProcessEngine.stall` reports it (its publisher beats every :data:`PUBLISH_S`)."""
+:meth:`ProcessEngine.stall` reports it (its publisher beats every
+:data:`~pipeline.runtime.child.PUBLISH_S`)."""
 DEADLINE_GRACE_S = 1.0
 """How long past a request's deadline this process waits for the child to end it before
 ending it here (a child that answers ends it itself, at its next step, with all it wrote)."""
 _DEADLINE_LOOK_S = 0.1
 """The longest the reader thread waits for a message before it looks at the deadlines."""
-_STEPS, _STARTED, _ACTIVE, _QUEUED, _BEAT, _TAKEN = range(6)
-_FIGURES_SIZE = 8 * 6
-
 
 @attrs.frozen
 class Unresponsive(Stall):
@@ -135,97 +117,6 @@ class Unresponsive(Stall):
 
     def what(self) -> str:
         return f"the engine process {self.phase} for {self.running_s:.1f} s"
-
-
-@attrs.frozen
-class EngineRecipe:
-    """What the child builds: ``build(model, options=options, **build_args)`` (``model``
-    None: the default model), after running ``setup``. Pickled to the child."""
-
-    model: str | Path | None
-    options: BackendOptions = attrs.field(factory=BackendOptions)
-    build_args: dict[str, Any] = attrs.field(factory=dict)
-    setup: tuple[Callable[[], Any], ...] = ()
-    """Run in the child before it builds (module-level functions: the server's caps on native
-    memory caches, say, which are per process)."""
-    ranks: int = attrs.field(default=1)
-    """More than 1: the child is rank 0 of a parallel group of that many processes, the
-    others started and watched beside it (:mod:`pipeline.engine.ranks`)."""
-
-    @ranks.validator
-    def _ranks(self, _: attrs.Attribute[int], value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise InvalidValueError("ranks", value, "must be a whole number of processes, 1 "
-                                    "or more")
-
-
-@attrs.frozen
-class _Facts:
-    """The child's backend's figures, sent once it is loaded."""
-
-    vocab_size: int
-    num_slots: int
-    max_context: int
-    snapshot: str
-    batch_invariant: bool | None
-    info: ModelInfo | None
-    hidden_size: int | None
-    pid: int
-
-
-class RemoteBackend:
-    """The backend's face in the parent: its figures (``vocab_size``, ``num_slots``,
-    ``max_context``, ``snapshot``, ``batch_invariant``) and nothing that runs the model, which
-    is in the child. Pickled (inside a :meth:`ProcessEngine.call`'s function), it arrives in
-    the child as the real backend. :func:`remote_backend` adds what the child's backend can
-    say: ``model_info()`` and, for an embedding model, ``hidden_size`` and ``hidden_states``
-    (computed in the child through :meth:`ProcessEngine.call`)."""
-
-    def __init__(self, facts: _Facts) -> None:
-        self.vocab_size, self.num_slots = facts.vocab_size, facts.num_slots
-        self.max_context, self.snapshot = facts.max_context, facts.snapshot
-        self.batch_invariant = facts.batch_invariant
-        self.facts = facts
-
-    def __reduce__(self) -> tuple[Callable[[], Any], tuple[()]]:
-        return _child_backend, ()
-
-    def _elsewhere(self, *_: Any) -> Any:
-        raise BackendError("the model runs in the engine process: this backend only answers "
-                           "its figures")
-
-    allocate = release = cache_length = truncate = _elsewhere
-
-    def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
-        return self._elsewhere(calls)  # type: ignore[no-any-return]
-
-
-class _Describes(RemoteBackend):
-    def model_info(self) -> ModelInfo:
-        """What the child's backend said about its model."""
-        assert self.facts.info is not None
-        return self.facts.info
-
-
-class _Embeds(RemoteBackend):
-    def __init__(self, facts: _Facts) -> None:
-        super().__init__(facts)
-        assert facts.hidden_size is not None
-        self.hidden_size = facts.hidden_size
-
-    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
-        return self._elsewhere(token_ids)  # type: ignore[no-any-return]
-
-
-def remote_backend(facts: _Facts) -> RemoteBackend:
-    """A :class:`RemoteBackend` with the optional capabilities the child's backend has."""
-    bases: tuple[type[RemoteBackend], ...] = tuple(
-        base for base, has in ((_Embeds, facts.hidden_size is not None),
-                               (_Describes, facts.info is not None)) if has)
-    if not bases:
-        return RemoteBackend(facts)
-    made: type[RemoteBackend] = type("RemoteBackend", bases, {})
-    return made(facts)
 
 
 @attrs.define
@@ -248,8 +139,8 @@ class ProcessEngine:
     thread (a request that cannot be pickled is refused there) and written by a writer thread
     of their own, so a frozen child never holds an event loop or a cancelling caller."""
 
-    def __init__(self, recipe: EngineRecipe, process: _Child, conn: Connection, shared: Any,
-                 facts: _Facts, clock: Callable[[], int] = time.monotonic_ns) -> None:
+    def __init__(self, recipe: EngineRecipe, process: Child, conn: Connection, shared: Any,
+                 facts: Facts, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.recipe = recipe
         self.pid = facts.pid
         """The child process's id."""
@@ -257,8 +148,8 @@ class ProcessEngine:
         self.failure: str | None = None
         self.on_stop: Callable[[str], None] | None = None
         self._process, self._conn, self._shared = process, conn, shared
-        self._strategies: Callable[[tuple[str, ...] | None], Strategy] | None = None
-        self._strategy_cache: dict[tuple[str, ...] | None, Strategy] = {}
+        self.strategies: Strategies | None = None
+        """The request side's strategies (:meth:`pipeline`), for the checks at submit."""
         self._lock = threading.Lock()
         self._flights: dict[int, _Flight] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
@@ -267,9 +158,9 @@ class ProcessEngine:
         self._closing = False
         self._clock = clock
         now = clock()
-        self._beat = (int(shared[_BEAT]), now)      # the child's heartbeat, and when it changed
+        self._beat = (int(shared[BEAT]), now)      # the child's heartbeat, and when it changed
         self._sent, self._waiting_since = 0, now    # messages sent; when the oldest untaken was
-        self._taken = (int(shared[_TAKEN]), now)    # messages the child took, and when that moved
+        self._taken = (int(shared[TAKEN]), now)    # messages the child took, and when that moved
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="pipeline-engine-writer",
                                         daemon=True)
@@ -285,30 +176,27 @@ class ProcessEngine:
               clock: Callable[[], int] = time.monotonic_ns) -> ProcessEngine:
         """Start a child that builds ``recipe`` and wait until it is ready. ``clock``
         (nanoseconds) times how long the child has gone unheard (:meth:`stall`)."""
-        child = _Child.spawn(recipe)
+        child = Child.spawn(recipe)
         try:
-            child.conn.send_bytes(_dumps(recipe))
-            child.wait_loaded(timeout)
-            message = _loads(child.conn.recv_bytes())
-        except (EOFError, OSError) as exc:
-            child.kill()
-            child.join(5)
-            child.release()
-            raise BackendError("the engine process ended while loading its model "
-                               f"({_exit(child.exitcode)})") from exc
+            try:
+                child.conn.send_bytes(dumps(recipe))
+                child.wait_loaded(timeout)
+                message = loads(child.conn.recv_bytes())
+            except (EOFError, OSError) as exc:
+                raise BackendError("the engine process ended while loading its model "
+                                   f"({exit_words(child.exitcode)})") from exc
+            if message[0] != "ready":
+                raise BackendError(f"the engine process could not load its model: "
+                                   f"{message[1]}")
         except BackendError:
             child.kill()
             child.join(5)
             child.release()
             raise
-        if message[0] != "ready":
-            child.join(5)
-            child.release()
-            raise BackendError(f"the engine process could not load its model: {message[1]}")
         engine = cls(recipe, child, child.conn, child.shared, message[1], clock)
         if child.followers is not None:  # a lost rank, even while idle, is the engine's loss
             child.followers.watch(lambda rank, code: engine.abandon(
-                f"rank {rank} of the parallel group {_exit(code)}"))
+                f"rank {rank} of the parallel group {exit_words(code)}"))
         return engine
 
     def pipeline(self) -> Pipeline:
@@ -317,14 +205,15 @@ class ProcessEngine:
         (whose strategies it takes, for the checks a request meets at submit)."""
         from pipeline.builder import build
         from pipeline.model_paths import DEFAULT_MODEL
+        from pipeline.runtime.thread import ThreadEngine
 
         r = self.recipe
         model = r.model if r.model is not None else DEFAULT_MODEL
         pipe = build(model, options=r.options, backend=self.backend, **r.build_args)
         local = pipe.engine
-        assert local is not None
+        assert isinstance(local, ThreadEngine)
         local.close()
-        self._strategies = local.strategy
+        self.strategies = local.engine.strategy
         pipe.engine = self
         return pipe
 
@@ -336,7 +225,7 @@ class ProcessEngine:
         another process (a ``template_kwargs`` value that is not plain data, say) and
         :class:`~pipeline.errors.EngineClosed` once the engine stopped."""
         try:
-            payload = _dumps((job.spec, job.tracer.events))
+            payload = dumps((job.spec, job.recorder.tracer.events))
         except Exception as exc:
             raise InvalidValueError("request", job.request.request_id, "cannot be sent to the "
                                     f"engine process: {exc}") from exc
@@ -352,13 +241,13 @@ class ProcessEngine:
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the child's engine thread between two steps
-        (:meth:`~pipeline.engine.loop.Engine.call`); ``fn`` must pickle (a module-level
+        (:meth:`~pipeline.runtime.thread.ThreadEngine.call`); ``fn`` must pickle (a module-level
         function or a ``functools.partial`` of one; a :class:`RemoteBackend` in it becomes
-        the child's backend). At most :data:`~pipeline.engine.loop.MAX_CALLS` wait at once
+        the child's backend). At most :data:`~pipeline.engine.api.MAX_CALLS` wait at once
         (more is a :class:`~pipeline.errors.CapacityError`); a call cancelled before it
         starts never runs."""
         try:
-            payload = _dumps(fn)
+            payload = dumps(fn)
         except Exception as exc:
             raise InvalidValueError("fn", fn, "cannot be sent to the engine process (a "
                                     f"module-level function or a partial of one): {exc!r}"
@@ -366,8 +255,8 @@ class ProcessEngine:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             self._check_open()
-            if len(self._calls) >= MAX_CALLS:
-                raise CapacityError(f"{MAX_CALLS} calls already wait for the engine")
+            if len(self._calls) >= api.MAX_CALLS:
+                raise CapacityError(f"{api.MAX_CALLS} calls already wait for the engine")
             key = next(self._keys)
             self._calls[key] = future
             self._send(("call", key, payload))
@@ -384,11 +273,9 @@ class ProcessEngine:
 
     def strategy(self, order: tuple[str, ...] | None) -> Strategy:
         """The strategy for ``order``, built here from the request side's stages."""
-        if self._strategies is None:
+        if self.strategies is None:
             raise BackendError("this engine has no request side: use ProcessEngine.pipeline()")
-        if order not in self._strategy_cache:
-            self._strategy_cache[order] = self._strategies(order)
-        return self._strategy_cache[order]
+        return self.strategies(order)
 
     @property
     def alive(self) -> bool:
@@ -398,17 +285,17 @@ class ProcessEngine:
     @property
     def steps(self) -> int:
         """Steps the child's engine has begun."""
-        return self._figure(_STEPS)
+        return self._figure(STEPS)
 
     @property
     def active_slots(self) -> int:
         """Requests holding a slot in the child (0 once it stopped)."""
-        return self._figure(_ACTIVE) if self.alive else 0
+        return self._figure(ACTIVE) if self.alive else 0
 
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot in the child (0 once it stopped)."""
-        return self._figure(_QUEUED) if self.alive else 0
+        return self._figure(QUEUED) if self.alive else 0
 
     def stall(self) -> Stall | None:
         """What holds the child up, if anything; None while it answers, and once stopped.
@@ -425,8 +312,8 @@ class ProcessEngine:
             return None
         now = self._clock()
         with self._lock:
-            steps, started = int(self._shared[_STEPS]), int(self._shared[_STARTED])
-            beat, taken = int(self._shared[_BEAT]), int(self._shared[_TAKEN])
+            steps, started = int(self._shared[STEPS]), int(self._shared[STARTED])
+            beat, taken = int(self._shared[BEAT]), int(self._shared[TAKEN])
             if beat != self._beat[0]:
                 self._beat = (beat, now)
             if taken != self._taken[0]:
@@ -461,7 +348,7 @@ class ProcessEngine:
             raise StepStillRunning(f"the engine process {self.pid} has not exited yet; a "
                                    "fresh one would compete for its memory")
         engine = ProcessEngine.start(self.recipe, clock=self._clock)
-        engine._strategies, engine.on_stop = self._strategies, self.on_stop
+        engine.strategies, engine.on_stop = self.strategies, self.on_stop
         return engine
 
     def close(self, timeout: float = 10.0) -> None:
@@ -490,13 +377,13 @@ class ProcessEngine:
         """Queue ``message`` for the writer thread (the caller holds ``_lock``). The child
         counts what it takes up: a message sent when it had taken all starts the wait
         :meth:`stall` times."""
-        taken, now = int(self._shared[_TAKEN]), self._clock()
+        taken, now = int(self._shared[TAKEN]), self._clock()
         if taken != self._taken[0]:
             self._taken = (taken, now)
         if taken >= self._sent:
             self._waiting_since = now
         self._sent += 1
-        self._outbox.put(_dumps(message))
+        self._outbox.put(dumps(message))
 
     def _figure(self, index: int) -> int:
         with self._lock:  # never a figure of a file already let go: see _release
@@ -523,7 +410,7 @@ class ProcessEngine:
         try:
             while True:
                 if self._conn.poll(_DEADLINE_LOOK_S):
-                    kind, key, extra, payload = _loads(self._conn.recv_bytes())
+                    kind, key, extra, payload = loads(self._conn.recv_bytes())
                     if kind == "stopped":
                         why = extra
                     else:
@@ -545,35 +432,35 @@ class ProcessEngine:
             if flight is None:
                 return
             try:
-                delta: Delta = _loads(payload)
+                delta: Delta = loads(payload)
             except Exception as exc:
                 self._fail_one(key, f"a delta could not be read from the engine process: "
                                     f"{exc!r}")
                 return
-            flight.job.handle._push(delta)
+            flight.job.handle.push(delta)
         elif kind == "done":
             with self._lock:
                 flight = self._flights.pop(key, None)
             if flight is None or flight.ended:
                 return
             try:
-                completion: Completion = _loads(payload)
+                completion: Completion = loads(payload)
             except Exception as exc:
-                _fail(flight, f"the completion could not be read from the engine process: "
-                              f"{exc!r}")
+                _end_here(flight, FinishReason.ERROR, "the completion could not be read from "
+                          f"the engine process: {exc!r}")
                 return
             try:
-                flight.job.tracer.adopt(completion.trace)
+                flight.job.recorder.tracer.adopt(completion.trace)
             except Exception:  # a sink's failure must not keep the caller waiting
                 log.exception("handing the engine process's trace events to the sinks failed")
-            flight.job.handle._complete(completion, RequestState(extra))
+            flight.job.handle.complete(completion, RequestState(extra))
         elif kind == "result":
             with self._lock:
                 future = self._calls.pop(key, None)
             if future is None or not future.set_running_or_notify_cancel():
                 return
             try:
-                value = _loads(payload)
+                value = loads(payload)
             except Exception as exc:
                 future.set_exception(BackendError(f"the call's answer could not be read from "
                                                   f"the engine process: {exc!r}"))
@@ -585,7 +472,7 @@ class ProcessEngine:
 
     def _expire(self, now: int) -> None:
         """End here each request whose deadline passed :data:`DEADLINE_GRACE_S` ago without
-        the child ending it, as the child would (:func:`_ended_by_deadline`), and tell the
+        the child ending it, as the child would (:func:`_end_here`), and tell the
         child to cancel it; the child holds it (and :meth:`stall` counts it) until it says
         ``done``."""
         ended = []
@@ -603,7 +490,7 @@ class ProcessEngine:
         for flight in ended:
             log.warning("request %s passed its deadline and the engine process %d did not "
                         "end it; ended here", flight.job.request.request_id, self.pid)
-            _ended_by_deadline(flight)
+            _end_here(flight, FinishReason.DEADLINE)
 
     def _fail_one(self, key: int, error: str) -> None:
         with self._lock:
@@ -611,7 +498,7 @@ class ProcessEngine:
             if flight is not None and self.failure is None:
                 self._send(("cancel", key, b""))
         if flight is not None:
-            _fail(flight, error)
+            _end_here(flight, FinishReason.ERROR, error)
 
     def _stop(self, why: str) -> bool:
         """Stop taking work and fail everything in flight with ``why``; run ``on_stop``.
@@ -620,19 +507,24 @@ class ProcessEngine:
             if self.failure is not None or self._closing:
                 return False
             self.failure = why
-            flights, self._flights = list(self._flights.values()), {}
-            calls, self._calls = list(self._calls.values()), {}
-        for future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(EngineClosed(f"{ENGINE_DOWN}: {why}"))
-        for flight in flights:
-            _fail(flight, f"{ENGINE_DOWN}: {why}")
+        self._end_all(f"{ENGINE_DOWN}: {why}")
         if self.on_stop is not None:
             try:
                 self.on_stop(why)
             except Exception:
                 log.exception("the engine's on_stop failed")
         return True
+
+    def _end_all(self, error: str) -> None:
+        """Fail every request and call in flight with ``error``."""
+        with self._lock:
+            flights, self._flights = list(self._flights.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
+        for future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosed(error))
+        for flight in flights:
+            _end_here(flight, FinishReason.ERROR, error)
 
     def _died(self, why: str | None) -> None:
         """The pipe ended: the child is gone (or killed just now). Its descriptors here are
@@ -641,16 +533,9 @@ class ProcessEngine:
         self._outbox.put(None)
         self._release()
         if self._closing:  # close(): what the child did not answer ends as closed
-            with self._lock:
-                flights, self._flights = list(self._flights.values()), {}
-                calls, self._calls = list(self._calls.values()), {}
-            for future in calls:
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(EngineClosed("the engine is closed"))
-            for flight in flights:
-                _fail(flight, "the engine is closed")
+            self._end_all("the engine is closed")
             return
-        why = why or f"the engine process {_exit(self._process.exitcode)}"
+        why = why or f"the engine process {exit_words(self._process.exitcode)}"
         if self._stop(why):
             log.error("the engine process %d stopped: %s", self.pid, why)
 
@@ -668,87 +553,44 @@ class ProcessEngine:
         self._process.release()
 
 
-def _fail(flight: _Flight, error: str) -> None:
-    """End a request the dead child held: what reached this process, and the error (not
-    one already ended here at its deadline)."""
-    if flight.ended:
+def _end_here(flight: _Flight, reason: FinishReason, error: str | None = None) -> None:
+    """End here a request the child held, with the text and tokens that reached this
+    process: failed with ``error`` (the child died; not one already ended at its deadline),
+    or at its deadline as the engine ends one (:meth:`~pipeline.engine.loop.Engine.finish`):
+    a final delta and a completion with ``finish_reason`` deadline and ``stop_reason``
+    ``"deadline"``, no error, state finished."""
+    if error is not None and flight.ended:
         return
-    job = flight.job
-    pushed = job.handle.pushed()
-    ids = tuple(t for d in pushed for t in d.token_ids)
-    text = "".join(d.text for d in pushed)
-    tracer = job.tracer
-    try:
-        tracer.emit("engine", "generation.finished", {
-            "reason": FinishReason.ERROR.value, "detail": error, "completion_tokens": len(ids),
-            "state": RequestState.FAILED.value}, job.spec.last_event)
-    except Exception:  # a sink's failure must not keep the caller waiting
-        log.exception("tracing a failed request raised")
-    elapsed = (time.monotonic_ns() - job.spec.accepted_ns) / 1e9
-    completion = Completion(
-        request_id=job.request.request_id, text=text, token_ids=ids,
-        finish_reason=FinishReason.ERROR, usage=Usage(len(job.spec.prompt.input_ids), len(ids)),
-        trace=tracer.events, timings=Timings(elapsed, None, elapsed), stop_reason=None,
-        error=error)
-    job.handle._abort(completion)
-
-
-def _ended_by_deadline(flight: _Flight) -> None:
-    """End a request at its deadline in this process, as the engine ends one
-    (:meth:`~pipeline.engine.loop.Engine._settle`): a final delta and a completion with
-    ``finish_reason`` deadline and ``stop_reason`` ``"deadline"``, no error, state finished,
-    with the text and tokens that reached this process."""
-    job = flight.job
-    handle = job.handle
+    job, handle = flight.job, flight.job.handle
     pushed = handle.pushed()
     ids = tuple(t for d in pushed for t in d.token_ids)
     text = "".join(d.text for d in pushed)
-    tracer = job.tracer
+    state = RequestState.FAILED if error is not None else RequestState.FINISHED
+    payload: dict[str, Any] = {"reason": reason.value, "detail": error or "deadline",
+                               "completion_tokens": len(ids)}
+    if error is None:
+        payload.update(output_digest=digest_ids(ids), text_digest=digest_text(text))
     try:
-        tracer.emit("engine", "generation.finished", {
-            "reason": FinishReason.DEADLINE.value, "detail": "deadline",
-            "completion_tokens": len(ids), "output_digest": digest_ids(ids),
-            "text_digest": digest_text(text), "state": RequestState.FINISHED.value},
-            job.spec.last_event)
+        job.recorder.emit("engine", "generation.finished", {**payload, "state": state.value},
+                          job.spec.last_event)
     except Exception:  # a sink's failure must not keep the caller waiting
-        log.exception("tracing a request ended at its deadline raised")
+        log.exception("tracing a request ended here raised")
     parts: list[Part] = []
-    joined(parts, [p for d in pushed for p in d.parts])
+    joined(parts, [p for d in pushed for p in d.parts] if error is None else [])
     logprobs = tuple(lp for d in pushed for lp in d.logprobs)
     elapsed = (time.monotonic_ns() - job.spec.accepted_ns) / 1e9
     completion = Completion(
-        request_id=job.request.request_id, text=text, token_ids=ids,
-        finish_reason=FinishReason.DEADLINE, usage=Usage(len(job.spec.prompt.input_ids), len(ids)),
-        trace=tracer.events, timings=Timings(elapsed, None, elapsed), stop_reason="deadline",
-        logprobs=logprobs if job.request.generation_config.logprobs else None,
-        parts=tuple(parts))
+        request_id=job.request.request_id, text=text, token_ids=ids, finish_reason=reason,
+        usage=Usage(len(job.spec.prompt.input_ids), len(ids)), trace=job.recorder.tracer.events,
+        timings=Timings(elapsed, None, elapsed), stop_reason=None if error else "deadline",
+        logprobs=logprobs if error is None and job.config.logprobs else None,
+        parts=tuple(parts), error=error)
     if not (pushed and pushed[-1].final):
-        handle._push(Delta(handle.request_id, len(pushed), "",
-                           finish_reason=FinishReason.DEADLINE))
-    handle._complete(completion, RequestState.FINISHED)
+        handle.push(Delta(handle.request_id, len(pushed), "", finish_reason=reason))
+    handle.complete(completion, state)
 
 
-def _dumps(message: Any) -> bytes:
-    """``message`` pickled by value (plain :mod:`pickle`: a tensor travels as its data, never
-    as a handle to shared memory the other process could not open)."""
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _loads(data: bytes) -> Any:
-    return pickle.loads(data)
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives a pickle round trip, else a :class:`BackendError` saying what
-    it was (an exception whose constructor takes other arguments than its message)."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return BackendError(f"{type(exc).__name__}: {exc}")
-
-
-class _Child:
+class Child:
     """The child process: ``python -c`` importing this module (never the parent's main
     script, which a bare script without a main guard would run again), with the parent's
     import path, one end of a socket pair as its :class:`Connection`, and a small shared
@@ -764,25 +606,25 @@ class _Child:
         self.pid = popen.pid
 
     @classmethod
-    def spawn(cls, recipe: EngineRecipe | None = None) -> _Child:
+    def spawn(cls, recipe: EngineRecipe | None = None) -> Child:
         """The child; for a recipe of several ranks, rank 0 of a fresh group (a new port),
         its followers started first."""
         from multiprocessing.connection import Connection
 
-        from pipeline.engine.ranks import Followers, free_port, group_env
+        from pipeline.runtime.ranks import Followers, free_port, group_env
 
         followers, env = None, None
         if recipe is not None and recipe.ranks > 1:
             port = free_port()
-            followers = Followers.spawn(_dumps(recipe), recipe.ranks, port)
+            followers = Followers.spawn(dumps(recipe), recipe.ranks, port)
             env = group_env(0, recipe.ranks, port)
         here, there = socket.socketpair()
         figures = tempfile.TemporaryFile()
         try:
-            figures.truncate(_FIGURES_SIZE)
+            figures.truncate(FIGURES_SIZE)
             boot = (f"import sys; sys.path[:0] = {sys.path!r}; "
-                    "from pipeline.engine.process import _child_entry; "
-                    f"_child_entry({there.fileno()}, {figures.fileno()})")
+                    "from pipeline.runtime.child import entry; "
+                    f"entry({there.fileno()}, {figures.fileno()})")
             popen = subprocess.Popen([sys.executable, "-c", boot], env=env,
                                      pass_fds=(there.fileno(), figures.fileno()))
         except BaseException:
@@ -793,7 +635,7 @@ class _Child:
             raise
         finally:
             there.close()
-        mapped = mmap.mmap(figures.fileno(), _FIGURES_SIZE)
+        mapped = mmap.mmap(figures.fileno(), FIGURES_SIZE)
         return cls(popen, Connection(here.detach()), figures, mapped, followers)
 
     def wait_loaded(self, timeout: float) -> None:
@@ -804,7 +646,7 @@ class _Child:
         while not self.conn.poll(min(0.5, max(0.0, deadline - time.monotonic()))):
             lost = self.followers.exited() if self.followers is not None else None
             if lost is not None:
-                raise BackendError(f"rank {lost[0]} of the parallel group {_exit(lost[1])} "
+                raise BackendError(f"rank {lost[0]} of the parallel group {exit_words(lost[1])} "
                                    "while loading its part of the model")
             if time.monotonic() >= deadline:
                 raise BackendError(f"the engine process did not load its model in "
@@ -839,191 +681,3 @@ class _Child:
             self.popen.wait(timeout)
         if self.followers is not None and self.popen.poll() is not None:
             self.followers.stop(timeout)
-
-
-def _exit(code: int | None) -> str:
-    """How a child process ended, in words."""
-    if code is None:
-        return "did not end"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        why = " (by hand, or by the out-of-memory killer)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{why}"
-    return f"exited with status {code}"
-
-
-# --- the child -----------------------------------------------------------------------------------
-
-_CHILD: dict[str, Any] = {}
-
-
-def _child_backend() -> Any:
-    """The child's real backend (what a pickled :class:`RemoteBackend` becomes)."""
-    return _CHILD["backend"]
-
-
-def _child_entry(conn_fd: int, figures_fd: int) -> None:
-    """The child's start (:class:`_Child`): its connection and figures from their file
-    descriptors (kept from any process it starts, so its death closes the pipe), then the
-    recipe as the first message."""
-    from multiprocessing.connection import Connection
-
-    for fd in (conn_fd, figures_fd):
-        os.set_inheritable(fd, False)
-    conn = Connection(conn_fd)
-    shared = memoryview(mmap.mmap(figures_fd, _FIGURES_SIZE)).cast("q")
-    try:
-        recipe = _loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return
-    _child_main(conn, recipe, shared)
-
-
-def _child_main(conn: Connection, recipe: EngineRecipe, shared: Any) -> None:
-    """The child: build the recipe, report ready, then serve the parent until it says close
-    or goes away. Each message is handled on its own: one that cannot be read or run
-    answers its request or call with the error and the child goes on."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is the parent's
-    try:
-        from pipeline.builder import build
-
-        for prepare in recipe.setup:
-            prepare()
-        pipe = build(recipe.model, options=recipe.options, **recipe.build_args)
-        engine = pipe.engine
-        if not isinstance(engine, Engine):
-            raise BackendError("the recipe builds no model backend")
-    except Exception as exc:
-        conn.send_bytes(_dumps(("failed", f"{type(exc).__name__}: {exc}")))
-        return
-    backend = engine.backend
-    _CHILD["backend"] = backend
-    hidden = getattr(backend, "hidden_size", None)
-    describe = getattr(backend, "model_info", None)
-    conn.send_bytes(_dumps(("ready", _Facts(
-        backend.vocab_size, backend.num_slots, backend.max_context, backend.snapshot,
-        getattr(backend, "batch_invariant", None), describe() if callable(describe) else None,
-        hidden if isinstance(hidden, int) else None, os.getpid()))))
-    served = _Served(pipe, engine, conn)
-
-    def stopped(why: str) -> None:  # the engine loop died: say why, then end this process
-        with contextlib.suppress(Exception):
-            served.send("stopped", 0, why)
-        os._exit(3)
-
-    def step(steps: int, started: int) -> None:  # on the engine thread, at a step's edges
-        shared[_STEPS], shared[_STARTED] = steps, started
-
-    engine.on_stop, engine.on_step = stopped, step
-    done = threading.Event()
-    threading.Thread(target=_publish, args=(engine, shared, done), daemon=True).start()
-    try:
-        while True:
-            try:
-                kind, key, payload = _loads(conn.recv_bytes())
-            except (EOFError, OSError):  # the parent is gone
-                break
-            if kind == "close":
-                break
-            try:
-                served.handle(kind, key, payload)
-            except Exception:  # contained: the parent hears of it through that request
-                log.exception("the engine process could not handle a %r message", kind)
-            shared[_TAKEN] += 1  # taken up: the parent times what is not (stall)
-    finally:
-        done.set()
-        engine.close()
-
-
-class _Served:
-    """The child's side of the requests and calls it was sent, by the parent's keys."""
-
-    def __init__(self, pipe: Pipeline, engine: Engine, conn: Connection) -> None:
-        self.pipe, self.engine, self.conn = pipe, engine, conn
-        self.lock = threading.Lock()
-        self.handles: dict[int, RequestHandle] = {}
-        self.calls: dict[int, concurrent.futures.Future[Any]] = {}
-
-    def send(self, kind: str, key: int, extra: str = "", payload: bytes = b"") -> None:
-        data = _dumps((kind, key, extra, payload))
-        with self.lock:
-            self.conn.send_bytes(data)
-
-    def handle(self, kind: str, key: int, payload: bytes) -> None:
-        if kind == "submit":
-            self.submit(key, payload)
-        elif kind == "cancel":
-            handle = self.handles.get(key)
-            if handle is not None:
-                handle.cancel()
-        elif kind == "call":
-            self.call(key, payload)
-        elif kind == "uncall":
-            future = self.calls.pop(key, None)
-            if future is not None:
-                future.cancel()
-
-    def submit(self, key: int, payload: bytes) -> None:
-        try:
-            spec, events = _loads(payload)
-        except Exception as exc:
-            failed = Completion("", "", (), FinishReason.ERROR, Usage(0, 0), (),
-                                Timings(0.0, None, 0.0), error=f"the engine process could "
-                                f"not read the request: {exc!r}")
-            self.send("done", key, RequestState.FAILED.value, _dumps(failed))
-            return
-        handle = RequestHandle(spec.request.request_id, self.engine.wake)
-        self.handles[key] = handle
-
-        def on_delta(delta: Delta) -> None:
-            self.send("delta", key, "", _dumps(delta))
-
-        def on_done(completion: Completion) -> None:
-            self.handles.pop(key, None)
-            self.send("done", key, handle.state.value, _dumps(completion))
-
-        handle.add_listener(on_delta)
-        handle.add_done_callback(on_done)
-        try:
-            self.engine.submit(self.pipe.job(spec, Tracer.resume(events), handle))
-        except Exception as exc:  # refused here: the parent's request fails with why
-            handle._abort(Completion(spec.request.request_id, "", (), FinishReason.ERROR,
-                                     Usage(len(spec.prompt), 0), tuple(events),
-                                     Timings(0.0, None, 0.0), error=repr(exc)))
-
-    def call(self, key: int, payload: bytes) -> None:
-        def answer(future: concurrent.futures.Future[Any]) -> None:
-            self.calls.pop(key, None)
-            if future.cancelled():
-                return
-            exc = future.exception()
-            if exc is None:
-                try:
-                    self.send("result", key, "ok", _dumps(future.result()))
-                    return
-                except Exception as err:  # an answer that cannot be pickled
-                    exc = BackendError(f"the call's answer cannot be sent back: {err!r}")
-            self.send("result", key, "error", _dumps(_portable(exc)))
-
-        try:
-            fn = _loads(payload)
-            future = self.engine.call(fn)
-        except Exception as exc:
-            self.send("result", key, "error", _dumps(_portable(exc)))
-            return
-        self.calls[key] = future
-        future.add_done_callback(answer)
-
-
-def _publish(engine: Engine, shared: Any, done: threading.Event) -> None:
-    """Every :data:`PUBLISH_S` until ``done``: a heartbeat (a count the parent watches move)
-    and the request counts (the step figures are the engine thread's own:
-    ``Engine.on_step``)."""
-    while not done.wait(PUBLISH_S):
-        shared[_BEAT] += 1
-        with contextlib.suppress(Exception):
-            shared[_ACTIVE] = engine.active_slots
-            shared[_QUEUED] = engine.queue_depth

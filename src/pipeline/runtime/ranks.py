@@ -2,7 +2,7 @@
 
 Owns :class:`Followers` (ranks 1 … N−1, started and watched by the server) and
 :func:`group_env`. ``pipeline serve --ranks N`` (``ServerConfig.ranks``) runs the engine of
-:mod:`pipeline.engine.process` as rank 0 of a ``torch.distributed`` group of N processes on
+:mod:`pipeline.runtime.parent` as rank 0 of a ``torch.distributed`` group of N processes on
 this machine — the variables ``torchrun`` would set (``WORLD_SIZE``, ``RANK``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) given by this process instead — so the
 model is split over the ranks as under ``torchrun`` (:mod:`backends.torch.parallel`), while
@@ -37,6 +37,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.runtime.wire import loads
+
 log = logging.getLogger("pipeline.engine")
 
 
@@ -67,7 +69,7 @@ class Followers:
         """Start ranks 1 … ``world``−1, each given the pickled ``recipe`` on its standard
         input; ranks already started are killed if a later one fails to start."""
         boot = (f"import sys; sys.path[:0] = {sys.path!r}; "
-                "from pipeline.engine.ranks import _follower_entry; _follower_entry()")
+                "from pipeline.runtime.ranks import follower_entry; follower_entry()")
         popens: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(1, world):
@@ -119,13 +121,11 @@ class Followers:
                 popen.wait(timeout)
 
 
-def _follower_entry() -> None:
+def follower_entry() -> None:
     """A follower's start: the recipe from standard input, then ``build()`` under the
     group's variables, which serves rank 0 and ends this process when the group ends."""
-    from pipeline.engine.process import _loads
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is the server's
-    recipe: Any = _loads(sys.stdin.buffer.read())
+    recipe: Any = loads(sys.stdin.buffer.read())
     for prepare in recipe.setup:
         prepare()
     from pipeline.builder import build
