@@ -34,6 +34,8 @@ from tests.http_support import IM_END, IM_START, TOOL_CALL_TEXT, config, running
 from transports.http import Gateway
 
 KEY = "sk-test-key"
+CASES = 11
+"""The requests of the SDK test: all decoded together (a slot and a client thread each)."""
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}},
               "required": ["city"]}
 WEATHER = ToolSpec("get_weather", "Get the current weather in a city.", PARAMETERS)
@@ -147,7 +149,8 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # call; without it the model writes the same call again, the case the constraint itself
     # must handle (the requests below are greedy, temperature 0).
     unguarded = GenerationConfig(temperature=0.2, top_p=0.9)
-    with running(Gateway(cfg, lambda folder, c: build(options={"num_slots": 8}, engine=unpaced,
+    with running(Gateway(cfg, lambda folder, c: build(options={"num_slots": CASES},
+                                                      engine=unpaced,
                                                       defaults=unguarded))) as url:
         yield url
 
@@ -227,7 +230,8 @@ def test_forced_calls_through_both_sdks_and_the_responses_api(base_url: str) -> 
         "responses required, parallel false": (lambda: _responses(oai, "required", False),
                                                True),
     }
-    with ThreadPoolExecutor(8) as pool:
+    assert len(cases) == CASES
+    with ThreadPoolExecutor(CASES) as pool:
         results = dict(zip(cases, pool.map(lambda how: how[0](), cases.values()), strict=True))
     for name, (calls, finish) in results.items():
         assert calls, name

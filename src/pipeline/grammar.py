@@ -272,13 +272,21 @@ def _engine_format(name: str) -> bool:
     return not is_error
 
 
+@functools.lru_cache(maxsize=256)
+def _validated(engine_source: str) -> tuple[bool, tuple[str, ...]]:
+    """The engine's verdict on ``engine_source`` and its messages (kept per source: every
+    request of a tool list or a schema brings the same grammar)."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(engine_source)
+    return bool(is_error), tuple(messages)
+
+
 def check(engine_source: str, field: str, schema: Any = None) -> None:
     """Compile ``engine_source`` (without a vocabulary); :class:`InvalidValueError` naming the
     first thing the engine cannot do, and where in ``schema`` (a JSON Pointer) when the engine
     names keywords it does not implement."""
-    import llguidance
-
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(engine_source)
+    is_error, messages = _validated(engine_source)
     if is_error:
         reason = messages[0] if messages else "the grammar engine cannot compile it"
         keys = re.search(r"Unimplemented keys: (\[.*?\])", reason)

@@ -125,6 +125,11 @@ class _Track:
         self.path: tuple[list[int], int] = ([], 0)
         """The last closing path measured and how many ids preceded it: while the output
         follows it, the rest of it is the path (no new search)."""
+        self.ahead: tuple[list[int], dict[int, list[int]]] = ([], {})
+        """The ids of the last steered step and the closing paths found after the candidates
+        checked there: the path after the token the output took is then known (only
+        a search that ended within the first half of its work is kept: a search with the
+        whole work finds the same)."""
         self.scan: JsonScan | None = None
         """Where a JSON output is (keys and unique items so far: :mod:`stages.structured.guard`)."""
         self.calls: CallRepeats | None = None
@@ -302,6 +307,11 @@ class GrammarProcessor:
         last, at = track.path
         if last and 0 < done - at <= len(last) and list(row.output_ids[at:]) == last[:done - at]:
             return last[done - at:]
+        before, paths = track.ahead
+        if paths and row.output_ids[-1:] and row.output_ids[-1] in paths \
+                and len(before) == done - 1 and list(row.output_ids[:-1]) == before:
+            track.path = (paths[row.output_ids[-1]], done)
+            return track.path[0]
         guard = self._json_guard() if track.scan is not None else None
         path = self._closing().path(track.matcher, track.scan, guard)
         if path is not None:
@@ -365,6 +375,8 @@ class GrammarProcessor:
             out.bitwise_and_(self._plain_words(masked.shape[0]))
         if path:
             _set_bit(out, path[0], True)
+        paths: dict[int, list[int]] = {}
+        track.ahead = (list(row.output_ids), paths)
         for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
             if value == float("-inf"):
                 break
@@ -378,7 +390,9 @@ class GrammarProcessor:
                 ahead.feed(self._closing_table()[token] if token < len(self._closing_table())
                            else b"")
             guard = self._json_guard() if scan is not None else None
-            then = self._closing().path(after, ahead, guard, work=WORK_PER_CHECK)
+            then, _, spent = self._closing().reach(after, ahead, guard, work=WORK_PER_CHECK)
+            if then is not None and spent < WORK_PER_CHECK // 2:
+                paths[token] = then   # the first search's own: what a fuller one finds
             if then is not None and len(then) + 1 + MARGIN <= budget - 1:
                 _set_bit(out, token, True)
 

@@ -29,9 +29,15 @@ def token_table(tok: Tokenizer) -> list[bytes]:
     return table
 
 
+ENCODED_KEPT = 4096
+"""Texts whose encoding :class:`_Wrapped` keeps (the grammar engine asks for the same forced
+texts, ``":"`` or ``"}``, at every step of every closing search)."""
+
+
 class _Wrapped:
     """The duck-typed object ``llguidance.TokenizerWrapper`` reads: token bytes, the special
-    ids (matched only by name, never by their text), an EOS id and an encoder."""
+    ids (matched only by name, never by their text), an EOS id and an encoder (which keeps
+    the last :data:`ENCODED_KEPT` texts' ids: encoding is a pure function of the text)."""
 
     def __init__(self, tok: Tokenizer, tokens: Sequence[bytes]) -> None:
         self.tokens = list(tokens)
@@ -39,11 +45,17 @@ class _Wrapped:
         self.bos_token_id = None
         self.special_token_ids = sorted(tok.special_token_ids)
         self._tok = tok
+        self._encoded: dict[str | bytes, tuple[int, ...]] = {}
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tok.encode_text(text)
+        found = self._encoded.get(text)
+        if found is None:
+            plain = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+            found = tuple(self._tok.encode_text(plain))
+            if len(self._encoded) >= ENCODED_KEPT:
+                self._encoded.clear()
+            self._encoded[text] = found
+        return list(found)
 
 
 def ll_tokenizer(tok: Tokenizer, tokens: Sequence[bytes] | None = None, *,
