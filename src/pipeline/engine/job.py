@@ -41,6 +41,7 @@ from pipeline.contracts.text import StopVerdict
 from pipeline.engine.text_state import TextState
 from pipeline.contracts.output import Completion, FinishReason, Timings, TokenLogprob, Usage
 from pipeline.contracts.request import Recording
+from pipeline.room import window
 
 _TERMINAL_STATE = {
     FinishReason.CANCELLED: RequestState.CANCELLED,
@@ -240,7 +241,7 @@ class Job:
         """The length verdict when output token ``step`` fills the context (the model's, or
         the request's ``max_context_tokens`` when smaller)."""
         limit = self.request.runtime_limits.max_context_tokens
-        if len(self.prompt_ids) + step >= min(max_context, limit or max_context):
+        if len(self.prompt_ids) + step >= window(max_context, limit):
             return StopVerdict(FinishReason.LENGTH, "context window full", keep_token_text=True)
         return None
 

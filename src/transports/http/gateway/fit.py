@@ -4,7 +4,8 @@ thinking guard.
 Owns :class:`WindowFit` (``room = window - slack - prompt``: a character-class bound first, a
 length bound before tokenizing, the exact count only near the limit; clamp or refuse
 ``max_tokens``; a reasoning budget that leaves an answer room when the request gives no
-thinking preference), :class:`Fitted` and :func:`token_upper_bound`.
+thinking preference), :class:`Fitted` and :func:`token_upper_bound`. The window and the room
+are :mod:`pipeline.room`'s arithmetic, as the engine's and the strategies' are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import attrs
 from pipeline.errors import ContextWindowError
 from pipeline.output_parts import opens_thinking
 from pipeline.prepared import Prepared
+from pipeline.room import room
+from pipeline.room import window as request_window
 from pipeline.contracts.request import Request
 from transports.http.gateway.models import ServedModel
 from transports.http.server.config import ServerConfig
@@ -61,7 +64,7 @@ class WindowFit:
     def window(self, served: ServedModel) -> int:
         """The tokens a request may use: the model's window, capped by ``max_context``, less
         ``context_slack``."""
-        limit = min(served.max_context, self.config.max_context or served.max_context)
+        limit = request_window(served.max_context, self.config.max_context)
         return limit - self.config.context_slack
 
     def fit(self, served: ServedModel, request: Request | Prepared, *, max_tokens_given: bool,
@@ -111,7 +114,7 @@ class WindowFit:
                 or not engine.strategy(config.processor_order).honours.reasoning_budget):
             return fitted
         reserve = min(self.config.answer_reserve_tokens, config.max_tokens // 3)
-        budget = max(0, config.max_tokens - reserve - 2)  # <think> and </think> count too
+        budget = max(0, room(config.max_tokens, reserve + 2))  # <think> and </think> count too
         guarded = attrs.evolve(config, reasoning_budget_tokens=budget)
         return Fitted(fitted.prepared.with_request(attrs.evolve(
             request, generation_config=guarded)), fitted.thinking)
@@ -131,11 +134,11 @@ class WindowFit:
         config = request.generation_config
         if prompt_tokens > window - 1:
             raise ContextWindowError(_prompt_field(request), prompt_tokens, window - 1)
-        room = window - prompt_tokens
-        if config.max_tokens <= room:
+        left = room(config.max_tokens, 0, window=window, held=prompt_tokens)
+        if config.max_tokens <= left:
             return Fitted(prepared, thinking)
         if max_tokens_given and not self.config.clamp_max_tokens:
-            raise ContextWindowError(budget_field, prompt_tokens, room, config.max_tokens)
-        fitted = attrs.evolve(config, max_tokens=room, min_tokens=min(config.min_tokens, room))
+            raise ContextWindowError(budget_field, prompt_tokens, left, config.max_tokens)
+        fitted = attrs.evolve(config, max_tokens=left, min_tokens=min(config.min_tokens, left))
         return Fitted(prepared.with_request(attrs.evolve(request, generation_config=fitted)),
                       thinking)
