@@ -30,14 +30,15 @@ def token_table(tok: Tokenizer) -> list[bytes]:
 
 
 ENCODED_KEPT = 4096
-"""Texts whose encoding :class:`_Wrapped` keeps (the grammar engine asks for the same forced
+"""Texts whose encoding :class:`_Wrapped` keeps at most (the grammar engine asks for the same forced
 texts, ``":"`` or ``"}``, at every step of every closing search)."""
 
 
 class _Wrapped:
     """The duck-typed object ``llguidance.TokenizerWrapper`` reads: token bytes, the special
     ids (matched only by name, never by their text), an EOS id and an encoder (which keeps
-    the last :data:`ENCODED_KEPT` texts' ids: encoding is a pure function of the text)."""
+    up to :data:`ENCODED_KEPT` texts' ids, starting over when full: encoding is a pure
+    function of the text)."""
 
     def __init__(self, tok: Tokenizer, tokens: Sequence[bytes]) -> None:
         self.tokens = list(tokens)
