@@ -403,20 +403,22 @@ def test_trickled_bytes_do_not_extend_the_body_deadline(http: HTTPImpl) -> None:
     asyncio.run(scenario())
 
 
+async def _answer(scope: Any, receive: Any, send: Any) -> None:
+    """An app that reads the whole body and answers ``{}``."""
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 def test_pipelined_requests_get_their_own_header_deadline(http: HTTPImpl) -> None:
     """Two whole requests and half of a third: the third's header deadline is its own, from
     when its bytes are parsed, and ends in a 408 after the two answers."""
-    async def answer(scope: Any, receive: Any, send: Any) -> None:
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"{}"})
-
     async def scenario() -> None:
         clock = VirtualClock(asyncio.get_running_loop())
-        protocol, transport = make_protocol(http, Timeouts(HEADER_S, BODY_S), answer, clock)
+        protocol, transport = make_protocol(http, Timeouts(HEADER_S, BODY_S), _answer, clock)
         protocol.data_received(HEALTH + chat_request() + b"GET /hea")
         for _ in range(20):  # the real loop runs the two answers
             await asyncio.sleep(0)
@@ -438,13 +440,6 @@ def test_keep_alive_idleness_and_slow_pieces_within_the_limits_are_not_cut(
     """Headers, then a body, each in seven pieces 0.05 s apart (0.35 s of a 0.5 s limit):
     answered; then idle longer than a deadline, and a second slow request on the same
     connection: answered too, the connection still open."""
-    async def answer(scope: Any, receive: Any, send: Any) -> None:
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"{}"})
-
     async def slowly(protocol: asyncio.Protocol, clock: VirtualClock, data: bytes) -> None:
         size = -(-len(data) // 7)
         for start in range(0, len(data), size):
@@ -453,7 +448,7 @@ def test_keep_alive_idleness_and_slow_pieces_within_the_limits_are_not_cut(
 
     async def scenario() -> None:
         clock = VirtualClock(asyncio.get_running_loop())
-        protocol, transport = make_protocol(http, Timeouts(HEADER_S, BODY_S), answer, clock)
+        protocol, transport = make_protocol(http, Timeouts(HEADER_S, BODY_S), _answer, clock)
         await slowly(protocol, clock, HEALTH)
         head, _, payload = chat_request().partition(b"\r\n\r\n")
         await clock.advance(HEADER_S + 0.3)  # idle between requests: keep-alive's, not ours
