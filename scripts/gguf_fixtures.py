@@ -51,8 +51,7 @@ def main() -> None:
         model.save_pretrained(folder)
         conv._tokenizer(folder, "llama-bpe")
         f32 = folder / "model-f32.gguf"
-        subprocess.run([sys.executable, "-c", conv.WRAPPER, str(conv.CONVERTER), "llama-bpe",
-                        str(folder), "--outfile", str(f32), "--outtype", "f32"], check=True)
+        conv.convert([("llama-bpe", [str(folder), "--outfile", str(f32), "--outtype", "f32"])])
         for qtype in TYPES:
             subprocess.run([str(llama_cpp.binary("llama-quantize")), "--pure", str(f32),
                             str(OUT / f"llama-{qtype.lower()}.gguf"), qtype], check=True,

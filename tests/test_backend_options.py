@@ -11,6 +11,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from pipeline import BackendOptions, build
 from transports import cli
 from pipeline.errors import InvalidValueError, UnknownFieldError
 from pipeline.model_paths import TINY_MODEL_DIR
+
+TINY_GGUF = str(Path(__file__).parent / "gguf_fixtures" / "llama-q4_k.gguf")
 
 RUN = [sys.executable, "-m", "pipeline"]
 
@@ -60,6 +63,9 @@ def test_a_misspelt_name_suggests_the_closest_field() -> None:
     ("moe_configs", 3, "list of folders"),
     ("extra", {1: 2}, "mapping of option names"),
     ("batch_invariant", "yes", "must be True or False"),
+    ("threads", 0, "1..1024"),
+    ("threads", 2.0, "integer"),
+    ("threads", True, "integer"),
 ])
 def test_each_value_is_checked(field: str, value: object, says: str) -> None:
     with pytest.raises(InvalidValueError, match=field) as info:
@@ -141,6 +147,24 @@ def test_the_pool_options_reach_the_backend() -> None:
         build("tiny", options={"max_context": 64, "kv_blocks": 7, "block_size": 8})
     with pytest.raises(InvalidValueError, match="once: kv_blocks or kv_cache_bytes"):
         build("tiny", options={"max_context": 64, "kv_blocks": 40, "kv_cache_bytes": 1 << 20})
+
+
+def test_the_threads_option_sets_the_count_of_every_forward() -> None:
+    before = torch.get_num_threads()
+    try:
+        for gguf in (False, True):  # both built-in backends take it
+            with build(TINY_GGUF if gguf else "tiny", options={"threads": 1}) as pipe:
+                backend = pipe.engine.backend
+                assert backend.threads is None and backend.fixed_threads == 1
+                assert backend.thread_policy == "1" and backend.model_info().threads == "1"
+                assert pipe.generate("hi", max_tokens=3).usage.completion_tokens >= 1
+                assert pipe.engine.call(torch.get_num_threads).result() == 1  # engine thread
+    finally:
+        torch.set_num_threads(before)
+    with build("tiny") as pipe:  # none given: torch's count, decode steps choose by measuring
+        backend = pipe.engine.backend
+        assert backend.fixed_threads is None and backend.threads is not None
+        assert backend.thread_policy == (f"1-{before} by measuring" if before > 1 else "1")
 
 
 def test_the_built_in_backends_refuse_what_they_cannot_honour() -> None:

@@ -112,6 +112,17 @@ def _gguf_model(r: Report, out: Path, log: str) -> None:
     assert "transformers skipped" in log
 
 
+def _gguf_types(r: Report, out: Path, log: str) -> None:
+    assert r["smoke"] is True
+    rows = r["rows"]
+    assert [x["type"] for x in rows] == ["Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+    for x in rows:
+        assert x["threads"] == 1 and x["llama_cpp"] is None and x["ratio"] is None
+        _positive(x["ours"]["decode_tok_s"], x["ours"]["build_s"], x["ours"]["weight_bytes"])
+    assert rows[0]["per_bit_vs_q4_0"] == 1.0
+    assert "load before:" in log and "load after:" in log
+
+
 def _gguf_quants(r: Report, out: Path, log: str) -> None:
     rows = r["rows"]
     assert len(rows) == 2 * 2 * 4                          # cases x T x variants
@@ -367,7 +378,7 @@ CHECKS: dict[str, Check] = {
     "answer_quality": _answer_quality, "batch_invariance": _batch_invariance,
     "default_model": _default_model, "engine_restart": _engine_restart,
     "expert_tiers": _expert_tiers, "fairness": _fairness, "gguf_model": _gguf_model,
-    "gguf_quants": _gguf_quants, "grammar_cost": _grammar_cost,
+    "gguf_quants": _gguf_quants, "gguf_types": _gguf_types, "grammar_cost": _grammar_cost,
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
     "overload": _overload,
     "llama_cpp": _llama_cpp, "loops": _loops, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,

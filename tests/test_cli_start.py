@@ -102,6 +102,40 @@ def test_run_verbose_reports_what_the_run_measured(capsys: pytest.CaptureFixture
     assert f"generated = 5 tokens, finish {run['finish_reason']}" in figures
 
 
+def test_run_threads_sets_the_count_and_says_it(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    import torch
+
+    from pipeline.trace import load
+
+    before = torch.get_num_threads()
+    trace = tmp_path / "run.jsonl"
+    try:
+        code, _, err = _run(capsys, "--max-tokens", "3", "--threads", "1", "--verbose",
+                            "--trace", str(trace), "hi")
+    finally:
+        torch.set_num_threads(before)
+    assert code == 0
+    assert "threads = 1 (the threads option)" in err
+    assert load(trace).instance["threads"] == "1"
+    # without the flag, torch's count, with each decode step's count chosen by measuring
+    code, _, err = _run(capsys, "--max-tokens", "3", "--verbose", "hi")
+    said = [line for line in err if line.startswith("threads = ")]
+    assert code == 0 and len(said) == 1
+    assert (said[0] == "threads = 1 (torch's count is 1)" if before == 1 else
+            re.fullmatch(rf"threads = [1-{before}] of {before}, chosen by measuring decode "
+                         r"steps( \(.*ms a step\))?", said[0])), said
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5", "5000"])
+def test_run_refuses_a_thread_count_that_is_not_one(capsys: pytest.CaptureFixture[str],
+                                                    bad: str) -> None:
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["run", "--model", "tiny", "--threads", bad, "hi"])
+    assert stop.value.code == 2
+    assert f"'{bad}' is not a thread count" in capsys.readouterr().err
+
+
 def test_run_flags_override_the_models_defaults(capsys: pytest.CaptureFixture[str],
                                                 tmp_path: Path) -> None:
     trace = tmp_path / "run.jsonl"

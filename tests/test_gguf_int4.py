@@ -1,7 +1,9 @@
-"""The int4 kernel path for Q4_0/Q4_1 matrices, against the dequantizer (the oracle that is
-itself checked against transformers' weights in test_gguf_model.py).
+"""The int4 kernel path for Q4_0, Q4_1, Q4_K, Q5_K and Q8_0 matrices, against the dequantizer
+(the oracle that is itself checked against the ``gguf`` package's reference dequantization and
+transformers' weights in test_gguf_quants.py and test_gguf_model.py).
 
-Random blocks (every code 0..15 in every position, float16 scales and mins of both signs):
+Random blocks (every code in every position, every 6-bit sub-block scale and min, float16
+scales and mins of both signs):
 a one-hot input reads one weight back, which must be the dequantized weight up to the bfloat16
 rounding of the block's scale and zero; a random input's product agrees with the dequantized
 float32 product to bfloat16 precision; each row's result does not depend on how many rows
@@ -22,9 +24,24 @@ from pipeline.errors import ArtifactError, InvalidValueError
 pytestmark = pytest.mark.skipif(not int4_available(), reason="this torch lacks the int4 kernel")
 
 
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_K, QT.Q8_0]
+K_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176}
+
+
 def _blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
     rng = np.random.default_rng(seed)
+    if qtype in K_BYTES:  # d, dmin float16, then random scale, high-bit and nibble bytes
+        n = rows * cols // 256
+        d = (rng.standard_normal((n, 2)) * [0.002, 0.004]).astype(np.float16)
+        rest = rng.integers(0, 256, (n, K_BYTES[qtype] - 4), dtype=np.uint8)
+        raw = np.concatenate([d.view(np.uint8).reshape(n, 4), rest], axis=1)
+        return QuantizedWeight.from_raw(raw.reshape(-1), qtype, (rows, cols))
     n = rows * cols // GROUP
+    if qtype == QT.Q8_0:
+        d = (rng.standard_normal(n) * 0.002).astype(np.float16)
+        qs8 = rng.integers(0, 256, (n, GROUP), dtype=np.uint8)
+        raw = np.concatenate([d.view(np.uint8).reshape(n, 2), qs8], axis=1)
+        return QuantizedWeight.from_raw(raw.reshape(-1), qtype, (rows, cols))
     d = (rng.standard_normal(n) * 0.02).astype(np.float16)
     qs = rng.integers(0, 256, (n, GROUP // 2), dtype=np.uint8)
     parts = [d.view(np.uint8).reshape(n, 2)]
@@ -35,11 +52,11 @@ def _blocks(qtype: QT, rows: int, cols: int, seed: int = 0) -> QuantizedWeight:
     return QuantizedWeight.from_raw(raw.reshape(-1), qtype, (rows, cols))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_each_weight_reads_back_as_the_dequantizer_has_it(qtype: QT) -> None:
-    w = _blocks(qtype, 64, 128)
+    w = _blocks(qtype, 64, 256)
     dense = w.dequantize()                                            # [64, 128]
-    got = int4_linear(torch.eye(128), Int4Weight.from_quantized(w)).T   # [64, 128]
+    got = int4_linear(torch.eye(256), Int4Weight.from_quantized(w)).T   # [64, 256]
     # scale and zero are bfloat16 (8 significant bits): each weight is within a few units of
     # the last place of the block's scale and zero, never a wrong code
     d = dense.abs().amax(dim=1, keepdim=True)
@@ -47,7 +64,7 @@ def test_each_weight_reads_back_as_the_dequantizer_has_it(qtype: QT) -> None:
     assert (got - dense).abs().max() < (dense.abs().max() * 0.02)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_products_agree_with_the_dequantized_product(qtype: QT) -> None:
     w = _blocks(qtype, 96, 256, seed=1)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
@@ -59,18 +76,19 @@ def test_products_agree_with_the_dequantized_product(qtype: QT) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_result_does_not_depend_on_its_company(threads: int) -> None:
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q5_K])
+def test_a_rows_result_does_not_depend_on_its_company(threads: int, qtype: QT) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _rows_alone_and_together()
+        _rows_alone_and_together(qtype)
     finally:
         torch.set_num_threads(before)
 
 
-def _rows_alone_and_together() -> None:
-    w = Int4Weight.from_quantized(_blocks(QT.Q4_1, 160, 192, seed=4))
-    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(5))
+def _rows_alone_and_together(qtype: QT) -> None:
+    w = Int4Weight.from_quantized(_blocks(qtype, 160, 256, seed=4))
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(5))
     alone = torch.cat([int4_linear(x[i:i + 1], w) for i in range(70)])
     for count in (2, 3, 8, 9, 33, 70):
         assert torch.equal(int4_linear(x[:count], w), alone[:count]), count
@@ -78,9 +96,9 @@ def _rows_alone_and_together() -> None:
 
 
 def test_bad_input_is_refused_by_name() -> None:
-    with pytest.raises(ArtifactError, match="Q8_0"):
+    with pytest.raises(ArtifactError, match="not Q6_K"):
         Int4Weight.from_quantized(QuantizedWeight.from_raw(
-            np.zeros(34 * 4, dtype=np.uint8), QT.Q8_0, (4, 32)))
+            np.zeros(210 * 16, dtype=np.uint8), QT.Q6_K, (16, 256)))
     with pytest.raises(ArtifactError, match="16 at a time"):
         Int4Weight.from_quantized(_blocks(QT.Q4_0, 8, 64))
     w = Int4Weight.from_quantized(_blocks(QT.Q4_0, 16, 64))

@@ -353,6 +353,7 @@ def test_model_info_counts_quantized_matrices_at_their_encoded_size(tmp_path: Pa
     """Kept quantized, the Q8_0 attention matrices count their parameters as before and their
     bytes as GGML encodes them (blocks of 32 values: a float16 scale and 32 int8s)."""
     from backends.gguf.backend import hf_config
+    from backends.gguf.int4 import int4_available
     from backends.gguf.load import load_weights
     from backends.torch.backend import TorchBackend
     from backends.torch.config import ModelSpec
@@ -376,7 +377,10 @@ def test_model_info_counts_quantized_matrices_at_their_encoded_size(tmp_path: Pa
     attention = spec.num_layers * spec.hidden_size * spec.head_dim * (
         2 * spec.num_heads + 2 * spec.num_kv_heads)           # q and o, k and v
     assert plain.weight_bytes == 4 * plain.parameters
-    assert plain.weight_bytes - coded.weight_bytes == 4 * attention - attention // 32 * 34
+    # Q8_0 kept: two 4-bit planes of 16 bytes and a bfloat16 scale and zero each per 32
+    # weights on the int4 kernel (backends/gguf/int4.py), else the file's 34 bytes
+    kept = 2 * (16 + 4) if int4_available() else 34
+    assert plain.weight_bytes - coded.weight_bytes == 4 * attention - attention // 32 * kept
 
 
 def test_kept_quantized_prompt_rows_are_batch_invariant(tmp_path: Path) -> None:

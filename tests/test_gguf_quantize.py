@@ -32,7 +32,7 @@ FILES = sorted(FIXTURES.glob("llama-*.gguf"))
 KEPT = {"q4_0": 2e-2, "q4_1": 2e-2, "q4_k": 1e-2, "q5_k": 1e-2, "q6_k": 1e-2}
 """Largest prefill logit difference of the kept-quantized default from the float model,
 relative to the largest logit: the Q4_0/Q4_1 matrices run on the int4 kernel with bfloat16
-activations; the K types are decoded chunk by chunk in float32; the quantized token table and
+activations, and so do Q4_K and Q5_K (Q5_K on two planes); Q6_K is kept in bfloat16; the quantized token table and
 head are float16 in every file."""
 
 

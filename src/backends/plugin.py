@@ -42,7 +42,7 @@ def _torch(ctx: BuildContext) -> Any:
         num_slots=opts.num_slots, max_context=opts.max_context, dtype=opts.torch_dtype,
         pack=opts.pack, kv_blocks=opts.kv_blocks, kv_cache_bytes=opts.kv_cache_bytes,
         block_size=opts.block_size, batch_invariant=opts.invariant,
-        kv_int8=opts.kv_cache_dtype == "int8")
+        kv_int8=opts.kv_cache_dtype == "int8", threads=opts.threads)
     from backends.torch.parallel import launched_world
 
     if launched_world() is not None:  # torchrun: this rank's part of the model

@@ -177,8 +177,9 @@ class BackendOptions:
       ``"lfu"`` (default: the least often routed recently) or ``"lru"``;
     - ``pack``: oneDNN-packed copies of float32 CPU weights (faster, twice the memory),
       default True;
-    - ``quantized``: keep a GGUF file's quantized matrices in their encoding: Q4_0/Q4_1 on
-      torch's int4 kernel with bfloat16 activations, a quantized token table and output head
+    - ``quantized``: keep a GGUF file's quantized matrices in their encoding: Q4_0, Q4_1,
+      Q4_K, Q5_K and Q8_0 on torch's int4 kernel with bfloat16 activations (Q6_K as a
+      bfloat16 copy), a quantized token table and output head
       in float16 (a fifth of the memory and several times the decode speed of float32 on a
       CPU; logits agree with the dequantized float32 model to about 1e-2 relative); None (the
       default) turns it on for GGUF files on a CPU at the float32 compute dtype
@@ -186,6 +187,11 @@ class BackendOptions:
     - ``moe``: the routed-experts function of MoE layers, ``"torch"`` (the reference),
       ``"triton"`` (fused kernels) or a callable with ``moe_forward``'s signature;
       ``moe_configs``: folders of tuned Triton launch tables;
+    - ``threads``: the CPU threads a model's products use, 1..1024 (set process-wide with
+      ``torch.set_num_threads`` when the model is built); None (the default) keeps torch's
+      count and lets the torch backend choose, for each decode step, between one thread and
+      that count by measuring which is faster lately (on a machine whose other cores are busy
+      one thread is often faster: :mod:`backends.torch.threads`);
     - ``batch_invariant``: a sequence's results independent of the batch it runs in and of how
       its prompt was cut into chunks, in every dtype (fixed-size product tiles, grid-aligned
       prompt attention; ``docs/performance.md`` has the cost); None (the default) turns it on
@@ -215,6 +221,7 @@ class BackendOptions:
     moe_configs: tuple[Path, ...] = attrs.field(converter=_paths)
     batch_invariant: bool | None = attrs.field(
         validator=attrs.validators.optional(_flag))
+    threads: int | None = attrs.field(validator=attrs.validators.optional(_count(1, 1024)))
     extra: Mapping[str, Any] = attrs.field(converter=_extra, eq=False)
 
     def __init__(self, *, device: str | torch.device = "cpu",
@@ -224,7 +231,7 @@ class BackendOptions:
                  kv_cache_dtype: str | None = None, expert_cache_bytes: int | None = None,
                  expert_cache_policy: str = "lfu", pack: bool = True, quantized: bool | None = None, moe: MoeChoice = "torch",
                  moe_configs: Iterable[str | Path] = (), batch_invariant: bool | None = None,
-                 extra: Mapping[str, Any] | None = None, **unknown: Never) -> None:
+                 threads: int | None = None, extra: Mapping[str, Any] | None = None, **unknown: Never) -> None:
         if unknown:
             raise UnknownFieldError("BackendOptions", sorted(unknown)[0], field_names())
         self.__attrs_init__(
@@ -232,7 +239,7 @@ class BackendOptions:
             kv_cache_bytes=kv_cache_bytes, kv_blocks=kv_blocks, block_size=block_size,
             kv_cache_dtype=kv_cache_dtype, expert_cache_bytes=expert_cache_bytes,
             expert_cache_policy=expert_cache_policy, pack=pack, quantized=quantized, moe=moe, moe_configs=moe_configs,
-            batch_invariant=batch_invariant, extra=extra)
+            batch_invariant=batch_invariant, threads=threads, extra=extra)
 
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
         """Pickled as its fields (``extra`` as a plain dict): an engine process's recipe."""

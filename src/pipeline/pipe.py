@@ -133,6 +133,10 @@ class Pipeline:
                                         if engine is not None else None)
         """Whether the backend declares its rows independent of their batch (None: says
         nothing), recorded in every trace's instance as ``batch_invariant``."""
+        self._threads: str | None = (getattr(engine.backend, "thread_policy", None)
+                                     if engine is not None else None)
+        """How the backend sets its CPU threads (the ``threads`` option, or chosen by
+        measuring), recorded in every trace's instance as ``threads``."""
         self._think: tuple[int, int] | tuple[()] | None = None
 
     # --- artifacts without a model ---------------------------------------------------------
@@ -454,6 +458,7 @@ class Pipeline:
             "seed": seed, "rng": "counter:splitmix64(seed,stream,step)",
             "runtime_limits": attrs.asdict(request.runtime_limits),
             "environment": self._environment, "batch_invariant": self._invariant,
+            "threads": self._threads,
             "recording": request.recording.value,
             **trace_context(request),
         }

@@ -91,7 +91,7 @@ def gguf_backend(ctx: BuildContext) -> Any:
     window = opts.max_context or fitting_context(spec, opts.num_slots, model.dtype, budget, int8)
     return TorchBackend(model, f.snapshot, num_slots=opts.num_slots, max_context=window,
                         kv_blocks=opts.kv_blocks, kv_cache_bytes=opts.kv_cache_bytes,
-                        block_size=opts.block_size, kv_int8=int8)
+                        block_size=opts.block_size, kv_int8=int8, threads=opts.threads)
 
 
 def hf_config(f: GGUFFile) -> dict[str, Any]:

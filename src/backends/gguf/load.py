@@ -7,9 +7,10 @@ built so far: never two full copies). With ``quantized=True`` (the default on a 
 matrices of quantized types stay in their GGML encoding and the weights hold ``meta``
 placeholders of their shape; the returned ``products`` pair each placeholder with its matrix
 product, its encoded size and a decoder of the whole matrix for
-:class:`~backends.torch.model.Transformer`: Q4_0 and Q4_1 matrices on a CPU are repacked for
-torch's int4 kernel (:mod:`backends.gguf.int4`; bfloat16 activations, several times faster
-than dequantizing), other types multiplied chunk by chunk
+:class:`~backends.torch.model.Transformer`: on a CPU, Q4_0, Q4_1, Q4_K, Q5_K and Q8_0
+matrices are repacked for torch's int4 kernel (:mod:`backends.gguf.int4`; bfloat16
+activations, several times faster than dequantizing), Q6_K ones become a oneDNN-packed
+bfloat16 copy (:meth:`_Loader._kept`), and elsewhere every type is multiplied chunk by chunk
 (:func:`~backends.gguf.quants.quantized_linear`); the decoder reads the file's mapped bytes
 again for the rows of prompt chunks (:class:`~backends.torch.packed.PromptRows`). A quantized
 token table and output head become float16 (:data:`TABLE_DTYPE`), the head with a
@@ -41,6 +42,7 @@ from gguf import GGMLQuantizationType as QT
 from backends.gguf.quants import NUMPY_DECODED, dequantize, dequantize_into
 from backends.torch.config import ModelSpec
 from backends.torch.model import OwnProduct
+from backends.torch.packed import LinearFn
 from backends.torch.weights import (
     AttentionWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
@@ -127,53 +129,93 @@ class _Loader:
         dequantizing, joining and un-permuting the values, without the float copies."""
         tensors = [self.tensor(n, r, cols) for n, r in zip(names, rows)]
         types = {t.tensor_type for t in tensors}
-        if len(types) != 1:  # mixed encodings: each part dequantized on its own
+        keep = self.quantized and any(t.name not in _FLOAT_TYPES for t in types)
+        if not keep:
+            if len(types) == 1:
+                return dequantize(_joined_rows([t.data for t in tensors], heads), types.pop(),
+                                  (sum(rows), cols), self.dtype).to(self.device)
+            # mixed encodings: each part dequantized on its own
             value = torch.cat([dequantize_tensor(t, self.dtype) for t in tensors])
             return (_unpermute(value, heads) if heads else value).to(self.device)
-        (qtype,) = types
         shape = (sum(rows), cols)
-        keep = self.quantized and qtype.name not in _FLOAT_TYPES
-        raw = _joined_rows([t.data for t in tensors], heads)
-        if not keep:
-            return dequantize(raw, qtype, shape, self.dtype).to(self.device)
+        placeholder = torch.empty(shape, dtype=self.dtype, device="meta")
+        if len(types) == 1:  # one product over the joined rows
+            parts = [self._kept(_joined_rows([t.data for t in tensors], heads), types.pop(),
+                                shape)]
+        else:
+            parts = [self._kept(_joined_rows([t.data], heads), t.tensor_type,
+                                (int(t.shape[-1]), cols)) for t in tensors]
+        dense = self._dense(tensors, shape, heads)
+        if len(parts) == 1:
+            multiply, nbytes, row_wise = parts[0]
+        else:  # gate and up of different types: each multiplied on its own, outputs joined
+            products = [p[0] for p in parts]
+
+            def multiply(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                out = torch.cat([f(x, None) for f in products], dim=-1)
+                return out + bias if bias is not None else out
+            nbytes, row_wise = sum(p[1] for p in parts), all(p[2] for p in parts)
+        self.products.append((placeholder, multiply, nbytes, row_wise, dense))
+        return placeholder
+
+    def _kept(self, raw: npt.NDArray[Any], qtype: Any,
+              shape: tuple[int, int]) -> tuple[LinearFn, int, bool]:
+        """One matrix kept in memory for decode steps: its product, the bytes it holds and
+        whether the product computes each row on its own. On a CPU a type that maps onto
+        torch's int4 kernel is repacked for it (:mod:`backends.gguf.int4`); another (Q6_K,
+        whose 16-element groups do not map) becomes a bfloat16 copy in oneDNN's packed layout
+        where this CPU multiplies bfloat16 natively (``docs/performance.md``); elsewhere the
+        GGML bytes are kept and multiplied chunk by chunk (:func:`quantized_linear`)."""
         from backends.gguf.int4 import Int4Weight, int4_available, int4_fits, int4_linear
         from backends.gguf.quants import QuantizedWeight, quantized_linear
 
-        coded = QuantizedWeight.from_raw(raw, qtype, shape)  # the file's pages are copied
-        placeholder = torch.empty(shape, dtype=self.dtype, device="meta")
-        dense = self._dense(tensors, qtype, shape, heads)
+        coded = QuantizedWeight.from_raw(raw, qtype, shape)   # the file's pages are copied
         if int4_fits(coded) and int4_available(self.device):
             packed = Int4Weight.from_quantized(coded)
-            self.products.append((placeholder, lambda x, bias: int4_linear(x, packed, bias),
-                                  packed.nbytes, True, dense))
-            return placeholder
-        weight = QuantizedWeight(coded.data.to(self.device), qtype, shape)
-        self.products.append((placeholder, lambda x, bias: quantized_linear(x, weight, bias),
-                              weight.nbytes, False, dense))
-        return placeholder
+            return lambda x, bias: int4_linear(x, packed, bias), packed.nbytes, True
+        if torch.device(self.device).type == "cpu" and bfloat16_fast(self.device):
+            product = packed_product(coded.dequantize(DENSE_DTYPE), 1)
+            if product is not None:
+                return product
+        weight = QuantizedWeight(coded.data.to(self.device), coded.qtype, coded.shape)
+        return lambda x, bias: quantized_linear(x, weight, bias), weight.nbytes, False
 
-    def _dense(self, tensors: list[GGUFTensor], qtype: Any, shape: tuple[int, int],
+    def _dense(self, tensors: list[GGUFTensor], shape: tuple[int, int],
                heads: int | None) -> Callable[[], torch.Tensor] | None:
         """The matrix decoded whole from the file's mapped bytes (joined and un-permuted as
         at load) in :data:`DENSE_DTYPE`, for prompt rows; None where this CPU has no fast
-        bfloat16 products or the type has no numpy decoder. Holds no copy: the file's pages
-        are read again at each call (a forward with prompt rows), about 2 ms a million
-        weights on one core, into a float32 and a bfloat16 buffer that every matrix of the
-        same shape shares (used one matrix at a time, by the one engine thread), so no call
-        faults in fresh pages."""
-        if (torch.device(self.device).type != "cpu" or not bfloat16_fast(self.device)
-                or QT(qtype) not in NUMPY_DECODED):
+        bfloat16 products. Holds no copy: the file's pages are read again at each call (a
+        forward with prompt rows), about 2 ms a million weights on one core, into a bfloat16
+        buffer that every matrix of the same shape shares (used one matrix at a time, by the
+        one engine thread), so no call faults in fresh pages; types with a numpy decoder
+        (:data:`NUMPY_DECODED`) go through a shared float32 buffer too, the others through
+        torch's decoders."""
+        if torch.device(self.device).type != "cpu" or not bfloat16_fast(self.device):
             return None
         views = [t.data for t in tensors]
+        types = {QT(t.tensor_type) for t in tensors}
         if shape not in self._buffers:
             self._buffers[shape] = (torch.empty(shape, dtype=torch.float32),
                                     torch.empty(shape, dtype=DENSE_DTYPE))
         scratch, dense = self._buffers[shape]
+        if len(types) == 1 and next(iter(types)) in NUMPY_DECODED:
+            qtype = next(iter(types))
 
-        def decode() -> torch.Tensor:
-            dequantize_into(_joined_rows(views, heads), qtype, scratch)
-            return dense.copy_(scratch)
-        return decode
+            def decode() -> torch.Tensor:
+                dequantize_into(_joined_rows(views, heads), qtype, scratch)
+                return dense.copy_(scratch)
+            return decode
+
+        def decode_parts() -> torch.Tensor:
+            at = 0
+            for t in tensors:
+                n = int(t.shape[-1])
+                part = dequantize(_joined_rows([t.data], heads), t.tensor_type,
+                                  (n, shape[1]), torch.float32)
+                dense[at:at + n].copy_(part)
+                at += n
+            return dense
+        return decode_parts
 
     def tensor(self, name: str, *shape: int) -> GGUFTensor:
         """The file's tensor ``name``, checked to have torch-order ``shape``; marked taken."""
@@ -229,19 +271,29 @@ class _Loader:
         embeddings. Nothing where this torch cannot pack float16."""
         if head.dtype != TABLE_DTYPE or head.device.type != "cpu":
             return
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(head, HEAD_ROWS)
-        except (AttributeError, RuntimeError):
-            return
+        product = packed_product(head, HEAD_ROWS)
+        if product is not None:
+            multiply, nbytes, _ = product
+            self.products.append((head, multiply, nbytes, False, None))
 
-        def product(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x.to(TABLE_DTYPE), packed, None, "none", [], "")
-            out = out.to(x.dtype)
-            return out + bias if bias is not None else out
 
-        self.products.append((head, product, packed.numel() * packed.element_size(), False,
-                              None))
+def packed_product(weight: torch.Tensor, rows: int) -> tuple[LinearFn, int, bool] | None:
+    """``x @ weight.T`` on a oneDNN-packed copy of ``weight`` (float16 or bfloat16, its
+    layout chosen for ``rows`` rows), computed in ``weight``'s dtype and returned in ``x``'s:
+    the product, the bytes the copy holds, and False (the kernel's blocking may depend on the
+    row count, so rows are not claimed independent). None where this torch cannot pack."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    except (AttributeError, RuntimeError):
+        return None
+    dtype = weight.dtype
+
+    def product(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, x.shape[-1]).to(dtype), packed, None, "none", [], "")
+        out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        return out + bias if bias is not None else out
+    return product, packed.numel() * packed.element_size(), False
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,

@@ -19,7 +19,7 @@ are little-endian float16; ``q`` is the stored integer of element ``x``)::
     Q6_K    256   210  ql u8[128], qh u8[64], scales int8[16], d      d*sc*(q-32)
 
 K-quants split a 256-element super-block into sub-blocks: eight of 32 with a 6-bit scale
-``sc`` and min ``mn`` each (Q4_K, Q5_K: :func:`_k_scales`), or sixteen of 16 with an int8
+``sc`` and min ``mn`` each (Q4_K, Q5_K: :func:`k_scales`), or sixteen of 16 with an int8
 scale (Q6_K). Q4_K/Q5_K store 4-bit parts 32 bytes (64 elements) at a time, low nibbles
 first; Q5_K's fifth bit of element ``32*j + i`` is bit ``j`` of ``qh[i]``. Q6_K works in
 halves of 128 elements: 64 bytes of ``ql`` hold elements 0-63 (low nibbles) and 64-127
@@ -94,7 +94,7 @@ def _shifts(bits: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(bits, dtype=torch.uint8, device=like.device).view(-1, 1)
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's 12 scale bytes -> eight 6-bit scales and eight 6-bit mins, float32 [N, 8].
 
     Bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 mins 0-3; bytes 8-11 hold the
@@ -134,7 +134,7 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
 def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Q4_K/Q5_K: ``d*sc*q - dmin*mn`` per sub-block, in place on ``q`` float32 [N, 8, 32];
     returns [N, 256]."""
-    sc, mn = _k_scales(blocks[:, 4:16])                            # [N, 8] each
+    sc, mn = k_scales(blocks[:, 4:16])                            # [N, 8] each
     scale = (_f16(blocks, 0) * sc).unsqueeze(-1)                   # [N, 8, 1]
     offset = (_f16(blocks, 2) * mn).unsqueeze(-1)                  # [N, 8, 1]
     return q.mul_(scale).sub_(offset).reshape(-1, QK_K)

@@ -83,7 +83,8 @@ class TorchBackend:
     def __init__(self, model: Transformer, snapshot: str, *, num_slots: int = 8,
                  max_context: int | None = None, kv_blocks: int | None = None,
                  kv_cache_bytes: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, kv_int8: bool = False) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, kv_int8: bool = False,
+                 threads: int | None = None) -> None:
         spec = model.spec
         self.max_context = spec.max_position_embeddings if max_context is None else max_context
         if num_slots < 1:
@@ -123,12 +124,21 @@ class TorchBackend:
                                                             snapshot=snapshot)
         self._allocated: set[int] = set()
         self._space: torch.Tensor | None = None
+        if threads is not None and threads < 1:
+            raise InvalidValueError("threads", threads, "must be >= 1")
+        self.fixed_threads = threads if self.cache.device.type == "cpu" else None
+        """The ``threads`` option: every forward runs on this many intra-op threads (None:
+        :attr:`threads` chooses for decode steps)."""
+        if self.fixed_threads is not None:
+            torch.set_num_threads(self.fixed_threads)
         self.threads = (ThreadChooser(torch.get_num_threads())
-                        if self.cache.device.type == "cpu" else None)
+                        if self.cache.device.type == "cpu" and threads is None else None)
         """Picks the intra-op thread count of one-token decode forwards by measuring them (CPU
-        only; :mod:`backends.torch.threads`), between 1 and the process's setting, which is
-        restored after each forward: torch's count is process-wide, so while such a forward
-        runs on one thread, so does anything else the process runs in torch."""
+        only, without a ``threads`` option; :mod:`backends.torch.threads`), between 1 and the
+        process's setting, which is restored after each forward: torch's count is
+        process-wide, so while such a forward runs on one thread, so does anything else the
+        process runs in torch."""
+        self._last_rows = 1
 
     @classmethod
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
@@ -140,7 +150,8 @@ class TorchBackend:
                  batch_invariant: bool = False, kv_int8: bool = False,
                  expert_cache_bytes: int | None = None,
                  expert_cache_policy: str = "lfu", shard: Shard | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TorchBackend:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 threads: int | None = None) -> TorchBackend:
         """Load the checkpoint folder ``path``.
 
         ``max_context`` defaults to the model's ``max_position_embeddings`` (the default pool
@@ -156,7 +167,8 @@ class TorchBackend:
         from the mapped weight files as routing asks for them and kept by
         ``expert_cache_policy`` (``"lru"`` or ``"lfu"``; :mod:`backends.torch.experts`);
         ``shard`` loads one rank's part of a tensor/expert-parallel model, whose blocks'
-        outputs ``reduce`` sums over the group (:mod:`backends.torch.parallel`).
+        outputs ``reduce`` sums over the group (:mod:`backends.torch.parallel`); ``threads``
+        fixes the CPU threads of every forward (None: decode steps choose by measuring).
         Raises
         :class:`~pipeline.errors.InvalidValueError` for a device this machine lacks (before
         reading anything) and :class:`~pipeline.errors.ArtifactError` for an unusable folder.
@@ -187,7 +199,7 @@ class TorchBackend:
                                           kv_int8)
         return cls(model, ckpt.snapshot, num_slots=num_slots, max_context=max_context,
                    kv_blocks=kv_blocks, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
-                   kv_int8=kv_int8)
+                   kv_int8=kv_int8, threads=threads)
 
     def model_info(self) -> ModelInfo:
         """Architecture, parameter count, dtype, device and memory
@@ -204,7 +216,34 @@ class TorchBackend:
             dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.model.weights.embed.device),
             weight_bytes=held + linears.own_bytes, packed_bytes=linears.packed_bytes,
-            cache_bytes=self.cache.nbytes)
+            cache_bytes=self.cache.nbytes, threads=self.thread_policy)
+
+    @property
+    def thread_policy(self) -> str | None:
+        """How decode steps choose their CPU threads: ``"2"`` (the ``threads`` option) or
+        ``"1-2 by measuring"``; None on another device."""
+        if self.fixed_threads is not None:
+            return str(self.fixed_threads)
+        if self.threads is None:
+            return None
+        return f"1-{self.threads.most} by measuring" if self.threads.most > 1 else "1"
+
+    def threads_report(self) -> str | None:
+        """The thread count decode steps use now and why, for ``pipeline run --verbose``:
+        ``"2 (the threads option)"``, or ``"1 of 2, chosen by measuring decode steps (1:
+        9.8 ms, 2: 14.1 ms a step)"``; None on another device."""
+        if self.fixed_threads is not None:
+            return f"{self.fixed_threads} (the threads option)"
+        chooser = self.threads
+        if chooser is None:
+            return None
+        if chooser.most == 1:
+            return "1 (torch's count is 1)"
+        now = chooser.chosen(self._last_rows)
+        measured = ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in
+                             sorted(chooser.averages(self._last_rows).items()))
+        return (f"{now} of {chooser.most}, chosen by measuring decode steps"
+                + (f" ({measured} a step)" if measured else ""))
 
     @property
     def embedding_dim(self) -> int:
@@ -345,10 +384,13 @@ class TorchBackend:
         self.cache.discard()
         inputs = self._inputs(calls, batch)
         chooser = self.threads
+        if self.fixed_threads is not None:
+            _use_threads(self.fixed_threads)  # this thread may have set up its pool earlier
         if chooser is None or not all(_plain_decode(c) for c in calls) or inputs is not None:
             logits = self.model.forward(self.cache, batch, inputs)                 # [N, V]
         else:  # one token per sequence: the kernels whose bits are checked on any count
             rows, current = len(calls), torch.get_num_threads()
+            self._last_rows = rows
             if current != chooser.most:  # the process's setting changed: measure anew
                 chooser = self.threads = ThreadChooser(current)
             threads = _use_threads(chooser.threads_for(rows))

@@ -97,6 +97,11 @@ class ThreadChooser:
             bucket.steps = 0
             bucket.probing = PROBE_STEPS
 
+    def chosen(self, rows: int) -> int:
+        """The count steps of ``rows`` rows run on outside probes (``most`` until measured)."""
+        bucket = self._buckets.get(rows)
+        return bucket.chosen if bucket is not None else self.most
+
     def averages(self, rows: int) -> dict[int, float]:
         """Seconds per step of ``rows`` rows by thread count, as measured lately."""
         bucket = self._buckets.get(rows)

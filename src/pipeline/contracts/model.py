@@ -325,7 +325,9 @@ class ModelInfo:
     counts every weight once (a tied output head is the embedding); ``dtype`` and ``device``
     are the weights' (``bfloat16``, ``cpu``). ``weight_bytes`` is the memory the weights hold,
     quantized ones at their encoded size; ``packed_bytes`` the extra copies laid out for
-    faster products; ``cache_bytes`` the preallocated key/value cache of every slot.
+    faster products; ``cache_bytes`` the preallocated key/value cache of every slot;
+    ``threads`` how the model's CPU threads are set (``"2"``: fixed by the ``threads`` option;
+    ``"1-2 by measuring"``: chosen per decode step; None: not said).
     """
 
     architecture: str
@@ -335,6 +337,7 @@ class ModelInfo:
     weight_bytes: int
     packed_bytes: int = 0
     cache_bytes: int = 0
+    threads: str | None = None
 
     def summary(self) -> str:
         """``Qwen3MoeForCausalLM, 6.35M parameters, bfloat16 on cpu``."""

@@ -95,6 +95,7 @@ class RemoteBackend:
         self.vocab_size, self.num_slots = facts.vocab_size, facts.num_slots
         self.max_context, self.snapshot = facts.max_context, facts.snapshot
         self.batch_invariant = facts.batch_invariant
+        self.thread_policy = facts.info.threads if facts.info is not None else None
         self.facts = facts
 
     def __reduce__(self) -> tuple[Callable[[], Any], tuple[()]]:

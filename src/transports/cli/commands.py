@@ -196,7 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, quantized=INVARIANCE[args.quantized],
             kv_cache_dtype=args.kv_cache_dtype, expert_cache_bytes=args.expert_cache,
             expert_cache_policy=args.expert_cache_policy,
-            batch_invariant=INVARIANCE[args.batch_invariant])
+            batch_invariant=INVARIANCE[args.batch_invariant], threads=args.threads)
         config.backend_options().check_device()
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)

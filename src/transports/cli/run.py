@@ -46,6 +46,7 @@ from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig, Rec
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.options import BackendOptions
     from pipeline.contracts.output import Completion
+    from pipeline.pipe import Pipeline
 
 _MODEL_DEFAULT = "(default: the model's own)"
 _SAMPLING = (  # flag, GenerationConfig field, type, help
@@ -151,8 +152,12 @@ INVARIANCE = {"auto": None, "on": True, "off": False}
 
 def add_invariance(parser: Any) -> None:
     """``--batch-invariant auto|on|off``, ``--quantized auto|on|off``,
-    ``--kv-cache-dtype int8`` and ``--expert-cache SIZE`` with ``--expert-cache-policy``
-    (shared with ``pipeline serve``)."""
+    ``--kv-cache-dtype int8``, ``--expert-cache SIZE`` with ``--expert-cache-policy``, and
+    ``--threads N`` (shared with ``pipeline serve``)."""
+    parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                        help="CPU threads for the model's products (default: torch's count, "
+                             "with each decode step run on one thread instead when that is "
+                             "faster lately, as on a machine whose other cores are busy)")
     parser.add_argument("--batch-invariant", choices=tuple(INVARIANCE), default="auto",
                         help="results independent of the batch and of prompt chunking (auto: "
                              "on for CPU; off is faster for one request decoding alone)")
@@ -171,6 +176,15 @@ def add_invariance(parser: Any) -> None:
     parser.add_argument("--expert-cache-policy", choices=("lfu", "lru"), default="lfu",
                         help="which resident expert a miss evicts: the least often (lfu, "
                              "default) or least recently (lru) routed")
+
+
+def thread_count(text: str) -> int:
+    """``"2"`` -> 2 (an argparse type: anything but a whole number 1..1024 is a usage error
+    naming it)."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (a whole number "
+                                         "1..1024)")
+    return int(text)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -202,7 +216,7 @@ def backend_options(args: argparse.Namespace, **fields: Any) -> BackendOptions:
                           kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                           expert_cache_bytes=getattr(args, "expert_cache", None),
                           expert_cache_policy=getattr(args, "expert_cache_policy", "lfu"),
-                          **fields)
+                          threads=getattr(args, "threads", None), **fields)
 
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
@@ -289,16 +303,20 @@ def _run(args: argparse.Namespace) -> int:
                         "total_s": done.timings.total_s}}, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
-    _report(args, done)
+    _report(args, done, pipe)
     return 0
 
 
-def _report(args: argparse.Namespace, done: Completion) -> None:
-    """The run's figures on standard error: every one with ``--verbose``, else one line when
-    the answer went to a terminal."""
+def _report(args: argparse.Namespace, done: Completion, pipe: Pipeline) -> None:
+    """The run's figures on standard error: every one with ``--verbose`` (with the threads
+    the decode steps used, and why), else one line when the answer went to a terminal."""
     figures = Figures.of(done)
     if args.verbose:
         lines = verbose_lines(figures)
+        report = getattr(pipe.engine.backend if pipe.engine else None, "threads_report", None)
+        said = report() if callable(report) else None
+        if isinstance(said, str):
+            lines.append(f"threads = {said}")
     elif sys.stdout.isatty() and not args.json:
         lines = [summary_line(figures)]
     else:

@@ -148,6 +148,7 @@ class ServerConfig:
     kv_cache_dtype: str | None = None
     expert_cache_bytes: int | None = None
     expert_cache_policy: str = "lfu"
+    threads: int | None = None
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
@@ -187,13 +188,14 @@ class ServerConfig:
 
     def backend_options(self) -> BackendOptions:
         """The options every served model is built with (slots, window, device, dtype,
-        quantization, batch invariance, the KV cache's dtype, the expert cap)."""
+        quantization, batch invariance, the KV cache's dtype, the expert cap, the threads)."""
         return BackendOptions(num_slots=self.num_slots, max_context=self.max_context,
                               device=self.device, dtype=self.dtype, quantized=self.quantized,
                               batch_invariant=self.batch_invariant,
                               kv_cache_dtype=self.kv_cache_dtype,
                               expert_cache_bytes=self.expert_cache_bytes,
-                              expert_cache_policy=self.expert_cache_policy)
+                              expert_cache_policy=self.expert_cache_policy,
+                              threads=self.threads)
 
     @usage_database.validator
     def _usage_database(self, _: attrs.Attribute[str | None], value: str | None) -> None:
