@@ -104,3 +104,26 @@ def test_bad_input_is_refused_by_name() -> None:
     w = Int4Weight.from_quantized(_blocks(QT.Q4_0, 16, 64))
     with pytest.raises(InvalidValueError, match="last dimension must be 64"):
         int4_linear(torch.zeros(2, 32), w)
+
+
+def test_the_row_probe_tells_a_row_wise_product_from_one_that_is_not() -> None:
+    from backends.gguf.load import packed_product, rows_alone
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(7))
+    # a product whose rows see their company is caught, one that does not is not
+    assert rows_alone(lambda x: torch.cat([r[None] @ w.T for r in x]), 64, torch.float32)
+    assert not rows_alone(lambda x: x @ w.T + x.sum(dim=0, keepdim=True)[:, :48], 64,
+                          torch.float32)
+    assert not rows_alone(lambda x: x @ w.T * (1.0 + 1e-3 * (x.shape[0] > 8)), 64,
+                          torch.float32)
+    made = packed_product(w.to(torch.bfloat16), 1)
+    if made is not None:  # what this machine's oneDNN does, and the product's own result
+        product, _, row_wise = made
+        x = torch.randn(70, 64, generator=torch.Generator().manual_seed(8))
+        got = product(x, None)
+        assert got.dtype == torch.float32 and got.shape == (70, 48)
+        ref = x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T
+        assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
+        if row_wise:
+            alone = torch.cat([product(x[i:i + 1], None) for i in range(70)])
+            assert torch.equal(got, alone)

@@ -88,3 +88,43 @@ def test_a_quantized_file_decodes_as_the_float_model_of_its_dequantized_weights(
             assert abs(value - float(ref[int(token)])) <= tolerance * scale, (quantized, token)
         if quantized is False:
             assert list(done.token_ids) == want
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_kept_quantized_decode_rows_do_not_depend_on_their_company(path: Path,
+                                                                   threads: int) -> None:
+    # Every kept form (int4 planes, a packed bfloat16 Q6_K copy, the packed float16 head)
+    # runs untiled in the batch-invariant mode where it computes rows on their own: a
+    # sequence's decode logits must be the same bits alone and beside two others.
+    from backends.gguf.backend import hf_config
+    from backends.torch.backend import TorchBackend
+    from backends.torch.config import ModelSpec
+    from backends.torch.model import Transformer
+    from pipeline.contracts.model import ModelCall
+    from backends.gguf.load import load_weights
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        f = GGUFFile.open(path)
+        spec = ModelSpec.from_hf_config(hf_config(f))
+        loaded = load_weights(f, spec, quantized=True)
+        backend = TorchBackend(Transformer(spec, loaded.weights, own_products=loaded.products,
+                                           batch_invariant=True), "x", num_slots=3,
+                               max_context=64)
+        slots = [backend.allocate() for _ in range(3)]
+        for s in slots:
+            backend.forward([ModelCall(s, (5 + s, 9, 13), 0, (2,), prompt=True)])
+        alone, together = [], []
+        for step in range(4):
+            alone.append(backend.forward([ModelCall(slots[0], (20 + step,), 3 + step, (0,))])[0])
+        backend.truncate(slots[0], 3)
+        for step in range(4):
+            out = backend.forward([ModelCall(s, (20 + step if s == slots[0] else 40 + s,),
+                                             3 + step, (0,)) for s in slots])
+            together.append(out[0])
+        for a, b in zip(alone, together):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)

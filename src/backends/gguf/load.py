@@ -273,27 +273,67 @@ class _Loader:
             return
         product = packed_product(head, HEAD_ROWS)
         if product is not None:
-            multiply, nbytes, _ = product
-            self.products.append((head, multiply, nbytes, False, None))
+            multiply, nbytes, row_wise = product
+            self.products.append((head, multiply, nbytes, row_wise, None))
+
+
+PROBE_ROWS = (1, 2, 3, 8, 9, 17, 64)
+"""The row counts :func:`rows_alone` tries: both sides of the boundaries where oneDNN picks
+another blocking (a packed product is called on at most the last, :data:`ROW_BOUND`)."""
+ROW_BOUND = PROBE_ROWS[-1]
+_ROWS_ALONE: dict[tuple[torch.dtype, int, int, int], bool] = {}
 
 
 def packed_product(weight: torch.Tensor, rows: int) -> tuple[LinearFn, int, bool] | None:
     """``x @ weight.T`` on a oneDNN-packed copy of ``weight`` (float16 or bfloat16, its
-    layout chosen for ``rows`` rows), computed in ``weight``'s dtype and returned in ``x``'s:
-    the product, the bytes the copy holds, and False (the kernel's blocking may depend on the
-    row count, so rows are not claimed independent). None where this torch cannot pack."""
+    layout chosen for ``rows`` rows), computed in ``weight``'s dtype and returned in ``x``'s,
+    at most :data:`ROW_BOUND` rows a call: the product, the bytes the copy holds, and whether
+    it computes each row on its own (:func:`rows_alone` on this machine; then a
+    batch-invariant model runs it untiled, so a lone decode row costs one row, not a tile of
+    eight). None where this torch cannot pack."""
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     except (AttributeError, RuntimeError):
         return None
     dtype = weight.dtype
 
+    def call(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
+
     def product(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]).to(dtype), packed, None, "none", [], "")
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)
+        out = (call(flat) if flat.shape[0] <= ROW_BOUND else
+               torch.cat([call(part) for part in torch.split(flat, ROW_BOUND)]))
         out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
         return out + bias if bias is not None else out
-    return product, packed.numel() * packed.element_size(), False
+    key = (dtype, *weight.shape, rows)
+    if key not in _ROWS_ALONE:
+        _ROWS_ALONE[key] = rows_alone(call, weight.shape[1], dtype)
+    return product, packed.numel() * packed.element_size(), _ROWS_ALONE[key]
+
+
+def rows_alone(call: Callable[[torch.Tensor], torch.Tensor], cols: int,
+               dtype: torch.dtype) -> bool:
+    """Whether ``call`` (a product ``[M, cols] -> [M, out]``) gives every row the same bits in
+    calls of each of :data:`PROBE_ROWS` rows as in one of :data:`ROW_BOUND` rows, on the
+    process's thread count and on one thread, for random rows: what the oneDNN build and
+    this processor do, checked where the model loads rather than assumed (a product that
+    fails is tiled as before). About a dozen products' time, once per shape."""
+    x = torch.randn(ROW_BOUND, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
+    reference = call(x)
+    counts = [torch.get_num_threads()] + ([1] if torch.get_num_threads() > 1 else [])
+    before = torch.get_num_threads()
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            if not all(torch.equal(call(x[:m]), reference[:m]) for m in PROBE_ROWS):
+                return False
+            if not torch.equal(call(x[ROW_BOUND - 1:]), reference[ROW_BOUND - 1:]):
+                return False
+    finally:
+        torch.set_num_threads(before)
+    return True
 
 
 def load_weights(f: GGUFFile, spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
