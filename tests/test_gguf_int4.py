@@ -127,3 +127,35 @@ def test_the_row_probe_tells_a_row_wise_product_from_one_that_is_not() -> None:
         if row_wise:
             alone = torch.cat([product(x[i:i + 1], None) for i in range(70)])
             assert torch.equal(got, alone)
+
+
+def test_gate_and_up_of_different_types_are_kept_apart_and_joined() -> None:
+    # a K-quant mix (Q4_K_M) may store ffn_gate and ffn_up in different types: each part
+    # keeps its own kept form (Q4_K on the int4 kernel, Q6_K in bfloat16), the outputs are
+    # joined, and prompt rows' whole-matrix decoder joins the parts as the file has them
+    from types import SimpleNamespace
+
+    from backends.gguf.load import DENSE_DTYPE, _Loader, bfloat16_fast
+
+    q6 = np.random.default_rng(11).integers(0, 256, (16, 210), dtype=np.uint8)
+    q6[:, 208:] = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)  # d
+    parts = {"blk.0.ffn_gate.weight": _blocks(QT.Q4_K, 32, 256, seed=9),
+             "blk.0.ffn_up.weight": QuantizedWeight.from_raw(q6.reshape(-1), QT.Q6_K,
+                                                             (16, 256))}
+    f = SimpleNamespace(path="mixed.gguf", tensors={
+        name: SimpleNamespace(name=name, data=w.data.numpy(), tensor_type=w.qtype,
+                              shape=[w.shape[1], w.shape[0]]) for name, w in parts.items()})
+    load = _Loader(f, None, torch.float32, "cpu", quantized=True)  # type: ignore[arg-type]
+    placeholder = load.matrices(list(parts), [32, 16], 256)
+    assert placeholder.is_meta and tuple(placeholder.shape) == (48, 256)
+    (_, multiply, nbytes, row_wise, dense), = load.products
+    whole = torch.cat([w.dequantize() for w in parts.values()])             # [48, 256]
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(12))
+    ref = x @ whole.T
+    got = multiply(x, None)
+    assert got.shape == (5, 48)
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
+    assert nbytes > 0
+    if dense is not None:
+        assert bfloat16_fast("cpu")
+        assert torch.equal(dense(), whole.to(DENSE_DTYPE))
