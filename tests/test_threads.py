@@ -27,6 +27,12 @@ except ArtifactError:
     HAVE_SMOLLM2 = False
 
 
+def _QUIET() -> float | None:
+    """No machine-load reading: the chooser measures alone (a verdict never depends on what
+    else the test machine runs)."""
+    return None
+
+
 def _steps(chooser: ThreadChooser, rows: int, n: int, cost: dict[int, float]) -> list[int]:
     used = []
     for _ in range(n):
@@ -37,7 +43,7 @@ def _steps(chooser: ThreadChooser, rows: int, n: int, cost: dict[int, float]) ->
 
 
 def test_the_faster_count_wins_after_a_probe_and_loses_when_it_slows() -> None:
-    chooser = ThreadChooser(most=2)
+    chooser = ThreadChooser(most=2, load=_QUIET)
     used = _steps(chooser, 1, PROBE_FIRST, {1: 0.02, 2: 0.05})
     assert used == [2] * PROBE_FIRST  # the most threads until measured otherwise
     used = _steps(chooser, 1, PROBE_STEPS, {1: 0.02, 2: 0.05})
@@ -51,7 +57,7 @@ def test_the_faster_count_wins_after_a_probe_and_loses_when_it_slows() -> None:
 
 
 def test_probes_that_keep_the_choice_come_ever_more_rarely() -> None:
-    chooser = ThreadChooser(most=2)
+    chooser = ThreadChooser(most=2, load=_QUIET)
     used = _steps(chooser, 1, 4000, {1: 0.02, 2: 0.05})  # a busy machine, all along
     starts = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
     gaps = [b - a - PROBE_STEPS for a, b in zip(starts, starts[1:])]
@@ -61,16 +67,16 @@ def test_probes_that_keep_the_choice_come_ever_more_rarely() -> None:
 
 
 def test_each_batch_size_is_measured_on_its_own_and_one_thread_never_probes() -> None:
-    chooser = ThreadChooser(most=2)
+    chooser = ThreadChooser(most=2, load=_QUIET)
     _steps(chooser, 1, PROBE_FIRST + PROBE_STEPS, {1: 0.02, 2: 0.05})
     assert chooser.threads_for(1) == 1 and chooser.threads_for(8) == 2
-    single = ThreadChooser(most=1)
+    single = ThreadChooser(most=1, load=_QUIET)
     assert _steps(single, 1, 3 * PROBE_MOST, {1: 0.01}) == [1] * (3 * PROBE_MOST)
     assert single.averages(1) == {}
 
 
 def test_a_probes_first_step_is_not_counted() -> None:
-    chooser = ThreadChooser(most=2)
+    chooser = ThreadChooser(most=2, load=_QUIET)
     _steps(chooser, 4, PROBE_FIRST, {1: 0.03, 2: 0.02})
     # the first probe step is slow (a cold pool), the rest fast: the probe still wins
     costs = iter([1.0] + [0.01] * (PROBE_STEPS - 1))
@@ -144,3 +150,34 @@ def test_requests_give_the_same_tokens_on_one_thread_and_on_two() -> None:
         finally:
             backend.threads = chooser
     assert runs[1] == runs[2]
+
+
+def test_cores_other_processes_hold_are_not_used_nor_probed() -> None:
+    busy = [1.0]
+    chooser = ThreadChooser(most=2, load=lambda: busy[0], cores=2)
+    used = _steps(chooser, 1, 600, {1: 0.02, 2: 0.01})
+    assert used == [1] * 600 and chooser.capped   # no probe of the core another process holds
+    assert chooser.averages(1) == {}               # capped steps teach nothing of the counts
+    busy[0] = 0.3                                  # it went quiet: the chooser as before
+    used = _steps(chooser, 1, PROBE_FIRST + PROBE_STEPS + 1, {1: 0.02, 2: 0.01})
+    assert used[0] == 2 and not chooser.capped and used.count(1) == PROBE_STEPS
+    unknown = ThreadChooser(most=2, load=lambda: None, cores=2)  # no /proc: measuring alone
+    assert unknown.free_cores() is None and unknown.threads_for(1) == 2
+
+
+def test_other_load_is_the_machines_busy_time_less_this_process() -> None:
+    from backends.torch.threads import LOAD_EVERY_S, OtherLoad
+
+    now = [100.0]
+    readings = iter([(10.0, 1.0), (10.5, 1.25), (11.0, 1.5), None])
+    load = OtherLoad(clock=lambda: now[0], read=lambda: next(readings))
+    assert load() == 0.0                       # nothing known yet: idle
+    now[0] += LOAD_EVERY_S / 2
+    assert load() == 0.0                       # too soon to read again
+    now[0] += LOAD_EVERY_S / 2                 # 0.5 s busy, 0.25 of it ours, in 0.25 s
+    assert load() == pytest.approx(1.0)
+    now[0] += 2 * LOAD_EVERY_S                 # 0.5 s busy, 0.25 ours, in 0.5 s
+    assert load() == pytest.approx(0.5)
+    now[0] += LOAD_EVERY_S
+    assert load() == pytest.approx(0.5)        # a failed read keeps the last figure
+    assert OtherLoad(read=lambda: None)() is None

@@ -239,6 +239,10 @@ class TorchBackend:
             return None
         if chooser.most == 1:
             return "1 (torch's count is 1)"
+        if chooser.capped and chooser.load is not None:
+            busy = chooser.load() or 0.0
+            return (f"{chooser.free_cores()} of {chooser.most}: other processes keep "
+                    f"{busy:.1f} of {chooser.cores} cores busy")
         now = chooser.chosen(self._last_rows)
         measured = ", ".join(f"{n}: {s * 1e3:.1f} ms" for n, s in
                              sorted(chooser.averages(self._last_rows).items()))

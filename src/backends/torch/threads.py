@@ -7,7 +7,11 @@ the machine, the operating system deschedules one of the two threads now and the
 barrier waits for it (measured: 61 tok/s idle on two threads fell to 8 with a test run beside
 it, where one thread kept most of its pace; docs/performance.md). No fixed count is right
 for both, so the backend times its decode steps on the count it uses and, now and then, on
-the other one, and keeps whichever is faster lately.
+the other one, and keeps whichever is faster lately. Exploring costs steps, though: a probe
+of two threads beside a busy process runs a few steps at a third of the pace. So the chooser
+also reads how much of the machine other processes use (:class:`OtherLoad`, from Linux's
+``/proc``: the machine's busy time less this process's own): while they keep so many cores
+busy that fewer than ``most`` are left, it runs on what is left and probes nothing larger.
 
 Results do not depend on the choice: each row's products, attention and reductions are the
 same on one thread as on several (tests/test_threads.py checks the kernels and whole requests),
@@ -23,6 +27,10 @@ Example::
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+
 import attrs
 
 PROBE_FIRST = 8
@@ -35,6 +43,62 @@ PROBE_STEPS = 3
 not counted; the mean of the others replaces that count's average."""
 SMOOTHING = 0.25
 """Weight of the newest step in each count's moving average of step time."""
+LOAD_EVERY_S = 0.25
+"""How often :class:`OtherLoad` reads ``/proc`` (the kernel counts CPU time in ticks of
+10 ms: a shorter window would read mostly rounding)."""
+BUSY_CORE = 0.6
+"""Other processes' use of a core, from which that core counts as taken."""
+
+
+class OtherLoad:
+    """How many cores other processes kept busy lately: the machine's busy CPU time from
+    ``/proc/stat`` less this process's own from ``/proc/self/stat``, over the wall time since
+    the previous reading, read at most every :data:`LOAD_EVERY_S` (the last figure in
+    between). Where ``/proc`` cannot be read (not Linux), :meth:`__call__` gives None.
+    ``clock`` and ``read`` are injectable for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 read: Callable[[], tuple[float, float] | None] | None = None) -> None:
+        self._clock, self._read = clock, read or _proc_busy_seconds
+        self._at = clock()
+        self._last = self._read()
+        self._cores: float | None = 0.0 if self._last is not None else None
+
+    def __call__(self) -> float | None:
+        """Cores other processes used lately (0 on an idle machine), or None."""
+        now = self._clock()
+        if self._last is None or now - self._at < LOAD_EVERY_S:
+            return self._cores
+        reading = self._read()
+        if reading is None:
+            return self._cores
+        machine = reading[0] - self._last[0]
+        ours = reading[1] - self._last[1]
+        self._cores = max(0.0, (machine - ours) / (now - self._at))
+        self._at, self._last = now, reading
+        return self._cores
+
+
+def _usable_cores(fallback: int) -> int:
+    """The cores this process may run on (its affinity), else the machine's count."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or fallback)
+
+
+def _proc_busy_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process of the machine has been busy, this process's), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _, _, irq, softirq, steal = (int(v) for v in fields[:8])
+    # /proc/self/stat after the name: state is field 3, utime and stime fields 14 and 15
+    return ((user + nice + system + irq + softirq + steal) / tick,
+            (int(own[11]) + int(own[12])) / tick)
 
 
 @attrs.define
@@ -60,22 +124,41 @@ class ThreadChooser:
     thread-safe: one engine thread uses it.
     """
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, load: Callable[[], float | None] | None = None,
+                 cores: int | None = None) -> None:
         self.most = max(1, most)
         self._buckets: dict[int, _Bucket] = {}
+        self.load = load if load is not None else (OtherLoad() if self.most > 1 else None)
+        """Cores other processes use lately (:class:`OtherLoad`), or None: not known."""
+        self.cores = cores if cores is not None else _usable_cores(self.most)
+        self.capped = False
+        """Whether the last step's count was capped by the other processes' load."""
+
+    def free_cores(self) -> int | None:
+        """The cores other processes leave (at least 1), or None where the load is unknown."""
+        busy = self.load() if self.load is not None else None
+        if busy is None:
+            return None
+        taken = int(busy + (1 - BUSY_CORE))  # a core counts as taken from BUSY_CORE of it
+        return max(1, self.cores - taken)
 
     def threads_for(self, rows: int) -> int:
         """The thread count for the next decode step of ``rows`` rows."""
         if self.most == 1:
             return 1
         bucket = self._buckets.setdefault(rows, _Bucket(self.most))
+        free = self.free_cores()
+        self.capped = free is not None and free < self.most
+        if self.capped and free is not None:  # no probe of what other processes hold
+            bucket.probing, bucket.probe = 0, []
+            return min(bucket.chosen, free)
         if bucket.probing:
             return self._other(bucket.chosen)
         return bucket.chosen
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """A decode step of ``rows`` rows took ``seconds`` on ``threads`` threads."""
-        if self.most == 1:
+        if self.most == 1 or self.capped:  # a capped step says nothing of the counts' pace
             return
         bucket = self._buckets.setdefault(rows, _Bucket(self.most))
         if bucket.probing:
