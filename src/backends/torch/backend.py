@@ -139,6 +139,9 @@ class TorchBackend:
         process-wide, so while such a forward runs on one thread, so does anything else the
         process runs in torch."""
         self._last_rows = 1
+        self._lowered: int | None = None
+        """The thread count a capped decode step left in place (other processes hold the
+        rest of the cores, :attr:`ThreadChooser.capped`), until a step finds them free."""
 
     @classmethod
     def from_dir(cls, path: str | Path, *, num_slots: int = 8, max_context: int | None = None,
@@ -395,14 +398,21 @@ class TorchBackend:
         else:  # one token per sequence: the kernels whose bits are checked on any count
             rows, current = len(calls), torch.get_num_threads()
             self._last_rows = rows
-            if current != chooser.most:  # the process's setting changed: measure anew
+            if current == self._lowered:  # the count this backend left at the last step
+                current = chooser.most
+            elif current != chooser.most:  # the process's setting changed: measure anew
                 chooser = self.threads = ThreadChooser(current)
             threads = _use_threads(chooser.threads_for(rows))
             started = time.perf_counter()
             try:
                 logits = self.model.forward(self.cache, batch, inputs)
             finally:
-                _use_threads(current)  # the rest of the step as it always runs
+                # the rest of the step as it always runs; but while other processes hold
+                # cores, on what they leave: a sampling op on two threads would wait at its
+                # barrier for the descheduled one (measured: 11 tok/s against 33)
+                self._lowered = threads if chooser.capped and threads < current else None
+                if self._lowered is None:
+                    _use_threads(current)
             chooser.record(rows, threads, time.perf_counter() - started)
         self.cache.commit(batch)
         return logits  # stays on the model's device: selection and digests run there
