@@ -174,7 +174,12 @@ class _Loader:
             packed = Int4Weight.from_quantized(coded)
             return lambda x, bias: int4_linear(x, packed, bias), packed.nbytes, True
         if torch.device(self.device).type == "cpu" and bfloat16_fast(self.device):
-            product = packed_product(coded.dequantize(DENSE_DTYPE), 1)
+            whole = torch.empty(shape, dtype=DENSE_DTYPE)  # decoded a slice at a time: no
+            for start in range(0, shape[0], TABLE_SLICE):  # float32 copy of the whole
+                part = coded.data[start:start + TABLE_SLICE]
+                whole[start:start + len(part)] = QuantizedWeight(
+                    part, coded.qtype, (len(part), shape[1])).dequantize()
+            product = packed_product(whole, 1)
             if product is not None:
                 return product
         weight = QuantizedWeight(coded.data.to(self.device), coded.qtype, coded.shape)
