@@ -252,7 +252,7 @@ def test_the_files_tokenizer_splits_as_the_original_on_thousands_of_strings(
         vocab_files: dict[str, Path], pre: str) -> None:
     # a vocabulary-only file per pre-tokenizer family: the converter writes the tokenizer of
     # a folder whose tokenizer.json splits as that family's real models do
-    from pipeline.builder import load_tokenizer
+    from pipeline.tokenizing import load_tokenizer
 
     assert CONVERTER is not None
     folder = vocab_files[pre]

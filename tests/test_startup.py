@@ -29,7 +29,7 @@ from backends.torch.config import ModelSpec
 from pipeline import build
 from pipeline.gguf_file import GGUFFile, read_gguf
 from transports import cli
-from pipeline.builder import load_tokenizer
+from pipeline.tokenizing import load_tokenizer
 from pipeline.errors import ArtifactError
 from pipeline.model_paths import TINY_MODEL_DIR, smollm2_file
 
@@ -292,7 +292,7 @@ def _old_recipe(f: GGUFFile, names: list[str], heads: int | None) -> torch.Tenso
 def test_joined_and_unpermuted_rows_equal_the_old_recipe(tmp_path: Path, kind: str) -> None:
     types = {n: QT.Q4_1 for n in ("blk.0.attn_q.weight", "blk.0.attn_k.weight",
                                   "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight")}
-    if kind == "mixed":  # gate and up of different types: joined as values instead
+    if kind == "mixed":  # gate and up of different types
         types["blk.0.ffn_up.weight"] = QT.Q8_0
     f = GGUFFile.open(_llama(tmp_path / "llama.gguf", types))
     spec = ModelSpec.from_hf_config(hf_config(f))
@@ -302,9 +302,10 @@ def test_joined_and_unpermuted_rows_equal_the_old_recipe(tmp_path: Path, kind: s
     assert torch.equal(layer.attention.v, _old_recipe(f, ["blk.0.attn_v.weight"], None))
     assert torch.equal(layer.mlp.gate_up, _old_recipe(
         f, ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], None))
-    kept = [("blk.0.attn_q.weight",), ("blk.0.attn_k.weight",)]  # in the order loaded:
-    if kind == "q4_1":  # gate and up of one type stay encoded together, and load first
-        kept.insert(0, ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
+    # in the order loaded: gate and up first, kept together (one encoding joined as bytes;
+    # of two types, each part in its own kept form, the outputs joined)
+    kept = [("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), ("blk.0.attn_q.weight",),
+            ("blk.0.attn_k.weight",)]
     products = load_weights(f, spec, quantized=True).products
     assert len(products) == len(kept)
     x = torch.linspace(-1, 1, 32).reshape(1, 32)
@@ -343,6 +344,23 @@ def test_count_reads_no_weights_of_a_gguf_file(tmp_path: Path,
     assert capsys.readouterr().out.split() == ["2", "3"]   # [hello, <|end|>]; [hello, Ġw, o]
     assert cli.main(["run", "--model", path, "--max-tokens", "1", "hello"]) == 1
     assert "tensor 'token_embd.weight' is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny", "gguf"])
+def test_count_never_loads_torch(tmp_path: Path, model: str) -> None:
+    # importing torch is most of a small command's start (1.7 s on the 2-core test machine):
+    # counting needs the tokenizer and the template only, and its process never imports it
+    import subprocess
+    import sys
+
+    name = str(_tokenizer_only_gguf(tmp_path / "tok.gguf")) if model == "gguf" else "tiny"
+    probe = ("import sys; from transports import cli; code = cli.main(['count', '--model', "
+             f"{name!r}, 'hello world']); print('torch' in sys.modules); sys.exit(code)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    count, loaded = run.stdout.split()
+    assert int(count) > 0 and loaded == "False"
 
 
 def test_count_reads_no_weights_of_a_folder(tmp_path: Path,

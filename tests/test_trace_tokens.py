@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import build
-from pipeline.builder import load_tokenizer
+from pipeline.tokenizing import load_tokenizer
 from pipeline.events import digest_text, event_line
 from pipeline.trace import check, diff, load, show
 from pipeline.trace.commands import main

@@ -31,6 +31,7 @@ from pipeline.registry import DEFAULT_ORDER, DEFAULT_STOPPERS, BuildContext, Reg
 from pipeline.runtime.thread import ThreadEngine
 from pipeline.sampling_defaults import for_build
 from pipeline.strategy_choice import StrategyChoice
+from pipeline.tokenizing import renderer_stage, tokenizer_stage
 from pipeline.contracts.output import Delta
 from pipeline.contracts.request import GenerationConfig
 from pipeline.tools.formats import choose_parser
@@ -43,7 +44,6 @@ tokenizer, :mod:`stages.structured`), then :data:`~pipeline.registry.DEFAULT_ORD
 ADDED_PROCESSORS_BEFORE = "temperature"
 """Where ``build(processors=[...])`` inserts its processors: after every mask, bias and
 penalty, before temperature and truncation (see :func:`build`)."""
-TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -200,7 +200,7 @@ def build(
                                         given is not None)
     context = BuildContext(model_dir=model_dir, options=backend_options, model_file=model_file,
                            strategy_options=strategy_settings)
-    tok = _tokenizer(registry, context, tokenizer)
+    tok = tokenizer_stage(registry, context, tokenizer)
     context = attrs.evolve(context, tokenizer=tok)
     procs = [_resolve(registry, "processor", p, context)
              for p in _chain_of("processors", DEFAULT_PROCESSORS, processors, replace_processors,
@@ -210,7 +210,7 @@ def build(
     stops = tuple(_resolve(registry, "stopper", s, context)
                   for s in _chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
     _unique("stoppers", [s.name for s in stops], replace_stoppers)
-    chat = _renderer(registry, context, renderer)
+    chat = renderer_stage(registry, context, renderer)
     stages = Stages(
         renderer=chat,
         tokenizer=tok,
@@ -336,32 +336,12 @@ def load_backend(model: str | Path, *,
         raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
     context = BuildContext(model_dir=found.directory, options=BackendOptions.coerce(options),
                            model_file=found.file)
-    tok = _tokenizer(registry, context, None)
+    tok = tokenizer_stage(registry, context, None)
     model_backend = _backend(registry, attrs.evolve(context, tokenizer=tok), None)
     if tok is None or model_backend is None:
         raise ArtifactError(f"{model}: a model needs weights and a tokenizer "
                             f"({'no weights' if model_backend is None else 'no tokenizer'})")
     return model_backend, tok
-
-
-def load_tokenizer(model: str | Path | None = None, *, plugins: Sequence[object] = ()
-                   ) -> tuple[Tokenizer, Renderer | None]:
-    """The tokenizer and chat renderer :func:`build` gives ``model`` (resolved as there; None
-    is the default model), made by the same factories, without the weights: no backend is
-    built and no weight is read (``pipeline count``). ``build(tokenizer=..., renderer=...)``
-    over them counts and renders as ``build(model)`` does. Raises
-    :class:`~pipeline.errors.ArtifactError` when ``model`` has no tokenizer."""
-    registry = Registry(plugins)
-    found = resolve_model(DEFAULT_MODEL if model is None else model)
-    if found.file is not None and not is_gguf_file(found.file):
-        raise InvalidValueError("model", str(model), "a model file must be a GGUF file")
-    context = BuildContext(model_dir=found.directory, options=BackendOptions(),
-                           model_file=found.file)
-    tok = _tokenizer(registry, context, None)
-    if tok is None:
-        raise ArtifactError(f"{model or DEFAULT_MODEL}: no tokenizer (a model folder needs "
-                            "tokenizer.json)")
-    return tok, _renderer(registry, attrs.evolve(context, tokenizer=tok), None)
 
 
 def _mapping(what: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -374,31 +354,6 @@ def _mapping(what: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:
     return registry.create(kind, value, context) if isinstance(value, str) else value
-
-
-def _tokenizer(registry: Registry, context: BuildContext,
-               value: str | Tokenizer | None) -> Tokenizer | None:
-    if value is None:
-        if context.model_file is not None:
-            value = "gguf"
-        elif context.model_dir is None or not (context.model_dir / "tokenizer.json").exists():
-            return None
-        else:
-            value = "hf"
-    return cast(Tokenizer, _resolve(registry, "tokenizer", value, context))
-
-
-def _renderer(registry: Registry, context: BuildContext,
-              value: str | Renderer | None) -> Renderer | None:
-    if value is None:
-        if context.model_file is not None:
-            value = "gguf"
-        elif context.model_dir is None:
-            return None
-        else:
-            has_template = any((context.model_dir / f).exists() for f in TEMPLATE_FILES)
-            value = "hf_chat_template" if has_template else "plain"
-    return cast(Renderer, _resolve(registry, "renderer", value, context))
 
 
 def _backend(registry: Registry, context: BuildContext,

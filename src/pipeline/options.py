@@ -22,13 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Never
+from typing import TYPE_CHECKING, Any, Never
 
 import attrs
-import torch
 
-from pipeline.engine.blocks import DEFAULT_BLOCK_SIZE
 from pipeline.errors import InvalidValueError, UnknownFieldError, closest
+
+if TYPE_CHECKING:  # torch loads when a device other than "cpu" is parsed or a model built:
+    import torch   # counting tokens (`pipeline count`) never needs it
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 """Device types the torch backend runs on."""
@@ -40,12 +41,20 @@ MAX_SLOTS = 4096
 """Most concurrent sequences one backend may preallocate caches for."""
 MAX_BLOCK_SIZE = 1024
 """Most positions one key/value block may hold."""
+DEFAULT_BLOCK_SIZE = 16
+"""Positions per key/value block unless said otherwise, the engine's block manager's too
+(vLLM's and nano-vllm's defaults are 16 and 256; 16 wastes at most 15 positions a
+sequence)."""
 
 MoeChoice = str | Callable[..., Any]
 
 
 def device_name(value: Any) -> str:
     """A device name as torch spells it (``"cuda"``, ``"cuda:1"``), or InvalidValueError."""
+    if value == "cpu":  # the default, spelt as torch spells it: no need to load torch
+        return "cpu"
+    import torch
+
     if isinstance(value, torch.device):
         device = value
     elif isinstance(value, str):
@@ -69,7 +78,11 @@ def dtype_name(value: Any) -> str | None:
     """A dtype name from :data:`DTYPES` (a ``torch.dtype`` becomes its name), or None."""
     if value is None:
         return None
-    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    name = value
+    if not isinstance(value, str):
+        import torch
+
+        name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
     if not isinstance(name, str) or name not in DTYPES:
         hint = closest(name, DTYPES) if isinstance(name, str) else None
         guess = f" (did you mean {hint!r}?)" if hint else ""
@@ -274,7 +287,7 @@ class BackendOptions:
         """``batch_invariant`` resolved: as given, else on for a CPU device."""
         if self.batch_invariant is not None:
             return self.batch_invariant
-        return torch.device(self.device).type == "cpu"
+        return _device_type(self.device) == "cpu"
 
     @property
     def keeps_quantized(self) -> bool:
@@ -282,11 +295,13 @@ class BackendOptions:
         float32 compute dtype (the file's default)."""
         if self.quantized is not None:
             return self.quantized
-        return torch.device(self.device).type == "cpu" and self.dtype in (None, "float32")
+        return _device_type(self.device) == "cpu" and self.dtype in (None, "float32")
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a ``torch.dtype`` (None: the checkpoint's own)."""
+        import torch
+
         return None if self.dtype is None else getattr(torch, self.dtype)
 
     def refuse_extra(self, backend: str) -> None:
@@ -307,10 +322,17 @@ def field_names() -> tuple[str, ...]:
     return tuple(a.name for a in attrs.fields(BackendOptions))
 
 
+def _device_type(name: str) -> str:
+    """``"cuda"`` of ``"cuda:1"``: the type of a device name :func:`device_name` gave."""
+    return name.partition(":")[0]
+
+
 def check_device(device: str | torch.device) -> None:
     """Raise :class:`~pipeline.errors.InvalidValueError` unless this machine can run on
     ``device``, saying why not (torch built without CUDA, no visible device, an index past
     the devices there are, no MPS) and what to use instead."""
+    import torch
+
     name = device_name(device)
     dev = torch.device(name)
     why = None
@@ -324,6 +346,8 @@ def check_device(device: str | torch.device) -> None:
 
 
 def _cuda_problem(dev: torch.device) -> str | None:
+    import torch
+
     if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
         return (f"CUDA is not available on this machine: this torch ({torch.__version__}) "
                 "was built without CUDA")

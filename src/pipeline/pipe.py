@@ -41,6 +41,7 @@ from pipeline.output_parts import THINK_CLOSE, THINK_OPEN, opens_thinking
 from pipeline.prepared import Prepared
 from pipeline.tools.choice import constrain_calls
 from pipeline.registry import Registry
+from pipeline.tokenizing import render_request
 if TYPE_CHECKING:
     import threading
     from pathlib import Path
@@ -57,8 +58,6 @@ from pipeline.contracts.request import (
 from pipeline.contracts.text import Rendered, TokenizedPrompt
 
 Prompt = str | Sequence[Message | Mapping[str, Any]] | Request
-RAW_PROMPT_DIGEST = digest_text("raw-prompt:v1")
-RAW_IDS_DIGEST = digest_text("raw-prompt-ids:v1")
 
 
 def environment_id() -> str:
@@ -390,18 +389,8 @@ class Pipeline:
             "template_kwargs": {**prompt.template_kwargs, **template_kwargs}}
 
     def _render(self, request: Request, add_generation_prompt: bool = True) -> Rendered:
-        if request.prompt is not None:
-            return Rendered.plain(request.prompt, RAW_PROMPT_DIGEST, "raw")
-        if request.prompt_ids is not None:  # the ids' text, for the trace; never re-encoded
-            text = self._tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
-            return Rendered.plain(text, RAW_IDS_DIGEST, "raw")
-        if self.stages.renderer is None:
-            raise ArtifactError("this pipeline has no renderer for chat messages: build it from "
-                                "a model folder with a chat template, pass renderer=, or give a "
-                                "raw prompt as Request(prompt=...)")
-        kwargs = dict(request.template_kwargs)
-        kwargs.setdefault("add_generation_prompt", add_generation_prompt)
-        return self.stages.renderer.render(request.messages, tools=request.tools_shown, **kwargs)
+        return render_request(request, self.stages.renderer, self._tokenizer,
+                              add_generation_prompt)
 
     def _encode(self, request: Request, rendered: Rendered) -> TokenizedPrompt:
         """The prompt's ids: ``rendered`` tokenized, or a token-id prompt as it is."""

@@ -75,10 +75,7 @@ from collections.abc import Hashable, Sequence
 import attrs
 
 from pipeline.errors import InvalidValueError, OutOfBlocks
-
-DEFAULT_BLOCK_SIZE = 16
-"""Positions per block unless a manager is told otherwise (vLLM's and nano-vllm's default
-is 16 and 256 respectively; 16 wastes at most 15 positions per sequence)."""
+from pipeline.options import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE  # the manager's default
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], snapshot: str) -> bytes:

@@ -45,7 +45,7 @@ class Tokenizers:
         self._loaded: dict[str, Tokenizer | None] = {}
 
     def _load(self, name: str) -> Tokenizer | None:
-        from pipeline.builder import load_tokenizer
+        from pipeline.tokenizing import load_tokenizer
 
         if name not in self._loaded:
             try:

@@ -121,17 +121,14 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _count(args: argparse.Namespace) -> int:
-    """Count through the model's own tokenizer and chat template, never its weights."""
-    from pipeline.builder import build, load_tokenizer
+    """Count through the model's own tokenizer and chat template, never its weights (nor
+    torch: :mod:`pipeline.tokenizing`)."""
+    from pipeline.tokenizing import count_tokens, load_tokenizer
 
     text = sys.stdin.read() if args.text == "-" else args.text  # as `run -` reads its prompt
     tokenizer, renderer = load_tokenizer(args.model)
-    with build(tokenizer=tokenizer, renderer=renderer) as pipe:
-        if args.raw:
-            assert pipe.stages.tokenizer is not None
-            print(len(pipe.stages.tokenizer.encode_text(text)))
-        else:
-            print(pipe.count_tokens(text))
+    print(len(tokenizer.encode_text(text)) if args.raw
+          else count_tokens(tokenizer, renderer, text))
     return 0
 
 

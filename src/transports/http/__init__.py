@@ -6,13 +6,37 @@ flow, uvicorn and its wire protocols, deadlines, limits, the request-side pool, 
 settings, health), ``gateway/`` (keys, the served models and their supervision, the window
 fit, admission), ``accounting/`` (usage stores, metrics, the log, kept traces and their
 inspector), ``page/`` (the web chat page and its assets). This package gives the names a
-program that serves needs.
+program that serves needs, each loaded when first asked for: importing a light module of the
+package (``transports.http.server.limits`` for the command line's flags) loads neither the
+server nor torch.
 """
 
-from transports.http.server.app import create_app
-from transports.http.server.config import ServerConfig, load_api_keys
-from transports.http.gateway.gateway import Gateway
-from transports.http.server.server import parse_models, serve
-from transports.http.server.timeouts import Timeouts
+from __future__ import annotations
 
-__all__ = ["Gateway", "ServerConfig", "create_app", "load_api_keys", "Timeouts", "parse_models", "serve"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transports.http.gateway.gateway import Gateway as Gateway
+    from transports.http.server.app import create_app as create_app
+    from transports.http.server.config import ServerConfig as ServerConfig
+    from transports.http.server.config import load_api_keys as load_api_keys
+    from transports.http.server.server import parse_models as parse_models
+    from transports.http.server.server import serve as serve
+    from transports.http.server.timeouts import Timeouts as Timeouts
+
+_HOMES = {"Gateway": "transports.http.gateway.gateway", "create_app": "transports.http.server.app",
+          "ServerConfig": "transports.http.server.config",
+          "load_api_keys": "transports.http.server.config",
+          "parse_models": "transports.http.server.server", "serve": "transports.http.server.server",
+          "Timeouts": "transports.http.server.timeouts"}
+
+__all__ = ["Gateway", "ServerConfig", "create_app", "load_api_keys", "Timeouts", "parse_models",
+           "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'transports.http' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
