@@ -28,8 +28,9 @@ halves of 128 elements: 64 bytes of ``ql`` hold elements 0-63 (low nibbles) and 
 
 Every decoder maps ``uint8 [N, type_size]`` to ``[N, block_size]`` with whole-tensor ops
 (no Python loop over blocks), computing in float32 in the order llama.cpp does, so results
-equal ``gguf.quants.dequantize`` (the numpy reference); Q8_0, Q4_0 and Q4_1 have numpy twins
-for loading, off torch's thread pool, with the same values bit for bit. Data must be
+equal ``gguf.quants.dequantize`` (the numpy reference); every quantized type has a numpy twin
+for loading and for prompt rows' whole-matrix decode, off torch's thread pool, with the same
+values bit for bit. Data must be
 little-endian, as GGUF
 files almost always are, on a little-endian machine; a numpy array in non-native byte order
 is refused.
@@ -205,6 +206,54 @@ def _np_q4_1(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> Non
     out += _np_f16(blocks, 2)
 
 
+def _np_k_scales(scales: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.float32],
+                                                          npt.NDArray[np.float32]]:
+    """:func:`k_scales` in numpy: eight 6-bit scales and mins, float32 ``[N, 8]``."""
+    s = scales.reshape(-1, 3, 4)
+    lo_sc, lo_mn, hi = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate((lo_sc & 0x3F, (hi & 0x0F) | ((lo_sc >> 2) & 0x30)), axis=1)
+    mn = np.concatenate((lo_mn & 0x3F, (hi >> 4) | ((lo_mn >> 2) & 0x30)), axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _np_k_affine(blocks: npt.NDArray[np.uint8], q: npt.NDArray[Any],
+                 out: npt.NDArray[np.float32]) -> None:
+    """Q4_K/Q5_K: ``out = d*sc*q - dmin*mn`` per sub-block, as :func:`_k_affine` computes it."""
+    sc, mn = _np_k_scales(blocks[:, 4:16])                           # [N, 8]
+    view = out.reshape(-1, 8, 32)
+    view[...] = q
+    view *= (_np_f16(blocks, 0) * sc)[:, :, None]
+    view -= (_np_f16(blocks, 2) * mn)[:, :, None]
+
+
+def _np_k_nibbles(qs: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """K-quant 4-bit parts ``[N, 128]`` -> codes ``[N, 8, 32]``: each 32 bytes' low nibbles
+    (one sub-block), then their high nibbles (the next)."""
+    chunks = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate((chunks & 0x0F, chunks >> 4), axis=2).reshape(-1, 8, 32)
+
+
+def _np_q4_k(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    _np_k_affine(blocks, _np_k_nibbles(blocks[:, 16:]), out)
+
+
+def _np_q5_k(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    qh = blocks[:, 16:48][:, None, :]                                 # [N, 1, 32]
+    high = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1           # [N, 8, 32]
+    _np_k_affine(blocks, _np_k_nibbles(blocks[:, 48:]) | (high << 4), out)
+
+
+def _np_q6_k(blocks: npt.NDArray[np.uint8], out: npt.NDArray[np.float32]) -> None:
+    halves = blocks[:, :128].reshape(-1, 2, 1, 64)
+    low = np.concatenate((halves & 0x0F, halves >> 4), axis=2)        # [N, 2, 2, 64]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # [N, 2, 4, 32]
+    view = out.reshape(-1, 16, 16)
+    view[...] = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).reshape(-1, 16, 16)
+    view -= 32
+    view *= (_np_f16(blocks, 208) * blocks[:, 192:208].view(np.int8))[:, :, None]
+
+
 @attrs.frozen
 class _Format:
     """How one GGML type is stored: ``block_size`` elements in ``type_size`` bytes."""
@@ -228,7 +277,8 @@ _FORMATS: dict[QT, _Format] = {
 
 SUPPORTED_TYPES: tuple[QT, ...] = tuple(_FORMATS)
 _NUMPY_DECODERS: dict[QT, NumpyDecoder] = {QT.Q8_0: _np_q8_0, QT.Q4_0: _np_q4_0,
-                                           QT.Q4_1: _np_q4_1}
+                                           QT.Q4_1: _np_q4_1, QT.Q4_K: _np_q4_k,
+                                           QT.Q5_K: _np_q5_k, QT.Q6_K: _np_q6_k}
 """The types :func:`dequantize` decodes in numpy when given a numpy array (load time)."""
 NUMPY_DECODED: frozenset[QT] = frozenset(_NUMPY_DECODERS)
 """Those types, for callers that pick the fast path."""
@@ -362,7 +412,7 @@ def dequantize(raw: Raw, qtype: QT, shape: Sequence[int],
     for F16/F32). Rows are the last dim; each row is whole blocks. Returns ``[*shape]`` of
     ``dtype``, on ``raw``'s device; it may share memory with ``raw`` when the stored type
     already is ``dtype`` (F32 read as float32, say). Quantized types are computed in float32,
-    then converted; Q8_0, Q4_0 and Q4_1 given as a numpy array (a file's tensor, at load) are
+    then converted; a quantized type given as a numpy array (a file's tensor, at load) is
     decoded in numpy, to the same values bit for bit (see :data:`_NUMPY_DECODERS`).
 
     Raises ArtifactError for a type not in :data:`SUPPORTED_TYPES` (the message lists them),
