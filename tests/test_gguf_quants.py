@@ -261,3 +261,22 @@ def test_decoding_into_a_reused_buffer_gives_the_reference(qtype: QT) -> None:
         dequantize_into(raw, qtype, torch.empty((16, cols), dtype=torch.bfloat16))
     with pytest.raises(ArtifactError):
         dequantize_into(raw, qtype, torch.empty((16, cols + 32)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_split_over_threads_gives_the_same_bits(threads: int) -> None:
+    from backends.gguf.load import SPLIT_ROWS, decode_rows
+
+    rng = np.random.default_rng(21)
+    rows = 3 * SPLIT_ROWS + 17  # parts of unequal length
+    raw = random_blocks(rng, QT.Q4_K, (rows, 256))
+    whole = torch.empty(rows, 256)
+    dequantize_into(raw, QT.Q4_K, whole)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full((rows, 256), float("nan"))
+        decode_rows(raw, QT.Q4_K, out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, whole)

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -207,7 +208,7 @@ class _Loader:
             qtype = next(iter(types))
 
             def decode() -> torch.Tensor:
-                dequantize_into(_joined_rows(views, heads), qtype, scratch)
+                decode_rows(_joined_rows(views, heads), qtype, scratch)
                 return dense.copy_(scratch)
             return decode
 
@@ -287,6 +288,31 @@ PROBE_ROWS = (1, 2, 3, 8, 9, 17, 64)
 another blocking (a packed product is called on at most the last, :data:`ROW_BOUND`)."""
 ROW_BOUND = PROBE_ROWS[-1]
 _ROWS_ALONE: dict[tuple[torch.dtype, int, int, int], bool] = {}
+
+
+SPLIT_ROWS = 256
+"""Fewest rows a part of a whole-matrix decode :func:`decode_rows` hands to another thread."""
+_DECODERS: list[ThreadPoolExecutor] = []
+
+
+def decode_rows(raw: npt.NDArray[Any], qtype: QT, out: torch.Tensor) -> None:
+    """:func:`~backends.gguf.quants.dequantize_into` split by rows over torch's thread
+    count (numpy releases the interpreter's lock while it decodes), on a pool of threads kept
+    for the process: a prompt forward decodes every matrix of the model, a fixed cost that
+    one core paid alone (about 0.2 s for the default model). On a machine whose other cores
+    are busy the backend lowers torch's count, and this follows."""
+    parts = min(torch.get_num_threads(), len(raw) // SPLIT_ROWS)
+    if parts <= 1:
+        dequantize_into(raw, qtype, out)
+        return
+    if not _DECODERS:
+        _DECODERS.append(ThreadPoolExecutor(thread_name_prefix="pipeline-gguf-decode"))
+    step = -(-len(raw) // parts)
+    jobs = [_DECODERS[0].submit(dequantize_into, raw[a:a + step], qtype, out[a:a + step])
+            for a in range(step, len(raw), step)]
+    dequantize_into(raw[:step], qtype, out[:step])
+    for job in jobs:
+        job.result()
 
 
 def packed_product(weight: torch.Tensor, rows: int) -> tuple[LinearFn, int, bool] | None:
