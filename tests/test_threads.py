@@ -181,3 +181,17 @@ def test_other_load_is_the_machines_busy_time_less_this_process() -> None:
     now[0] += LOAD_EVERY_S
     assert load() == pytest.approx(0.5)        # a failed read keeps the last figure
     assert OtherLoad(read=lambda: None)() is None
+
+
+def test_only_the_cores_this_process_may_use_count_as_busy() -> None:
+    from backends.torch.threads import _busy_of
+
+    stat = ("cpu  900 0 300 5000 0 0 0 0 0 0\n"
+            "cpu0 100 0 50 1000 0 0 0 0 0 0\n"
+            "cpu1 200 0 50 1000 0 0 0 0 0 0\n"
+            "cpu2 600 0 200 3000 0 0 0 0 0 0\n"
+            "intr 12345\n")
+    own = ["R"] + ["0"] * 10 + ["30", "20"]         # utime 30, stime 20 ticks
+    assert _busy_of(stat, {0, 1}, 100, own) == (4.0, 0.5)
+    assert _busy_of(stat, None, 100, own) == (12.0, 0.5)
+    assert _busy_of(stat, {7}, 100, own) is None     # nothing readable of those cores

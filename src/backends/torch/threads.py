@@ -86,19 +86,41 @@ def _usable_cores(fallback: int) -> int:
 
 
 def _proc_busy_seconds() -> tuple[float, float] | None:
-    """(CPU seconds every process of the machine has been busy, this process's), or None."""
+    """(CPU seconds the cores this process may run on have been busy, this process's own),
+    or None. Only those cores count: in a container pinned to two cores of a large host,
+    ``/proc/stat`` lists every core of the host, busy with work that is no competitor."""
     try:
         with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
+            stat = f.read()
         with open("/proc/self/stat") as f:
             own = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    tick = os.sysconf("SC_CLK_TCK")
-    user, nice, system, _, _, irq, softirq, steal = (int(v) for v in fields[:8])
-    # /proc/self/stat after the name: state is field 3, utime and stime fields 14 and 15
-    return ((user + nice + system + irq + softirq + steal) / tick,
-            (int(own[11]) + int(own[12])) / tick)
+    return _busy_of(stat, _allowed_cores(), os.sysconf("SC_CLK_TCK"), own)
+
+
+def _allowed_cores() -> set[int] | None:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return set(affinity(0)) if affinity is not None else None
+
+
+def _busy_of(stat: str, cores: set[int] | None, tick: int,
+             own: list[str]) -> tuple[float, float] | None:
+    """:func:`_proc_busy_seconds` from the text of ``/proc/stat`` and the fields of
+    ``/proc/self/stat`` after the command name."""
+    busy = 0
+    for line in stat.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        if cores is not None and int(name[3:]) not in cores:
+            continue
+        user, nice, system, _, _, irq, softirq, steal = (int(v) for v in rest.split()[:8])
+        busy += user + nice + system + irq + softirq + steal
+    if not busy:
+        return None
+    # after the name: state is field 3 of the line, utime and stime fields 14 and 15
+    return busy / tick, (int(own[11]) + int(own[12])) / tick
 
 
 @attrs.define
