@@ -12,9 +12,11 @@ matrices are repacked for torch's int4 kernel (:mod:`backends.gguf.int4`; bfloat
 activations, several times faster than dequantizing), Q6_K ones become a oneDNN-packed
 bfloat16 copy (:meth:`_Loader._kept`), and elsewhere every type is multiplied chunk by chunk
 (:func:`~backends.gguf.quants.quantized_linear`); the decoder reads the file's mapped bytes
-again for the rows of prompt chunks (:class:`~backends.torch.packed.PromptRows`). A quantized
-token table and output head become float16 (:data:`TABLE_DTYPE`), the head with a
-oneDNN-packed copy. Norms and float matrices are dequantized either way. llama.cpp's
+again for the rows of prompt chunks (:class:`~backends.torch.packed.PromptRows`), split by
+rows over torch's threads (:func:`decode_rows`). A quantized token table and output head
+become float16 (:data:`TABLE_DTYPE`), the head with a oneDNN-packed copy; a packed product
+that computes each row on its own (:func:`rows_alone`, checked at load) runs untiled in the
+batch-invariant mode. Norms and float matrices are dequantized either way. llama.cpp's
 converter permutes the rows of ``attn_q`` and ``attn_k`` of ``llama``-architecture models
 for its RoPE layout; they are permuted back here, as transformers' GGUF loader does. Separate ``ffn_gate`` and ``ffn_up`` become the fused
 ``gate_up``; expert stacks ``ffn_{gate,up,down}_exps`` keep their ``[E, ...]`` layout, or,
