@@ -11,12 +11,10 @@ its module (``pipeline.events``, ``pipeline.testing``).
 
 from __future__ import annotations
 
-import ast
-import importlib
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline.hookspecs import hookimpl as hookimpl  # pluggy alone: cheap, and its entry is documented here
+from pipeline.lazy import homes, lazy
 
 # The public face, in one table: each name below is exported (``__all__``) and imported from
 # its home on first use (PEP 562), so a command line that only parses its arguments, or prints
@@ -80,16 +78,7 @@ if TYPE_CHECKING:
     from pipeline.strategy_choice import StrategyChoice as StrategyChoice
 
 
-def _table() -> dict[str, str]:
-    """Each public name and the module it lives in, read from the ``TYPE_CHECKING`` block."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(node for node in tree.body if isinstance(node, ast.If)
-                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
-    return {alias.name: node.module for node in block.body
-            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
-
-
-_HOMES = _table()
+_HOMES = homes(__file__)
 """Where each public name lives."""
 
 ERRORS = tuple(sorted(name for name, home in _HOMES.items() if home == "pipeline.errors"))
@@ -98,18 +87,7 @@ what a caller of :func:`build` and :class:`Pipeline` may catch. The HTTP server'
 live with the server (:mod:`transports.http.serving_errors`)."""
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # imported once; later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
-
+__getattr__, __dir__ = lazy(__name__, _HOMES, globals())
 
 __version__ = "0.1.0"
 

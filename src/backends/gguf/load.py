@@ -193,37 +193,33 @@ class _Loader:
         """The matrix decoded whole from the file's mapped bytes (joined and un-permuted as
         at load) in :data:`DENSE_DTYPE`, for prompt rows; None where this CPU has no fast
         bfloat16 products. Holds no copy: the file's pages are read again at each call (a
-        forward with prompt rows), about 2 ms a million weights on one core, into a bfloat16
-        buffer that every matrix of the same shape shares (used one matrix at a time, by the
-        one engine thread), so no call faults in fresh pages; types with a numpy decoder
-        (:data:`NUMPY_DECODED`) go through a shared float32 buffer too, the others through
-        torch's decoders."""
+        forward with prompt rows), about 2 ms a million weights on one core, into a float32
+        and a bfloat16 buffer that every matrix of the same shape shares (used one matrix at
+        a time, by the one engine thread), so no call faults in fresh pages. Each part (gate
+        and up may differ in type) is decoded into its rows of the buffer: a quantized type
+        by its numpy decoder (:func:`decode_rows`), a float one (beside a quantized one) by
+        torch's."""
         if torch.device(self.device).type != "cpu" or not bfloat16_fast(self.device):
             return None
-        views = [t.data for t in tensors]
-        types = {QT(t.tensor_type) for t in tensors}
         if shape not in self._buffers:
             self._buffers[shape] = (torch.empty(shape, dtype=torch.float32),
                                     torch.empty(shape, dtype=DENSE_DTYPE))
         scratch, dense = self._buffers[shape]
-        if len(types) == 1 and next(iter(types)) in NUMPY_DECODED:
-            qtype = next(iter(types))
+        parts, at = [], 0
+        for t in tensors:  # (rows of the buffer, the part's view of the file, its type)
+            n = int(t.shape[-1])
+            parts.append((scratch[at:at + n], t.data, QT(t.tensor_type)))
+            at += n
 
-            def decode() -> torch.Tensor:
-                decode_rows(_joined_rows(views, heads), qtype, scratch)
-                return dense.copy_(scratch)
-            return decode
-
-        def decode_parts() -> torch.Tensor:
-            at = 0
-            for t in tensors:
-                n = int(t.shape[-1])
-                part = dequantize(_joined_rows([t.data], heads), t.tensor_type,
-                                  (n, shape[1]), torch.float32)
-                dense[at:at + n].copy_(part)
-                at += n
-            return dense
-        return decode_parts
+        def decode() -> torch.Tensor:
+            for out, view, qtype in parts:
+                raw = _joined_rows([view], heads)
+                if qtype in NUMPY_DECODED:
+                    decode_rows(raw, qtype, out)
+                else:
+                    out.copy_(dequantize(raw, qtype, tuple(out.shape)))
+            return dense.copy_(scratch)
+        return decode
 
     def tensor(self, name: str, *shape: int) -> GGUFTensor:
         """The file's tensor ``name``, checked to have torch-order ``shape``; marked taken."""

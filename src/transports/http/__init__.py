@@ -13,8 +13,9 @@ server nor torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pipeline.lazy import homes, lazy
 
 if TYPE_CHECKING:
     from transports.http.gateway.gateway import Gateway as Gateway
@@ -25,24 +26,8 @@ if TYPE_CHECKING:
     from transports.http.server.server import serve as serve
     from transports.http.server.timeouts import Timeouts as Timeouts
 
-_HOMES = {"Gateway": "transports.http.gateway.gateway", "create_app": "transports.http.server.app",
-          "ServerConfig": "transports.http.server.config",
-          "load_api_keys": "transports.http.server.config",
-          "parse_models": "transports.http.server.server", "serve": "transports.http.server.server",
-          "Timeouts": "transports.http.server.timeouts"}
+_HOMES = homes(__file__)
 
-__all__ = ["Gateway", "ServerConfig", "create_app", "load_api_keys", "Timeouts", "parse_models",
-           "serve"]
+__all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'transports.http' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # imported once; later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy(__name__, _HOMES, globals())
