@@ -12,8 +12,11 @@ budget ``kv_cache_bytes`` (default: ``num_slots`` windows of ``max_context``; se
 ``expert_cache_policy`` put an MoE model's routed experts under a memory cap
 (:mod:`backends.torch.experts`). A process started by ``torchrun`` with more than one rank
 loads its part of a tensor/expert-parallel model instead (:mod:`backends.torch.parallel`):
-``build()`` returns on rank 0 only; every other rank serves rank 0 inside it and then ends. The built-in backends take no
-``extra`` options.
+``build()`` returns on rank 0 only; every other rank serves rank 0 inside it and then ends.
+``backend="transformers"`` runs a Hugging Face folder on transformers' own implementation
+(:mod:`backends.transformers`): ``dtype``, ``device``, ``num_slots``, ``max_context`` and
+``threads`` apply, the torch backend's cache and kernel settings are refused. The built-in
+backends take no ``extra`` options.
 """
 
 from __future__ import annotations
@@ -76,6 +79,39 @@ def _parallel(folder: Path, opts: BackendOptions, settings: dict[str, Any]) -> A
     return parallel_backend(folder, shard, device=device, **settings)
 
 
+def _transformers(ctx: BuildContext) -> Any:
+    """A Hugging Face folder on its own transformers implementation (the optional extra).
+    The torch backend's memory and kernel settings do not apply and are refused by name;
+    ``batch_invariant=True`` is refused through the backend's capabilities."""
+    from backends.transformers.backend import HONOURS, TransformersBackend
+
+    if ctx.model_dir is None:
+        raise ArtifactError("the transformers backend needs a Hugging Face model folder "
+                            "(config.json and weights), not a GGUF file")
+    opts = ctx.options
+    opts.refuse_extra("transformers")
+    torch_only = {"quantized": opts.quantized, "kv_cache_dtype": opts.kv_cache_dtype,
+                  "kv_blocks": opts.kv_blocks, "kv_cache_bytes": opts.kv_cache_bytes,
+                  "expert_cache_bytes": opts.expert_cache_bytes,
+                  "moe_configs": list(opts.moe_configs) or None,
+                  "moe": None if opts.moe == "torch" else opts.moe}
+    for field, value in torch_only.items():
+        if value is not None:
+            raise InvalidValueError(field, value, "is a torch backend setting; the "
+                                    "transformers backend keeps transformers' own cache and "
+                                    "kernels")
+    if opts.batch_invariant:
+        refusal = HONOURS.refusal("batch_invariance", "transformers")
+        if refusal is not None:
+            raise refusal
+    if opts.threads is not None:
+        import torch
+
+        torch.set_num_threads(opts.threads)
+    return TransformersBackend.from_dir(ctx.model_dir, dtype=opts.dtype, device=opts.device,
+                                        num_slots=opts.num_slots, max_context=opts.max_context)
+
+
 def _gguf_backend(ctx: BuildContext) -> Any:
     from backends.gguf.backend import gguf_backend
 
@@ -89,4 +125,7 @@ def pipeline_components() -> list[Component]:
     return [Component("backend", "torch", _torch,
                       "torch reference for HF checkpoints (dense and MoE)"),
             Component("backend", "gguf", _gguf_backend,
-                      "a GGUF file's weights on the torch backend (dequantized at load)")]
+                      "a GGUF file's weights on the torch backend (dequantized at load)"),
+            Component("backend", "transformers", _transformers,
+                      "any causal LM transformers loads, on its own implementation "
+                      "(optional extra: explicit-pipeline[transformers])")]

@@ -23,7 +23,7 @@ from pipeline.model_paths import (
 from pipeline.options import BackendOptions
 from pipeline.pipe import Pipeline, Stages
 from pipeline.contracts.decode import LogitProcessor, RequestCheck, Selector
-from pipeline.contracts.model import Backend
+from pipeline.contracts.model import Backend, backend_honours
 from pipeline.contracts.strategy import Honours, Strategy
 from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
 from pipeline.contracts.transport import Transport
@@ -226,6 +226,8 @@ def build(
         request_checks=tuple(p for p in procs if isinstance(p, RequestCheck)),
     )
     model_backend = _backend(registry, context, backend)
+    if model_backend is not None:
+        _check_honours(model_backend, backend, name)
     context = attrs.evolve(context, backend=model_backend, load_model=load_backend)
     make_strategy = (_as_maker(given) if given is not None
                      else cast(StrategyMaker, registry.create("strategy", name, context)))
@@ -254,6 +256,22 @@ def build(
                     defaults_source=sampling.source,
                     description={"model": str(where) if where else None,
                                  "strategy": name}, registry=registry)
+
+
+def _check_honours(backend: Backend, named: str | Backend | None, strategy: str) -> None:
+    """Refuse a strategy that needs what the backend does not honour
+    (:class:`~pipeline.contracts.model.BackendHonours`), naming both: the speculative
+    strategy needs draft verification, an iterative one block attention or embedding inputs."""
+    honours = backend_honours(backend)
+    label = named if isinstance(named, str) else type(backend).__name__
+    if strategy == "speculative":
+        refusal = honours.refusal("draft_verification", label, strategy)
+    elif strategy in AUTOREGRESSIVE_STRATEGIES or honours.embedding_inputs:
+        refusal = None
+    else:
+        refusal = honours.refusal("block_attention", label, strategy)
+    if refusal is not None:
+        raise refusal
 
 
 def _as_maker(given: Strategy) -> StrategyMaker:

@@ -63,7 +63,9 @@ from backends.torch.weights import tensors
 from pipeline.engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from pipeline.errors import CapacityError, InvalidValueError, OutOfBlocks, SlotError
 from pipeline.options import check_device
-from pipeline.contracts.model import Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk
+from pipeline.contracts.model import (
+    Attention, CacheLayout, ModelCall, ModelInfo, PrefillChunk, Tap, tap_names,
+)
 
 if TYPE_CHECKING:
     from pipeline.contracts.model import (
@@ -124,6 +126,7 @@ class TorchBackend:
                                                             snapshot=snapshot)
         self._allocated: set[int] = set()
         self._space: torch.Tensor | None = None
+        self._tap: Tap | None = None
         if threads is not None and threads < 1:
             raise InvalidValueError("threads", threads, "must be >= 1")
         self.fixed_threads = threads if self.cache.device.type == "cpu" else None
@@ -390,6 +393,15 @@ class TorchBackend:
             writes=[c.write for c in calls], prompts=[c.prompt for c in calls])
         self.cache.discard()
         inputs = self._inputs(calls, batch)
+        if self._tap is not None:
+            self.model.tap = _split_tap(self._tap, batch)
+        try:
+            return self._forward(batch, calls, inputs)
+        finally:
+            self.model.tap = None
+
+    def _forward(self, batch: RaggedBatch, calls: Sequence[ModelCall],
+                 inputs: torch.Tensor | None) -> torch.Tensor:
         chooser = self.threads
         if self.fixed_threads is not None:
             _use_threads(self.fixed_threads)  # this thread may have set up its pool earlier
@@ -416,6 +428,14 @@ class TorchBackend:
             chooser.record(rows, threads, time.perf_counter() - started)
         self.cache.commit(batch)
         return logits  # stays on the model's device: selection and digests run there
+
+    def tap_names(self) -> tuple[str, ...]:
+        """The layer taps' names (:class:`~pipeline.contracts.model.LayerTaps`)."""
+        return tap_names(len(self.model.weights.layers))
+
+    def set_tap(self, tap: Tap | None) -> None:
+        """Send later forwards' hidden states to ``tap``, call by call (None: stop)."""
+        self._tap = tap
 
     def _tables(self, calls: Sequence[ModelCall]) -> list[Sequence[int]]:
         """Each call's block table: its own, or (while the backend manages the blocks) the
@@ -607,3 +627,13 @@ def _use_threads(count: int) -> int:
     if torch.get_num_threads() != count:
         torch.set_num_threads(count)
     return count
+
+
+def _split_tap(tap: Tap, batch: RaggedBatch) -> Callable[[str, torch.Tensor], None]:
+    """The model's whole-batch tap, handing each call its own rows."""
+    spans = list(zip(batch.offsets, batch.lengths))
+
+    def split(name: str, hidden: torch.Tensor) -> None:
+        for call, (at, n) in enumerate(spans):
+            tap(call, name, hidden[at:at + n])
+    return split

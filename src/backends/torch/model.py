@@ -115,6 +115,10 @@ class Transformer:
         self.reduce = reduce
         """Sums a block's partial output over the ranks of a tensor-parallel group (None:
         this process holds the whole model; :mod:`backends.torch.parallel`)."""
+        self.tap: Callable[[str, torch.Tensor], None] | None = None
+        """Receives the whole batch's hidden states ``[T, H]`` at every layer tap while a
+        forward runs (:class:`~pipeline.contracts.model.LayerTaps`, named as
+        :func:`~pipeline.contracts.model.tap_names` names them); None: no tap."""
         self.experts = experts
         if experts is not None:
             if not default_moe:
@@ -150,6 +154,8 @@ class Transformer:
         ``inputs [T, H]`` replaces the token embeddings as the first hidden states (embedding
         inputs, :mod:`backends.torch.conditioning`)."""
         h = self.embed(batch.token_ids) if inputs is None else inputs
+        if self.tap is not None:
+            self.tap("embed", h)
         tokens, outputs = _row_plans(batch, h.device) if self.batch_invariant else (None, None)
         self.linears.plan = tokens
         self.linears.prompt_rows = (
@@ -180,13 +186,21 @@ class Transformer:
         eps = self.spec.rms_norm_eps
         x = rms_norm(h, layer.input_norm, eps)
         attended = self._attention(i, layer.attention, x, cos, sin, cache, batch)
-        h = h + (attended if self.reduce is None else self.reduce(attended))
+        if self.reduce is not None:
+            attended = self.reduce(attended)
+        h = h + attended
         x = rms_norm(h, layer.post_norm, eps)
         if isinstance(layer.mlp, MoeWeights):
             mixed = self._moe(layer.mlp, x)
         else:
             mixed = mlp_forward(layer.mlp, x, self.linears)
-        return h + (mixed if self.reduce is None else self.reduce(mixed))
+        if self.reduce is not None:
+            mixed = self.reduce(mixed)
+        if self.tap is not None:
+            self.tap(f"layers.{i}.attention", attended)
+            self.tap(f"layers.{i}.mlp", mixed)
+            self.tap(f"layers.{i}", h + mixed)
+        return h + mixed
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, cache: KVCache | None,

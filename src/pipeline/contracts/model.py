@@ -3,17 +3,20 @@
 :class:`ModelCall` (one sequence's part of a forward pass, :class:`PrefillChunk`,
 :class:`Attention`), the :class:`Backend` Protocol and its optional capabilities
 (:class:`PagedBackend`, :class:`Embedder`, :class:`EmbeddingInputs`,
-:class:`CacheInspector`, :class:`ModelDescriber` with :class:`ModelInfo`).
+:class:`CacheInspector`, :class:`ModelDescriber` with :class:`ModelInfo`, :class:`LayerTaps`),
+and what a backend does not honour (:class:`BackendHonours`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import attrs
 import torch
+
+from pipeline.errors import InvalidValueError
 
 if TYPE_CHECKING:
     from pipeline.contracts.strategy import Plan
@@ -383,3 +386,114 @@ class ModelDescriber(Protocol):
         ...
 
 
+
+
+@attrs.frozen
+class BackendHonours:
+    """What a backend can do beyond the plain :class:`Backend` calls (its capability model,
+    as :class:`~pipeline.contracts.strategy.Honours` is a strategy's).
+
+    ``batch_invariance``: a row's logits never depend on the rest of its batch
+    (``BackendOptions.batch_invariant``); ``draft_verification``: several positions scored in
+    one call and rolled back by :meth:`Backend.truncate` exactly as decoding them one at a
+    time would score them (the speculative strategy); ``prefix_sharing``: KV blocks shared
+    between requests (:class:`PagedBackend`, the prefix cache); ``block_attention``:
+    :attr:`Attention.BLOCK` calls (masked diffusion); ``embedding_inputs``: calls that feed
+    embeddings (:class:`EmbeddingInputs`). A backend without an ``honours`` attribute honours
+    all of them. The builder refuses a build that asks for one the backend lacks, naming it
+    (:meth:`refusal`), rather than run without it.
+
+    Example::
+
+        BackendHonours.ALL.refusal("batch_invariance", "transformers")   # None
+        BackendHonours(batch_invariance=False).refusal("batch_invariance", "transformers")
+        # InvalidValueError: batch_invariant ... the transformers backend does not ...
+    """
+
+    batch_invariance: bool = True
+    draft_verification: bool = True
+    prefix_sharing: bool = True
+    block_attention: bool = True
+    embedding_inputs: bool = True
+
+    ALL: ClassVar[BackendHonours]
+
+    SETTINGS: ClassVar[dict[str, tuple[str, str]]] = {
+        "batch_invariance": ("batch_invariant", "keep a row's logits independent of its batch"),
+        "draft_verification": ("strategy", "verify speculative drafts"),
+        "prefix_sharing": ("prefix_cache", "share KV blocks between requests"),
+        "block_attention": ("strategy", "attend bidirectionally within a block (diffusion)"),
+        "embedding_inputs": ("strategy", "take embeddings as inputs (continuous diffusion)"),
+    }
+    """Each capability's setting (the field an error names) and what it means."""
+
+    def refusal(self, capability: str, backend: str, value: object = True
+                ) -> InvalidValueError | None:
+        """The error for asking ``backend`` for ``capability`` (one of this class's fields)
+        when it lacks it; None when it has it."""
+        if getattr(self, capability):
+            return None
+        field, means = self.SETTINGS[capability]
+        return InvalidValueError(field, value, f"the {backend} backend cannot {means}; "
+                                 "use the torch backend for it")
+
+    def lacking(self) -> tuple[str, ...]:
+        """The capabilities this backend does not have, in field order."""
+        return tuple(f.name for f in attrs.fields(BackendHonours) if not getattr(self, f.name))
+
+
+BackendHonours.ALL = BackendHonours()
+
+
+def backend_honours(backend: object) -> BackendHonours:
+    """``backend.honours``, or :attr:`BackendHonours.ALL` for a backend that says nothing."""
+    honours = getattr(backend, "honours", None)
+    return honours if isinstance(honours, BackendHonours) else BackendHonours.ALL
+
+
+Tap = Callable[[int, str, torch.Tensor], None]
+"""A layer tap's receiver: ``(call, name, hidden)``, with ``call`` the index of the
+:class:`ModelCall` in the forward's list, ``name`` the tap's (:meth:`LayerTaps.tap_names`)
+and ``hidden`` its states at the call's positions, ``[len(call.token_ids), H]`` in the model's
+activation dtype. Valid only during the call: a receiver that keeps one copies it."""
+
+
+@runtime_checkable
+class LayerTaps(Protocol):
+    """Optional backend capability: hand each layer's hidden states to a receiver as a forward
+    computes them (``pipeline compare``, traces with layer taps; docs/tracing.md).
+
+    ``tap_names()`` lists the taps in the order a forward reaches them: ``embed`` (the
+    token embeddings the first layer reads), then for each layer ``i``:
+    ``layers.i.attention`` (the attention block's output, before the residual sum),
+    ``layers.i.mlp`` (the MLP's or the experts' output, before the residual sum) and
+    ``layers.i`` (the residual stream after the layer). Backends of one architecture name
+    the same tensor the same way, so two backends' taps compare name by name.
+    ``set_tap(receiver)`` turns the taps on for every later forward (None turns them off:
+    a forward then costs what it cost without the capability). Calls come from the engine's
+    thread, like ``forward``.
+
+    Example::
+
+        seen = {}
+        backend.set_tap(lambda call, name, h: seen.setdefault(name, h.float().clone()))
+        backend.forward([ModelCall(slot, ids, 0, (len(ids) - 1,))])
+        backend.set_tap(None)
+        seen["layers.0.attention"].shape                  # (len(ids), hidden_size)
+    """
+
+    def tap_names(self) -> tuple[str, ...]:
+        """Every tap's name, in the order a forward reaches them."""
+        ...
+
+    def set_tap(self, tap: Tap | None) -> None:
+        """Send later forwards' hidden states to ``tap`` (None: stop)."""
+        ...
+
+
+def tap_names(num_layers: int) -> tuple[str, ...]:
+    """The names :class:`LayerTaps` uses for a model of ``num_layers`` layers."""
+    names = ["embed"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.attention", f"layers.{i}.mlp", f"layers.{i}"]
+    return tuple(names)
