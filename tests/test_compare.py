@@ -156,3 +156,32 @@ def test_taps_on_a_backend_without_them_are_a_clear_error() -> None:
             compare(a, b, "hi", max_tokens=3)
         report = compare(a, b, "hi", max_tokens=3, taps=False)
         assert report.first_step_beyond is None and not report.tapped
+
+
+def test_the_command_compares_the_two_backends_on_the_shipped_tiny_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transports.cli.commands import main
+
+    out = tmp_path / "report.json"
+    rc = main(["compare", "--model", "tiny", "--a", "backend=torch", "--b",
+               "backend=transformers", "--max-tokens", "4", "--json", str(out), "What is 2+2?"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "A: backend=torch (bfloat16)" in printed and "layers.3.mlp" in printed
+    report = json.loads(out.read_text())
+    assert report["labels"] == ["backend=torch", "backend=transformers"]
+    assert len(report["steps"]) == 4 and report["first_layer"] is None
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--a", "dtipe=float32"], "'dtipe': is not a setting compare knows"),
+    (["--a", "threads=two"], "threads='two': must be a whole number"),
+    (["--b", "batch_invariant=maybe"], "must be on or off"),
+    (["--b", "backend"], "must be KEY=VALUE"),
+])
+def test_the_command_refuses_a_bad_side_naming_it(argv: list[str], words: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from transports.cli.commands import main
+
+    assert main(["compare", "--model", "tiny", *argv, "hi"]) == 1
+    assert words in capsys.readouterr().err

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import attrs
 
 from transports.cli.chat import add_parser as add_chat_parser
+from transports.cli.compare import add_parser as add_compare_parser
 from transports.cli.start import Figures
 from transports.cli.run import INVARIANCE, add_invariance
 from transports.cli.run import add_parser as add_run_parser
@@ -341,6 +342,8 @@ examples:
   pipeline count "hello world"                 count tokens exactly, as the model sees them
   pipeline run --trace t.jsonl --record full "hi"; pipeline trace show t.jsonl
                                                see each step of a run, token by token
+  pipeline compare --a dtype=float32 --b dtype=bfloat16 "What is 2+2?"
+                                               where two configurations part, to the layer
 
 'pipeline COMMAND --help' lists a command's options. Documentation: docs/quickstart.md."""
 """What ``pipeline --help`` says above the command list: what the tool is for, written for
@@ -382,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="keep the run's trace as JSONL in FILE")
     demo.set_defaults(run=_demo)
     add_trace_parser(sub)
+    add_compare_parser(sub)
     _add_serve(sub, limits=_command(argv) not in QUICK_START)
     words = list(sys.argv[1:] if argv is None else argv)
     if not words:  # a bare `pipeline` asks what there is: the commands, not an error line
