@@ -67,7 +67,8 @@ def specimens() -> list[JobSpec]:
                        temperature=0, stop="x", grammar=Grammar.json_schema(
                            {"type": "object", "properties": {"a": {"type": "integer"}}})))
     ids = Request(prompt_ids=(1, 2, 3), request_id="req-ids",
-                  runtime_limits=RuntimeLimits(deadline_s=1.0))
+                  runtime_limits=RuntimeLimits(deadline_s=1.0), recording=Recording.TAPS,
+                  tap_tensors="2:0-3")
     prompt = TokenizedPrompt((11, 12, 13, 14), "sha256:tok", "sha256:text", (0, 1, 5, 6))
     return [
         JobSpec(chat, prompt, 2**63 - 1, frozenset({2, 0, 99}), time.monotonic_ns(), 7, (40, 41),

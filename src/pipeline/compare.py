@@ -23,14 +23,8 @@ How it works, in three passes:
    dtypes explain, at the first step where any does, with the whole layer-by-layer picture of
    that step.
 
-What the dtypes explain: a tensor stored in a dtype of unit roundoff ``u`` (float32
-2^-24, float16 2^-11, bfloat16 2^-8; the coarser of the two sides) carries a rounding of
-about ``u`` times its magnitude per operation, plus the float32 sums inside its products,
-whose order two kernels choose differently (about ``u32`` · sqrt(width) of the magnitude,
-width the hidden size); both accumulate through the layers. The tolerance is
-:data:`TOLERANCE` · (``u`` + ``u32`` · sqrt(width)) · max|x| · sqrt(depth), depth counting the
-layers up to the tensor (the logits count them all). A difference within it is reported as
-"within noise"; beyond it, "not explained".
+What the dtypes explain is :mod:`pipeline.tolerance`'s: a difference within it is reported
+as "within noise"; beyond it, "not explained".
 
 Example::
 
@@ -42,7 +36,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,44 +46,18 @@ from pipeline.contracts.model import Backend, LayerTaps, ModelCall, PagedBackend
 from pipeline.contracts.request import GenerationConfig, Recording
 from pipeline.engine.paging import Paging
 from pipeline.errors import InvalidValueError
+from pipeline.tolerance import TOLERANCE, depth_of, explained, pair_unit
 from pipeline.trace.diff import DiffReport, diff
 from pipeline.trace.load import load
 
 if TYPE_CHECKING:
     from pipeline.pipe import Pipeline
 
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
-                 "float64": 2.0 ** -53}
-"""Each compute dtype's unit roundoff ``u``."""
-
-TOLERANCE = 16.0
-"""The multiple of a tensor's rounding that the dtypes explain (calibrated in
-docs/tracing.md: float32 and bfloat16 differences between implementations, thread counts
-and batches stay below a quarter of it; planted differences exceed it by orders of
-magnitude)."""
-
-FLOAT32_UNIT = 2.0 ** -24
-"""The unit roundoff of the float32 sums inside every product, whatever the stored dtype."""
-
 TAP_ROWS = 64
 """The prompt positions whose hidden states are kept and compared (its last ones): the
 memory a step's taps hold stays bounded, whatever the prompt's length."""
 
 DEFAULT_MAX_TOKENS = 16
-
-
-def explained(unit: float, magnitude: float, depth: int, width: int) -> float:
-    """The largest difference rounding explains in a tensor of ``magnitude`` (max |x|) after
-    ``depth`` layers whose products sum over ``width`` terms, computed at unit roundoff
-    ``unit`` (module docstring)."""
-    per_op = unit + FLOAT32_UNIT * math.sqrt(max(width, 1))
-    return TOLERANCE * per_op * max(magnitude, 1e-30) * math.sqrt(max(depth, 1))
-
-
-def _depth(name: str) -> int:
-    """Layers up to and including a tap: ``embed`` 1, ``layers.i...`` i + 1."""
-    parts = name.split(".")
-    return int(parts[1]) + 1 if parts[0] == "layers" and len(parts) > 1 else 1
 
 
 @attrs.frozen
@@ -269,7 +236,7 @@ def compare(a: Pipeline, b: Pipeline, prompt: Any, *, labels: tuple[str, str] = 
     runs = [a.generate(prepared[0]), b.generate(prepared[1])]
     answers = diff(load(runs[0]), load(runs[1]))
     dtypes = (_dtype(a), _dtype(b))
-    unit = max(UNIT_ROUNDOFF.get(d, 2.0 ** -8) for d in dtypes)
+    unit = pair_unit(*dtypes)
     if ids[0] != ids[1]:
         return CompareReport(labels, dtypes, unit, answers, (),
                              prompt_tokens=(len(ids[0]), len(ids[1])))
@@ -318,7 +285,7 @@ def _layers(walks: Sequence[_Walk], unit: float, flip_step: int | None
             xb = tb[name]
             magnitude = float(xa.abs().max())
             row.append(LayerDiff(name, float((xa - xb).abs().max()), magnitude,
-                                 explained(unit, magnitude, _depth(name), xa.shape[-1])))
+                                 explained(unit, magnitude, depth_of(name), xa.shape[-1])))
         every.append(row)
     if not every:
         return None, []

@@ -216,3 +216,39 @@ def generation_marker(directory: Path | None) -> Mapping[str, Any] | None:
             "attention over the whole canvas (prompt included, no block cache), as LLaDA and "
             "Dream were trained, is not run by any backend here")
     return marker
+
+
+def checkpoint_snapshot(config: Mapping[str, Any],
+                        index: list[tuple[str, list[int], str]]) -> str:
+    """A checkpoint's content digest: its config and its weight index (each tensor's name,
+    shape and safetensors dtype), so the same checkpoint has the same snapshot whichever
+    backend loads it and wherever it lies."""
+    from pipeline.events import digest_json
+
+    return digest_json({"config": dict(config),
+                        "weights": sorted([n, list(s), d] for n, s, d in index)})
+
+
+def folder_snapshot(folder: Path) -> str:
+    """:func:`checkpoint_snapshot` of a Hugging Face folder, from its ``config.json`` and its
+    safetensors files' headers (no tensor is read). Raises
+    :class:`~pipeline.errors.ArtifactError` for an unreadable config or weight file."""
+    from safetensors import safe_open
+
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: cannot read config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ArtifactError(f"{path}: config is not a JSON object")
+    index: list[tuple[str, list[int], str]] = []
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    meta = handle.get_slice(name)
+                    index.append((name, list(meta.get_shape()), str(meta.get_dtype())))
+        except Exception as exc:  # safetensors raises its own untyped SafetensorError
+            raise ArtifactError(f"{weights}: unreadable safetensors file: {exc}") from exc
+    return checkpoint_snapshot(config, index)

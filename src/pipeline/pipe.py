@@ -33,7 +33,7 @@ from pipeline.room import window
 from pipeline.request_options import RequestOptions
 from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
 from pipeline.contracts.decode import RequestCheck
-from pipeline.contracts.model import ModelDescriber, ModelInfo
+from pipeline.contracts.model import LayerTaps, ModelDescriber, ModelInfo
 from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
 from pipeline.contracts.transport import Transport
 from pipeline.engine.text_state import TextState
@@ -182,7 +182,8 @@ class Pipeline:
         ``options`` (:class:`~pipeline.request_options.RequestOptions`) are
         :class:`GenerationConfig` fields (``max_tokens=20, temperature=0``) laid over ``config``
         or the pipeline's defaults, and the request's own (:data:`REQUEST_KEYWORDS`: its
-        ``limits``, ``tools``, ``request_id``, ``recording``, ``template_kwargs`` and those
+        ``limits``, ``tools``, ``request_id``, ``recording`` (and ``tap_tensors``: which step's
+        layers a ``taps`` trace keeps as tensors), ``template_kwargs`` and those
         below); an unknown name is an error.
         ``json_schema=`` (a JSON schema), ``json_object=True`` (any JSON object), ``regex=``
         (a regular expression the whole output matches), ``choice=`` (a list of strings the
@@ -206,6 +207,7 @@ class Pipeline:
         fields["generation_config"] = base
         for key, name in (("runtime_limits", "limits"), ("tool_catalog", "tools"),
                           ("request_id", "request_id"), ("recording", "recording"),
+                          ("tap_tensors", "tap_tensors"),
                           ("template_kwargs", "template_kwargs")):
             if own.get(name) is not None:
                 fields[key] = own[name]
@@ -412,7 +414,7 @@ class Pipeline:
             "renderer": rendered.renderer, "template_digest": rendered.template_digest,
             "rendered_digest": digest_text(rendered.text), "chars": len(rendered.text),
             "control_spans": sum(1 for s in rendered.spans if s.kind.value == "control"),
-            **({"text": rendered.text} if request.recording is Recording.FULL else {})}, parent)
+            **({"text": rendered.text} if request.recording.content else {})}, parent)
         prompt = prepared.tokens
         self._check_window(prompt, request.runtime_limits.max_context_tokens)
         for check in self.stages.request_checks:
@@ -423,7 +425,7 @@ class Pipeline:
             "tokenizer_digest": prompt.tokenizer_digest,
             "rendered_digest": prompt.rendered_digest,
             **({"input_ids": list(prompt.input_ids)}
-               if request.recording is Recording.FULL else {})}, parent)
+               if request.recording.content else {})}, parent)
         think = (self.think_markers() if request.generation_config.reasoning_budget_tokens
                  is not None else None)
         return JobSpec(request, prompt, seed, tokenizer.eos_token_ids, accepted_ns, last, think,
@@ -477,6 +479,12 @@ class Pipeline:
         for name in config.processor_order or ():
             if name not in self.stages.processor_names:
                 raise UnknownNameError("processor", name, self.stages.processor_names)
+        if request.recording is Recording.TAPS and (
+                self.engine is None or not isinstance(self.engine.backend, LayerTaps)):
+            backend = type(self.engine.backend).__name__ if self.engine else "no backend"
+            raise InvalidValueError("recording", "taps", f"this pipeline's backend ({backend}) "
+                                    "has no layer taps (LayerTaps: the torch and transformers "
+                                    "backends have them)")
         if self.engine is not None:  # the one check of what the strategy keeps
             strategy = self.engine.strategy(config.processor_order)
             refused = strategy.honours.refusal(config, strategy.name)
@@ -494,7 +502,7 @@ class Pipeline:
 
 
 REQUEST_KEYWORDS = (
-    "limits", "tools", "request_id", "recording", "template_kwargs", "json_schema",
+    "limits", "tools", "request_id", "recording", "tap_tensors", "template_kwargs", "json_schema",
     "json_object", "regex", "choice", "tool_choice", "parallel_tool_calls",
 )
 """The keywords of :meth:`Pipeline.request` (and so of ``generate``) that are the request's

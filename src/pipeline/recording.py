@@ -33,6 +33,8 @@ from typing import Any
 import numpy
 import torch
 
+from pipeline.events import digest_bytes
+
 TOP_K = 8
 """How many of the best tokens a ``full`` trace keeps per logits product."""
 
@@ -116,6 +118,20 @@ def logits_record(rows: torch.Tensor, full: Sequence[bool]) -> list[dict[str, An
             records[i]["top"] = raw_top(rows[i])
             records[i]["logsumexp"] = float(torch.logsumexp(rows[i], dim=0))
     return records
+
+
+def tap_record(name: str, row: torch.Tensor, keep: bool) -> dict[str, Any]:
+    """A layer tap's record in a ``taps`` trace: the hidden state ``row [H]`` (any dtype, any
+    device) at the position whose logits the step produced, as the digest of its float32
+    bytes, its largest magnitude and its root mean square; with ``keep`` its values too."""
+    row32 = row.detach().float().cpu()
+    record: dict[str, Any] = {"name": name,
+                              "digest": digest_bytes(row32.numpy().tobytes()),
+                              "max_abs": float(row32.abs().max()),
+                              "rms": float(row32.pow(2).mean().sqrt())}
+    if keep:
+        record["values"] = row32.tolist()
+    return record
 
 
 def processed_record(rows: torch.Tensor, full: Sequence[bool],

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     from pipeline.grammar import Grammar
-    from pipeline.contracts.request import Recording, RuntimeLimits, ToolChoice, ToolSpec
+    from pipeline.contracts.request import Recording, RuntimeLimits, TapWindow, ToolChoice, ToolSpec
 
 
 class RequestOptions(TypedDict, total=False):
@@ -56,6 +56,7 @@ class RequestOptions(TypedDict, total=False):
     tools: Sequence[ToolSpec | Mapping[str, Any]] | None
     request_id: str | None
     recording: Recording | str | None
+    tap_tensors: TapWindow | str | Mapping[str, int] | None
     template_kwargs: Mapping[str, Any] | None
     json_schema: Mapping[str, Any] | bool | None
     json_object: bool

@@ -44,7 +44,7 @@ from backends.torch.weights import (
     AttentionWeights, ConditioningWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
 from pipeline.errors import ArtifactError
-from pipeline.events import digest_json
+from pipeline.model_paths import checkpoint_snapshot
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
@@ -243,8 +243,8 @@ def load_checkpoint(folder: Path, *, dtype: torch.dtype | None = None,
             shown = ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else "")
             raise ArtifactError(f"{folder}: {len(extra)} tensor(s) the config does not account "
                                 f"for: {shown}")
-        index = sorted([n, list(i.shape), i.dtype] for n, i in reader.index.items())
-    return Checkpoint(spec, weights, digest_json({"config": config, "weights": index}), names)
+        index = [(n, list(i.shape), i.dtype) for n, i in reader.index.items()]
+    return Checkpoint(spec, weights, checkpoint_snapshot(config, index), names)
 
 
 def _progress_stream(progress: TextIO | bool | None) -> TextIO | None:

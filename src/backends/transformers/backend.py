@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from pipeline.contracts.model import (
     Attention, BackendHonours, ModelCall, ModelInfo, Tap, tap_names,
 )
 from pipeline.errors import ArtifactError, CapacityError, InvalidValueError, SlotError
+from pipeline.model_paths import folder_snapshot
 
 HONOURS = BackendHonours(batch_invariance=False, draft_verification=False,
                          prefix_sharing=False, block_attention=False, embedding_inputs=False)
@@ -53,16 +53,6 @@ def import_transformers() -> Any:
         raise ArtifactError("the transformers backend needs the transformers package: "
                             "pip install 'explicit-pipeline[transformers]'") from exc
     return transformers
-
-
-def folder_snapshot(folder: Path) -> str:
-    """The checkpoint's content digest: its config and every weight file's name and size."""
-    h = hashlib.sha256()
-    config = folder / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
-    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
-        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
-    return "sha256:" + h.hexdigest()
 
 
 class TransformersBackend:

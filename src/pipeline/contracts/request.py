@@ -452,10 +452,78 @@ class RuntimeLimits:
 
 
 class Recording(enum.Enum):
-    """How much a trace records: digests of every data product, or also their content."""
+    """How much a trace records: digests of every data product (``digest``), also their
+    content (``full``), or also, per step, each layer's hidden state at the position whose
+    logits the step produced, as a digest and summary statistics (``taps``: a backend with
+    :class:`~pipeline.contracts.model.LayerTaps`; :attr:`Request.tap_tensors` adds the
+    tensors of one step's layers)."""
 
     DIGEST = "digest"
     FULL = "full"
+    TAPS = "taps"
+
+    @property
+    def content(self) -> bool:
+        """Whether the trace holds content (text, ids, top-k), not only digests."""
+        return self is not Recording.DIGEST
+
+
+MAX_TAP_VALUES = 1 << 18
+"""The most hidden-state values a request's trace keeps as tensors (:class:`TapWindow`):
+1 MiB as float32, a few MB of JSON."""
+
+
+@attrs.frozen
+class TapWindow:
+    """The hidden states a ``taps`` trace keeps as tensors: step ``step``'s (the forward
+    that produced the logits z_step: 1 is the prompt's), layers ``first .. last`` (each one's
+    attention, MLP and residual taps; ``embed`` too when ``first`` is 0), at the position
+    whose logits the step produced, up to :data:`MAX_TAP_VALUES` values in all.
+
+    Written ``"3:0-5"`` (step 3, layers 0 to 5) or ``"3:7"`` (one layer), as
+    ``pipeline run --tap-tensors`` takes it.
+    """
+
+    step: int = attrs.field()
+    first: int = attrs.field()
+    last: int = attrs.field()
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("step", "first", "last"):
+            value = getattr(self, name)
+            _check(_integer(value) and 0 <= value <= MAX_COUNT, "tap_tensors", value,
+                   f"{name} must be a whole number 0..{MAX_COUNT}")
+        _check(self.step >= 1, "tap_tensors", self.step, "steps count from 1")
+        _check(self.first <= self.last, "tap_tensors", f"{self.first}-{self.last}",
+               "the first layer comes before the last")
+
+    @classmethod
+    def parse(cls, value: Any) -> TapWindow:
+        """A window from ``"STEP:FIRST-LAST"``, ``"STEP:LAYER"``, a mapping of its fields, or
+        a window."""
+        if isinstance(value, TapWindow):
+            return value
+        if isinstance(value, Mapping):
+            return from_mapping(cls, value)
+        if isinstance(value, str):
+            step, colon, layers = value.strip().partition(":")
+            first, _, last = layers.partition("-")
+            parts = (step, first, last or first)
+            if colon and all(p.strip().isdigit() for p in parts):
+                return cls(*(int(p) for p in parts))
+        raise InvalidValueError("tap_tensors", value, "must be STEP:FIRST-LAST (e.g. 3:0-5) "
+                                "or STEP:LAYER")
+
+    def holds(self, name: str) -> bool:
+        """Whether the tap ``name`` (``embed``, ``layers.i...``) is in the window."""
+        parts = name.split(".")
+        if parts[0] != "layers":
+            return self.first == 0
+        return self.first <= int(parts[1]) <= self.last
+
+
+def _tap_window(value: Any) -> TapWindow | None:
+    return None if value is None else TapWindow.parse(value)
 
 
 def _new_request_id() -> str:
@@ -636,6 +704,7 @@ class Request:
     template_version: str | None = None
     tokenizer_version: str | None = None
     recording: Recording = attrs.field(default=Recording.DIGEST, converter=Recording)
+    tap_tensors: TapWindow | None = attrs.field(default=None, converter=_tap_window)
     schema_version: int = SCHEMA_VERSION
 
     def __attrs_post_init__(self) -> None:
@@ -661,6 +730,9 @@ class Request:
                    "tool_choice", self.tool_choice.name, "names no tool in the request's tools")
         _check(not self.tool_choice.forced or bool(self.tool_catalog), "tool_choice",
                self.tool_choice.kind, "requires tools")
+        _check(self.tap_tensors is None or self.recording is Recording.TAPS, "tap_tensors",
+               str(self.tap_tensors), "keeps tensors in a trace recorded with layer taps "
+               "(recording='taps')")
 
     @property
     def tools_shown(self) -> tuple[ToolSpec, ...]:

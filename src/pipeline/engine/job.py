@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.contracts.request import Recording
 from pipeline.events import Tracer
 from pipeline.contracts.forcing import Forcing
 from pipeline.engine.handle import RequestHandle, RequestState
@@ -40,7 +41,6 @@ from pipeline.contracts.strategy import Plan, Strategy, Taken
 from pipeline.contracts.text import StopVerdict
 from pipeline.engine.text_state import TextState
 from pipeline.contracts.output import Completion, FinishReason, Timings, TokenLogprob, Usage
-from pipeline.contracts.request import Recording
 from pipeline.room import window
 
 _TERMINAL_STATE = {
@@ -60,7 +60,10 @@ class Job:
         self.spec = spec
         self.request = spec.request
         self.config = spec.request.generation_config
-        self.recorder = Recorder(tracer, spec.last_event, spec.request.recording is Recording.FULL)
+        request = spec.request
+        self.recorder = Recorder(tracer, spec.last_event, request.recording.content,
+                                 taps=request.recording is Recording.TAPS,
+                                 window=request.tap_tensors)
         self.text = text
         self.handle = handle
         self.state = RequestState.QUEUED

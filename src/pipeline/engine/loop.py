@@ -72,7 +72,8 @@ from pipeline.errors import (
     CapacityError, DeviceFault, InvalidValueError, SlotError, device_fault,
 )
 from pipeline.contracts.model import (
-    Backend, CacheInspector, CacheLayout, ModelCall, PagedBackend, PrefillChunk, split_outputs,
+    Backend, CacheInspector, CacheLayout, LayerTaps, ModelCall, PagedBackend, PrefillChunk,
+    split_outputs,
 )
 from pipeline.contracts.output import FinishReason
 
@@ -286,8 +287,8 @@ class Engine:
         chunks = dict(plan.prefill)
         for job, chunk in plan.prefill:
             calls[job] = ModelCall.chunk(chunk, self.memory.table(job))
-        done = run_calls(self.fail, list(calls), lambda jobs: self.backend.forward([calls[j] for j in jobs]),
-                          calls)
+        done = run_calls(self.fail, list(calls), lambda jobs: self._run(jobs, calls, chunks),
+                         calls)
         fresh = [(job, rows) for job, rows in done if len(rows)]
         records = dict(zip((j for j, _ in fresh), self._logits_records(fresh)))
         ready = []
@@ -305,6 +306,27 @@ class Engine:
                         rows[:, self.decodable_vocab:] = float("-inf")  # padding: never chosen
                 ready.append((job, rows))
         return ready
+
+    def _run(self, jobs: list[Job], calls: dict[Job, ModelCall],
+             chunks: dict[Job, PrefillChunk]) -> torch.Tensor:
+        """``backend.forward`` of ``jobs``' calls; the layer taps of those that record them
+        (``Recording.TAPS``) go to their recorders while it runs."""
+        tapping = [job for job in jobs if job.recorder.taps]
+        if not tapping or not isinstance(self.backend, LayerTaps):
+            return self.backend.forward([calls[j] for j in jobs])
+        for job in tapping:  # the step whose logits this forward produces
+            job.recorder.tapping(1 if job in chunks else len(job.output_ids) + 1)
+
+        def receive(call: int, name: str, hidden: torch.Tensor) -> None:
+            recorder = jobs[call].recorder
+            if recorder.taps:
+                recorder.tap(name, hidden)
+
+        self.backend.set_tap(receive)
+        try:
+            return self.backend.forward([calls[j] for j in jobs])
+        finally:
+            self.backend.set_tap(None)
 
     def _make_room(self, plan: _Plan) -> _Plan:
         """Grow each writing decode call's table to its positions (:meth:`Paging.make_room`);

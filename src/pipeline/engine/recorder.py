@@ -7,7 +7,9 @@ event follows the one before it (its parent), so a finished request's trace is t
 timeline of docs/design.md §7. It builds each event's payload from plain values the job
 gives it, and records content only at ``Recording.FULL`` (digests otherwise). The raw-logits
 digests of the latest call are kept here too: the committer joins them to what it records
-about the processed distribution.
+about the processed distribution. A ``taps`` request's layer taps (:meth:`tap`, each
+layer's hidden state at the position whose logits the step produced) join the next
+``prefill.completed`` or ``decode.completed`` as its ``taps``.
 
 Example::
 
@@ -22,7 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from pipeline.events import Tracer, digest_ids, digest_text
+from pipeline.contracts.request import MAX_TAP_VALUES, TapWindow
+from pipeline.recording import tap_record
 from pipeline.contracts.model import Attention, CacheLayout
 from pipeline.contracts.strategy import Plan, StrategyEvent
 from pipeline.contracts.output import Part, TokenLogprob, ToolCallDelta, ToolCallEnd
@@ -38,15 +44,50 @@ def _layers(payload: dict[str, Any], layout: CacheLayout | None) -> dict[str, An
 class Recorder:
     """The engine's events about one request. Engine thread only."""
 
-    def __init__(self, tracer: Tracer, last_event: int | None, full: bool) -> None:
+    def __init__(self, tracer: Tracer, last_event: int | None, full: bool,
+                 taps: bool = False, window: TapWindow | None = None) -> None:
         self.tracer = tracer
         self.full = full
         """Whether the request records content (``Recording.FULL``), not only digests."""
+        self.taps = taps
+        """Whether the request records layer taps (``Recording.TAPS``)."""
+        self._window = window
+        self._kept = 0  # tensor values kept so far (at most MAX_TAP_VALUES)
+        self._step = 0
+        self._dtype, self._width = "", 0
+        self._tapped: list[dict[str, Any]] = []
         self.raw_digests: list[str | None] = []
         """The digests of each wanted output of the latest call."""
         self._last = last_event
         self._order: tuple[str, ...] = ()
         self._configured = False
+
+    # --- layer taps ------------------------------------------------------------------------
+
+    def tapping(self, step: int) -> None:
+        """A forward that produces z_step begins: its taps replace any not yet recorded."""
+        self._step, self._tapped = step, []
+
+    def tap(self, name: str, hidden: torch.Tensor) -> None:
+        """One tap's hidden states ``[n, H]`` of this request's call: the last row (the
+        position whose logits the step produces) is recorded; its values too when the
+        request's :class:`~pipeline.contracts.request.TapWindow` holds it and room is left."""
+        row = hidden[-1]
+        self._dtype, self._width = str(row.dtype).removeprefix("torch."), row.numel()
+        w = self._window
+        keep = (w is not None and w.step == self._step and w.holds(name)
+                and self._kept + row.numel() <= MAX_TAP_VALUES)
+        if keep:
+            self._kept += row.numel()
+        self._tapped.append(tap_record(name, row, keep))
+
+    def _taps(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """``payload`` with the latest forward's taps (then forgotten), if any."""
+        if self._tapped:
+            payload["taps"] = {"step": self._step, "dtype": self._dtype, "width": self._width,
+                               "layers": self._tapped}
+            self._tapped = []
+        return payload
 
     def emit(self, component: str, event_type: str, payload: dict[str, Any],
              parent: int | None = None) -> int:
@@ -84,14 +125,16 @@ class Recorder:
         payload = _layers({"slot": slot, "start": start, "tokens": tokens,
                            "cache_len": cache_len}, layout)
         if kind == "chunk":
+            self._tapped = []  # no logits from a chunk: its taps explain nothing
             self.emit("backend", "prefill.chunk", payload)
         elif kind == "resumed":
+            self._tapped = []
             self.emit("backend", "prefill.completed", {**payload, "resumed": True})
         else:
             payload["prompt_tokens"] = prompt_tokens
             payload["logits"] = logits
             self.raw_digests = [None if logits is None else logits.get("digest")]
-            self.emit("backend", "prefill.completed", payload)
+            self.emit("backend", "prefill.completed", self._taps(payload))
 
     def configured(self, strategy: str, order: tuple[str, ...], seed: int) -> None:
         """The strategy and the processor order of step 1; once per request."""
@@ -125,7 +168,7 @@ class Recorder:
             payload["outputs"] = list(plan.outputs)
             payload["block_logits"] = list(logits)
         self.raw_digests = [record.get("digest") for record in logits]
-        self.emit("backend", "decode.completed", _layers(payload, layout))
+        self.emit("backend", "decode.completed", self._taps(_layers(payload, layout)))
 
     def rolled_back(self, step: int, positions: int,
                     cache: tuple[int, CacheLayout | None]) -> None:

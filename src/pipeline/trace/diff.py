@@ -22,7 +22,9 @@ then on the seeds (``rng``, when the noise seeds differ and a run draws), else o
 itself; the sampler's settings are also declared differences. The per-token walk follows.
 
 Digest-level traces locate a divergence (digests differ); ``full`` traces explain it (texts,
-ids, top-k, draws) and let logits be compared within ``atol`` on their top-k. Differences in
+ids, top-k, draws) and let logits be compared within ``atol`` on their top-k; ``taps``
+traces add the first step and the first layer whose hidden states differ
+(:mod:`pipeline.trace.layers`). Differences in
 the execution instance (artifact digests, generation config, environment) are listed as
 *declared* differences: they are causes, judged by the products they change.
 
@@ -42,6 +44,7 @@ from typing import Any
 import attrs
 
 from pipeline.events import Event, digest_ids
+from pipeline.trace.layers import LayerReport, first_layer
 from pipeline.trace.load import Trace, TraceSource, fed, load
 from pipeline.trace.products import (
     LEVELS, Divergence, cache_after, ending, external_effects, logits_equal, processed_at,
@@ -78,6 +81,9 @@ class DiffReport:
     tokens throughout)."""
     committed: tuple[int, int] = (0, 0)
     """How many tokens each run committed."""
+    layers: LayerReport | None = None
+    """With layer taps in both traces: the first step whose layers differ, and every
+    layer there (:mod:`pipeline.trace.layers`)."""
 
     def caveat(self) -> str | None:
         """Why a model-level divergence may come from the batches rather than the inputs: a
@@ -101,7 +107,8 @@ class DiffReport:
                 "steps_compared": self.steps_compared,
                 "batch_invariant": list(self.batch_invariant), "caveat": self.caveat(),
                 "first_token": None if ft is None else ft.to_json(),
-                "committed_tokens": list(self.committed)}
+                "committed_tokens": list(self.committed),
+                "layers": None if self.layers is None else self.layers.to_json()}
 
     def answers(self) -> str:
         """One line on the answers themselves: how long they agree and where their tokens
@@ -155,6 +162,8 @@ class DiffReport:
             caveat = self.caveat()
             if caveat is not None:
                 lines.append(f"  note: {caveat}")
+        if self.layers is not None:
+            lines += self.layers.lines()
         tol = f" (raw logits compared with atol={self.atol:g})" if self.shared_level != "none" \
             else ""
         lines.append(f"shared reproducibility level: {self.shared_level}{tol}")
@@ -528,4 +537,5 @@ def diff(a: TraceSource | Trace, b: TraceSource | Trace, *, atol: float = 0.0,
     return DiffReport(found, shared, atol, declared(ta, tb), steps,
                       (ta.instance.get("batch_invariant"), tb.instance.get("batch_invariant")),
                       first_token(ta, tb, token_text, token_text_b),
-                      (len(ta.by_step("token.selected")), len(tb.by_step("token.selected"))))
+                      (len(ta.by_step("token.selected")), len(tb.by_step("token.selected"))),
+                      first_layer(ta, tb))

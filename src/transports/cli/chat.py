@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transports.cli.run import (
-    add_backend, add_record, add_sampling, backend_options, given_flags, recording,
+    add_backend, add_record, add_sampling, backend_options, given_flags, recording, tap_window,
     sampling_params,
 )
 from transports.cli.start import DEFAULT_NAME, Loading
@@ -97,6 +97,9 @@ def _chat(args: argparse.Namespace) -> int:
     level = recording(args)
     if level is not None:
         params["recording"] = level
+    window = tap_window(args)
+    if window is not None:
+        params["tap_tensors"] = window
     choice = strategy_choice(args)
     start = Loading(sys.stderr, args.model)
     with start.loading():  # the line shows now, before torch is imported
@@ -106,7 +109,8 @@ def _chat(args: argparse.Namespace) -> int:
         bound_native_caches()  # the process is ours: a load's scratch goes back to the system
         options = backend_options(args, max_context=args.max_context)
         sinks = [JsonlSink(args.trace)] if args.trace is not None else []
-        pipe = build_with(args.model, choice, sinks=sinks, options=options)
+        pipe = build_with(args.model, choice, sinks=sinks, options=options,
+                          backend=args.backend)
     terminal = Terminal(sys.stdin.isatty() and sys.stdout.isatty())
     with pipe:
         session = Session(pipe, Conversation(args.system or None), params, terminal)

@@ -41,7 +41,7 @@ from transports.cli.start import Figures, Loading, summary_line, verbose_lines
 from transports.cli.strategy import add_strategy, build_with, strategy_choice
 from pipeline.errors import InvalidValueError
 from pipeline.sampling_defaults import PIPELINE_DEFAULT
-from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig, Recording
+from pipeline.contracts.request import DEFAULT_MAX_TOKENS, GenerationConfig, Recording, TapWindow
 
 if TYPE_CHECKING:  # importing them imports torch: the command line loads that only when used
     from pipeline.options import BackendOptions
@@ -116,11 +116,19 @@ RECORDS = tuple(r.value for r in Recording)
 
 
 def add_record(parser: Any) -> None:
-    """``--record digest|full``: the level of the trace ``--trace`` writes."""
+    """``--record digest|full|taps``: the level of the trace ``--trace`` writes, and
+    ``--tap-tensors STEP:FIRST-LAST``: the hidden states a ``taps`` trace keeps whole."""
     parser.add_argument("--record", default=None, metavar="LEVEL",
                         help="what the --trace file records: digest (the default: a digest "
-                             "of every data product) or full (also the text and token ids, "
-                             "so `pipeline trace show` lists each token's text)")
+                             "of every data product), full (also the text and token ids, "
+                             "so `pipeline trace show` lists each token's text) or taps "
+                             "(also each layer's hidden state per step, as a digest and "
+                             "statistics, so `pipeline trace diff` finds the first layer "
+                             "that differs)")
+    parser.add_argument("--tap-tensors", default=None, metavar="STEP:FIRST-LAST",
+                        help="with --record taps: keep the hidden states of step STEP's "
+                             "layers FIRST to LAST whole (e.g. 1:0-3), so a diff measures "
+                             "their difference")
 
 
 def recording(args: argparse.Namespace) -> Recording | None:
@@ -137,9 +145,24 @@ def recording(args: argparse.Namespace) -> Recording | None:
     return Recording(value)
 
 
+def tap_window(args: argparse.Namespace) -> TapWindow | None:
+    """``--tap-tensors``'s window (None: not given); it needs ``--record taps``."""
+    value = getattr(args, "tap_tensors", None)
+    if value is None:
+        return None
+    if args.record != Recording.TAPS.value:
+        raise InvalidValueError("--tap-tensors", value, "keeps tensors in a trace recorded "
+                                "with layer taps: give --record taps too")
+    return TapWindow.parse(value)
+
+
 def add_backend(parser: Any) -> None:
-    """The backend flags: ``--device``, ``--dtype``, ``--quantized`` and
+    """The backend flags: ``--backend``, ``--device``, ``--dtype``, ``--quantized`` and
     ``--batch-invariant``."""
+    parser.add_argument("--backend", default=None, metavar="NAME",
+                        help="the model backend: torch (a model folder's default), gguf (a "
+                             "GGUF file's), transformers (any causal LM transformers loads; "
+                             "the optional extra explicit-pipeline[transformers])")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:N, mps)")
     parser.add_argument("--dtype", default=None,
                         help="compute dtype (float32, bfloat16, float16; default: the model's)")
@@ -267,6 +290,7 @@ def _run(args: argparse.Namespace) -> int:
 
     choice = strategy_choice(args)
     level = recording(args)
+    window = tap_window(args)
     messages = _messages(args)
     params = sampling_params(args)
     from_mapping(GenerationConfig, params)  # a bad flag is one line now, not after the load
@@ -278,11 +302,12 @@ def _run(args: argparse.Namespace) -> int:
         bound_native_caches()  # the process is ours: a load's scratch goes back to the system
         options = backend_options(args)
         sinks = [JsonlSink(args.trace)] if args.trace is not None else []
-        pipe = build_with(args.model, choice, sinks=sinks, options=options)
+        pipe = build_with(args.model, choice, sinks=sinks, options=options,
+                          backend=args.backend)
     with pipe:
         start.ready(pipe, given_flags(args))
         handle = pipe.submit(messages, json_schema=_schema(args.json_schema), recording=level,
-                             **params)
+                             tap_tensors=window, **params)
         try:
             for delta in handle.deltas():
                 if not args.json:

@@ -55,11 +55,11 @@ def check_id(field: str, value: str) -> str:
 
 def with_recording(request: Request, value: str | None) -> Request:
     """``request`` at the recording level the ``x-pipeline-recording`` header asks for
-    (``digest`` or ``full``; absent: as it is); any other value is a 400."""
+    (``digest``, ``full`` or ``taps``; absent: as it is); any other value is a 400."""
     if value is None:
         return request
     if value not in {r.value for r in Recording}:
-        raise InvalidValueError(RECORDING_HEADER, value, "must be 'digest' or 'full'")
+        raise InvalidValueError(RECORDING_HEADER, value, "must be 'digest', 'full' or 'taps'")
     return attrs.evolve(request, recording=Recording(value))
 
 
