@@ -244,3 +244,30 @@ def test_a_real_chat_template_through_the_backend(tmp_path: Path) -> None:
                              temperature=0, ignore_eos=True)
         assert len(done.token_ids) == 6 and isinstance(done.text, str)
         assert pipe.model_info().architecture == "Qwen3ForCausalLM"
+
+
+def test_the_server_runs_a_model_on_the_transformers_backend(tmp_path: Path) -> None:
+    """``pipeline serve --backend transformers``: the OpenAI dialect over the tiny shipped
+    model answers what the library on the torch backend answers (greedy), and a trace kept
+    with layer taps holds them."""
+    import httpx
+
+    from http_support import config, running
+    from pipeline.model_paths import TINY_MODEL_DIR
+    from transports.http import Gateway
+
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    with build(TINY_MODEL_DIR) as pipe:
+        expected = pipe.generate(question, max_tokens=8, temperature=0).text
+    gateway = Gateway(config(tmp_path, backend="transformers", num_slots=2))
+    with running(gateway) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       headers={"x-pipeline-recording": "taps"},
+                       json={"model": "default", "messages": question, "max_tokens": 8,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected
+        request_id = r.headers["x-request-id"]
+        trace = httpx.get(f"{url}/traces/{request_id}", timeout=30)
+        assert trace.status_code == 200
+        assert '"taps"' in trace.text and "layers.3.mlp" in trace.text

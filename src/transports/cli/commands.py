@@ -194,7 +194,8 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device, dtype=args.dtype, quantized=INVARIANCE[args.quantized],
             kv_cache_dtype=args.kv_cache_dtype, expert_cache_bytes=args.expert_cache,
             expert_cache_policy=args.expert_cache_policy,
-            batch_invariant=INVARIANCE[args.batch_invariant], threads=args.threads)
+            batch_invariant=INVARIANCE[args.batch_invariant], threads=args.threads,
+            backend=args.backend)
         config.backend_options().check_device()
     except PipelineError as exc:
         print(f"pipeline serve: {exc}", file=sys.stderr)
@@ -313,6 +314,9 @@ def _add_serve(sub: Any, limits: bool = True) -> None:
                        help="torch device of the models (cpu, cuda, cuda:N, mps)")
     serve.add_argument("--dtype", default=None,
                        help="compute dtype (float32, bfloat16, float16; default: the model's)")
+    serve.add_argument("--backend", default=None, metavar="NAME",
+                       help="the models' backend: torch (a folder's default), gguf (a GGUF "
+                            "file's), transformers (any causal LM transformers loads)")
     add_invariance(serve)
     serve.add_argument("--log-level", default="info",
                        choices=("info", "warning", "error"),

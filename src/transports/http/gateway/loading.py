@@ -31,10 +31,12 @@ Builder = Callable[[Path | None, ServerConfig], Pipeline]
 def default_builder(folder: Path | None, config: ServerConfig,
                     strategy: StrategyChoice | None = None) -> Pipeline:
     """``build()`` for a model (None: the default model) with the server's backend options
-    and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
+    and backend, and the model's ``strategy`` (None: its own); with ``config.engine_process`` the model
     and its scheduler run in a child process (:class:`~pipeline.runtime.parent.ProcessEngine`),
     with ``config.ranks`` above 1 rank 0 of a group of that many."""
     args = strategy.build_args() if strategy is not None else {}
+    if config.backend is not None:
+        args["backend"] = config.backend
     if config.engine_process or config.ranks > 1:  # the child caps its native caches
         recipe = EngineRecipe(folder, config.backend_options(), args,
                               setup=(bound_native_caches,), ranks=config.ranks)

@@ -92,7 +92,9 @@ class ServerConfig:
     model's own), checked as :class:`~pipeline.options.BackendOptions` checks them (as is
     ``kv_cache_dtype``, ``"int8"`` for an int8 KV cache, and ``expert_cache_bytes`` with
     ``expert_cache_policy``, a memory cap for MoE models' routed experts);
-    :meth:`backend_options` is the value the models are built with.
+    :meth:`backend_options` is the value the models are built with, and ``backend`` the
+    backend they are built on (None: each model's own, torch for a folder and gguf for a
+    GGUF file; ``"transformers"`` runs any causal LM transformers loads).
     Request-side work (parsing, rendering, counting) runs on ``work_threads`` threads with at
     most ``work_queue`` more waiting. When a model's engine loop stops after an internal
     error, a fresh engine is started ``restart_delay_s`` later (503 meanwhile).
@@ -149,6 +151,7 @@ class ServerConfig:
     expert_cache_bytes: int | None = None
     expert_cache_policy: str = "lfu"
     threads: int | None = None
+    backend: str | None = None
     work_threads: int = attrs.field(default=4, validator=_positive)
     work_queue: int = attrs.field(default=64, validator=_non_negative)
     restart_delay_s: float = attrs.field(default=1.0)
