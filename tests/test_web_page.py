@@ -701,3 +701,38 @@ def test_the_compare_view_says_how_long_the_answers_agree_and_where_they_part(
     assert internal.startswith("Earliest internal difference: the random draw at step 1")
     if step > 1:
         assert f"it changed no token until step {step}" in internal
+
+
+def test_with_layer_taps_the_compare_view_says_in_which_layer_the_answers_part(
+        page: Any, base_url: str) -> None:
+    """Two sampled answers to one prompt compute the same hidden states until one feeds a
+    different token: the table names the step after the first different token, from the
+    embedding on, and marks that first different layer."""
+    choose_model(page, "default")
+    page.check("#taps")
+    page.fill("#temperature", "1.5")
+    page.fill("#max-tokens", "8")
+    page.fill("#seed", "1")
+    say(page, "Tell me a story.")
+    page.fill("#seed", "2")
+    page.click("article.message.assistant button.regenerate")
+    wait_until(page, lambda: regenerated(page), "a 2nd version")
+    page.locator("article.message.assistant .stats").wait_for()
+    page.click("article.message.assistant button.inspect")
+    page.locator("#inspector button.compare").click()
+    page.locator("#inspector .first-token").wait_for()
+    kept = open_turns(page)[1]
+    runs = [trace_events(base_url, kept["requestId"]),
+            trace_events(base_url, kept["versions"][0]["requestId"])]
+    assert all(e.payload.get("taps") for run in runs for e in run
+               if e.event_type == "prefill.completed")
+    chosen = [[e.payload["token_id"] for e in sorted(
+        (e for e in run if e.event_type == "token.selected"), key=lambda e: e.payload["step"])]
+        for run in runs]
+    step = next(i + 1 for i in range(min(map(len, chosen))) if chosen[0][i] != chosen[1][i])
+    assert step < min(map(len, chosen)), "the answers part too late to see their layers"
+    table = page.locator("#inspector table.layers")
+    table.wait_for()
+    assert table.locator("caption").text_content() == (
+        f"Inside the model: the layers first differ at step {step + 1}, from embed")
+    assert table.locator("tr.first td").first.text_content() == "embed"

@@ -10,7 +10,7 @@
   const byId = (id) => document.getElementById(id);
   const ui = {
     key: byId("key"), model: byId("model"), temperature: byId("temperature"), topP: byId("top-p"),
-    maxTokens: byId("max-tokens"), seed: byId("seed"), system: byId("system"), clear: byId("clear"),
+    maxTokens: byId("max-tokens"), seed: byId("seed"), taps: byId("taps"), system: byId("system"), clear: byId("clear"),
     settings: byId("settings"), log: byId("log"), error: byId("error"), composer: byId("composer"),
     input: byId("input"), send: byId("send"), stop: byId("stop"), dialog: byId("key-dialog"),
     keyForm: byId("key-form"), keyInput: byId("key-input"), keyReason: byId("key-reason"),
@@ -633,7 +633,8 @@
     try {
       response = await api("/v1/chat/completions", {
         method: "POST", body: JSON.stringify(body), signal: controller.signal,
-        headers: { "x-pipeline-recording": "full" },  // the inspector's raw and processed top-k
+        // the inspector's raw and processed top-k; with layer taps, each layer's hidden state too
+        headers: { "x-pipeline-recording": ui.taps.checked ? "taps" : "full" },
       });
     } catch (e) {
       run.failure = e.name === "AbortError" ? "stopped before the server answered"

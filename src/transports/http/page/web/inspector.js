@@ -4,7 +4,8 @@
 // one after the settings, the alternatives, and the processors applied at that step), the
 // request's timeline (queue, prefill, each step's select and decode, where it stopped), and a
 // comparison with another answer (the server's trace diff: how long the answers agree, the
-// first token that differs, marked in both, and the earliest internal difference).
+// first token that differs, marked in both, the earliest internal difference, and with layer
+// taps the first step and layer whose hidden states differ).
 // Data: GET /traces/{id}/inspect (the trace, recorded at "full" by the chat) and
 // GET /traces/{a}/diff/{b}; without a kept trace, the answer's own logprobs.
 // Everything from the model or the server is inserted as text.
@@ -269,6 +270,33 @@ globalThis.PipelineInspector = (() => {
     return { step, first, internal, level: d ? d.level : "" };
   }
 
+  // Where inside the model two answers part (traces recorded with layer taps): the first
+  // step whose layers differ and every layer there, the first different one marked.
+  function layerTable(layers) {
+    if (!layers) {
+      return element("p", "note", "Tick \u201cLayer taps\u201d before asking, for both answers, to see in which layer they first part.");
+    }
+    const table = element("table", "layers");
+    const caption = "Inside the model: the layers first differ at step " + layers.step + ", from " + layers.first
+      + (layers.first_beyond ? "; first beyond what rounding explains: " + layers.first_beyond : "");
+    table.append(element("caption", "", caption));
+    for (const tap of layers.taps) {
+      let words;
+      if (tap.same) words = "same bits";
+      else if (tap.max_diff !== null && tap.explained !== null) {
+        words = "differs by " + tap.max_diff.toExponential(2) + " (rounding explains " + tap.explained.toExponential(2)
+          + "): " + (tap.within ? "within noise" : "not explained");
+      } else {
+        words = "differs: max |x| " + tap.a.max_abs.toPrecision(4) + " vs " + tap.b.max_abs.toPrecision(4)
+          + ", rms " + tap.a.rms.toPrecision(4) + " vs " + tap.b.rms.toPrecision(4);
+      }
+      const row = element("tr", tap.name === layers.first ? "first" : tap.name === layers.first_beyond ? "beyond" : "");
+      row.append(element("td", "", tap.name), element("td", "", words));
+      table.append(row);
+    }
+    return table;
+  }
+
   async function compare(ctx, state, choice, out) {
     const other = ctx.others[Number(choice.value)];
     if (!other) return;
@@ -294,7 +322,8 @@ globalThis.PipelineInspector = (() => {
         if (node) { node.classList.add("diverge"); node.title = "first token that differs (step " + step + ")"; }
       }
     }
-    out.replaceChildren(first, head, element("h2", "", "other answer · " + label(other)), stripB,
+    out.replaceChildren(first, head, layerTable(diff.body.layers),
+                        element("h2", "", "other answer · " + label(other)), stripB,
                         element("pre", "report", diff.body.text));
     const marked = state.strip.querySelector(".tok.diverge");
     if (marked) marked.scrollIntoView({ block: "nearest" });
