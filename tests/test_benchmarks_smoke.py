@@ -374,6 +374,15 @@ def _trace_overhead(r: Report, out: Path, log: str) -> None:
     _positive(r["digest_us_per_row"])
 
 
+def _layer_taps(r: Report, out: Path, log: str) -> None:
+    assert r["model"] == "tiny" and r["rounds"] == 1
+    assert set(r["levels"]) == {"digest", "taps", "taps+tensors"}
+    for row in r["levels"].values():
+        _positive(row["decode_ms"], row["vs_digest"])
+    assert set(r["backends"]) == {"torch", "transformers"}
+    _positive(*(row["decode_ms"] for row in r["backends"].values()))
+
+
 CHECKS: dict[str, Check] = {
     "answer_quality": _answer_quality, "batch_invariance": _batch_invariance,
     "default_model": _default_model, "engine_restart": _engine_restart,
@@ -382,7 +391,7 @@ CHECKS: dict[str, Check] = {
     "grammar_engines": _grammar_engines, "http_load": _http_load, "iterative": _iterative,
     "overload": _overload,
     "llama_cpp": _llama_cpp, "loops": _loops, "moe_gpu": _moe_gpu, "moe_tune": _moe_tune,
-    "kv_int8": _kv_int8, "paged_kv": _paged_kv, "parallel": _parallel,
+    "kv_int8": _kv_int8, "layer_taps": _layer_taps, "paged_kv": _paged_kv, "parallel": _parallel,
     "penalty_history": _penalty_history,
     "prefix_cache": _prefix_cache, "processors": _processors,
     "serve_memory": _serve_memory, "speculative": _speculative, "startup": _startup,
