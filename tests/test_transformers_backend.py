@@ -271,3 +271,19 @@ def test_the_server_runs_a_model_on_the_transformers_backend(tmp_path: Path) -> 
         trace = httpx.get(f"{url}/traces/{request_id}", timeout=30)
         assert trace.status_code == 200
         assert '"taps"' in trace.text and "layers.3.mlp" in trace.text
+
+
+@pytest.mark.parametrize("arch", TORCH_BACKEND_ARCHS)
+def test_compare_finds_the_torch_and_transformers_backends_equal_within_float32(
+        folders, arch: str) -> None:
+    """On every architecture both implement, ``compare`` in float32 reports no step and no
+    layer beyond what float32 rounding explains, and the same answers."""
+    from pipeline.compare import compare_models
+
+    folder, _ = folders[arch]
+    report = compare_models(folder, PROMPT, a={"backend": "torch", **STAGES},
+                            b={"backend": "transformers", **STAGES}, max_tokens=12,
+                            dry_multiplier=0)
+    assert report.answers.first_token is None
+    assert report.first_step_beyond is None and report.first_layer is None, report.render()
+    assert len(report.layers) == 1 + 3 * 2

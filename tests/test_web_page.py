@@ -662,10 +662,13 @@ def raw_probability(events: list[Event], step: int, token: int) -> str:
     return pct(probs[token]) if token in probs else "below " + pct(min(probs.values()))
 
 
-def test_the_compare_view_says_how_long_the_answers_agree_and_where_they_part(
-        page: Any, base_url: str) -> None:
+def compared_versions(page: Any, base_url: str, temperature: str
+                      ) -> tuple[list[list[Event]], list[list[int]], int]:
+    """Ask a story at ``temperature`` with seed 1, regenerate it with seed 2, open the
+    inspector's comparison of the two versions; each version's trace events and chosen
+    tokens, and the first step where the tokens differ."""
     choose_model(page, "default")
-    page.fill("#temperature", "0.9")
+    page.fill("#temperature", temperature)
     page.fill("#max-tokens", "8")
     page.fill("#seed", "1")
     say(page, "Tell me a story.")
@@ -675,9 +678,7 @@ def test_the_compare_view_says_how_long_the_answers_agree_and_where_they_part(
     page.locator("article.message.assistant .stats").wait_for()
     page.click("article.message.assistant button.inspect")
     page.locator("#inspector button.compare").click()
-    sentence = page.locator("#inspector .first-token")
-    sentence.wait_for()
-
+    page.locator("#inspector .first-token").wait_for()
     kept = open_turns(page)[1]
     runs = [trace_events(base_url, kept["requestId"]),
             trace_events(base_url, kept["versions"][0]["requestId"])]
@@ -685,6 +686,13 @@ def test_the_compare_view_says_how_long_the_answers_agree_and_where_they_part(
         (e for e in run if e.event_type == "token.selected"), key=lambda e: e.payload["step"])]
         for run in runs]
     step = next(i + 1 for i in range(min(map(len, chosen))) if chosen[0][i] != chosen[1][i])
+    return runs, chosen, step
+
+
+def test_the_compare_view_says_how_long_the_answers_agree_and_where_they_part(
+        page: Any, base_url: str) -> None:
+    runs, chosen, step = compared_versions(page, base_url, "0.9")
+    sentence = page.locator("#inspector .first-token")
     tok = HFTokenizer.from_dir(TINY_MODEL_DIR)
     agree = step - 1
     said = sentence.text_content()
@@ -708,28 +716,10 @@ def test_with_layer_taps_the_compare_view_says_in_which_layer_the_answers_part(
     """Two sampled answers to one prompt compute the same hidden states until one feeds a
     different token: the table names the step after the first different token, from the
     embedding on, and marks that first different layer."""
-    choose_model(page, "default")
     page.check("#taps")
-    page.fill("#temperature", "1.5")
-    page.fill("#max-tokens", "8")
-    page.fill("#seed", "1")
-    say(page, "Tell me a story.")
-    page.fill("#seed", "2")
-    page.click("article.message.assistant button.regenerate")
-    wait_until(page, lambda: regenerated(page), "a 2nd version")
-    page.locator("article.message.assistant .stats").wait_for()
-    page.click("article.message.assistant button.inspect")
-    page.locator("#inspector button.compare").click()
-    page.locator("#inspector .first-token").wait_for()
-    kept = open_turns(page)[1]
-    runs = [trace_events(base_url, kept["requestId"]),
-            trace_events(base_url, kept["versions"][0]["requestId"])]
+    runs, chosen, step = compared_versions(page, base_url, "1.5")
     assert all(e.payload.get("taps") for run in runs for e in run
                if e.event_type == "prefill.completed")
-    chosen = [[e.payload["token_id"] for e in sorted(
-        (e for e in run if e.event_type == "token.selected"), key=lambda e: e.payload["step"])]
-        for run in runs]
-    step = next(i + 1 for i in range(min(map(len, chosen))) if chosen[0][i] != chosen[1][i])
     assert step < min(map(len, chosen)), "the answers part too late to see their layers"
     table = page.locator("#inspector table.layers")
     table.wait_for()

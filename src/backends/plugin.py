@@ -104,12 +104,9 @@ def _transformers(ctx: BuildContext) -> Any:
         refusal = HONOURS.refusal("batch_invariance", "transformers")
         if refusal is not None:
             raise refusal
-    if opts.threads is not None:
-        import torch
-
-        torch.set_num_threads(opts.threads)
     return TransformersBackend.from_dir(ctx.model_dir, dtype=opts.dtype, device=opts.device,
-                                        num_slots=opts.num_slots, max_context=opts.max_context)
+                                        num_slots=opts.num_slots, max_context=opts.max_context,
+                                        threads=opts.threads)
 
 
 def _gguf_backend(ctx: BuildContext) -> Any:

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     )
     from pipeline.contracts.forcing import Forced as Forced, Forcing as Forcing
     from pipeline.contracts.model import (
-        Attention as Attention, Backend as Backend, ModelCall as ModelCall, ModelInfo as ModelInfo,
+        Attention as Attention, Backend as Backend, BackendHonours as BackendHonours,
+        LayerTaps as LayerTaps, ModelCall as ModelCall, ModelInfo as ModelInfo,
         PagedBackend as PagedBackend, PrefillChunk as PrefillChunk,
     )
     from pipeline.contracts.output import (
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
     )
     from pipeline.contracts.request import (
         GenerationConfig as GenerationConfig, Message as Message, Recording as Recording,
-        Request as Request, RuntimeLimits as RuntimeLimits, ToolCall as ToolCall,
-        ToolChoice as ToolChoice, ToolSpec as ToolSpec,
+        Request as Request, RuntimeLimits as RuntimeLimits, TapWindow as TapWindow,
+        ToolCall as ToolCall, ToolChoice as ToolChoice, ToolSpec as ToolSpec,
     )
     from pipeline.contracts.strategy import (
         Honours as Honours, Plan as Plan, Strategy as Strategy, Taken as Taken, Update as Update,

@@ -3,8 +3,8 @@ to a step and a layer (docs/tracing.md, "Why do two configurations disagree?").
 
 Owns :func:`compare` (two built pipelines), :func:`compare_models` (the same from two sets of
 ``build()`` arguments, e.g. two backends, two dtypes, a quantized file and its float
-checkpoint, two thread counts, batch invariance on and off), the tolerance a pair of dtypes
-explains (:func:`explained`) and the report (:class:`CompareReport`).
+checkpoint, two thread counts, batch invariance on and off) and the report
+(:class:`CompareReport`).
 
 How it works, in three passes:
 
@@ -14,9 +14,10 @@ How it works, in three passes:
    internal difference.
 2. **The model, in lockstep.** Each backend is fed the same tokens (the prompt, then run A's
    committed tokens up to and including the first step where the runs part), on its engine
-   thread, so every step's logits ``z_t`` are computed from the same inputs on both sides.
-   Each step reports the largest logit difference against what the dtypes explain. A side
-   may run ``company`` other sequences in the same forwards (batched against alone).
+   thread, one step on both sides before the next (so memory holds one step, however long
+   the answers), and every step's logits ``z_t`` are computed from the same inputs on both
+   sides. Each step reports the largest logit difference against what the dtypes explain. A
+   side may run ``company`` other sequences in the same forwards (batched against alone).
 3. **The layers.** With taps (:class:`~pipeline.contracts.model.LayerTaps`) each step's
    hidden states are kept (a prompt's last :data:`TAP_ROWS` positions) and compared name by
    name; the report names the first tap, in forward order, whose difference exceeds what the
@@ -194,14 +195,6 @@ class CompareReport:
                 "tapped": self.tapped}
 
 
-@attrs.frozen
-class _Walk:
-    """One side's lockstep pass: logits ``[steps, V]`` and each step's taps."""
-
-    logits: torch.Tensor
-    taps: list[dict[str, torch.Tensor]]
-
-
 def compare(a: Pipeline, b: Pipeline, prompt: Any, *, labels: tuple[str, str] = ("A", "B"),
             taps: bool = True, company: tuple[int, int] = (0, 0), b_prompt: Any = None,
             b_options: Mapping[str, Any] | None = None, allow_request_difference: bool = False,
@@ -243,29 +236,39 @@ def compare(a: Pipeline, b: Pipeline, prompt: Any, *, labels: tuple[str, str] = 
     tokens = list(runs[0].token_ids)
     flip_step = answers.first_token.step if answers.first_token is not None else None
     walked = tokens[:flip_step - 1] if flip_step is not None else tokens[:-1]
-    walks = [_walk(p, backend, list(ids[0]), walked, n, taps)
-             for p, backend, n in zip((a, b), backends, company)]
     depth, width = _shape(a)
-    steps = []
-    for t in range(walks[0].logits.shape[0]):
-        za, zb = walks[0].logits[t], walks[1].logits[t]
-        steps.append(StepDiff(t + 1, float((za - zb).abs().max()),
-                              explained(unit, float(za.abs().max()), depth, width),
-                              (int(za.argmax()), int(zb.argmax()))))
+    sides = [_Side(p, backend, list(ids[0]), n, taps)
+             for p, backend, n in zip((a, b), backends, company)]
+    steps: list[StepDiff] = []
     flip = None
-    if flip_step is not None and flip_step <= len(steps):
-        ft = answers.first_token
-        assert ft is not None
-        za, zb = walks[0].logits[flip_step - 1], walks[1].logits[flip_step - 1]
-        if ft.a is not None and ft.b is not None:  # not a run that ended there
-            ta, tb = ft.a.token_id, ft.b.token_id
-            flip = Flip(flip_step, (ta, tb), (float(za[ta] - za[tb]), float(zb[tb] - zb[ta])),
-                        steps[flip_step - 1].explained)
+    shown: dict[str, tuple[int, list[LayerDiff]]] = {}  # first beyond, flip, last
+    try:
+        for t in range(1, len(walked) + 2):
+            fed = [one.feed(None if t == 1 else walked[t - 2]) for one in sides]
+            (za, ta), (zb, tb) = fed
+            steps.append(StepDiff(t, float((za - zb).abs().max()),
+                                  explained(unit, float(za.abs().max()), depth, width),
+                                  (int(za.argmax()), int(zb.argmax()))))
+            ft = answers.first_token
+            if t == flip_step and ft is not None and ft.a is not None and ft.b is not None:
+                x, y = ft.a.token_id, ft.b.token_id  # not a run that ended there
+                flip = Flip(t, (x, y), (float(za[x] - za[y]), float(zb[y] - zb[x])),
+                            steps[-1].explained)
+            if taps:
+                row = _layer_row(ta, tb, unit)
+                if "beyond" not in shown and any(not d.within for d in row):
+                    shown["beyond"] = (t, row)
+                if t == flip_step:
+                    shown["flip"] = (t, row)
+                shown["last"] = (t, row)
+    finally:
+        for one in sides:
+            one.close()
     report = CompareReport(labels, dtypes, unit, answers, tuple(steps), flip,
                            prompt_tokens=(len(ids[0]), len(ids[1])), tapped=taps)
-    if not taps:
+    if not shown:
         return report
-    layer_step, layers = _layers(walks, unit, flip_step)
+    layer_step, layers = shown.get("beyond") or shown.get("flip") or shown["last"]
     first = next((d for d in layers if not d.within), None)
     return attrs.evolve(report, layer_step=layer_step, layers=tuple(layers), first_layer=first)
 
@@ -274,26 +277,15 @@ def _config_fields() -> frozenset[str]:
     return frozenset(f.name for f in attrs.fields(GenerationConfig))
 
 
-def _layers(walks: Sequence[_Walk], unit: float, flip_step: int | None
-            ) -> tuple[int | None, list[LayerDiff]]:
-    """The step to show (the first with a tap beyond tolerance, else the flip, else the
-    last) and every tap's difference there."""
-    every = []
-    for t, (ta, tb) in enumerate(zip(walks[0].taps, walks[1].taps)):
-        row = []
-        for name, xa in ta.items():
-            xb = tb[name]
-            magnitude = float(xa.abs().max())
-            row.append(LayerDiff(name, float((xa - xb).abs().max()), magnitude,
-                                 explained(unit, magnitude, depth_of(name), xa.shape[-1])))
-        every.append(row)
-    if not every:
-        return None, []
-    beyond = next((t for t, row in enumerate(every) if any(not d.within for d in row)), None)
-    if beyond is None:
-        beyond = (flip_step - 1) if flip_step is not None and flip_step <= len(every) \
-            else len(every) - 1
-    return beyond + 1, every[beyond]
+def _layer_row(ta: Mapping[str, torch.Tensor], tb: Mapping[str, torch.Tensor], unit: float
+               ) -> list[LayerDiff]:
+    """Every tap's difference at one step, in forward order."""
+    row = []
+    for name, xa in ta.items():
+        magnitude = float(xa.abs().max())
+        row.append(LayerDiff(name, float((xa - tb[name]).abs().max()), magnitude,
+                             explained(unit, magnitude, depth_of(name), xa.shape[-1])))
+    return row
 
 
 def _refuse_difference(a: Any, b: Any) -> None:
@@ -343,69 +335,80 @@ def _dtype(pipe: Pipeline) -> str:
     return info.dtype if info is not None else "float32"
 
 
-def _walk(pipe: Pipeline, backend: Backend, prompt: list[int], tokens: list[int],
-          company: int, taps: bool) -> _Walk:
-    """Feed ``prompt`` then ``tokens`` one at a time on the engine's thread; the logits of
-    the prompt's last position and of each token, and (``taps``) each step's hidden states.
-    A paged backend's blocks come from the engine's own block manager, as a request's do."""
-    engine = pipe.engine
-    assert engine is not None
-    memory = getattr(getattr(engine, "engine", None), "memory", None)
-    if isinstance(backend, PagedBackend) and not isinstance(memory, Paging):
-        raise InvalidValueError("pipeline", "(engine process)", "compare drives the backend "
-                                "on its engine's thread: build the pipeline with the engine "
-                                "in this process")
-    blocks = memory.blocks if isinstance(memory, Paging) else None
+class _Side:
+    """One side's backend fed in lockstep: each :meth:`feed` runs one forward on the
+    engine's thread (:meth:`~pipeline.engine.api.EngineAPI.call`, between engine steps) and
+    returns that step's logits ``[V]`` and, with taps, its hidden states (a prompt's last
+    :data:`TAP_ROWS` positions), so one step is held in memory at a time. ``company`` other
+    sequences share every forward. A paged backend's blocks come from the engine's own block
+    manager, as a request's do; :meth:`close` gives slots and blocks back."""
 
-    def run() -> _Walk:
-        kept: list[dict[str, torch.Tensor]] = []
+    def __init__(self, pipe: Pipeline, backend: Backend, prompt: list[int], company: int,
+                 taps: bool) -> None:
+        engine = pipe.engine
+        assert engine is not None
+        memory = getattr(getattr(engine, "engine", None), "memory", None)
+        if isinstance(backend, PagedBackend) and not isinstance(memory, Paging):
+            raise InvalidValueError("pipeline", "(engine process)", "compare drives the "
+                                    "backend on its engine's thread: build the pipeline with "
+                                    "the engine in this process")
+        self.engine, self.backend, self.taps = engine, backend, taps
+        self.blocks = memory.blocks if isinstance(memory, Paging) else None
+        self.seqs = [list(prompt)] + [[(7 + 13 * i + j) % 200 + 3 for j in range(5 + i)]
+                                      for i in range(company)]
+        self.slots: list[int] = []
+        self.nexts: list[int] = []
+
+    def feed(self, token: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The prompts (``token`` None, the first call), else ``token`` for the compared
+        sequence and each other one's own greedy choice."""
+        result: tuple[torch.Tensor, dict[str, torch.Tensor]] = self.engine.call(
+            lambda: self._forward(token)).result()
+        return result
+
+    def _forward(self, token: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        kept: dict[str, torch.Tensor] = {}
 
         def receive(call: int, name: str, hidden: torch.Tensor) -> None:
             if call == 0:
-                kept[-1][name] = hidden[-TAP_ROWS:].float().cpu().clone()
+                kept[name] = hidden[-TAP_ROWS:].float().cpu().clone()
 
-        seqs = [list(prompt)] + [[(7 + 13 * i + j) % 200 + 3 for j in range(5 + i)]
-                                 for i in range(company)]
-        slots: list[int] = []
-        rows = []
-
-        def step(news: Sequence[int | None]) -> None:
-            """One forward: one new token for each sequence (None: its whole prompt)."""
-            kept.append({})
-            calls = []
-            for slot, seq, new in zip(slots, seqs, news):
-                start = 0 if new is None else len(seq)
-                ids = tuple(seq) if new is None else (new,)
-                table = None
-                if blocks is not None:
-                    key = ("compare", slot)
-                    table = (blocks.allocate(key, len(ids)) if new is None
-                             else blocks.grow(key, start + 1))
-                calls.append(ModelCall(slot, ids, start, (len(ids) - 1,), blocks=table,
-                                       prompt=new is None))
-                if new is not None:
-                    seq.append(new)
-            out = backend.forward(calls)
-            rows.append(out[0].float().cpu())
-            nexts[:] = [int(r.argmax()) for r in out]
-
-        nexts: list[int] = []
+        first = token is None
+        if first:
+            self.slots = [self.backend.allocate() for _ in self.seqs]
+        news: list[int | None] = [None] * len(self.seqs) if first else [token, *self.nexts[1:]]
+        calls = []
+        for slot, seq, new in zip(self.slots, self.seqs, news):
+            start = 0 if new is None else len(seq)
+            ids = tuple(seq) if new is None else (new,)
+            table = None
+            if self.blocks is not None:
+                key = ("compare", slot)
+                table = (self.blocks.allocate(key, len(ids)) if new is None
+                         else self.blocks.grow(key, start + 1))
+            calls.append(ModelCall(slot, ids, start, (len(ids) - 1,), blocks=table,
+                                   prompt=new is None))
+            if new is not None:
+                seq.append(new)
+        if self.taps:
+            self.backend.set_tap(receive)  # type: ignore[attr-defined]
         try:
-            slots.extend(backend.allocate() for _ in seqs)
-            if taps:
-                backend.set_tap(receive)  # type: ignore[attr-defined]
-            step([None] * len(seqs))
-            for token in tokens:
-                step([token, *nexts[1:]])
+            out = self.backend.forward(calls)
         finally:
-            if taps:
-                backend.set_tap(None)  # type: ignore[attr-defined]
-            for slot in slots:
-                backend.release(slot)
-                if blocks is not None and ("compare", slot) in blocks:
-                    blocks.free(("compare", slot))
-        return _Walk(torch.stack(rows), kept if taps else [])
-    return engine.call(run).result()
+            if self.taps:
+                self.backend.set_tap(None)  # type: ignore[attr-defined]
+        self.nexts = [int(r.argmax()) for r in out]
+        return out[0].float().cpu(), kept
+
+    def close(self) -> None:
+        """Release the slots and blocks (on the engine's thread)."""
+        def release() -> None:
+            for slot in self.slots:
+                self.backend.release(slot)
+                if self.blocks is not None and ("compare", slot) in self.blocks:
+                    self.blocks.free(("compare", slot))
+            self.slots = []
+        self.engine.call(release).result()
 
 
 def compare_models(model: Any, prompt: Any, *, a: Mapping[str, Any] | None = None,

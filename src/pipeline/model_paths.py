@@ -218,6 +218,19 @@ def generation_marker(directory: Path | None) -> Mapping[str, Any] | None:
     return marker
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """``config.json`` of a model folder as a dict (an
+    :class:`~pipeline.errors.ArtifactError` when it is unreadable or not a JSON object)."""
+    path = folder / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: cannot read config: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: config is not a JSON object")
+    return data
+
+
 def checkpoint_snapshot(config: Mapping[str, Any],
                         index: list[tuple[str, list[int], str]]) -> str:
     """A checkpoint's content digest: its config and its weight index (each tensor's name,
@@ -235,13 +248,7 @@ def folder_snapshot(folder: Path) -> str:
     :class:`~pipeline.errors.ArtifactError` for an unreadable config or weight file."""
     from safetensors import safe_open
 
-    path = folder / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path}: cannot read config: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ArtifactError(f"{path}: config is not a JSON object")
+    config = read_config(folder)
     index: list[tuple[str, list[int], str]] = []
     for weights in sorted(folder.glob("*.safetensors")):
         try:

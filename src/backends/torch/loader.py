@@ -44,7 +44,7 @@ from backends.torch.weights import (
     AttentionWeights, ConditioningWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
 from pipeline.errors import ArtifactError
-from pipeline.model_paths import checkpoint_snapshot
+from pipeline.model_paths import checkpoint_snapshot, read_config
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
@@ -67,18 +67,6 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    """``config.json`` of ``folder`` as a dict."""
-    path = folder / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path}: cannot read config: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path}: config is not a JSON object")
-    return data
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -60,7 +60,8 @@ class TransformersBackend:
 
     ``model`` is the loaded model (in eval mode), ``snapshot`` its checkpoint's digest,
     ``num_slots`` the sequences at once, ``max_context`` the window (default and upper bound:
-    the config's ``max_position_embeddings`` when it has one).
+    the config's ``max_position_embeddings`` when it has one), ``threads`` the CPU threads of
+    every forward (None: torch's count).
     """
 
     honours = HONOURS
@@ -68,7 +69,7 @@ class TransformersBackend:
     """Declared in every trace's instance: a row's logits may depend on its batch."""
 
     def __init__(self, model: Any, snapshot: str, *, num_slots: int = 8,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, threads: int | None = None) -> None:
         if num_slots < 1:
             raise InvalidValueError("num_slots", num_slots, "must be at least 1")
         config = model.config
@@ -83,6 +84,9 @@ class TransformersBackend:
                                     f"must be 1..{own} (the model's max_position_embeddings)")
         self.model = model
         self.snapshot = snapshot
+        self.threads = threads
+        """The CPU threads every forward runs on (None: torch's count as it is), set at each
+        forward: two backends in one process (``pipeline compare``) keep their own."""
         self.num_slots = num_slots
         self.max_context = max_context
         head = model.get_output_embeddings()
@@ -98,8 +102,8 @@ class TransformersBackend:
 
     @classmethod
     def from_dir(cls, path: str | Path, *, dtype: torch.dtype | str | None = None,
-                 device: str = "cpu", num_slots: int = 8, max_context: int | None = None
-                 ) -> TransformersBackend:
+                 device: str = "cpu", num_slots: int = 8, max_context: int | None = None,
+                 threads: int | None = None) -> TransformersBackend:
         """Load the folder ``path`` with ``AutoModelForCausalLM`` (local files only).
 
         ``dtype``: the compute dtype (None: the checkpoint's own). Raises
@@ -121,7 +125,7 @@ class TransformersBackend:
                                 f"model: {exc}") from exc
         model = model.to(device).eval()
         return cls(model, folder_snapshot(folder), num_slots=num_slots,
-                   max_context=max_context)
+                   max_context=max_context, threads=threads)
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -177,6 +181,8 @@ class TransformersBackend:
         """Each call in turn over its slot's cache; logits ``[N, V]`` float32 at the wanted
         outputs, in call order. Every call is checked before any runs."""
         self._refuse(calls)
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         rows: list[torch.Tensor] = []
         done: list[tuple[int, int]] = []  # (slot, length before) of the calls that ran
         with torch.inference_mode():
@@ -269,4 +275,9 @@ class TransformersBackend:
             architecture=str(architectures[0]), parameters=sum(p.numel() for p in params),
             dtype=str(params[0].dtype).removeprefix("torch."), device=str(self.device),
             weight_bytes=sum(p.numel() * p.element_size() for p in params),
-            threads=str(torch.get_num_threads()))
+            threads=self.thread_policy)
+
+    @property
+    def thread_policy(self) -> str | None:
+        """``"2"`` when the ``threads`` option fixes the count (None: torch's, as it is)."""
+        return None if self.threads is None else str(self.threads)
