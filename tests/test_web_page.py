@@ -662,12 +662,14 @@ def raw_probability(events: list[Event], step: int, token: int) -> str:
     return pct(probs[token]) if token in probs else "below " + pct(min(probs.values()))
 
 
-def compared_versions(page: Any, base_url: str, temperature: str
+def compared_versions(page: Any, base_url: str, temperature: str, taps: bool = False
                       ) -> tuple[list[list[Event]], list[list[int]], int]:
-    """Ask a story at ``temperature`` with seed 1, regenerate it with seed 2, open the
-    inspector's comparison of the two versions; each version's trace events and chosen
-    tokens, and the first step where the tokens differ."""
+    """Ask a story at ``temperature`` with seed 1 (``taps``: with layer taps), regenerate
+    it with seed 2, open the inspector's comparison of the two versions; each version's
+    trace events and chosen tokens, and the first step where the tokens differ."""
     choose_model(page, "default")
+    if taps:
+        page.check("#taps")
     page.fill("#temperature", temperature)
     page.fill("#max-tokens", "8")
     page.fill("#seed", "1")
@@ -716,8 +718,7 @@ def test_with_layer_taps_the_compare_view_says_in_which_layer_the_answers_part(
     """Two sampled answers to one prompt compute the same hidden states until one feeds a
     different token: the table names the step after the first different token, from the
     embedding on, and marks that first different layer."""
-    page.check("#taps")
-    runs, chosen, step = compared_versions(page, base_url, "1.5")
+    runs, chosen, step = compared_versions(page, base_url, "1.5", taps=True)
     assert all(e.payload.get("taps") for run in runs for e in run
                if e.event_type == "prefill.completed")
     assert step < min(map(len, chosen)), "the answers part too late to see their layers"
