@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -171,7 +171,7 @@ class CompareReport:
                             "a margin rounding does not explain"))
         if self.tapped:
             if self.first_layer is None:
-                lines.append(f"layers: every tap within noise at every step compared")
+                lines.append("layers: every tap within noise at every step compared")
             else:
                 lines.append(f"first layer beyond tolerance: {self.first_layer.name} at step "
                              f"{self.layer_step}")
