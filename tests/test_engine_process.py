@@ -73,6 +73,21 @@ def test_the_child_engine_gives_the_in_process_engines_tokens_and_trace(engine: 
         local.close()
 
 
+def test_layer_taps_are_recorded_in_the_child_as_in_process(engine: Pipeline) -> None:
+    """The parent's face of the child's backend declares its taps, so a ``taps`` request is
+    accepted and recorded in the child, the same bits as in this process."""
+    local = build(TINY_MODEL_DIR, options=BackendOptions(num_slots=4))
+    try:
+        want = local.generate("Hello", max_tokens=3, temperature=0, recording="taps")
+        got = engine.generate("Hello", max_tokens=3, temperature=0, recording="taps")
+    finally:
+        local.close()
+    taps = [[e.payload["taps"] for e in run.trace if "taps" in e.payload]
+            for run in (want, got)]
+    assert len(taps[1]) == 3 and taps[0] == taps[1]
+    assert engine.engine is not None and len(engine.engine.backend.tap_names()) == 13
+
+
 def test_cancelling_in_the_parent_stops_the_request_in_the_child(engine: Pipeline) -> None:
     handle = engine.submit("Tell me a story.", max_tokens=4000, temperature=0)
     it = handle.deltas(timeout=60)

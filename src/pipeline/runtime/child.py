@@ -25,6 +25,7 @@ from pipeline.runtime.wire import (
     ACTIVE, BEAT, FIGURES_SIZE, QUEUED, SERVED, STARTED, STEPS, TAKEN, EngineRecipe, Facts, dumps,
     loads, portable,
 )
+from pipeline.contracts.model import LayerTaps
 from pipeline.contracts.output import Completion, Delta, FinishReason, Timings, Usage
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def serve(conn: Connection, recipe: EngineRecipe, shared: Any) -> None:
     conn.send_bytes(dumps(("ready", Facts(
         backend.vocab_size, backend.num_slots, backend.max_context, backend.snapshot,
         getattr(backend, "batch_invariant", None), describe() if callable(describe) else None,
-        hidden if isinstance(hidden, int) else None, os.getpid()))))
+        hidden if isinstance(hidden, int) else None, os.getpid(),
+        backend.tap_names() if isinstance(backend, LayerTaps) else None))))
     served = Served(pipe, engine, conn)
 
     def stopped(why: str) -> None:  # the engine loop died: say why, then end this process

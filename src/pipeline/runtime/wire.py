@@ -35,7 +35,7 @@ import torch
 
 from pipeline.errors import BackendError, InvalidValueError
 from pipeline.options import BackendOptions
-from pipeline.contracts.model import ModelCall, ModelInfo
+from pipeline.contracts.model import ModelCall, ModelInfo, Tap
 
 STEPS, STARTED, ACTIVE, QUEUED, BEAT, TAKEN = range(6)
 """The liveness figures' places in the file both processes map (see
@@ -80,6 +80,8 @@ class Facts:
     info: ModelInfo | None
     hidden_size: int | None
     pid: int
+    tap_names: tuple[str, ...] | None = None
+    """The child's backend's layer taps (None: it has none)."""
 
 
 class RemoteBackend:
@@ -88,7 +90,8 @@ class RemoteBackend:
     is in the child. Pickled (inside a
     :meth:`~pipeline.runtime.parent.ProcessEngine.call`'s function), it arrives in
     the child as the real backend. :func:`remote_backend` adds what the child's backend can
-    say: ``model_info()`` and, for an embedding model, ``hidden_size`` and ``hidden_states``
+    say: ``model_info()``, ``tap_names()`` (its layer taps: a ``taps`` request is recorded in
+    the child), and, for an embedding model, ``hidden_size`` and ``hidden_states``
     (computed in the child through :meth:`~pipeline.runtime.parent.ProcessEngine.call`)."""
 
     def __init__(self, facts: Facts) -> None:
@@ -118,6 +121,16 @@ class _Describes(RemoteBackend):
         return self.facts.info
 
 
+class _Taps(RemoteBackend):
+    def tap_names(self) -> tuple[str, ...]:
+        """The child's backend's layer taps (a ``taps`` request is recorded there)."""
+        assert self.facts.tap_names is not None
+        return self.facts.tap_names
+
+    def set_tap(self, tap: Tap | None) -> None:
+        self._elsewhere(tap)
+
+
 class _Embeds(RemoteBackend):
     def __init__(self, facts: Facts) -> None:
         super().__init__(facts)
@@ -132,7 +145,8 @@ def remote_backend(facts: Facts) -> RemoteBackend:
     """A :class:`RemoteBackend` with the optional capabilities the child's backend has."""
     bases: tuple[type[RemoteBackend], ...] = tuple(
         base for base, has in ((_Embeds, facts.hidden_size is not None),
-                               (_Describes, facts.info is not None)) if has)
+                               (_Describes, facts.info is not None),
+                               (_Taps, facts.tap_names is not None)) if has)
     if not bases:
         return RemoteBackend(facts)
     made: type[RemoteBackend] = type("RemoteBackend", bases, {})
