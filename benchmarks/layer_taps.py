@@ -13,8 +13,8 @@ Recording levels, each the whole engine (``pipeline.generate``) on one model, gr
 Decode milliseconds per token come from the completion's timings ((total - first token) over
 tokens - 1). Rounds interleave the levels (each round starts at another) so each sees the
 same load; a figure is the median over rounds. ``--backends torch,transformers`` measures
-the digest level on both backends of a Hugging Face folder (``--model``, default the
-shipped tiny model).
+the digest level on both backends of a Hugging Face folder (``--model``), one request and
+``--batch`` requests at once (aggregate decode tokens/s).
 
 "Off costs nothing" compares the ``digest`` figure with the same script's at a commit before
 the taps existed (the script runs there unchanged: ``--levels digest``), on the same machine
@@ -75,19 +75,40 @@ def measure(model: str | None, backend: str | None, levels: list[str], rounds: i
     return figures
 
 
+def batch_rate(model: str | None, backend: str, batch: int, rounds: int, tokens: int
+               ) -> list[float]:
+    """Aggregate decode tokens/s of ``batch`` requests at once, per round."""
+    import time
+
+    from pipeline import build
+
+    rates = []
+    with build(model, backend=backend, options={"num_slots": batch}) as pipe:
+        pipe.generate(QUESTION, max_tokens=4, temperature=0)  # warm up
+        for r in range(rounds):
+            started = time.perf_counter()
+            handles = [pipe.submit(f"{QUESTION} ({r}.{i})", max_tokens=tokens, temperature=0,
+                                   ignore_eos=True) for i in range(batch)]
+            made = sum(len(h.result().token_ids) for h in handles)
+            rates.append(made / (time.perf_counter() - started))
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model (default: the default model)")
     parser.add_argument("--levels", default=",".join(LEVELS))
     parser.add_argument("--backends", default=None,
                         help="also compare these backends at the digest level (a folder)")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="requests at once for the backends' aggregate rate")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
-        args.model, args.rounds, args.tokens = "tiny", 1, 4
+        args.model, args.rounds, args.tokens, args.batch = "tiny", 1, 4, 2
         args.backends = args.backends or "torch,transformers"
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     levels = [lv for lv in args.levels.split(",") if lv]
@@ -109,11 +130,14 @@ def main() -> None:
         backends = {}
         for name in args.backends.split(","):
             runs = measure(args.model, name, ["digest"], args.rounds, args.tokens)["digest"]
-            backends[name] = {"decode_ms": statistics.median(runs), "runs": runs}
+            rates = batch_rate(args.model, name, args.batch, args.rounds, args.tokens)
+            backends[name] = {"decode_ms": statistics.median(runs), "runs": runs,
+                              "batch": args.batch,
+                              "batch_tokens_per_s": statistics.median(rates)}
         report["backends"] = backends
-        print(f"{'backend':<14}{'decode ms/token':>16}")
+        print(f"{'backend':<14}{'decode ms/token':>16}{f'{args.batch} at once, tok/s':>22}")
         for name, row in backends.items():
-            print(f"{name:<14}{row['decode_ms']:>16.2f}")
+            print(f"{name:<14}{row['decode_ms']:>16.2f}{row['batch_tokens_per_s']:>22.1f}")
     report["loadavg"] = {"before": load_before,
                          "after": Path("/proc/loadavg").read_text().split()[:3]}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -108,8 +108,11 @@ def _step_logits(backend: Any, prompt: list[int], tokens: list[int]) -> torch.Te
         backend.release(slot)
 
 
-def test_two_requests_at_once_equal_each_alone(folders) -> None:
-    folder, _ = folders["gemma2"]
+@pytest.mark.parametrize("arch", ["gemma2", "llama"])
+def test_two_requests_at_once_equal_each_alone(folders, arch: str) -> None:
+    """Through the engine: gemma2's sliding-window caches run one call after another,
+    llama's decode tokens as one batch; the greedy answers are those of each alone."""
+    folder, _ = folders[arch]
     prompts = ["Why is the sky blue?", "Name three colours of the rainbow, please."]
     with build(folder, backend="transformers", **STAGES,
                options={"num_slots": 2, "max_context": 128}) as pipe:
@@ -119,6 +122,59 @@ def test_two_requests_at_once_equal_each_alone(folders) -> None:
                    for p in prompts]
         together = [h.result(timeout=60).token_ids for h in handles]
     assert together == alone
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe", "phi3", "gpt_neox", "olmo2"])
+def test_decode_tokens_of_several_slots_run_as_one_batch(folders, arch: str,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Slots of different lengths decode as one padded batch: each row's logits and layer
+    taps equal the same slot decoding alone (within float32 rounding), and each slot's
+    cache goes on as if it had run alone."""
+    from backends.transformers.backend import TransformersBackend
+
+    folder, _ = folders[arch]
+    prompts = [tuple(range(5, 12)), tuple(range(20, 32)), (40, 41, 42)]
+    feeds = [(50, 51, 52), (60, 61, 62), (70, 71, 72)]
+
+    def run(together: bool) -> tuple[list[torch.Tensor], dict[tuple[int, int, str], Any]]:
+        backend = TransformersBackend.from_dir(folder, num_slots=3, max_context=64)
+        batches: list[int] = []
+        batched = backend._batched
+        monkeypatch.setattr(backend, "_batched", lambda calls, rows: (
+            batches.append(len(calls)), batched(calls, rows))[1])
+        slots = [backend.allocate() for _ in prompts]
+        for slot, ids in zip(slots, prompts):
+            backend.forward([ModelCall(slot, ids, 0, (len(ids) - 1,))])
+        taps: dict[tuple[int, int, str], Any] = {}
+        rows = []
+        for step in range(3):
+            calls = [ModelCall(s, (f[step],), len(p) + step, (0,))
+                     for s, p, f in zip(slots, prompts, feeds)]
+            if together:
+                backend.set_tap(lambda c, n, h: taps.__setitem__((step, c, n),
+                                                                 h.float().clone()))
+                rows.append(backend.forward(calls))
+            else:
+                out = []
+                for i, call in enumerate(calls):
+                    backend.set_tap(lambda c, n, h, i=i: taps.__setitem__((step, i, n),
+                                                                          h.float().clone()))
+                    out.append(backend.forward([call]))
+                rows.append(torch.cat(out))
+            backend.set_tap(None)
+        assert batches == ([3, 3, 3] if together else [])
+        return rows, taps
+
+    alone_rows, alone_taps = run(False)
+    together_rows, together_taps = run(True)
+    for a, b in zip(alone_rows, together_rows):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert together_taps.keys() == alone_taps.keys()
+    assert {c for _, c, _ in together_taps} == {0, 1, 2}
+    for key, tensor in together_taps.items():
+        assert tensor.shape == (1, 64)
+        torch.testing.assert_close(tensor, alone_taps[key], atol=1e-4, rtol=1e-4)
 
 
 def test_truncate_and_read_only_calls_rebuild_the_cache_exactly(folders) -> None:

@@ -3,9 +3,12 @@
 
 :class:`TransformersBackend` loads any causal LM ``AutoModelForCausalLM`` loads from a local
 folder (never the network) and keeps, per slot, a transformers cache and the token ids it
-holds. A forward runs its calls one after another, each as one model call over the slot's
-cache (transformers' own caches are per sequence; padding sequences of different lengths
-into one batch would change their numerics). Truncation rebuilds the slot's cache from its
+holds. A forward runs the decode tokens of slots whose caches keep every position as one batch:
+their keys and values left-padded to the longest, the padding masked, each slot's cache
+given its new position after (a row may then differ from the same token alone in the last
+bits: this backend does not claim batch invariance). Prompt chunks, and slots with
+sliding-window layers (whose caches keep a window), run one after another, each as one
+model call over the slot's cache. Truncation rebuilds the slot's cache from its
 kept tokens, which is exact for every cache kind (sliding-window layers keep only a window
 and cannot be cut back). Everything is checked before any call runs, so a refused call
 leaves every cache as it was; a call that fails while running has the calls before it
@@ -178,18 +181,33 @@ class TransformersBackend:
     # --- forward ----------------------------------------------------------------------------
 
     def forward(self, calls: Sequence[ModelCall]) -> torch.Tensor:
-        """Each call in turn over its slot's cache; logits ``[N, V]`` float32 at the wanted
-        outputs, in call order. Every call is checked before any runs."""
+        """Logits ``[N, V]`` float32 at the wanted outputs, in call order. Every call is
+        checked before any runs. Decode tokens of slots whose caches keep every position
+        (no sliding-window layer) run as one batch (:meth:`_batched`); the other calls run
+        one after another, each over its slot's cache."""
         self._refuse(calls)
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        rows: list[torch.Tensor] = []
+        together = [i for i, c in enumerate(calls) if self._batchable(c)]
+        if len(together) < 2:
+            together = []
+        rows: dict[int, torch.Tensor] = {}
         done: list[tuple[int, int]] = []  # (slot, length before) of the calls that ran
         with torch.inference_mode():
+            if together:
+                try:
+                    batched = self._batched([calls[i] for i in together], together)
+                except Exception as exc:  # no cache was touched
+                    raise SlotError([calls[i].slot for i in together], exc) from exc
+                for i, row in zip(together, batched):
+                    rows[i] = row
+                    done.append((calls[i].slot, len(self._tokens[calls[i].slot]) - 1))
             for index, call in enumerate(calls):
+                if index in rows:
+                    continue
                 slot = call.slot
                 before = len(self._tokens[slot])
-                self._hooks.call = index
+                self._hooks.rows = [index]
                 try:
                     logits = self._run(self._caches[slot], list(call.token_ids), call.start,
                                        call.outputs)
@@ -197,7 +215,7 @@ class TransformersBackend:
                     for s, n in [*done, (slot, before)]:  # the calls before it undone too
                         self._rebuild(s, self._tokens[s][:n])
                     raise SlotError([slot], exc) from exc
-                rows.append(logits)
+                rows[index] = logits
                 if call.write:
                     self._tokens[slot].extend(call.token_ids)
                     done.append((slot, before))
@@ -205,7 +223,53 @@ class TransformersBackend:
                     self._rebuild(slot, self._tokens[slot][:before])
         if not rows:
             return torch.empty(0, self.vocab_size)
-        return torch.cat(rows).float()
+        return torch.cat([rows[i] for i in sorted(rows)]).float()
+
+    def _batchable(self, call: ModelCall) -> bool:
+        """A decode token that writes, over a cache of plain layers holding every position."""
+        if len(call.token_ids) != 1 or call.outputs != (0,) or not call.write:
+            return False
+        layers = getattr(self._caches[call.slot], "layers", None)
+        if not layers:
+            return False
+        return all(type(layer).__name__ == "DynamicLayer"
+                   and getattr(layer, "is_initialized", True) for layer in layers)
+
+    def _batched(self, calls: Sequence[ModelCall], indices: Sequence[int]) -> list[torch.Tensor]:
+        """One forward of several slots' decode tokens: each slot's keys and values
+        left-padded to the longest and stacked, the padding masked; each slot's cache then
+        gets its new position. Rows ``[1, V]`` in ``calls`` order. No slot's cache changes
+        unless every row was computed."""
+        transformers = import_transformers()
+        caches = [self._caches[c.slot] for c in calls]
+        lengths = [len(self._tokens[c.slot]) for c in calls]
+        longest = max(lengths)
+        batch = transformers.DynamicCache()
+        for layer in range(len(caches[0].layers)):
+            keys, values = [], []
+            for cache, n in zip(caches, lengths):
+                k, v = cache.layers[layer].keys, cache.layers[layer].values   # [1, Hkv, n, D]
+                pad = longest - n
+                keys.append(torch.nn.functional.pad(k, (0, 0, pad, 0)))
+                values.append(torch.nn.functional.pad(v, (0, 0, pad, 0)))
+            batch.update(torch.cat(keys), torch.cat(values), layer)
+        mask = torch.zeros(len(calls), longest + 1, dtype=torch.long, device=self.device)
+        for b, n in enumerate(lengths):
+            mask[b, longest - n:] = 1
+        ids = torch.tensor([[c.token_ids[0]] for c in calls], device=self.device)
+        positions = torch.tensor([[n] for n in lengths], device=self.device)
+        self._hooks.rows = list(indices)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, **{self._cache_arg: batch})
+        logits: torch.Tensor = out.logits[:, -1]                               # [B, V]
+        for layer in range(len(caches[0].layers)):
+            new_k = batch.layers[layer].keys[:, :, -1:]
+            new_v = batch.layers[layer].values[:, :, -1:]
+            for b, cache in enumerate(caches):
+                cache.update(new_k[b:b + 1], new_v[b:b + 1], layer)
+        for c in calls:
+            self._tokens[c.slot].append(c.token_ids[0])
+        return [logits[b:b + 1] for b in range(len(calls))]
 
     def _refuse(self, calls: Sequence[ModelCall]) -> None:
         """A :class:`SlotError` naming every call this backend cannot run, before any runs."""

@@ -42,11 +42,12 @@ def _hidden(output: Any) -> torch.Tensor:
 
 
 class Hooks:
-    """The taps of one model; :attr:`call` is the index of the call being run."""
+    """The taps of one model; :attr:`rows` are the indices of the calls being run, one per
+    row of the model's batch."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.call = 0
+        self.rows: list[int] = [0]
         count = getattr(model.config, "num_hidden_layers", None)
         layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                        and len(m) == count), None)
@@ -82,5 +83,7 @@ class Hooks:
     def _hook(self, name: str, tap: Tap) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
             hidden = _hidden(output)
-            tap(self.call, name, hidden.reshape(-1, hidden.shape[-1]))
+            per_row = hidden.reshape(len(self.rows), -1, hidden.shape[-1])       # [B, n, H]
+            for row, call in enumerate(self.rows):
+                tap(call, name, per_row[row])
         return hook
