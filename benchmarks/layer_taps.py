@@ -33,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +105,15 @@ def main() -> None:
                         help="requests at once for the backends' aggregate rate")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON file (default {RESULTS}; with --smoke a temporary file)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.rounds, args.tokens, args.batch = "tiny", 1, 4, 2
         args.backends = args.backends or "torch,transformers"
+        args.out = args.out or Path(tempfile.gettempdir()) / "layer_taps-smoke.json"
+    args.out = args.out or RESULTS
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     levels = [lv for lv in args.levels.split(",") if lv]
     unknown = [lv for lv in levels if lv not in LEVELS]

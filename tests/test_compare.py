@@ -123,9 +123,15 @@ def test_quantized_against_float_is_located_where_quantization_enters() -> None:
 
 
 def test_batched_and_alone_are_identical_with_batch_invariance(base: Path) -> None:
-    report = compare_models(base, PROMPT, a=side(options={"batch_invariant": True}),
-                            b=side(options={"batch_invariant": True}, company=3),
-                            max_tokens=12)
+    from pipeline import build
+
+    with build(base, **stages(), options={"batch_invariant": True}) as a, \
+            build(base, **stages(), options={"batch_invariant": True}) as b:
+        seen: list[int] = []
+        forward = b.engine.backend.forward
+        b.engine.backend.forward = lambda calls: (seen.append(len(calls)), forward(calls))[1]
+        report = compare(a, b, PROMPT, company=(0, 3), max_tokens=12)
+    assert seen.count(4) == len(report.steps) == 12  # B's lockstep forwards carried 3 more
     assert all(s.max_diff == 0 for s in report.steps)
     assert all(d.max_diff == 0 for d in report.layers)
     assert report.answers.first_token is None
@@ -185,3 +191,10 @@ def test_the_command_refuses_a_bad_side_naming_it(argv: list[str], words: str,
 
     assert main(["compare", "--model", "tiny", *argv, "hi"]) == 1
     assert words in capsys.readouterr().err
+
+
+def test_sampled_without_a_seed_both_sides_draw_alike(base: Path) -> None:
+    """At a temperature above 0 and no seed, both sides use one seed: the same model in
+    both configurations gives the same answer, not a divergence made by two seeds."""
+    report = compare_models(base, PROMPT, a=side(), b=side(), temperature=0.9, max_tokens=12)
+    assert report.answers.first_token is None and report.answers.divergence is None

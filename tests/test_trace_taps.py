@@ -54,6 +54,32 @@ def test_each_step_records_every_layer_and_the_window_keeps_its_tensors(folders)
                 assert float(values.abs().max()) == pytest.approx(record["max_abs"])
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_the_recorded_layers_are_transformers_own_hidden_states(folders, step: int) -> None:
+    """The oracle: transformers' ``output_hidden_states`` on the same folder, at the position
+    whose logits the step produced (the prompt's last, then each fed token): ``embed`` is
+    its entry 0 and ``layers.i`` its entry i + 1 (the last layer's entry is after the final
+    norm, so it is left out)."""
+    import transformers
+
+    done = run(folders[0], recording="taps", tap_tensors=f"{step}:0-3")
+    trace = load(done)
+    with build(folders[0], **stages()) as pipe:
+        prompt = list(pipe.tokenize("Why is the sky blue?").input_ids)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folders[0])).eval()
+    ids = prompt + list(done.token_ids[:step - 1])
+    with torch.no_grad():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    taps = {r["name"]: r for r in trace.sources()[step][0].payload["taps"]["layers"]}
+    expected = {"embed": states[0][0, -1], **{f"layers.{i}": states[i + 1][0, -1]
+                                               for i in range(3)}}
+    for name, oracle in expected.items():
+        ours = torch.tensor(taps[name]["values"])
+        torch.testing.assert_close(ours, oracle, atol=2e-5, rtol=1e-4)
+        assert taps[name]["max_abs"] == pytest.approx(float(oracle.abs().max()), rel=1e-4)
+        assert taps[name]["rms"] == pytest.approx(float(oracle.pow(2).mean().sqrt()), rel=1e-4)
+
+
 def test_taps_change_no_result(folders) -> None:
     plain, tapped = run(folders[0], recording="full"), run(folders[0], recording="taps")
     assert plain.token_ids == tapped.token_ids
@@ -132,3 +158,15 @@ def test_the_command_line_records_taps_on_both_backends_and_diffs_them(
     assert "layers.0.attention: differs by" in out and "within noise" in out
     assert main(["run", "--model", "tiny", "--tap-tensors", "1:0", "hi"]) == 1
     assert "give --record taps too" in capsys.readouterr().err
+
+
+def test_a_requests_taps_are_bounded(folders, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served trace stays bounded: past MAX_TAP_RECORDS the step says the budget is
+    spent and no later step carries taps."""
+    import pipeline.engine.recorder as recorder
+
+    monkeypatch.setattr(recorder, "MAX_TAP_RECORDS", 30)  # two steps of 13 taps
+    trace = load(run(folders[0], recording="taps"))
+    taps = [trace.sources()[t][0].payload.get("taps") for t in range(1, 5)]
+    assert [len(t["layers"]) for t in taps[:2]] == [13, 13]
+    assert taps[2] == {"step": 3, "spent": 30} and taps[3] is None

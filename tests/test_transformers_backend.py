@@ -343,3 +343,20 @@ def test_compare_finds_the_torch_and_transformers_backends_equal_within_float32(
     assert report.answers.first_token is None
     assert report.first_step_beyond is None and report.first_layer is None, report.render()
     assert len(report.layers) == 1 + 3 * 2
+
+
+def test_taps_see_only_the_calls_not_the_backends_own_rebuilds(folders) -> None:
+    """A read-only call is undone by rebuilding the slot's cache; that rebuild's forward
+    reaches no receiver."""
+    from backends.transformers.backend import TransformersBackend
+
+    folder, _ = folders["llama"]
+    backend = TransformersBackend.from_dir(folder, num_slots=1, max_context=64)
+    slot = backend.allocate()
+    backend.forward([ModelCall(slot, tuple(range(10, 20)), 0, ())])
+    seen: list[tuple[int, str, int]] = []
+    backend.set_tap(lambda c, n, h: seen.append((c, n, h.shape[0])))
+    backend.forward([ModelCall(slot, (7, 8), 10, (1,), write=False)])
+    backend.set_tap(None)
+    assert seen == [(0, name, 2) for name in backend.tap_names()]
+    assert backend.cache_length(slot) == 10

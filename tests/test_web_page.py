@@ -724,6 +724,7 @@ def test_with_layer_taps_the_compare_view_says_in_which_layer_the_answers_part(
     assert step < min(map(len, chosen)), "the answers part too late to see their layers"
     table = page.locator("#inspector table.layers")
     table.wait_for()
+    assert "no alternatives per step" not in page.locator("#inspector").text_content()
     assert table.locator("caption").text_content() == (
         f"Inside the model: the layers first differ at step {step + 1}, from embed")
     assert table.locator("tr.first td").first.text_content() == "embed"

@@ -82,8 +82,8 @@ def _parallel(folder: Path, opts: BackendOptions, settings: dict[str, Any]) -> A
 def _transformers(ctx: BuildContext) -> Any:
     """A Hugging Face folder on its own transformers implementation (the optional extra).
     The torch backend's memory and kernel settings do not apply and are refused by name;
-    ``batch_invariant=True`` is refused through the backend's capabilities."""
-    from backends.transformers.backend import HONOURS, TransformersBackend
+    ``batch_invariant=True`` is refused by the builder, through the backend's capabilities."""
+    from backends.transformers.backend import TransformersBackend
 
     if ctx.model_dir is None:
         raise ArtifactError("the transformers backend needs a Hugging Face model folder "
@@ -100,10 +100,6 @@ def _transformers(ctx: BuildContext) -> Any:
             raise InvalidValueError(field, value, "is a torch backend setting; the "
                                     "transformers backend keeps transformers' own cache and "
                                     "kernels")
-    if opts.batch_invariant:
-        refusal = HONOURS.refusal("batch_invariance", "transformers")
-        if refusal is not None:
-            raise refusal
     return TransformersBackend.from_dir(ctx.model_dir, dtype=opts.dtype, device=opts.device,
                                         num_slots=opts.num_slots, max_context=opts.max_context,
                                         threads=opts.threads)

@@ -31,7 +31,7 @@ from pipeline.registry import DEFAULT_ORDER, DEFAULT_STOPPERS, BuildContext, Reg
 from pipeline.runtime.thread import ThreadEngine
 from pipeline.sampling_defaults import for_build
 from pipeline.strategy_choice import StrategyChoice
-from pipeline.tokenizing import renderer_stage, tokenizer_stage
+from pipeline.tokenizing import renderer_stage, resolve, tokenizer_stage
 from pipeline.contracts.output import Delta
 from pipeline.contracts.request import GenerationConfig
 from pipeline.tools.formats import choose_parser
@@ -202,32 +202,32 @@ def build(
                            strategy_options=strategy_settings)
     tok = tokenizer_stage(registry, context, tokenizer)
     context = attrs.evolve(context, tokenizer=tok)
-    procs = [_resolve(registry, "processor", p, context)
+    procs = [resolve(registry, "processor", p, context)
              for p in _chain_of("processors", DEFAULT_PROCESSORS, processors, replace_processors,
                                before=ADDED_PROCESSORS_BEFORE)]
     _unique("processors", [p.name for p in procs], replace_processors)
-    sel: Selector = _resolve(registry, "selector", selector, context)
-    stops = tuple(_resolve(registry, "stopper", s, context)
+    sel: Selector = resolve(registry, "selector", selector, context)
+    stops = tuple(resolve(registry, "stopper", s, context)
                   for s in _chain_of("stoppers", DEFAULT_STOPPERS, stoppers, replace_stoppers))
     _unique("stoppers", [s.name for s in stops], replace_stoppers)
     chat = renderer_stage(registry, context, renderer)
     stages = Stages(
         renderer=chat,
         tokenizer=tok,
-        detokenizer=_resolve(registry, "detokenizer", detokenizer, context) if tok else None,
+        detokenizer=resolve(registry, "detokenizer", detokenizer, context) if tok else None,
         stoppers=stops,
         processor_names=tuple(p.name for p in procs),
         selector=sel.name,
         stream_transport=cast(Transport[Iterator[Delta]],
                               registry.create("transport", "inprocess", context)),
         async_transport=cast(Transport[AsyncIterator[Delta]],
-                             _resolve(registry, "transport", async_transport, context)),
+                             resolve(registry, "transport", async_transport, context)),
         tool_parser=choose_parser(registry, context, tool_parser, chat),
         request_checks=tuple(p for p in procs if isinstance(p, RequestCheck)),
     )
     model_backend = _backend(registry, context, backend)
     if model_backend is not None:
-        _check_honours(model_backend, backend, name)
+        _check_honours(model_backend, backend, name, backend_options)
     context = attrs.evolve(context, backend=model_backend, load_model=load_backend)
     make_strategy = (_as_maker(given) if given is not None
                      else cast(StrategyMaker, registry.create("strategy", name, context)))
@@ -258,20 +258,24 @@ def build(
                                  "strategy": name}, registry=registry)
 
 
-def _check_honours(backend: Backend, named: str | Backend | None, strategy: str) -> None:
-    """Refuse a strategy that needs what the backend does not honour
-    (:class:`~pipeline.contracts.model.BackendHonours`), naming both: the speculative
-    strategy needs draft verification, an iterative one block attention or embedding inputs."""
+def _check_honours(backend: Backend, named: str | Backend | None, strategy: str,
+                   options: BackendOptions) -> None:
+    """Refuse what the backend does not honour (:class:`~pipeline.contracts.model.BackendHonours`),
+    naming it: ``batch_invariant=True``, the speculative strategy (draft verification), an
+    iterative one (block attention; a continuous strategy checks embedding inputs itself)."""
     honours = backend_honours(backend)
     label = named if isinstance(named, str) else type(backend).__name__
+    asked: list[tuple[str, object]] = []
+    if options.batch_invariant:
+        asked.append(("batch_invariance", True))
     if strategy == "speculative":
-        refusal = honours.refusal("draft_verification", label, strategy)
-    elif strategy in AUTOREGRESSIVE_STRATEGIES or honours.embedding_inputs:
-        refusal = None
-    else:
-        refusal = honours.refusal("block_attention", label, strategy)
-    if refusal is not None:
-        raise refusal
+        asked.append(("draft_verification", strategy))
+    elif strategy not in AUTOREGRESSIVE_STRATEGIES:
+        asked.append(("block_attention", strategy))
+    for capability, value in asked:
+        refusal = honours.refusal(capability, label, value)
+        if refusal is not None:
+            raise refusal
 
 
 def _as_maker(given: Strategy) -> StrategyMaker:
@@ -370,10 +374,6 @@ def _mapping(what: str, value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return dict(value)
 
 
-def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:
-    return registry.create(kind, value, context) if isinstance(value, str) else value
-
-
 def _backend(registry: Registry, context: BuildContext,
              value: str | Backend | None) -> Backend | None:
     if value is None:
@@ -386,7 +386,7 @@ def _backend(registry: Registry, context: BuildContext,
             value = "torch"
     chosen = value
     return cast(Backend, off_the_calling_thread(
-        lambda: _resolve(registry, "backend", chosen, context)))
+        lambda: resolve(registry, "backend", chosen, context)))
 
 
 R = TypeVar("R")

@@ -37,16 +37,17 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from pipeline.contracts.model import Backend, LayerTaps, ModelCall, PagedBackend
+from pipeline.contracts.model import Backend, ModelCall, has_taps
 from pipeline.contracts.request import GenerationConfig, Recording
 from pipeline.engine.paging import Paging
 from pipeline.errors import InvalidValueError
+from pipeline.pipe import seed_for
 from pipeline.tolerance import TOLERANCE, depth_of, explained, pair_unit
 from pipeline.trace.diff import DiffReport, diff
 from pipeline.trace.load import load
@@ -59,6 +60,9 @@ TAP_ROWS = 64
 memory a step's taps hold stays bounded, whatever the prompt's length."""
 
 DEFAULT_MAX_TOKENS = 16
+
+MAX_COMPANY = 64
+"""The most other sequences a side may run beside the compared one."""
 
 
 @attrs.frozen
@@ -209,9 +213,13 @@ def compare(a: Pipeline, b: Pipeline, prompt: Any, *, labels: tuple[str, str] = 
     (both backends must have :class:`~pipeline.contracts.model.LayerTaps`; False skips
     them). ``company`` runs that many other sequences beside each side's in every forward
     of the lockstep pass (batched against alone)."""
+    _check_company(company)
     options = {"temperature": 0, "max_tokens": DEFAULT_MAX_TOKENS, **options}
     options.pop("recording", None)
     request_a = a.request(prompt, recording=Recording.FULL, **options)
+    if request_a.generation_config.seed is None:  # one seed for both, not one per request id
+        request_a = attrs.evolve(request_a, generation_config=attrs.evolve(
+            request_a.generation_config, seed=seed_for(request_a)))
     config_b: GenerationConfig = request_a.generation_config
     if b_options:
         config_b = b.request(prompt, config_b, **b_options).generation_config
@@ -221,9 +229,6 @@ def compare(a: Pipeline, b: Pipeline, prompt: Any, *, labels: tuple[str, str] = 
     if not allow_request_difference:
         _refuse_difference(request_a, request_b)
     backends = [_backend(p, side, taps) for p, side in ((a, "A"), (b, "B"))]
-    for n, side in zip(company, "AB"):
-        if not 0 <= n < 64:
-            raise InvalidValueError("company", n, f"side {side}: 0..63 other sequences")
     prepared = [a.prepare(request_a), b.prepare(request_b)]
     ids = [tuple(p.tokens.input_ids) for p in prepared]
     runs = [a.generate(prepared[0]), b.generate(prepared[1])]
@@ -273,6 +278,13 @@ def compare(a: Pipeline, b: Pipeline, prompt: Any, *, labels: tuple[str, str] = 
     return attrs.evolve(report, layer_step=layer_step, layers=tuple(layers), first_layer=first)
 
 
+def _check_company(company: Sequence[int]) -> None:
+    for n, side in zip(company, "AB"):
+        if not 0 <= n < MAX_COMPANY:
+            raise InvalidValueError("company", n, f"side {side}: 0..{MAX_COMPANY - 1} other "
+                                    "sequences")
+
+
 def _config_fields() -> frozenset[str]:
     return frozenset(f.name for f in attrs.fields(GenerationConfig))
 
@@ -309,7 +321,7 @@ def _backend(pipe: Pipeline, side: str, taps: bool) -> Backend:
     if engine is None:
         raise InvalidValueError("pipeline", side, "has no model backend to compare")
     backend = engine.backend
-    if taps and not isinstance(backend, LayerTaps):
+    if taps and not has_taps(backend):
         raise InvalidValueError("taps", True, f"side {side}'s backend "
                                 f"({type(backend).__name__}) has no layer taps "
                                 "(LayerTaps); compare without taps (taps=False, --no-taps)")
@@ -317,17 +329,14 @@ def _backend(pipe: Pipeline, side: str, taps: bool) -> Backend:
 
 
 def _shape(pipe: Pipeline) -> tuple[int, int]:
-    """The model's layers and hidden size (from its taps' names and the backend's width;
-    ``(1, 1)`` when it says neither)."""
+    """The model's layers and hidden size, from its config (a transformers model's) or spec
+    (the torch backend's), whether or not taps are on; ``(1, 1)`` when it has neither."""
     engine = pipe.engine
-    backend = engine.backend if engine is not None else None
-    layers = len(backend.tap_names()) // 3 if isinstance(backend, LayerTaps) else 1
-    width = getattr(backend, "hidden_size", None)
-    if width is None and backend is not None:
-        model = getattr(backend, "model", None)
-        config = getattr(model, "config", None) or getattr(model, "spec", None)
-        width = getattr(config, "hidden_size", None)
-    return max(layers, 1), int(width) if isinstance(width, int) else 1
+    model = getattr(engine.backend, "model", None) if engine is not None else None
+    config = getattr(model, "config", None) or getattr(model, "spec", None)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)
+    width = getattr(config, "hidden_size", None)
+    return (layers if isinstance(layers, int) else 1), (width if isinstance(width, int) else 1)
 
 
 def _dtype(pipe: Pipeline) -> str:
@@ -347,14 +356,16 @@ class _Side:
                  taps: bool) -> None:
         engine = pipe.engine
         assert engine is not None
-        memory = getattr(getattr(engine, "engine", None), "memory", None)
-        if isinstance(backend, PagedBackend) and not isinstance(memory, Paging):
+        inner = getattr(engine, "engine", None)
+        if inner is None:
             raise InvalidValueError("pipeline", "(engine process)", "compare drives the "
                                     "backend on its engine's thread: build the pipeline with "
                                     "the engine in this process")
+        memory = inner.memory
         self.engine, self.backend, self.taps = engine, backend, taps
         self.blocks = memory.blocks if isinstance(memory, Paging) else None
-        self.seqs = [list(prompt)] + [[(7 + 13 * i + j) % 200 + 3 for j in range(5 + i)]
+        span = max(min(backend.vocab_size - 3, 200), 1)  # ordinary ids of any vocabulary
+        self.seqs = [list(prompt)] + [[(7 + 13 * i + j) % span + 3 for j in range(5 + i)]
                                       for i in range(company)]
         self.slots: list[int] = []
         self.nexts: list[int] = []
@@ -422,6 +433,7 @@ def compare_models(model: Any, prompt: Any, *, a: Mapping[str, Any] | None = Non
 
     sides = [dict(a or {}), dict(b or {})]
     company = tuple(int(s.pop("company", 0)) for s in sides)
+    _check_company(company)
     labels = tuple(_label(s) for s in sides)
     built: list[Pipeline] = []
     try:

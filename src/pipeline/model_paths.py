@@ -231,6 +231,27 @@ def read_config(folder: Path) -> dict[str, Any]:
     return data
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder``, from the shard index when there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ArtifactError(f"{index}: unreadable shard index: {exc!r}") from exc
+        files = [folder / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise ArtifactError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ArtifactError(f"{folder}: neither model.safetensors nor "
+                            "model.safetensors.index.json found")
+    return [single]
+
+
 def checkpoint_snapshot(config: Mapping[str, Any],
                         index: list[tuple[str, list[int], str]]) -> str:
     """A checkpoint's content digest: its config and its weight index (each tensor's name,
@@ -243,14 +264,19 @@ def checkpoint_snapshot(config: Mapping[str, Any],
 
 
 def folder_snapshot(folder: Path) -> str:
-    """:func:`checkpoint_snapshot` of a Hugging Face folder, from its ``config.json`` and its
-    safetensors files' headers (no tensor is read). Raises
+    """:func:`checkpoint_snapshot` of a Hugging Face folder, from its ``config.json`` and the
+    headers of its safetensors files (:func:`weight_files`; no tensor is read), or, for a
+    folder of PyTorch ``.bin`` files only, their names and sizes. Raises
     :class:`~pipeline.errors.ArtifactError` for an unreadable config or weight file."""
     from safetensors import safe_open
 
     config = read_config(folder)
     index: list[tuple[str, list[int], str]] = []
-    for weights in sorted(folder.glob("*.safetensors")):
+    bins = sorted(folder.glob("*.bin"))
+    if bins and not any(folder.glob("*.safetensors")):
+        return checkpoint_snapshot(config, [(f.name, [f.stat().st_size], "bin")
+                                            for f in bins])
+    for weights in weight_files(folder):
         try:
             with safe_open(str(weights), framework="pt", device="cpu") as handle:
                 for name in handle.keys():

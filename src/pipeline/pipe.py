@@ -33,7 +33,7 @@ from pipeline.room import window
 from pipeline.request_options import RequestOptions
 from pipeline.sampling_defaults import CALLER, SamplingDefaults, pipeline_default
 from pipeline.contracts.decode import RequestCheck
-from pipeline.contracts.model import LayerTaps, ModelDescriber, ModelInfo
+from pipeline.contracts.model import ModelDescriber, ModelInfo, has_taps
 from pipeline.contracts.text import Detokenizer, Renderer, Stopper, Tokenizer, ToolCallParser
 from pipeline.contracts.transport import Transport
 from pipeline.engine.text_state import TextState
@@ -480,7 +480,7 @@ class Pipeline:
             if name not in self.stages.processor_names:
                 raise UnknownNameError("processor", name, self.stages.processor_names)
         if request.recording is Recording.TAPS and (
-                self.engine is None or not isinstance(self.engine.backend, LayerTaps)):
+                self.engine is None or not has_taps(self.engine.backend)):
             backend = type(self.engine.backend).__name__ if self.engine else "no backend"
             raise InvalidValueError("recording", "taps", f"this pipeline's backend ({backend}) "
                                     "has no layer taps (LayerTaps: the torch and transformers "

@@ -47,7 +47,7 @@ def tokenizer_stage(registry: Registry, context: BuildContext,
             return None
         else:
             value = "hf"
-    return cast(Tokenizer, _resolve(registry, "tokenizer", value, context))
+    return cast(Tokenizer, resolve(registry, "tokenizer", value, context))
 
 
 def renderer_stage(registry: Registry, context: BuildContext,
@@ -62,10 +62,11 @@ def renderer_stage(registry: Registry, context: BuildContext,
         else:
             has_template = any((context.model_dir / f).exists() for f in TEMPLATE_FILES)
             value = "hf_chat_template" if has_template else "plain"
-    return cast(Renderer, _resolve(registry, "renderer", value, context))
+    return cast(Renderer, resolve(registry, "renderer", value, context))
 
 
-def _resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:
+def resolve(registry: Registry, kind: str, value: Any, context: BuildContext) -> Any:
+    """A stage given by name made by the registry's factory; an instance as it is."""
     return registry.create(kind, value, context) if isinstance(value, str) else value
 
 

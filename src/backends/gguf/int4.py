@@ -52,7 +52,6 @@ COMPUTE = torch.bfloat16
 """The activations' and scales' dtype in the kernel."""
 PLANES: dict[QT, int] = {QT.Q4_0: 1, QT.Q4_1: 1, QT.Q4_K: 1, QT.Q5_K: 2, QT.Q8_0: 2}
 """The types that map onto the kernel, and the 4-bit planes each takes."""
-INT4_TYPES = tuple(PLANES)
 ROW_MULTIPLE = 16
 """The kernel's layout packs output rows 16 at a time."""
 

@@ -413,7 +413,7 @@ class TorchBackend:
             if current == self._lowered:  # the count this backend left at the last step
                 current = chooser.most
             elif current != chooser.most:  # the process's setting changed: measure anew
-                chooser = self.threads = ThreadChooser(current)
+                chooser = self.threads = ThreadChooser(current, load=chooser.load)
             threads = _use_threads(chooser.threads_for(rows))
             started = time.perf_counter()
             try:

@@ -120,7 +120,7 @@ class SafetensorsExperts:
     two layouts :mod:`backends.torch.loader` reads)."""
 
     def __init__(self, folder: Path, names: Mapping[int, ExpertNames]) -> None:
-        from backends.torch.loader import weight_files
+        from pipeline.model_paths import weight_files
 
         self._files = [SafetensorsFile(p) for p in weight_files(folder)]
         self._where = {name: f for f in self._files for name in f.header}

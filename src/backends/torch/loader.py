@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from backends.torch.weights import (
     AttentionWeights, ConditioningWeights, LayerWeights, MlpWeights, ModelWeights, MoeWeights,
 )
 from pipeline.errors import ArtifactError
-from pipeline.model_paths import checkpoint_snapshot, read_config
+from pipeline.model_paths import checkpoint_snapshot, read_config, weight_files
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
@@ -67,27 +66,6 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of ``folder``, from the shard index when there is one."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ArtifactError(f"{index}: unreadable shard index: {exc!r}") from exc
-        files = [folder / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise ArtifactError(f"{f}: shard listed in {index.name} is missing")
-        return files
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise ArtifactError(f"{folder}: neither model.safetensors nor "
-                            "model.safetensors.index.json found")
-    return [single]
 
 
 class ProgressBar:

@@ -196,11 +196,12 @@ class Transformer:
             mixed = mlp_forward(layer.mlp, x, self.linears)
         if self.reduce is not None:
             mixed = self.reduce(mixed)
+        out = h + mixed
         if self.tap is not None:
             self.tap(f"layers.{i}.attention", attended)
             self.tap(f"layers.{i}.mlp", mixed)
-            self.tap(f"layers.{i}", h + mixed)
-        return h + mixed
+            self.tap(f"layers.{i}", out)
+        return out
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, cache: KVCache | None,

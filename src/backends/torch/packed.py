@@ -231,11 +231,10 @@ class Linears:
 
     def _call(self, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        if id(weight) in self._row_wise:  # each row on its own: nothing to tile or bound
-            return self._product(x, weight, bias)
-
         def product(rows: torch.Tensor) -> torch.Tensor:
             return self._product(rows, weight, bias)
+        if id(weight) in self._row_wise:  # each row on its own: nothing to tile; the row
+            return bounded_rows(x, product)  # counts still bounded, for oneDNN's caches
         if not self.invariant:
             return bounded_rows(x, product)
         plan = self.plan

@@ -37,7 +37,7 @@ import torch
 
 from backends.transformers.taps import Hooks
 from pipeline.contracts.model import (
-    Attention, BackendHonours, ModelCall, ModelInfo, Tap, tap_names,
+    Attention, BackendHonours, ModelCall, ModelInfo, Tap,
 )
 from pipeline.errors import ArtifactError, CapacityError, InvalidValueError, SlotError
 from pipeline.model_paths import folder_snapshot
@@ -68,7 +68,7 @@ class TransformersBackend:
     """
 
     honours = HONOURS
-    batch_invariant = False
+    batch_invariant = HONOURS.batch_invariance
     """Declared in every trace's instance: a row's logits may depend on its batch."""
 
     def __init__(self, model: Any, snapshot: str, *, num_slots: int = 8,
@@ -174,8 +174,12 @@ class TransformersBackend:
         """A fresh cache for ``slot`` holding ``tokens``."""
         cache = self._new_cache()
         if tokens:
-            with torch.inference_mode():
-                self._run(cache, tokens, 0, ())
+            rows, self._hooks.rows = self._hooks.rows, []  # no receiver asked for these states
+            try:
+                with torch.inference_mode():
+                    self._run(cache, tokens, 0, ())
+            finally:
+                self._hooks.rows = rows
         self._caches[slot], self._tokens[slot] = cache, list(tokens)
 
     # --- forward ----------------------------------------------------------------------------
@@ -323,8 +327,10 @@ class TransformersBackend:
     # --- taps, description ------------------------------------------------------------------
 
     def tap_names(self) -> tuple[str, ...]:
-        """The layer taps' names (:class:`~pipeline.contracts.model.LayerTaps`)."""
-        return tap_names(self._hooks.num_layers)
+        """The layer taps' names (:class:`~pipeline.contracts.model.LayerTaps`); none for a
+        model whose layers are not laid out as the hooks expect (a taps request is then
+        refused at submit)."""
+        return self._hooks.names()
 
     def set_tap(self, tap: Tap | None) -> None:
         """Send later forwards' hidden states to ``tap`` (None: remove the hooks)."""

@@ -42,33 +42,24 @@ def _hidden(output: Any) -> torch.Tensor:
 
 
 class Hooks:
-    """The taps of one model; :attr:`rows` are the indices of the calls being run, one per
-    row of the model's batch."""
+    """The taps of one model, found when it is loaded (:attr:`points`; empty, with
+    :attr:`problem` saying why, for a model whose layers are not laid out as expected);
+    :attr:`rows` are the indices of the calls being run, one per row of the model's batch
+    (empty: a forward of the backend's own, whose states no receiver asked for)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.rows: list[int] = [0]
-        count = getattr(model.config, "num_hidden_layers", None)
-        layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-                       and len(m) == count), None)
-        self.layers: list[Any] = list(layers) if layers is not None else []
-        self.num_layers = len(self.layers)
+        self.problem = ""
+        try:
+            self.points = _points(model)
+        except ArtifactError as exc:
+            self.points, self.problem = [], str(exc)
         self._handles: list[Any] = []
 
-    def points(self) -> list[tuple[str, Any]]:
-        """Every tapped module with its tap's name, in forward order."""
-        if not self.layers:
-            raise ArtifactError(f"{type(self.model).__name__}: no list of "
-                                "num_hidden_layers decoder layers found to tap")
-        out: list[tuple[str, Any]] = [("embed", self.model.get_input_embeddings())]
-        for i, layer in enumerate(self.layers):
-            attention, mlp = _first(layer, ATTENTION), _first(layer, MLP)
-            if attention is None or mlp is None:
-                raise ArtifactError(f"{type(layer).__name__}: no attention block "
-                                    f"({'/'.join(ATTENTION)}) or MLP ({'/'.join(MLP)}) to tap")
-            out += [(f"layers.{i}.attention", attention), (f"layers.{i}.mlp", mlp),
-                    (f"layers.{i}", layer)]
-        return out
+    def names(self) -> tuple[str, ...]:
+        """The taps' names in forward order (none when the model's layers were not found)."""
+        return tuple(name for name, _ in self.points)
 
     def set(self, tap: Tap | None) -> None:
         """Install hooks that send every tapped output to ``tap`` (None: remove them)."""
@@ -77,13 +68,36 @@ class Hooks:
         self._handles = []
         if tap is None:
             return
-        for name, module in self.points():
+        if not self.points:
+            raise ArtifactError(self.problem)
+        for name, module in self.points:
             self._handles.append(module.register_forward_hook(self._hook(name, tap)))
 
     def _hook(self, name: str, tap: Tap) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
+            if not self.rows:
+                return
             hidden = _hidden(output)
             per_row = hidden.reshape(len(self.rows), -1, hidden.shape[-1])       # [B, n, H]
             for row, call in enumerate(self.rows):
                 tap(call, name, per_row[row])
         return hook
+
+
+def _points(model: Any) -> list[tuple[str, Any]]:
+    """Every tapped module of ``model`` with its tap's name, in forward order."""
+    count = getattr(model.config, "num_hidden_layers", None)
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                   and len(m) == count), None)
+    if layers is None:
+        raise ArtifactError(f"{type(model).__name__}: no list of num_hidden_layers decoder "
+                            "layers found to tap")
+    out: list[tuple[str, Any]] = [("embed", model.get_input_embeddings())]
+    for i, layer in enumerate(layers):
+        attention, mlp = _first(layer, ATTENTION), _first(layer, MLP)
+        if attention is None or mlp is None:
+            raise ArtifactError(f"{type(layer).__name__}: no attention block "
+                                f"({'/'.join(ATTENTION)}) or MLP ({'/'.join(MLP)}) to tap")
+        out += [(f"layers.{i}.attention", attention), (f"layers.{i}.mlp", mlp),
+                (f"layers.{i}", layer)]
+    return out

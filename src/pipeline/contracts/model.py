@@ -491,6 +491,11 @@ class LayerTaps(Protocol):
         ...
 
 
+def has_taps(backend: object) -> bool:
+    """Whether ``backend`` has :class:`LayerTaps` and names at least one tap."""
+    return isinstance(backend, LayerTaps) and bool(backend.tap_names())
+
+
 def tap_names(num_layers: int) -> tuple[str, ...]:
     """The names :class:`LayerTaps` uses for a model of ``num_layers`` layers."""
     names = ["embed"]

@@ -468,6 +468,12 @@ class Recording(enum.Enum):
         return self is not Recording.DIGEST
 
 
+MAX_TAP_RECORDS = 1 << 13
+"""The most layer-tap records a request's trace holds (about 180 bytes of JSON each, so
+about 1.5 MB: a 30-layer model's first 90 steps); the step that would pass it records
+``{"step": t, "spent": MAX_TAP_RECORDS}`` instead, and the taps stop. A served trace
+stays bounded whatever a client asks."""
+
 MAX_TAP_VALUES = 1 << 18
 """The most hidden-state values a request's trace keeps as tensors (:class:`TapWindow`):
 1 MiB as float32, a few MB of JSON."""

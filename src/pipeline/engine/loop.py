@@ -314,8 +314,9 @@ class Engine:
         tapping = [job for job in jobs if job.recorder.taps]
         if not tapping or not isinstance(self.backend, LayerTaps):
             return self.backend.forward([calls[j] for j in jobs])
-        for job in tapping:  # the step whose logits this forward produces
-            job.recorder.tapping(1 if job in chunks else len(job.output_ids) + 1)
+        for job in tapping:  # the step whose logits the call's last row (its last output) is
+            last = calls[job].outputs[-1] if calls[job].outputs else 0
+            job.recorder.tapping(1 if job in chunks else len(job.output_ids) + 1 + last)
 
         def receive(call: int, name: str, hidden: torch.Tensor) -> None:
             recorder = jobs[call].recorder

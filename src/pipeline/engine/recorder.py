@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pipeline.events import Tracer, digest_ids, digest_text
-from pipeline.contracts.request import MAX_TAP_VALUES, TapWindow
+from pipeline.contracts.request import MAX_TAP_RECORDS, MAX_TAP_VALUES, TapWindow
 from pipeline.recording import tap_record
 from pipeline.contracts.model import Attention, CacheLayout
 from pipeline.contracts.strategy import Plan, StrategyEvent
@@ -53,6 +53,7 @@ class Recorder:
         """Whether the request records layer taps (``Recording.TAPS``)."""
         self._window = window
         self._kept = 0  # tensor values kept so far (at most MAX_TAP_VALUES)
+        self._records = 0  # tap records so far (at most MAX_TAP_RECORDS)
         self._step = 0
         self._dtype, self._width = "", 0
         self._tapped: list[dict[str, Any]] = []
@@ -82,10 +83,16 @@ class Recorder:
         self._tapped.append(tap_record(name, row, keep))
 
     def _taps(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """``payload`` with the latest forward's taps (then forgotten), if any."""
+        """``payload`` with the latest forward's taps (then forgotten), if any. Once the
+        request's :data:`MAX_TAP_RECORDS` are spent the step says so and taps stop."""
         if self._tapped:
-            payload["taps"] = {"step": self._step, "dtype": self._dtype, "width": self._width,
-                               "layers": self._tapped}
+            self._records += len(self._tapped)
+            if self._records > MAX_TAP_RECORDS:
+                payload["taps"] = {"step": self._step, "spent": MAX_TAP_RECORDS}
+                self.taps = False
+            else:
+                payload["taps"] = {"step": self._step, "dtype": self._dtype,
+                                   "width": self._width, "layers": self._tapped}
             self._tapped = []
         return payload
 

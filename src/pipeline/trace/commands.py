@@ -85,7 +85,7 @@ class Tokenizers:
     def detokenizer(self, trace: Trace) -> tuple[Detokenize | None, str]:
         """``decode`` with the trace's tokenizer for invariant 5, which reads text only in a
         ``full`` trace (a digest-level trace needs no tokenizer: no note)."""
-        if trace.instance.get("recording") != "full":
+        if not trace.holds_content:
             return None, ""
         tokenizer, why = self.find(trace)
         if tokenizer is None:

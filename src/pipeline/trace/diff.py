@@ -306,7 +306,7 @@ def _iterations(a: Trace, b: Trace, t: int, atol: float) -> Iterator[Divergence 
 
 
 def _full(trace: Trace) -> bool:
-    return trace.instance.get("recording") == "full"
+    return trace.holds_content
 
 
 def order_at(trace: Trace, t: int) -> list[str] | None:

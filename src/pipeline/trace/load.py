@@ -18,6 +18,10 @@ import attrs
 from pipeline.errors import TraceError
 from pipeline.events import Event
 from pipeline.contracts.output import Completion
+from pipeline.contracts.request import Recording
+
+CONTENT_LEVELS = frozenset(r.value for r in Recording if r.content)
+"""The recording levels whose traces hold content (``full`` and ``taps``)."""
 
 TraceSource = str | Path | Completion | Sequence[Event]
 
@@ -98,6 +102,12 @@ class Trace:
     def finished(self) -> Event | None:
         """The ``generation.finished`` event, if the request ended."""
         return self.first("generation.finished")
+
+    @property
+    def holds_content(self) -> bool:
+        """Whether the trace records content (text, ids, top-k): a ``full`` or ``taps``
+        recording (:attr:`~pipeline.contracts.request.Recording.content`)."""
+        return self.instance.get("recording") in CONTENT_LEVELS
 
     @property
     def instance(self) -> Mapping[str, Any]:

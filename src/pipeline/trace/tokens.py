@@ -223,7 +223,7 @@ def _missing(traces: tuple[Trace, Trace], *sides: TokenSide | None) -> str | Non
     words = [w for name, w in (("text", "text"), ("raw", "raw probabilities"), (
         "processed", "probabilities after the sampling settings")) if name in lacks]
     listed = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
-    if not all(trace.instance.get("recording") == "full" for trace in traces):
+    if not all(trace.holds_content for trace in traces):
         how = f": {RECORD_FULL}"
     elif lacks == {"text"}:
         how = ": their tokenizer gives it (name the model: --model)"

@@ -112,7 +112,14 @@ def _count(text: str) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from pipeline.compare import compare_models
 
+    import os
+
     a, b = side(args.a), side(args.b)
+    if args.json is not None:  # refused now, not after both models ran
+        folder = args.json.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or args.json.is_dir():
+            raise InvalidValueError("--json", str(args.json), "must be a file in a folder "
+                                    "that exists and can be written")
     options: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.seed is not None:
         options["seed"] = args.seed

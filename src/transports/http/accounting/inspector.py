@@ -143,7 +143,7 @@ def inspection(trace: Trace, tokenizer: Tokenizer | None) -> dict[str, Any]:
     steps = [_step(trace, t, e, text) for t, e in sorted(trace.by_step("token.selected").items())]
     return {
         "trace_id": trace.trace_id,
-        "recording": trace.instance.get("recording"),
+        "recording": trace.instance.get("recording"), "content": trace.holds_content,
         "processor_chain": trace.instance.get("processor_chain"),
         "processors": trace.payload("selection.configured").get("processors"),
         "steps": steps,

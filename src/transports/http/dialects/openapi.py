@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.contracts.request import Recording
 from transports.http.dialects.openapi_requests import request_schemas
 from transports.http.dialects.spec import (
     COUNT, OBJECT, STRING, Schema, array, integer, nullable, ref, response_object as out,
@@ -310,10 +311,12 @@ TRACEPARENT: Schema = {
 
 RECORDING: Schema = {
     "name": "x-pipeline-recording", "in": "header", "required": False,
-    "description": "the request's trace level: `digest` (the default) or `full` (also the "
+    "description": "the request's trace level: `digest` (the default), `full` (also the "
                    "text, the ids and each step's raw and processed logits' top-k, which "
-                   "`GET /traces/{request_id}/inspect` shows); anything else is a 400",
-    "schema": {"type": "string", "enum": ["digest", "full"]}}
+                   "`GET /traces/{request_id}/inspect` shows) or `taps` (`full` and each "
+                   "layer's hidden state per step, as a digest and statistics, on a backend "
+                   "with layer taps); anything else is a 400",
+    "schema": {"type": "string", "enum": [r.value for r in Recording]}}
 ID_PATTERN = "^[A-Za-z0-9_.-]{1,128}$"
 
 

@@ -50,7 +50,7 @@ globalThis.PipelineInspector = (() => {
   // the trace holds no top-k. ``prob`` colours a token: the raw probability when known.
   function tokensOf(answer, inspected) {
     const own = answer.tokens || [];
-    const full = inspected && inspected.steps.length && (inspected.recording === "full" || !own.length);
+    const full = inspected && inspected.steps.length && (inspected.content || !own.length);
     if (full) {
       return inspected.steps.map((s) => {
         const after = typeof s.processed_prob === "number" ? s.processed_prob : known(s.logprob) ? Math.exp(s.logprob) : null;
@@ -349,7 +349,7 @@ globalThis.PipelineInspector = (() => {
     const state = { tokens, strip: strip(tokens, "tokens of this answer") };
     const parts = [bar, element("h2", "", "Tokens"), legend(tokens), state.strip];
     if (inspected.error) parts.push(element("p", "note", "trace: " + inspected.error));
-    else if (data.recording !== "full") parts.push(element("p", "note", "this trace was recorded at \"" + data.recording + "\": no alternatives per step"));
+    else if (!data.content) parts.push(element("p", "note", "this trace was recorded at \"" + data.recording + "\": no alternatives per step"));
     if (data) {
       const order = words(data.processors).join(" → ") || "none (the model's own probabilities were used as they are)";
       const applied = element("p", "note processors-applied", "sampling settings applied, in order: " + order);
